@@ -1,0 +1,110 @@
+"""Parameter initializers.
+
+An initializer is a function ``(key, shape, dtype=float32) -> array``. This
+module re-exports JAX's initializers and adds :func:`zeros` and :func:`ones`
+*factories*: call them to get an initializer, like every other initializer
+here (``lecun_normal()``, ``normal(0.02)``, ...).
+
+Example::
+
+  >>> import jax
+  >>> from nnx.nn import initializers
+  >>> init = initializers.zeros()
+  >>> init(jax.random.key(0), (2, 3)).shape
+  (2, 3)
+  >>> w = initializers.lecun_normal()(jax.random.key(0), (4, 8))
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from jax.nn.initializers import Initializer as Initializer
+from jax.nn.initializers import constant as constant
+from jax.nn.initializers import delta_orthogonal as delta_orthogonal
+from jax.nn.initializers import glorot_normal as glorot_normal
+from jax.nn.initializers import glorot_uniform as glorot_uniform
+from jax.nn.initializers import he_normal as he_normal
+from jax.nn.initializers import he_uniform as he_uniform
+from jax.nn.initializers import kaiming_normal as kaiming_normal
+from jax.nn.initializers import kaiming_uniform as kaiming_uniform
+from jax.nn.initializers import lecun_normal as lecun_normal
+from jax.nn.initializers import lecun_uniform as lecun_uniform
+from jax.nn.initializers import normal as normal
+from jax.nn.initializers import orthogonal as orthogonal
+from jax.nn.initializers import truncated_normal as truncated_normal
+from jax.nn.initializers import uniform as uniform
+from jax.nn.initializers import variance_scaling as variance_scaling
+from jax.nn.initializers import xavier_normal as xavier_normal
+from jax.nn.initializers import xavier_uniform as xavier_uniform
+
+Shape = tp.Sequence[int]
+Dtype = tp.Any
+
+
+def zeros() -> Initializer:
+  """Returns an initializer that fills arrays with zeros.
+
+  Example::
+
+    >>> import jax
+    >>> from nnx.nn import initializers
+    >>> initializers.zeros()(jax.random.key(0), (2,))
+    Array([0., 0.], dtype=float32)
+  """
+
+  def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
+    del key
+    return jnp.zeros(shape, dtype)
+
+  return init
+
+
+def ones() -> Initializer:
+  """Returns an initializer that fills arrays with ones.
+
+  Example::
+
+    >>> import jax
+    >>> from nnx.nn import initializers
+    >>> initializers.ones()(jax.random.key(0), (2,))
+    Array([1., 1.], dtype=float32)
+  """
+
+  def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
+    del key
+    return jnp.ones(shape, dtype)
+
+  return init
+
+
+# Aliases under the names flax.linen uses.
+zeros_init = zeros
+ones_init = ones
+
+__all__ = [
+  "Initializer",
+  "constant",
+  "delta_orthogonal",
+  "glorot_normal",
+  "glorot_uniform",
+  "he_normal",
+  "he_uniform",
+  "kaiming_normal",
+  "kaiming_uniform",
+  "lecun_normal",
+  "lecun_uniform",
+  "normal",
+  "ones",
+  "ones_init",
+  "orthogonal",
+  "truncated_normal",
+  "uniform",
+  "variance_scaling",
+  "xavier_normal",
+  "xavier_uniform",
+  "zeros",
+  "zeros_init",
+]
