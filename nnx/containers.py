@@ -151,7 +151,8 @@ class Container(tp.Generic[A], reprlib.Representable, metaclass=_ContainerMeta):
 def _short_repr(value: tp.Any) -> str:
   shape, dtype = getattr(value, 'shape', None), getattr(value, 'dtype', None)
   if shape is not None and dtype is not None and len(shape) > 0:
-    return f'{type(value).__name__}(shape={tuple(shape)}, dtype={dtype})'
+    kind = 'Array' if type(value).__name__ == 'ArrayImpl' else type(value).__name__
+    return f'{kind}(shape={tuple(shape)}, dtype={dtype})'
   return repr(value)
 
 

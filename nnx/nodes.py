@@ -18,12 +18,17 @@ import numpy as np
 
 _node_types: tuple[type, ...] = ()
 
+# Per-type answers cached by the graph walk (``isinstance`` against ABCs such
+# as ``jax.Array`` is slow); cleared whenever the registry changes.
+type_cache: dict[type, tp.Any] = {}
+
 
 def register_node_type(node_type: type) -> None:
   """Makes instances of ``node_type`` (and its subclasses) nodes."""
   global _node_types
   if node_type not in _node_types:
     _node_types = (*_node_types, node_type)
+    type_cache.clear()
 
 
 def is_node(x: tp.Any) -> bool:

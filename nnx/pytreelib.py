@@ -1,0 +1,228 @@
+"""Pytree: a base class for immutable pytree objects.
+
+Attributes that are nodes (arrays, containers, nested Pytrees, States) are
+children; everything else is static aux data. Field order is sorted, so two
+instances built in a different order have the same structure::
+
+    class Point(nnx.Pytree):
+      def __init__(self, x, y, name):
+        self.x, self.y = x, y      # arrays: children
+        self.name = name           # a str: static
+
+    p = jax.tree.map(lambda a: a * 2, Point(jnp.ones(2), jnp.ones(2), 'p'))
+    p = p.replace(name='q')
+
+After ``__init__`` a Pytree is immutable (``class P(nnx.Pytree, mutable=True)``
+allows assignment, never new fields). Wrap a non-node value in
+``nnx.TreeNode`` to make it a child anyway. Reading an attribute that holds a
+container returns its value.
+"""
+import sys
+import typing as tp
+from abc import ABCMeta
+
+import jax.tree_util as jtu
+
+from nnx import containers, nodes, reprlib
+from nnx import dataclasses as nnx_dataclasses
+
+A = tp.TypeVar('A')
+P = tp.TypeVar('P', bound='Pytree')
+
+_INITIALIZING = '_pytree__initializing'
+_get_attribute = object.__getattribute__
+
+
+class TreeNode(containers.NodeBase[A]):
+  """Marks a Pytree attribute as a child, whatever its value."""
+
+
+class PytreeMeta(ABCMeta):
+
+  def __call__(cls, *args: tp.Any, **kwargs: tp.Any):
+    if cls.__new__ is object.__new__:
+      obj = object.__new__(cls)
+    else:
+      obj = cls.__new__(cls, *args, **kwargs)
+    attributes = _get_attribute(obj, '__dict__')
+    attributes[_INITIALIZING] = True
+    try:
+      obj.__init__(*args, **kwargs)
+    finally:
+      del attributes[_INITIALIZING]
+    nnx_dataclasses.wrap_fields(obj)
+    return obj
+
+
+_pytree_classes: list[type] = []
+
+
+class Pytree(reprlib.Representable, metaclass=PytreeMeta):
+  """Base class for immutable pytrees. See the module docstring."""
+
+  _pytree__class_is_mutable: bool = False
+
+  def __init_subclass__(cls, mutable: bool = False, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls._pytree__class_is_mutable = mutable
+    jtu.register_pytree_with_keys(
+        cls, _flatten_with_keys, lambda aux, children: _unflatten(cls, aux, children),
+        flatten_func=_flatten,
+    )
+    _pytree_classes.append(cls)
+    if 'flax.serialization' in sys.modules:
+      _register_flax_serialization(cls)
+
+  if not tp.TYPE_CHECKING:
+
+    def __getattribute__(self, name: str) -> tp.Any:
+      value = _get_attribute(self, name)
+      if isinstance(value, containers.Container):
+        return containers.unbox(value)
+      return value
+
+    def __setattr__(self, name: str, value: tp.Any) -> None:
+      attributes = _get_attribute(self, '__dict__')
+      descriptor = getattr(type(self), name, None)
+      if hasattr(descriptor, '__set__'):
+        object.__setattr__(self, name, value)
+        return
+      if _INITIALIZING not in attributes:
+        if name not in attributes:
+          raise AttributeError(
+              f'Cannot add new fields to an initialized Pytree: '
+              f'{type(self).__name__} has no field {name!r}'
+          )
+        if not self._pytree__class_is_mutable:
+          raise AttributeError(
+              f'{type(self).__name__} is immutable, trying to update field '
+              f'{name!r}; use .replace({name}=...) for a modified copy'
+          )
+      _assign(attributes, name, value)
+
+  def replace(self: P, **updates: tp.Any) -> P:
+    """A copy with some fields replaced."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(self):
+      return dataclasses.replace(self, **updates)
+    attributes = _get_attribute(self, '__dict__')
+    unknown = set(updates) - set(attributes)
+    if unknown:
+      raise ValueError(
+          f'Trying to replace unknown fields {sorted(unknown)} for '
+          f'{type(self).__name__!r}'
+      )
+    new = object.__new__(type(self))
+    new_attributes = _get_attribute(new, '__dict__')
+    new_attributes.update(attributes)
+    for name, value in updates.items():
+      _assign(new_attributes, name, value)
+    return new
+
+  def __nnx_repr__(self):
+    yield reprlib.Object(type(self))
+    for name, value in sorted(_get_attribute(self, '__dict__').items()):
+      yield reprlib.Attr(name, value)
+
+
+def _assign(attributes: dict[str, tp.Any], name: str, value: tp.Any) -> None:
+  current = attributes.get(name)
+  if isinstance(current, containers.Container) and not isinstance(value, containers.Container):
+    attributes[name] = current._with_value(value)
+  elif isinstance(value, containers.Container):
+    attributes[name] = value.copy()
+  else:
+    attributes[name] = value
+
+
+def _split(pytree: Pytree):
+  attributes = _get_attribute(pytree, '__dict__')
+  node_types = nodes._node_types
+  names, children, static = [], [], []
+  for name in sorted(attributes):
+    value = attributes[name]
+    if isinstance(value, node_types):
+      names.append(name)
+      children.append(value)
+    else:
+      static.append((name, value))
+  return names, children, (tuple(names), tuple(static))
+
+
+def _flatten(pytree: Pytree):
+  _, children, aux = _split(pytree)
+  return children, aux
+
+
+def _flatten_with_keys(pytree: Pytree):
+  names, children, aux = _split(pytree)
+  return [(jtu.GetAttrKey(n), c) for n, c in zip(names, children)], aux
+
+
+def _unflatten(cls: type[P], aux, children) -> P:
+  names, static = aux
+  pytree = object.__new__(cls)
+  attributes = _get_attribute(pytree, '__dict__')
+  attributes.update(zip(names, children))
+  attributes.update(static)
+  return pytree
+
+
+def _register_flax_serialization(cls: type) -> None:
+  from flax import serialization
+
+  def to_state_dict(pytree: Pytree) -> dict[str, tp.Any]:
+    attributes = _get_attribute(pytree, '__dict__')
+    return {
+        name: serialization.to_state_dict(getattr(pytree, name))
+        for name in sorted(attributes)
+        if nodes.is_node(attributes[name])
+    }
+
+  def from_state_dict(pytree: Pytree, state: dict[str, tp.Any]) -> Pytree:
+    state = dict(state)
+    attributes = _get_attribute(pytree, '__dict__')
+    updates = {}
+    for name in sorted(attributes):
+      if not nodes.is_node(attributes[name]):
+        continue
+      if name not in state:
+        raise ValueError(
+            f'Missing field {name!r} in state dict while restoring an instance '
+            f'of {type(pytree).__name__} at path {serialization.current_path()}'
+        )
+      updates[name] = serialization.from_state_dict(
+          getattr(pytree, name), state.pop(name), name=name
+      )
+    if state:
+      raise ValueError(
+          f'Unknown field(s) {sorted(state)} in state dict while restoring an '
+          f'instance of {type(pytree).__name__} at path '
+          f'{serialization.current_path()}'
+      )
+    new = object.__new__(type(pytree))
+    new_attributes = _get_attribute(new, '__dict__')
+    new_attributes.update(attributes)
+    for name, value in updates.items():
+      _assign(new_attributes, name, value)
+    return new
+
+  serialization.register_serialization_state(
+      cls, to_state_dict, from_state_dict, override=True
+  )
+
+
+def register_flax_serialization() -> None:
+  """Registers every Pytree class with ``flax.serialization``.
+
+  Classes defined after ``flax.serialization`` is imported register
+  themselves; call this for classes defined before (such as
+  ``nnx.TrainState``) if you import flax later.
+  """
+  for cls in _pytree_classes:
+    _register_flax_serialization(cls)
+
+
+nodes.register_node_type(Pytree)
+nodes.register_node_type(TreeNode)
