@@ -43,3 +43,6 @@ def node_types() -> tuple[type, ...]:
 
 register_node_type(jax.Array)
 register_node_type(np.ndarray)
+# Tracers stand for arrays inside transforms, but only pass isinstance (not
+# issubclass, which the graph walk's type cache uses) against jax.Array.
+register_node_type(jax.core.Tracer)
