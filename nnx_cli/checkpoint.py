@@ -1,0 +1,138 @@
+"""Orbax checkpoints of a run's train state, in `<workdir>/checkpoints/<step>/`.
+
+Any pytree of arrays can be saved; on disk it is a nested mapping named after
+the tree's key paths (`params/encoder/linear1/kernel`,
+`opt_state/0/mu/encoder/linear1/kernel`, ...), so checkpoints stay readable
+without this code. Restoring takes an abstract target (from `jax.eval_shape`,
+carrying shardings where the arrays should land) and returns the same tree
+structure::
+
+    ckpt = Checkpointer(workdir / "checkpoints", every_steps=1000, keep=3)
+    ckpt.save(step, state)                   # periodic: only every `every_steps`
+    ckpt.save(step, state, force=True)       # final / on interrupt
+    state = ckpt.restore(ckpt.latest_step(), jax.eval_shape(init))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from nnx_cli.errors import UserError
+
+_ITEM = "state"
+
+
+class Checkpointer:
+    """A thin wrapper over `ocp.CheckpointManager` that keeps `keep` checkpoints."""
+
+    def __init__(self, directory: str | Path, *, every_steps: int = 1, keep: int | None = None, async_: bool = True, read_only: bool = False):
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=every_steps,
+            max_to_keep=keep,
+            enable_async_checkpointing=async_,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_ITEM,))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        """Save `state` at `step` (asynchronously if configured); False when skipped."""
+        return self.manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=force)
+
+    def restore(self, step: int, target: Any) -> Any:
+        """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`."""
+        abstract = to_named_tree(jax.tree.map(_as_abstract, target))
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract)}))[_ITEM]
+        return from_named_tree(restored, target)
+
+    def restore_raw(self, step: int) -> dict[str, Any]:
+        """The checkpoint at `step` as saved: nested dicts of numpy arrays."""
+        return self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore()}))[_ITEM]
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def find_checkpoints(target: str | Path) -> tuple[Path, int | None]:
+    """Resolve a work dir, its `checkpoints/` dir or one step dir.
+
+    Returns `(checkpoints_dir, step)`; `step` is None unless `target` named a
+    step dir. Raises UserError when there is no checkpoint to be found.
+    """
+    path = Path(target)
+    if not path.exists():
+        raise UserError(f"{str(path)!r} does not exist; expected a work dir written by nnx-train")
+    if (path / "checkpoints").is_dir():
+        directory, step = path / "checkpoints", None
+    elif path.name.isdigit() and path.parent.is_dir() and (path / _ITEM).exists():
+        directory, step = path.parent, int(path.name)
+    else:
+        directory, step = path, None
+    steps = Checkpointer(directory, read_only=True).all_steps() if directory.is_dir() else []
+    if not steps:
+        raise UserError(f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has checkpoints/")
+    return directory, step
+
+
+def to_named_tree(tree: Any) -> dict[str, Any]:
+    """A nested dict whose keys spell each leaf's key path (`Param.value` wrappers dropped)."""
+    out: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = _names(path)
+        node = out
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"checkpoint name clash at {'/'.join(names)}")
+        if names[-1] in node:
+            raise ValueError(f"checkpoint name clash at {'/'.join(names)}")
+        node[names[-1]] = leaf
+    return out
+
+
+def from_named_tree(named: dict[str, Any], target: Any) -> Any:
+    """Inverse of :func:`to_named_tree`: put the leaves of `named` into `target`'s structure."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    leaves = []
+    for path, _ in paths:
+        node: Any = named
+        for name in _names(path):
+            node = node[name]
+        leaves.append(node)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _names(path: tuple) -> list[str]:
+    names: list[str] = []
+    for i, entry in enumerate(path):
+        if isinstance(entry, jax.tree_util.DictKey):
+            names.extend(str(entry.key).split("/"))
+        elif isinstance(entry, jax.tree_util.GetAttrKey):
+            if not (entry.name == "value" and i == len(path) - 1):
+                names.append(entry.name)
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            names.append(str(entry.idx))
+        else:
+            names.append(str(getattr(entry, "key", entry)))
+    return names or ["value"]
+
+
+def _as_abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))

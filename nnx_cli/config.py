@@ -1,0 +1,412 @@
+"""The experiment config: schema with defaults, YAML loading, overrides, validation.
+
+A config is one YAML file; every section has defaults, so the smallest config
+is `{}`. Command-line overrides are dotted paths with YAML values::
+
+    cfg = load_config("configs/digits_vae.yaml", ["train.steps=200", "optimizer.learning_rate=3e-4"])
+    cfg.train.steps            # 200
+    to_dict(cfg)               # the fully resolved config, as written to <workdir>/config.yaml
+
+Every mistake is a :class:`~nnx_cli.errors.UserError` that names the file or
+the dotted key, says what was expected and, for unknown keys, suggests the
+closest valid one. The `model` and `optimizer` sections are open: keys beyond
+the fixed ones are keyword arguments of the model constructor or optax
+function, checked against their signatures when the run is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from nnx_cli.errors import UserError, did_you_mean
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vae"  # registry name, or "package.module:Class"
+    input_shape: list[int] | None = None  # null: from the dataset
+    num_classes: int | None = None  # null: from the dataset
+    options: dict[str, Any] = field(default_factory=dict)  # constructor keywords
+
+    open_section = True
+
+
+@dataclass
+class DataConfig:
+    source: str = "sklearn:digits"  # Hub id, local dir/file, or sklearn:digits
+    train_split: str = "train"
+    eval_split: str | None = "test"
+    image_key: str = "image"
+    label_key: str | None = "label"
+    binarize: float | None = None  # threshold on [0, 1] pixels; null keeps grey levels
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  # any optax optimizer by name
+    learning_rate: float | dict[str, Any] = 1e-3  # or {name: <optax schedule>, ...}
+    clip_grad_norm: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # optax keywords
+
+    open_section = True
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 128  # global batch
+    epochs: int | None = 30
+    steps: int | None = None  # overrides epochs when set
+    log_every: int = 100
+    eval_every: int = 1000
+    eval_batch_size: int | None = None  # null: batch_size
+
+
+@dataclass
+class ShardingConfig:
+    mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
+    rules: list[list[Any]] = field(default_factory=lambda: [["batch", "data"], ["hidden", "model"]])
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 1000
+    keep: int = 3
+    async_: bool = field(default=True, metadata={"key": "async"})
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    workdir: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 safe loader that also reads `3e-4` (no dot) as a float, like YAML 1.2."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value as YAML: `3` -> 3, `3e-4` -> 0.0003, `[1, 2]` -> [1, 2]."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return text  # not YAML: keep the raw string, type checks report it
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from `path`; a missing, unreadable or malformed file is a UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} does not exist" if not path.exists() else f"config path {str(path)!r} is not a file")
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader)
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise UserError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {str(path)!r}: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def dump_yaml(data: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b.c=VALUE` override written into it.
+
+    Paths are checked against the schema first, so `train.setps=3` fails with
+    "did you mean 'train.steps'?". Inside open sections and mapping-valued keys
+    (`sharding.mesh.data=4`, `optimizer.learning_rate.peak_value=1e-3`) any key
+    is accepted here and checked when the config is validated or used.
+    """
+    raw = _deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"override {item!r} must look like KEY=VALUE, for example train.steps=100")
+        parts = key.split(".")
+        _check_override_path(parts, item)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                # e.g. learning_rate=1e-3 then learning_rate.name=...: start a fresh mapping
+                child = node[part] = {}
+            node = child
+        node[parts[-1]] = parse_value(text)
+    return raw
+
+
+def _check_override_path(parts: list[str], item: str) -> None:
+    cls: Any = Config
+    for depth, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return  # inside a free-form mapping
+        fields = _fields(cls)
+        if part not in fields:
+            if getattr(cls, "open_section", False):
+                return
+            path = ".".join(parts[: depth + 1])
+            prefix = ".".join(parts[:depth])
+            suggestion = did_you_mean(part, fields, prefix + "." if prefix else "")
+            raise UserError(f"override {item!r}: unknown config key {path!r}{suggestion}")
+        hint = _hints(cls)[fields[part].name]
+        cls = hint if dataclasses.is_dataclass(hint) else None
+        if cls is None and depth < len(parts) - 1 and not _allows_mapping(hint):
+            path = ".".join(parts[: depth + 1])
+            raise UserError(f"override {item!r}: {path!r} is a single value, it has no key {parts[depth + 1]!r}")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read `path` (or start from defaults when None), apply overrides, validate.
+
+    The file is laid over the defaults and the overrides over the file, so
+    `sharding.mesh.data=4` keeps the default `model` axis.
+    """
+    raw = _merge(to_dict(Config()), read_yaml(path) if path is not None else {})
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a validated :class:`Config` from nested plain data."""
+    cfg = _build(Config, raw, "")
+    _check_values(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain nested data (open-section options inlined)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "options":
+            out.update(_deepcopy(value))
+        elif dataclasses.is_dataclass(value):
+            out[f.metadata.get("key", f.name)] = to_dict(value)
+        else:
+            out[f.metadata.get("key", f.name)] = _deepcopy(value)
+    return out
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    """YAML key -> dataclass field (the `options` catch-all is not a key)."""
+    return {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls) if f.name != "options"}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config key {path or '<top level>'!r} must be a mapping, got {_show(raw)}")
+    fields = _fields(cls)
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for key, value in raw.items():
+        key = str(key)
+        dotted = f"{path}.{key}" if path else key
+        f = fields.get(key)
+        if f is None:
+            if getattr(cls, "open_section", False):
+                options[key] = value
+                continue
+            suggestion = did_you_mean(key, fields, path + "." if path else "")
+            raise UserError(f"unknown config key {dotted!r}{suggestion}")
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _build(hint, value, dotted)
+        else:
+            kwargs[f.name] = _coerce(value, hint, dotted)
+    if getattr(cls, "open_section", False):
+        kwargs["options"] = options
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Check `value` against the annotation `hint`; return it (ints widened to floats)."""
+    ok, out = _match(value, hint)
+    if not ok:
+        raise UserError(f"config key {path!r} must be {_describe(hint)}, got {_show(value)}")
+    return out
+
+
+def _match(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return True, value
+    if hint is type(None):
+        return value is None, None
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            ok, out = _match(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else None
+    if hint is str:
+        return isinstance(value, str), value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, None
+        out = []
+        for item in value:
+            ok, item = _match(item, args[0] if args else Any)
+            if not ok:
+                return False, None
+            out.append(item)
+        return True, out
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False, None
+        out_d = {}
+        for k, v in value.items():
+            ok, v = _match(v, args[1] if args else Any)
+            if not ok or not isinstance(k, str):
+                return False, None
+            out_d[k] = v
+        return True, out_d
+    return isinstance(value, hint), value
+
+
+def _allows_mapping(hint: Any) -> bool:
+    if typing.get_origin(hint) is dict:
+        return True
+    return any(_allows_mapping(a) for a in typing.get_args(hint))
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})" if value is not None else "null"
+
+
+def _check_values(cfg: Config) -> None:
+    """Range checks the types cannot express."""
+
+    def positive(path: str, value: int | None, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if value is None or value < 1:
+            raise UserError(f"config key {path!r} must be a positive integer, got {_show(value)}")
+
+    t = cfg.train
+    positive("train.batch_size", t.batch_size)
+    positive("train.log_every", t.log_every)
+    positive("train.eval_every", t.eval_every)
+    positive("train.eval_batch_size", t.eval_batch_size, allow_none=True)
+    positive("train.steps", t.steps, allow_none=True)
+    positive("train.epochs", t.epochs, allow_none=True)
+    if t.steps is None and t.epochs is None:
+        raise UserError("config keys 'train.steps' and 'train.epochs' are both null: set one of them")
+    positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
+    positive("checkpoint.keep", cfg.checkpoint.keep)
+    if cfg.data.binarize is not None and not 0.0 <= cfg.data.binarize <= 1.0:
+        raise UserError(f"config key 'data.binarize' must be a threshold in [0, 1] or null, got {cfg.data.binarize}")
+    if cfg.model.input_shape is not None and (not cfg.model.input_shape or min(cfg.model.input_shape) < 1):
+        raise UserError(f"config key 'model.input_shape' must be a list of positive sizes, got {cfg.model.input_shape}")
+    for axis, size in cfg.sharding.mesh.items():
+        if size != -1 and size < 1:
+            raise UserError(f"config key 'sharding.mesh.{axis}' must be a positive size or -1 (all remaining devices), got {size}")
+    if sum(1 for size in cfg.sharding.mesh.values() if size == -1) > 1:
+        raise UserError("config key 'sharding.mesh': at most one axis may be -1")
+    for i, rule in enumerate(cfg.sharding.rules):
+        targets = rule[1] if len(rule) == 2 and isinstance(rule[1], list) else [rule[1]] if len(rule) == 2 else None
+        if (
+            len(rule) != 2
+            or not isinstance(rule[0], str)
+            or targets is None
+            or not all(a is None or (isinstance(a, str) and a in cfg.sharding.mesh) for a in targets)
+        ):
+            raise UserError(
+                f"config key 'sharding.rules[{i}]' must be [logical_axis, mesh_axis or null] with a mesh axis "
+                f"from {sorted(cfg.sharding.mesh)}, got {rule!r}"
+            )
+
+
+def _merge(base: Any, top: Any) -> Any:
+    """`top` laid over `base`: mappings merge key by key, anything else replaces."""
+    if isinstance(base, dict) and isinstance(top, dict):
+        out = dict(base)
+        for k, v in top.items():
+            out[k] = _merge(base.get(k), v) if k in base else _deepcopy(v)
+        return out
+    return _deepcopy(top)
+
+
+def _deepcopy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deepcopy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_deepcopy(v) for v in value]
+    return value

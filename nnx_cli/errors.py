@@ -1,0 +1,58 @@
+"""Errors the command-line tools turn into exit codes.
+
+Everything a user can get wrong (a config file, an override, a path, a name)
+raises :class:`UserError`; the entry points print its one-line message and exit
+with status 2, never a traceback. A run that starts and then fails (for example
+a non-finite loss) raises :class:`RunError` and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import sys
+from typing import Any, Callable, Iterable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_USER_ERROR = 2
+EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Bad input: a config key, a value, a path or a name. Exit status 2."""
+
+
+class RunError(Exception):
+    """A run that started but could not finish. Exit status 1."""
+
+
+def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """`" (did you mean 'train.steps'?)"` for the closest choice, or `""` if none is close.
+
+    >>> did_you_mean("setps", ["steps", "epochs"], prefix="train.")
+    " (did you mean 'train.steps'?)"
+    """
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix + match[0]!r}?)" if match else ""
+
+
+def report_errors(fn: F) -> F:
+    """Run an entry point, turning our errors into a message and an exit status."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USER_ERROR) from None
+        except RunError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_RUN_FAILED) from None
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INTERRUPTED) from None
+
+    return wrapper  # type: ignore[return-value]

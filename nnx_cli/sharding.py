@@ -1,0 +1,91 @@
+"""Where arrays live: one mesh from `sharding.mesh`, shardings from logical axes.
+
+The model declares logical axis names on its parameters; `sharding.rules`
+maps them to mesh axes. Everything a run places goes through two functions:
+:func:`state_shardings` (params, optimizer state, batch stats: each array's
+`NamedSharding` derived with `nnx.get_partition_spec` and the rules) and
+:func:`place_batch` (batches split along the mesh axes of the logical `batch`
+axis, each process contributing its own rows)::
+
+    mesh = make_mesh(cfg.sharding)
+    rules = axis_rules(cfg.sharding)
+    shardings = state_shardings(abstract_state, mesh, rules)
+    batch = place_batch(numpy_batch, batch_sharding(mesh, rules))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import nnx
+from nnx_cli.config import ShardingConfig
+from nnx_cli.errors import UserError
+
+
+def axis_rules(cfg: ShardingConfig) -> list[tuple[str, Any]]:
+    """`sharding.rules` as `(logical_axis, mesh_axis_or_axes_or_None)` pairs."""
+    return [(rule[0], tuple(rule[1]) if isinstance(rule[1], list) else rule[1]) for rule in cfg.rules]
+
+
+def mesh_shape(cfg: ShardingConfig, device_count: int) -> dict[str, int]:
+    """Axis sizes with `-1` resolved to the remaining devices; their product must be `device_count`."""
+    fixed = math.prod(size for size in cfg.mesh.values() if size != -1)
+    sizes = {}
+    for name, size in cfg.mesh.items():
+        sizes[name] = device_count // fixed if size == -1 else size
+    if math.prod(sizes.values()) != device_count or any(s < 1 for s in sizes.values()):
+        raise UserError(
+            f"config key 'sharding.mesh' {cfg.mesh} does not fit the {device_count} available device(s); "
+            f"the axis sizes must multiply to {device_count} (use -1 on one axis for 'all remaining devices')"
+        )
+    return sizes
+
+
+def make_mesh(cfg: ShardingConfig) -> Mesh:
+    """The one device mesh of a run, over every device of every process."""
+    sizes = mesh_shape(cfg, jax.device_count())
+    auto = (jax.sharding.AxisType.Auto,) * len(sizes)
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=auto)
+
+
+def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> Any:
+    """A `NamedSharding` for every array of `abstract`, in the same tree structure."""
+    prefix = nnx.spmd.logical_to_mesh_sharding(nnx.get_partition_spec(abstract), mesh, rules)
+    # get_partition_spec drops the Variable wrappers; expand back to one sharding per leaf.
+    return jax.tree.map(lambda sharding, subtree: jax.tree.map(lambda _: sharding, subtree), prefix, abstract)
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """`abstract` with each `ShapeDtypeStruct` carrying its sharding (a restore target)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def batch_sharding(mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int) -> NamedSharding:
+    """Batches are split along the mesh axes that the logical `batch` axis maps to."""
+    spec = PartitionSpec(*nnx.spmd.logical_to_mesh_axes(("batch",), rules))
+    axes = spec[0] if spec[0] is None or isinstance(spec[0], tuple) else (spec[0],)
+    ways = math.prod(mesh.shape[a] for a in axes or ())
+    if batch_size % ways:
+        raise UserError(f"config key 'train.batch_size' ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh")
+    return NamedSharding(mesh, spec)
+
+
+def process_rows(batch_size: int) -> slice:
+    """This process's rows of a global batch (all of them in a single-process run)."""
+    count, index = jax.process_count(), jax.process_index()
+    if batch_size % count:
+        raise UserError(f"config key 'train.batch_size' ({batch_size}) must be divisible by the number of processes ({count})")
+    share = batch_size // count
+    return slice(index * share, (index + 1) * share)
+
+
+def place_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Put this process's rows of a global batch on its devices as one global array per key."""
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

@@ -1,0 +1,98 @@
+"""The pure functions a run jits: init, train step, eval step, image step.
+
+The train state is a plain dict pytree::
+
+    {"step": int32[], "params": State, "opt_state": optax state, "rest": State}
+
+`rest` holds every non-`Param` collection (batch statistics, ...). The model
+is partitioned once; each step runs `moduledef.apply(params, rest)` on pure
+states. Randomness is a function of `(seed, stream, index)`: training step
+`s` uses `(seed, 0, s)`, eval batch `i` uses `(seed, 1, i)`, so a resumed
+run draws exactly the keys an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import nnx
+
+TrainState = dict[str, Any]
+_TRAIN, _EVAL, _IMAGES = 0, 1, 2
+
+
+def init_state(build: Callable[[nnx.Context], nnx.Module], tx: optax.GradientTransformation, seed: int) -> tuple[nnx.ModuleDef, TrainState]:
+    """Build the model and optimizer state. Run it under `jax.eval_shape` for shapes only."""
+    model = build(nnx.context(seed))
+    (params, rest), moduledef = model.partition(nnx.Param, ...)
+    return moduledef, {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params), "rest": rest}
+
+
+def _context(seed: int, stream: int, index: jax.Array, training: bool) -> nnx.Context:
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), index)
+    sample, dropout = jax.random.split(key)
+    return nnx.context(sample=sample, dropout=dropout, flags={"deterministic": not training, "use_running_average": not training})
+
+
+def empty_sums(metric_names: list[str]) -> dict[str, Any]:
+    """The train-metric accumulator between two log lines."""
+    return {"metrics": {k: jnp.zeros((), jnp.float32) for k in metric_names}, "count": jnp.zeros((), jnp.int32), "bad_step": jnp.full((), -1, jnp.int32)}
+
+
+def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_metric: str, seed: int, state: TrainState, sums: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any]]:
+    """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
+
+    `sums["bad_step"]` records the first step whose loss was not finite.
+    """
+    step = state["step"]
+
+    def loss_fn(params: nnx.State) -> tuple[jax.Array, tuple[dict[str, jax.Array], nnx.State]]:
+        ctx = _context(seed, _TRAIN, step, training=True)  # inside: a Context is bound to its trace
+        metrics, (updates, _) = moduledef.apply(params, state["rest"]).metrics(batch, ctx)
+        means = {k: jnp.mean(v) for k, v in metrics.items()}
+        _, rest = updates.partition(nnx.Param, ...)
+        return means[loss_metric], (means, rest)
+
+    (loss, (means, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    sums = {
+        "metrics": {k: sums["metrics"][k] + means[k] for k in sums["metrics"]},
+        "count": sums["count"] + 1,
+        "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
+    }
+    return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums
+
+
+def metric_names(moduledef: nnx.ModuleDef, abstract: TrainState, batch: dict[str, Any]) -> list[str]:
+    """The names the model's `metrics` returns (traced abstractly, nothing computed)."""
+    out = jax.eval_shape(lambda s, b: moduledef.apply(s["params"], s["rest"]).metrics(b, _context(0, _EVAL, jnp.zeros((), jnp.int32), training=False))[0], abstract, batch)
+    return list(out)
+
+
+def eval_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:
+    """Sums of the per-example metrics over the rows `batch["mask"]` marks as real."""
+    ctx = _context(seed, _EVAL, index, training=False)
+    metrics, _ = moduledef.apply(state["params"], state["rest"]).metrics(batch, ctx)
+    return {k: jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}
+
+
+def images_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array]) -> jax.Array:
+    """The model's `images` (reconstructions, samples) for a PNG grid."""
+    ctx = _context(seed, _IMAGES, jnp.zeros((), jnp.int32), training=False)
+    images, _ = moduledef.apply(state["params"], state["rest"]).images(batch, ctx)
+    return images
+
+
+def evaluate(run_eval: Callable[[TrainState, dict[str, jax.Array], jax.Array], dict[str, jax.Array]], state: TrainState, batches: Any, count: int) -> dict[str, float]:
+    """Average the jitted `eval_step` sums over all eval batches: per-example means."""
+    totals: dict[str, jax.Array] | None = None
+    for i, batch in enumerate(batches):
+        sums = run_eval(state, batch, jnp.asarray(i, jnp.int32))
+        totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+    assert totals is not None, "empty eval split"
+    return {k: float(v) / count for k, v in jax.device_get(totals).items()}

@@ -1,0 +1,216 @@
+"""`nnx-train CONFIG [KEY=VALUE ...]`: train a model from a YAML config.
+
+The whole run, top to bottom: config -> data -> model + optimizer -> mesh and
+placed state (fresh or restored) -> jitted steps -> loop with logs, evals
+and checkpoints -> final checkpoint. See `nnx_cli/README` section of the
+project README for the work dir layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from nnx_cli.config import Config, dump_yaml, load_config, to_dict
+from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, report_errors
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+
+
+@app.command()
+@report_errors
+def train(
+    config: Path = typer.Argument(..., help="YAML config file.", show_default=False),
+    overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.", show_default=False),
+    workdir: Optional[Path] = typer.Option(None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints and metrics first."),
+    coordinator: Optional[str] = typer.Option(None, help="Multi-process: HOST:PORT of process 0 (jax.distributed)."),
+    num_processes: Optional[int] = typer.Option(None, help="Multi-process: number of processes."),
+    process_id: Optional[int] = typer.Option(None, help="Multi-process: this process's index."),
+) -> None:
+    """Train the model a config describes, writing checkpoints and metrics to the work dir."""
+    cfg = load_config(config, overrides or [])
+    workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
+    raise SystemExit(run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id)))
+
+
+def main() -> None:
+    app()
+
+
+class _StopRequested:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __enter__(self) -> "_StopRequested":
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:  # a second Ctrl-C: stop waiting
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple = (None, None, None)) -> int:
+    """Train; return the exit status (0, or 130 when interrupted). Raises UserError / RunError."""
+    import jax
+
+    import nnx
+    from nnx_cli import checkpoint, data, models, optim, report, sharding, steps
+
+    _quiet_libraries()
+    _init_distributed(*distributed)
+    is_main = jax.process_index() == 0
+    console = report.stderr_console()
+
+    # 1. Data, decoded once into arrays.
+    train_split = data.load_split(cfg.data, cfg.data.train_split, "data.train_split")
+    eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split") if cfg.data.eval_split else None
+    batches = data.Batches(train_split, cfg.train.batch_size, cfg.seed)
+    total_steps = cfg.train.steps or cfg.train.epochs * batches.steps_per_epoch
+
+    # 2. Model and optimizer, checked against the config; the resolved config is the run's record.
+    build = models.model_factory(cfg.model, train_split.spec)
+    cfg.model.options = models.resolve_options(cfg.model)
+    tx = optim.build_optimizer(cfg.optimizer, total_steps)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        dump_yaml(to_dict(cfg), workdir / "config.yaml")
+
+    # 3. One mesh; the state's shardings come from the parameters' logical axes.
+    mesh = sharding.make_mesh(cfg.sharding)
+    rules = sharding.axis_rules(cfg.sharding)
+    moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
+    state_shardings = sharding.state_shardings(abstract, mesh, rules)
+    batch_sharding = sharding.batch_sharding(mesh, rules, cfg.train.batch_size)
+    rows = sharding.process_rows(cfg.train.batch_size)
+
+    # 4. Fresh state, or the latest checkpoint restored straight into its shardings.
+    ckpt_dir = workdir / "checkpoints"
+    if not resume and is_main:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        (workdir / "metrics.jsonl").unlink(missing_ok=True)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, every_steps=cfg.checkpoint.every_steps, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
+    start = ckpt.latest_step()
+    if start is not None:
+        state = ckpt.restore(start, sharding.with_shardings(abstract, state_shardings))
+        console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
+    else:
+        start = 0
+        state = jax.jit(lambda: steps.init_state(build, tx, cfg.seed)[1], out_shardings=state_shardings)()
+    if start >= total_steps:
+        console.print(f"nothing to do: the work dir is already at step {start} of {total_steps}", highlight=False)
+        ckpt.close()
+        return 0
+
+    # 5. The jitted steps over pure state.
+    loss_metric = models.model_class(cfg.model.name).loss_metric
+    train_step = jax.jit(functools.partial(steps.train_step, moduledef, tx, loss_metric, cfg.seed), donate_argnums=(0, 1))
+    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed))
+    has_images = hasattr(models.model_class(cfg.model.name), "images") and len(train_split.spec.input_shape) == 3
+    images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed)) if has_images else None
+    names = steps.metric_names(moduledef, abstract, jax.eval_shape(lambda: batches.get(0)))
+    place = lambda batch: sharding.place_batch(batch, batch_sharding)  # noqa: E731
+    eval_batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
+
+    log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
+    progress = report.Progress(console, start, total_steps, loss_metric)
+
+    def run_eval(step: int) -> None:
+        if eval_split is None:
+            return
+        eval_batches = (place(b) for b in data.eval_batches(eval_split, eval_batch_size))
+        metrics = steps.evaluate(eval_step, state, eval_batches, len(eval_split))
+        if log is not None:
+            log.write(step, "eval", metrics)
+            progress.print(report.metrics_table(f"eval at step {step}", metrics))
+            if images_step is not None:
+                first = place(next(data.eval_batches(eval_split, eval_batch_size)))
+                report.write_image_grid(jax.device_get(images_step(state, first)), workdir / "images" / f"{step}.png")
+
+    def check_finite(sums: dict[str, Any], step: int) -> None:
+        bad = int(sums["bad_step"])
+        if bad >= 0:
+            ckpt.wait()
+            last = ckpt.latest_step()
+            kept = f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
+            raise RunError(f"the loss became non-finite at step {bad + 1} (training stopped at step {step}); {kept}")
+
+    # 6. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
+    sums = steps.empty_sums(names)
+    step = start
+    stopped = None
+    try:
+        with _StopRequested() as stop, jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+            feed = data.prefetch(lambda s: place(batches.get(s, rows)), range(start, total_steps))
+            for batch in feed:
+                state, sums = train_step(state, sums, batch)
+                step += 1
+                if step % cfg.train.log_every == 0 or step == total_steps:
+                    host = jax.device_get(sums)
+                    check_finite(host, step)
+                    metrics = {k: v / max(int(host["count"]), 1) for k, v in host["metrics"].items()}
+                    progress.log(step, metrics)
+                    if log is not None:
+                        log.write(step, "train", metrics)
+                    sums = steps.empty_sums(names)
+                if step % cfg.checkpoint.every_steps == 0 and step != total_steps:
+                    check_finite(jax.device_get(sums), step)
+                    ckpt.save(step, state)
+                if step % cfg.train.eval_every == 0 and step != total_steps:
+                    run_eval(step)
+                if stop.signal is not None:
+                    stopped = stop.signal
+                    break
+            feed.close()
+            check_finite(jax.device_get(sums), step)
+            ckpt.save(step, state, force=True)
+            ckpt.wait()
+            if stopped is None:
+                run_eval(step)
+    finally:
+        progress.close()
+        ckpt.close()
+    if stopped is not None:
+        console.print(f"interrupted by {signal.Signals(stopped).name}: checkpoint written at {ckpt_dir / str(step)}", highlight=False)
+        return EXIT_INTERRUPTED
+    console.print(f"done: {step} steps, checkpoint {ckpt_dir / str(step)}", highlight=False)
+    return 0
+
+
+def _init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join a multi-process run (flags, or jax.distributed's own environment variables)."""
+    import jax
+
+    if coordinator is None and num_processes is None and process_id is None:
+        return
+    if None in (coordinator, num_processes, process_id):
+        raise UserError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N and --process-id I")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def _quiet_libraries() -> None:
+    """Keep absl/orbax INFO and WARNING chatter out of the run's output."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    main()
