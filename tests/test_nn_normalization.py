@@ -83,11 +83,11 @@ def test_batchnorm_training_matches_flax_output_and_running_stats(axis):
 
 
 def test_batchnorm_evaluation_matches_flax_and_keeps_stats():
-  x = random((6, 4))
-  bn = BatchNorm(4, ctx=ctx())
-  random_scale_and_bias(bn, 4)
-  bn.mean = random((4,), 3)
-  bn.var = random((4,), 4) ** 2
+  x = random((8, 3))
+  bn = BatchNorm(3, ctx=ctx())
+  random_scale_and_bias(bn, 3)
+  bn.mean = random((3,), 3)
+  bn.var = random((3,), 4) ** 2
   mean, var = bn.mean, bn.var
   variables = {
     "params": {"scale": bn.scale, "bias": bn.bias},
@@ -100,39 +100,39 @@ def test_batchnorm_evaluation_matches_flax_and_keeps_stats():
 
 
 def test_batchnorm_training_normalizes_the_batch():
-  x = random((64, 3), loc=5.0, scale=2.0)
+  x = random((8, 3), loc=5.0, scale=2.0)
   y = BatchNorm(3, ctx=ctx())(x, use_running_average=False)
   np.testing.assert_allclose(jnp.mean(y, 0), np.zeros(3), atol=1e-4)
   np.testing.assert_allclose(jnp.std(y, 0), np.ones(3), atol=1e-3)
 
 
 def test_batchnorm_call_argument_beats_attribute():
-  bn = BatchNorm(2, use_running_average=True, ctx=ctx())
-  bn(random((4, 2), loc=3.0), use_running_average=False)
+  bn = BatchNorm(3, use_running_average=True, ctx=ctx())
+  bn(random((8, 3), loc=3.0), use_running_average=False)
   assert not np.allclose(bn.mean, 0.0)
 
 
 def test_batchnorm_attribute_beats_context_flag():
-  bn = BatchNorm(2, use_running_average=True, ctx=ctx())
-  bn(random((4, 2), loc=3.0), ctx=ctx(use_running_average=False))
-  np.testing.assert_array_equal(bn.mean, np.zeros(2))
+  bn = BatchNorm(3, use_running_average=True, ctx=ctx())
+  bn(random((8, 3), loc=3.0), ctx=ctx(use_running_average=False))
+  np.testing.assert_array_equal(bn.mean, np.zeros(3))
 
 
 def test_batchnorm_uses_context_flag_when_nothing_else_is_set():
-  bn = BatchNorm(2, ctx=ctx())
-  bn(random((4, 2), loc=3.0), ctx=ctx(use_running_average=False))
+  bn = BatchNorm(3, ctx=ctx())
+  bn(random((8, 3), loc=3.0), ctx=ctx(use_running_average=False))
   assert not np.allclose(bn.mean, 0.0)
   mean = bn.mean
-  bn(random((4, 2), loc=9.0), ctx=ctx(use_running_average=True))
+  bn(random((8, 3), loc=9.0), ctx=ctx(use_running_average=True))
   np.testing.assert_array_equal(bn.mean, mean)
 
 
 def test_batchnorm_without_mode_raises_with_hint():
-  bn = BatchNorm(2, ctx=ctx())
+  bn = BatchNorm(3, ctx=ctx())
   with pytest.raises(ValueError, match="use_running_average"):
-    bn(jnp.ones((4, 2)))
+    bn(jnp.ones((8, 3)))
   with pytest.raises(ValueError, match="use_running_average"):
-    bn(jnp.ones((4, 2)), ctx=ctx())
+    bn(jnp.ones((8, 3)), ctx=ctx())
 
 
 def test_batchnorm_without_scale_and_bias():
@@ -147,18 +147,18 @@ def test_batchnorm_without_scale_and_bias():
 
 def test_batchnorm_dtype_sets_output_dtype_but_stats_stay_float32():
   bn = BatchNorm(3, dtype=jnp.bfloat16, ctx=ctx())
-  y = bn(random((4, 3)), use_running_average=False)
+  y = bn(random((8, 3)), use_running_average=False)
   assert y.dtype == jnp.bfloat16
   assert bn.mean.dtype == jnp.float32
 
 
 def test_batchnorm_custom_initializers():
   bn = BatchNorm(
-    2, scale_init=initializers.constant(2.0), bias_init=initializers.constant(1.0),
+    3, scale_init=initializers.constant(2.0), bias_init=initializers.constant(1.0),
     ctx=ctx(),
   )
-  np.testing.assert_array_equal(bn.scale, [2.0, 2.0])
-  np.testing.assert_array_equal(bn.bias, [1.0, 1.0])
+  np.testing.assert_array_equal(bn.scale, [2.0, 2.0, 2.0])
+  np.testing.assert_array_equal(bn.bias, [1.0, 1.0, 1.0])
 
 
 def test_batchnorm_axis_name_averages_stats_over_mapped_axis():
@@ -209,23 +209,23 @@ def test_layernorm_reduction_and_feature_axes_match_flax():
 
 
 def test_layernorm_normalizes_each_example():
-  x = random((4, 16), loc=3.0, scale=5.0)
-  y = LayerNorm(16, ctx=ctx())(x)
-  np.testing.assert_allclose(jnp.mean(y, -1), np.zeros(4), atol=1e-5)
-  np.testing.assert_allclose(jnp.std(y, -1), np.ones(4), atol=1e-3)
+  x = random((2, 3, 5), loc=3.0, scale=5.0)
+  y = LayerNorm(5, ctx=ctx())(x)
+  np.testing.assert_allclose(jnp.mean(y, -1), np.zeros((2, 3)), atol=1e-5)
+  np.testing.assert_allclose(jnp.std(y, -1), np.ones((2, 3)), atol=1e-3)
 
 
 def test_layernorm_without_scale_and_bias():
   ln = LayerNorm(5, use_scale=False, use_bias=False, ctx=ctx())
   assert ln.scale is None and ln.bias is None
-  x = random((2, 5))
+  x = random((2, 3, 5))
   expected = linen.LayerNorm(use_scale=False, use_bias=False).apply({}, x)
   np.testing.assert_allclose(ln(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_layernorm_dtype_sets_output_dtype():
   ln = LayerNorm(5, dtype=jnp.bfloat16, ctx=ctx())
-  assert ln(random((2, 5))).dtype == jnp.bfloat16
+  assert ln(random((2, 3, 5))).dtype == jnp.bfloat16
   assert ln.scale.dtype == jnp.float32
 
 
