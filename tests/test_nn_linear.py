@@ -136,6 +136,25 @@ def test_linear_kernel_with_metadata_carries_sharding():
   assert layer.kernel.shape == (3, 4)
 
 
+def test_linear_kernel_with_logical_partitioning_carries_sharding():
+  layer = Linear(
+    3, 4,
+    kernel_init=nnx.with_logical_partitioning(initializers.lecun_normal(), ("din", "dout")),
+    ctx=ctx(),
+  )
+  spec = nnx.get_partition_spec(layer.partition(nnx.Param)[0])
+  assert spec["kernel"] == jax.sharding.PartitionSpec("din", "dout")
+  assert layer(jnp.ones((2, 3))).shape == (2, 4)
+
+
+def test_linear_grad_is_keyed_by_parameter_name():
+  layer = Linear(3, 4, ctx=ctx())
+  x = random((2, 3))
+  grads = nnx.grad(lambda m, x: jnp.sum(m(x)))(layer, x)
+  np.testing.assert_allclose(grads["kernel"].value, np.tile(x.sum(0)[:, None], (1, 4)), rtol=1e-6)
+  np.testing.assert_allclose(grads["bias"].value, np.full(4, 2.0))
+
+
 def test_linear_works_under_jit_through_partition_and_merge():
   layer = Linear(3, 4, ctx=ctx())
   state, moduledef = layer.partition()
@@ -260,6 +279,23 @@ def test_conv_accepts_several_batch_axes():
   np.testing.assert_allclose(y[1, 2], conv(x[1, 2]), rtol=1e-5, atol=1e-6)
 
 
+def test_conv_kernel_with_metadata_carries_sharding():
+  conv = Conv(
+    3, 4, (3,),
+    kernel_init=nnx.with_metadata(initializers.lecun_normal(), sharding=(None, "din", "dout")),
+    ctx=ctx(),
+  )
+  assert conv.partition(nnx.Param)[0]["kernel"].sharding == (None, "din", "dout")
+
+
+def test_conv_with_list_arguments_runs_under_nnx_jit():
+  conv = Conv(3, 4, [3], strides=[1], padding=[[1, 1]], kernel_dilation=[1], ctx=ctx())
+  hash(conv.get_module_def())
+  x = random((2, 9, 3))
+  y = nnx.jit(lambda m, x: m(x))(conv, x)
+  np.testing.assert_allclose(y, conv(x), rtol=1e-5, atol=1e-6)
+
+
 def test_conv_rejects_invalid_padding():
   conv = Conv(3, 4, (3,), padding=[(1, 2, 3)], ctx=ctx())
   with pytest.raises(ValueError, match="Invalid padding"):
@@ -305,6 +341,15 @@ def test_embed_matches_flax_call_and_attend():
 def test_embed_attend_gives_one_score_per_embedding():
   embed = Embed(8, 4, ctx=ctx())
   assert embed.attend(jnp.ones((2, 4))).shape == (2, 8)
+
+
+def test_embed_with_metadata_carries_sharding():
+  embed = Embed(
+    8, 4,
+    embedding_init=nnx.with_metadata(initializers.normal(), sharding=("vocab", "embed")),
+    ctx=ctx(),
+  )
+  assert embed.partition(nnx.Param)[0]["embedding"].sharding == ("vocab", "embed")
 
 
 def test_embed_rejects_float_indices():

@@ -161,6 +161,23 @@ def test_batchnorm_custom_initializers():
   np.testing.assert_array_equal(bn.bias, [1.0, 1.0, 1.0])
 
 
+def test_batchnorm_running_stats_stay_float32_with_low_precision_params():
+  bn = BatchNorm(3, param_dtype=jnp.bfloat16, ctx=ctx())
+  assert bn.scale.dtype == jnp.bfloat16
+  bn(random((8, 3)), use_running_average=False)
+  assert bn.mean.dtype == bn.var.dtype == jnp.float32
+
+
+def test_batchnorm_updates_stats_inside_nnx_jit():
+  x = random((8, 3), loc=2.0)
+  eager = BatchNorm(3, ctx=ctx())
+  jitted = BatchNorm(3, ctx=ctx())
+  y = nnx.jit(lambda m, x: m(x, use_running_average=False))(jitted, x)
+  np.testing.assert_allclose(y, eager(x, use_running_average=False), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jitted.mean, eager.mean, rtol=1e-6)
+  np.testing.assert_allclose(jitted.var, eager.var, rtol=1e-6)
+
+
 def test_batchnorm_axis_name_averages_stats_over_mapped_axis():
   x = random((2, 4, 3), loc=1.0, scale=2.0)  # 2 shards of a batch of 8
   bn = BatchNorm(3, axis_name="shards", momentum=0.0, ctx=ctx())

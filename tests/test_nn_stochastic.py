@@ -121,3 +121,11 @@ def test_dropout_inside_jit_with_partitioned_context():
   assert (y == 0).any()
   kept = y != 0
   np.testing.assert_allclose(y[kept], X[kept] * 2.0, rtol=1e-6)
+
+
+def test_dropout_under_nnx_jit_takes_context_keyword():
+  apply = nnx.jit(lambda m, x, *, ctx: m(x, deterministic=False, ctx=ctx))
+  a = apply(Dropout(0.5), X, ctx=ctx(2))
+  b = apply(Dropout(0.5), X, ctx=ctx(2))
+  assert (a == 0).any()
+  np.testing.assert_array_equal(a, b)

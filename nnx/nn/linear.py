@@ -162,6 +162,13 @@ def canonicalize_padding(padding: PaddingLike, rank: int) -> LaxPadding:
   )
 
 
+def _freeze(x: tp.Any) -> tp.Any:
+  """Lists to tuples (recursively), so static attributes are hashable."""
+  if isinstance(x, (list, tuple)):
+    return tuple(_freeze(item) for item in x)
+  return x
+
+
 def _as_tuple(x: int | Sequence[int] | None, rank: int) -> tuple[int, ...]:
   if x is None:
     x = 1
@@ -256,10 +263,10 @@ class Conv(Module):
     self.in_features = in_features
     self.out_features = out_features
     self.kernel_size = kernel_size
-    self.strides = strides
-    self.padding = padding
-    self.input_dilation = input_dilation
-    self.kernel_dilation = kernel_dilation
+    self.strides = _freeze(strides)
+    self.padding = _freeze(padding)
+    self.input_dilation = _freeze(input_dilation)
+    self.kernel_dilation = _freeze(kernel_dilation)
     self.feature_group_count = feature_group_count
     self.use_bias = use_bias
     self.mask = mask

@@ -31,6 +31,13 @@ def _canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:
   return tuple(sorted({axis + rank if axis < 0 else axis for axis in axes}))
 
 
+def _freeze(x: tp.Any) -> tp.Any:
+  """Lists to tuples (recursively), so static attributes are hashable."""
+  if isinstance(x, (list, tuple)):
+    return tuple(_freeze(item) for item in x)
+  return x
+
+
 def _abs_sq(x: Array) -> Array:
   if jnp.iscomplexobj(x):
     return lax.square(lax.real(x)) + lax.square(lax.imag(x))
@@ -199,7 +206,7 @@ class BatchNorm(Module):
     self.bias_init = bias_init
     self.scale_init = scale_init
     self.axis_name = axis_name
-    self.axis_index_groups = axis_index_groups
+    self.axis_index_groups = _freeze(axis_index_groups)
 
     self.mean = containers.BatchStat(jnp.zeros((num_features,), jnp.float32))
     self.var = containers.BatchStat(jnp.ones((num_features,), jnp.float32))
@@ -321,10 +328,10 @@ class LayerNorm(Module):
     self.use_scale = use_scale
     self.bias_init = bias_init
     self.scale_init = scale_init
-    self.reduction_axes = reduction_axes
-    self.feature_axes = feature_axes
+    self.reduction_axes = _freeze(reduction_axes)
+    self.feature_axes = _freeze(feature_axes)
     self.axis_name = axis_name
-    self.axis_index_groups = axis_index_groups
+    self.axis_index_groups = _freeze(axis_index_groups)
 
     self.scale, self.bias = _feature_params(
       num_features, use_scale, use_bias, scale_init, bias_init, param_dtype, ctx
