@@ -85,6 +85,12 @@ def test_linear_matches_flax_dense(use_bias):
   np.testing.assert_allclose(layer(x), expected, rtol=1e-6)
 
 
+def test_linear_rejects_inputs_with_wrong_feature_size():
+  layer = Linear(3, 4, ctx=ctx())
+  with pytest.raises(ValueError, match="in_features=3"):
+    layer(jnp.ones((2, 5)))
+
+
 def test_linear_uses_custom_initializers():
   layer = Linear(
     3, 4, kernel_init=initializers.ones(), bias_init=initializers.constant(0.5),
@@ -294,6 +300,20 @@ def test_conv_with_list_arguments_runs_under_nnx_jit():
   x = random((2, 9, 3))
   y = nnx.jit(lambda m, x: m(x))(conv, x)
   np.testing.assert_allclose(y, conv(x), rtol=1e-5, atol=1e-6)
+
+
+def test_conv_rejects_inputs_with_wrong_channel_count():
+  conv = Conv(3, 4, (3,), ctx=ctx())
+  with pytest.raises(ValueError, match="in_features=3"):
+    conv(jnp.ones((2, 9, 4)))
+
+
+def test_conv_mask_is_state_matched_by_buffers():
+  mask = jnp.ones((3, 3, 4))
+  conv = Conv(3, 4, (3,), mask=mask, ctx=ctx())
+  (params, buffers), _ = conv.partition(nnx.Param, nnx.buffers)
+  assert set(params) == {"kernel", "bias"}
+  assert set(buffers) == {"mask"}
 
 
 def test_conv_rejects_invalid_padding():

@@ -111,6 +111,12 @@ class Linear(Module):
 
   def __call__(self, inputs: Array) -> Array:
     """Applies the linear map to the last axis of ``inputs``."""
+    inputs = jnp.asarray(inputs)
+    if inputs.ndim == 0 or inputs.shape[-1] != self.in_features:
+      raise ValueError(
+        f"Linear expects inputs whose last axis has size in_features="
+        f"{self.in_features}, got shape {inputs.shape}."
+      )
     inputs, kernel, bias = dtypes.promote_dtype(
       inputs, self.kernel, self.bias, dtype=self.dtype
     )
@@ -215,7 +221,9 @@ class Conv(Module):
     feature_group_count: split the input channels into this many groups.
     use_bias: whether to add a learned bias.
     mask: optional array with the kernel's shape, multiplied into the kernel
-      on every call (masked convolution).
+      on every call (masked convolution). It is kept as a plain array
+      attribute, so it is part of the module's state (filter ``nnx.buffers``)
+      and travels through ``jit`` with the parameters.
     dtype: computation dtype; ``None`` infers it from the input and params.
     param_dtype: dtype the parameters are initialised in.
     precision: numerical precision, see ``jax.lax.Precision``.
@@ -288,6 +296,7 @@ class Conv(Module):
 
   def __call__(self, inputs: Array) -> Array:
     """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``."""
+    inputs = jnp.asarray(inputs)
     kernel_size = self.kernel_size
     rank = len(kernel_size)
 
@@ -297,6 +306,11 @@ class Conv(Module):
       raise ValueError(
         f"Conv with a {rank}-d kernel expects inputs of shape "
         f"(*batch, *spatial[{rank}], features), got shape {inputs.shape}."
+      )
+    if inputs.shape[-1] != self.in_features:
+      raise ValueError(
+        f"Conv expects inputs whose last (channel) axis has size in_features="
+        f"{self.in_features}, got shape {inputs.shape}."
       )
     batch_shape = inputs.shape[:num_batch_axes]
     if num_batch_axes != 1:
@@ -398,6 +412,7 @@ class Embed(Module):
 
     As in ``flax.linen``, out-of-range indices give ``nan`` rows.
     """
+    inputs = jnp.asarray(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(
         "Input type must be an integer or unsigned integer, got "

@@ -30,8 +30,11 @@ class Dropout(Module):
     >>> import jax.numpy as jnp
     >>> import nnx
     >>> dropout = nnx.Dropout(0.5)
-    >>> y = dropout(jnp.ones((2, 4)), ctx=nnx.context(dropout=0))   # training
-    >>> dropout(jnp.ones((2, 4)), deterministic=True)               # eval
+    >>> x = jnp.ones((2, 4))
+    >>> y = dropout(x, deterministic=False, ctx=nnx.context(dropout=0))  # train
+    >>> train = nnx.context(dropout=1, flags={"deterministic": False})
+    >>> y = dropout(x, ctx=train)                     # mode from the flag
+    >>> dropout(x, deterministic=True)                # eval
     Array([[1., 1., 1., 1.],
            [1., 1., 1., 1.]], dtype=float32)
 
