@@ -21,8 +21,6 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from nnx_cli.errors import UserError
-
 _ITEM = "state"
 
 
@@ -37,6 +35,7 @@ class Checkpointer:
             create=not read_only,
             read_only=read_only,
         )
+        _quiet_absl()
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_ITEM,))
 
@@ -68,25 +67,14 @@ class Checkpointer:
         self.manager.close()
 
 
-def find_checkpoints(target: str | Path) -> tuple[Path, int | None]:
-    """Resolve a work dir, its `checkpoints/` dir or one step dir.
+def _quiet_absl() -> None:
+    """Keep Orbax's absl INFO/WARNING chatter (read-only notices, ...) out of the CLI's output."""
+    import logging
 
-    Returns `(checkpoints_dir, step)`; `step` is None unless `target` named a
-    step dir. Raises UserError when there is no checkpoint to be found.
-    """
-    path = Path(target)
-    if not path.exists():
-        raise UserError(f"{str(path)!r} does not exist; expected a work dir written by nnx-train")
-    if (path / "checkpoints").is_dir():
-        directory, step = path / "checkpoints", None
-    elif path.name.isdigit() and path.parent.is_dir() and (path / _ITEM).exists():
-        directory, step = path.parent, int(path.name)
-    else:
-        directory, step = path, None
-    steps = Checkpointer(directory, read_only=True).all_steps() if directory.is_dir() else []
-    if not steps:
-        raise UserError(f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has checkpoints/")
-    return directory, step
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 def to_named_tree(tree: Any) -> dict[str, Any]:

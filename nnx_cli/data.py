@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from nnx_cli.config import DataConfig
+from nnx_cli.config import Config, DataConfig
 from nnx_cli.errors import UserError, did_you_mean
 
 DIGITS = "sklearn:digits"
@@ -84,6 +84,15 @@ def known_spec(source: str) -> DataSpec | None:
     name = "digits" if source == DIGITS else Path(source.rstrip("/")).name.lower().replace("-", "_")
     shape = _KNOWN.get(name)
     return DataSpec(*shape) if shape else None
+
+
+def spec_from_config(cfg: Config) -> DataSpec | None:
+    """The input spec without reading data: `model.input_shape` if set, else a known dataset's."""
+    known = known_spec(cfg.data.source)
+    if cfg.model.input_shape is None:
+        return known
+    num_classes = cfg.model.num_classes if cfg.model.num_classes is not None else known.num_classes if known else None
+    return DataSpec(tuple(cfg.model.input_shape), num_classes)
 
 
 # --------------------------------------------------------------------------- loading

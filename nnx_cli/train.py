@@ -71,7 +71,6 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     import nnx
     from nnx_cli import checkpoint, data, models, optim, report, sharding, steps
 
-    _quiet_libraries()
     _init_distributed(*distributed)
     is_main = jax.process_index() == 0
     console = report.stderr_console()
@@ -85,6 +84,9 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     # 2. Model and optimizer, checked against the config; the resolved config is the run's record.
     build = models.model_factory(cfg.model, train_split.spec)
     cfg.model.options = models.resolve_options(cfg.model)
+    cfg.model.input_shape = cfg.model.input_shape or list(train_split.spec.input_shape)
+    if cfg.model.num_classes is None:
+        cfg.model.num_classes = train_split.spec.num_classes
     tx = optim.build_optimizer(cfg.optimizer, total_steps)
     workdir.mkdir(parents=True, exist_ok=True)
     if is_main:
@@ -200,16 +202,6 @@ def _init_distributed(coordinator: str | None, num_processes: int | None, proces
     if None in (coordinator, num_processes, process_id):
         raise UserError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N and --process-id I")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-
-
-def _quiet_libraries() -> None:
-    """Keep absl/orbax INFO and WARNING chatter out of the run's output."""
-    import logging
-
-    from absl import logging as absl_logging
-
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""`nnx-inspect TARGET [KEY=VALUE ...]`: the model's State without training it.
+
+TARGET is a config YAML, or a work dir / checkpoint (its saved config is
+used). The model is built abstractly with `jax.eval_shape`, so no parameter
+memory is allocated and no dataset is read: input shapes come from
+`model.input_shape` or a well-known `data.source` (MNIST, digits). For each
+entry: path, Variable type, shape, dtype, element count, bytes, logical
+sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
+totals per Variable type. `--json` prints::
+
+    {"total_params": N, "total_size": N, "total_bytes": N,
+     "by_type": {"Param": {"entries": n, "size": n, "bytes": n}, ...},
+     "entries": [{"path", "type", "shape", "dtype", "size", "bytes", "sharding", "mesh_axes"}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from nnx_cli.errors import UserError, did_you_mean, report_errors
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+
+
+@app.command()
+@report_errors
+def inspect_state(
+    target: Path = typer.Argument(..., help="Config YAML, or a work dir / checkpoint dir.", show_default=False),
+    overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. sharding.mesh.model=2.", show_default=False),
+    filter_type: Optional[str] = typer.Option(None, "--filter", help="Keep one Variable type, e.g. Param or BatchStat."),
+    depth: Optional[int] = typer.Option(None, min=1, help="Group paths to this many levels."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Show a model's parameters and state, built abstractly from a config or a run."""
+    from nnx_cli.config import load_config
+
+    if target.is_dir():
+        from nnx_cli.workdir import open_run
+
+        run = open_run(target, overrides or [])
+        cfg, title = run.cfg, f"{run.checkpoints / str(run.step)}"
+    else:
+        cfg, title = load_config(target, overrides or []), str(target)
+    entries = state_entries(cfg)
+    if filter_type is not None:
+        types = sorted({e["type"] for e in entries})
+        if filter_type not in types:
+            raise UserError(f"--filter {filter_type!r}: the model has no {filter_type!r} entries{did_you_mean(filter_type, types)}; types: {', '.join(types)}")
+        entries = [e for e in entries if e["type"] == filter_type]
+    summary = summarize(entries)
+    if as_json:
+        print(json.dumps({**summary, "entries": entries}))
+    else:
+        _print_tables(title, cfg.model.name, entries, summary, depth)
+
+
+def state_entries(cfg: Any) -> list[dict[str, Any]]:
+    """One record per State entry of the model `cfg` describes, from shapes alone."""
+    import jax
+
+    import nnx
+    from nnx_cli import data, models, sharding
+
+    spec = data.spec_from_config(cfg)
+    if spec is None:
+        raise UserError(
+            f"cannot tell the input shape of data.source {cfg.data.source!r} without reading it: "
+            f"set model.input_shape (e.g. model.input_shape=[28,28,1]) and, for classifiers, model.num_classes"
+        )
+    build = models.model_factory(cfg.model, spec)
+    abstract = jax.eval_shape(lambda: build(nnx.context(cfg.seed)).get_state())
+    rules = sharding.axis_rules(cfg.sharding)
+    entries = []
+    for path, variable in abstract.items():
+        value = getattr(variable, "value", variable)
+        logical = getattr(variable, "sharding", None)
+        mesh_axes = nnx.logical_to_mesh(nnx.get_partition_spec(variable), rules) if logical else None
+        size = math.prod(value.shape)
+        entries.append(
+            {
+                "path": path,
+                "type": type(variable).__name__,
+                "shape": list(value.shape),
+                "dtype": str(value.dtype),
+                "size": size,
+                "bytes": size * value.dtype.itemsize,
+                "sharding": list(logical) if logical else None,
+                "mesh_axes": [_axis(a) for a in mesh_axes] if mesh_axes is not None else None,
+            }
+        )
+    return entries
+
+
+def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    by_type: dict[str, dict[str, int]] = {}
+    for e in entries:
+        totals = by_type.setdefault(e["type"], {"entries": 0, "size": 0, "bytes": 0})
+        totals["entries"] += 1
+        totals["size"] += e["size"]
+        totals["bytes"] += e["bytes"]
+    return {
+        "total_params": by_type.get("Param", {}).get("size", 0),
+        "total_size": sum(e["size"] for e in entries),
+        "total_bytes": sum(e["bytes"] for e in entries),
+        "by_type": by_type,
+    }
+
+
+def _axis(axis: Any) -> Any:
+    return list(axis) if isinstance(axis, tuple) else axis
+
+
+def _print_tables(title: str, model: str, entries: list[dict[str, Any]], summary: dict[str, Any], depth: int | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if Console().is_terminal else Console(width=200)
+    table = Table(title=f"{title}: model {model!r}", title_justify="left")
+    for column, justify in [("path", "left"), ("type", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"), ("bytes", "right"), ("sharding", "left"), ("mesh", "left")]:
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    shown: set[str] = set()
+    for e in entries:
+        parts = e["path"].split("/")
+        levels = len(parts) if depth is None else min(len(parts), depth)
+        for level in range(1, levels + (0 if levels == len(parts) else 1)):
+            group = "/".join(parts[:level])
+            if group in shown:
+                continue
+            shown.add(group)  # a subtree header row with its totals
+            members = [m for m in entries if m["path"].startswith(group + "/")]
+            types = ", ".join(sorted({m["type"] for m in members}))
+            table.add_row("  " * (level - 1) + parts[level - 1] + "/", types, "", "", f"{sum(m['size'] for m in members):,}", _bytes(sum(m["bytes"] for m in members)), "", "")
+        if levels < len(parts):
+            continue
+        sharding = "(" + ", ".join(str(a) for a in e["sharding"]) + ")" if e["sharding"] else "-"
+        mesh = "P(" + ", ".join(repr(a) for a in e["mesh_axes"]) + ")" if e["mesh_axes"] is not None else "P()"
+        table.add_row("  " * (len(parts) - 1) + parts[-1], e["type"], str(tuple(e["shape"])), e["dtype"], f"{e['size']:,}", _bytes(e["bytes"]), sharding, mesh)
+    console.print(table)
+    totals = Table(title="totals", title_justify="left")
+    for column in ("type", "entries", "size", "bytes"):
+        totals.add_column(column, justify="left" if column == "type" else "right")
+    for name, t in summary["by_type"].items():
+        totals.add_row(name, str(t["entries"]), f"{t['size']:,}", _bytes(t["bytes"]))
+    totals.add_row("all", str(len(entries)), f"{summary['total_size']:,}", _bytes(summary["total_bytes"]))
+    console.print(totals)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
