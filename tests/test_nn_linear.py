@@ -56,6 +56,12 @@ def test_linear_without_bias_has_none_bias():
   np.testing.assert_allclose(layer(x), x @ layer.kernel, rtol=1e-6)
 
 
+def test_linear_without_bias_keeps_bias_as_param_none():
+  params = Linear(3, 4, use_bias=False, ctx=ctx()).filter(nnx.Param)
+  assert isinstance(params["bias"], nnx.Param)
+  assert params["bias"].value is None
+
+
 def test_linear_same_seed_gives_same_kernel():
   a = Linear(3, 4, ctx=ctx())
   b = Linear(3, 4, ctx=ctx())
