@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 from nnx import containers, contextlib, partitioning, spmd, tracers
 from nnx.module import (
-    _MODULE_STATE, Module, ModuleDef, ModuleMeta, ModuleState, Pure, _dict,
+    _MODULE_STATE, Module, ModuleDef, ModuleMeta, ModuleState, _check_trace,
+    _dict,
 )
 from nnx.state import State
 
@@ -87,43 +88,184 @@ def _write_back(module: Module, state: State) -> None:
 # ------------------------------------------------------------------------------
 
 
+class _Signature:
+  """The static half of a jitted call: the state's treedef and the ModuleDef.
+
+  Equal by value (so an identical structure rebuilt later hits JAX's
+  cache), with a precomputed hash and an identity shortcut (so the usual
+  call, which passes the very same object, costs nothing to look up).
+  """
+
+  __slots__ = ('treedef', 'moduledef', '_hash')
+
+  def __init__(self, treedef: tp.Any, moduledef: ModuleDef[tp.Any]):
+    self.treedef = treedef
+    self.moduledef = moduledef
+    self._hash = hash((treedef, moduledef))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (
+        type(other) is _Signature
+        and self._hash == other._hash
+        and self.treedef == other.treedef
+        and self.moduledef == other.moduledef
+    )
+
+
+class _Flat:
+  """A Module's state as flat leaves, cached between ``nnx.jit`` calls.
+
+  Rebuilding the ``State`` (a walk of the whole object graph) at every call
+  is the main per-call cost of a lifted ``jit``. Instead, the leaves and the
+  attributes they came from are kept here, with a copy of every Module's
+  attribute dict. While the copies still equal the dicts (checked at C
+  speed; unchanged values compare by identity), nothing was assigned to the
+  Modules since the last call and the cached leaves are their state.
+  """
+
+  __slots__ = ('module', 'dicts', 'copies', 'signature', 'leaves', 'slots')
+
+  def __init__(self, module: Module):
+    state, moduledef = module.partition()
+    leaves, treedef = jax.tree.flatten(state)
+    self.module = module
+    self.dicts = tuple(_dict(m) for _, m in module.modules())
+    self.copies = tuple(dict(d) for d in self.dicts)
+    self.signature = _Signature(treedef, moduledef)
+    self.leaves = leaves
+    self.slots = self._slots(module, state, leaves)
+
+  def _slots(self, module: Module, state: State, leaves: list) -> tp.Optional[list]:
+    """Where each leaf lives, or None if some node does not hold exactly one.
+
+    ``slots[i] = (attributes, copy, name, container type, metadata)`` for
+    leaf ``i``; type and metadata are None for a plain array attribute.
+    """
+    if len(leaves) != len(state):
+      return None
+    copy_of = {id(d): c for d, c in zip(self.dicts, self.copies)}
+    slots = []
+    for (path, node), leaf in zip(state.items(), leaves):
+      if isinstance(node, containers.NodeBase):
+        if node.value is not leaf:
+          return None
+        metadata = {k: v for k, v in vars(node).items() if k != 'value'}
+        kind = type(node)
+      elif node is leaf:
+        kind = metadata = None
+      else:
+        return None
+      *prefix, name = path.split('/')
+      owner = module
+      for part in prefix:
+        owner = _dict(owner)[part]
+      attributes = _dict(owner)
+      slots.append((attributes, copy_of[id(attributes)], name, kind, metadata))
+    return slots
+
+  def is_current(self) -> bool:
+    try:
+      return self.dicts == self.copies
+    except Exception:  # a changed value whose == is not a bool (arrays)
+      return False
+
+  def write_back(self, leaves: list) -> None:
+    new_object = object.__new__
+    for (attributes, copy, name, kind, metadata), leaf in zip(self.slots, leaves):
+      if kind is None:
+        value = leaf
+      else:  # what Container._with_value does, inlined: this loop is hot
+        value = new_object(kind)
+        value.__dict__ = {'value': leaf, **metadata}
+      attributes[name] = copy[name] = value
+    self.leaves = leaves
+
+
 class _Jitted:
   """``f(module, *args, **kwargs)`` compiled by ``jax.jit``, state written back.
 
-  The compiled function is pure in ``(state, moduledef, *args)``; the
-  ``ModuleDef`` is a static argument, so JAX compiles once per Module
-  structure and reuses the executable while the structure is unchanged.
+  The compiled function is pure in ``(leaves, signature, *args)``: the
+  Module's state as a flat list of arrays and, as a static argument, the
+  structure (treedef and ``ModuleDef``). JAX compiles once per structure.
+  Between calls the flat state is cached (see :class:`_Flat`), so a call on
+  an unchanged Module does no graph walk: one jitted call and one pass
+  writing the new leaves back into the Module's attributes.
   """
+
+  _MAX_CACHED_MODULES = 8
 
   def __init__(self, fun: tp.Callable[..., tp.Any], stateful: bool, jit_kwargs: dict):
     functools.update_wrapper(self, fun)
     self._fun = fun
     self._stateful = stateful
+    self._structured = 'in_shardings' in jit_kwargs or 'out_shardings' in jit_kwargs
     self._jitted = jax.jit(self._pure, **jit_kwargs)
+    self._flats: dict[int, _Flat] = {}
 
-  def _pure(self, state: State, moduledef: ModuleDef[tp.Any], *args, **kwargs):
+  def _pure(self, leaves: tp.Any, signature: _Signature, *args, **kwargs):
+    # ``leaves`` is the flat list, or the State itself when shardings are
+    # given for it (they are written against the State's structure).
+    state = leaves if self._structured else signature.treedef.unflatten(leaves)
     with tracers.nnx_trace():
-      module = moduledef.merge(state)
+      module = signature.moduledef.merge(state)
       out = self._fun(module, *args, **_merge_ctx(kwargs))
-      if self._stateful:
-        return out, module.get_state()
-      return out
+      if not self._stateful:
+        return out
+      state = module.get_state()
+    new_leaves, treedef = jax.tree.flatten(state)
+    if treedef == signature.treedef and not self._structured:
+      return out, new_leaves  # same structure: the fast write-back applies
+    return out, state  # new attributes or containers: general write-back
+
+  def _flat(self, module: Module) -> _Flat:
+    flat = self._flats.get(id(module))
+    if flat is not None and flat.module is module and flat.is_current():
+      return flat
+    flat = _Flat(module)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in flat.leaves):
+      return flat  # a Module of an enclosing trace: do not keep its tracers
+    if len(self._flats) >= self._MAX_CACHED_MODULES:
+      del self._flats[next(iter(self._flats))]
+    self._flats[id(module)] = flat
+    return flat
 
   def __call__(self, module: Module, *args, **kwargs):
-    _check_module('nnx.jit', module)
+    if not isinstance(module, Module):
+      _check_module('nnx.jit', module)
     if 'ctx' in kwargs:
       kwargs = _partition_ctx(kwargs)
-    state, moduledef = module.partition()
+    flat = self._flat(module)
     if not self._stateful:
-      return self._jitted(state, moduledef, *args, **kwargs)
-    out, state = self._jitted(state, moduledef, *args, **kwargs)
-    _write_back(module, state)
+      leaves = flat.leaves
+      if self._structured:
+        leaves = flat.signature.treedef.unflatten(leaves)
+      return self._jitted(leaves, flat.signature, *args, **kwargs)
+    _check_trace(module)
+    if self._structured:
+      state = flat.signature.treedef.unflatten(flat.leaves)
+      out, new = self._jitted(state, flat.signature, *args, **kwargs)
+      new = jax.tree.leaves(new) if jax.tree.structure(new) == flat.signature.treedef else new
+    else:
+      out, new = self._jitted(flat.leaves, flat.signature, *args, **kwargs)
+    if type(new) is list and flat.slots is not None:
+      flat.write_back(new)
+    else:
+      if type(new) is list:
+        new = flat.signature.treedef.unflatten(new)
+      module.update_state(new)
+      self._flats.pop(id(module), None)
     return out
 
   def lower(self, module: Module, *args, **kwargs):
     """``jax.jit(...).lower`` for the given Module and arguments."""
-    state, moduledef = module.partition()
-    return self._jitted.lower(state, moduledef, *args, **_partition_ctx(kwargs))
+    flat = _Flat(module)
+    leaves = flat.leaves
+    if self._structured:
+      leaves = flat.signature.treedef.unflatten(leaves)
+    return self._jitted.lower(leaves, flat.signature, *args, **_partition_ctx(kwargs))
 
   def __get__(self, obj, objtype=None):
     if obj is None:
