@@ -164,6 +164,30 @@ def unbox(container: Container[A]) -> A:
   return container.value
 
 
+def getattribute_unboxed(obj: tp.Any, name: str) -> tp.Any:
+  """``__getattribute__`` of Modules and Pytrees: containers read as values."""
+  value = object.__getattribute__(obj, name)
+  if isinstance(value, Container):
+    return unbox(value)
+  return value
+
+
+def assign(attributes: dict[str, tp.Any], name: str, value: tp.Any, *, copy: bool) -> None:
+  """Assignment into an instance dict that keeps container types.
+
+  A container is stored as is (or a copy of it); a plain value assigned over
+  a container replaces the container's value, keeping its type and metadata.
+  """
+  if isinstance(value, Container):
+    attributes[name] = value.copy() if copy else value
+    return
+  current = attributes.get(name)
+  if isinstance(current, Container):
+    attributes[name] = current._with_value(value)
+  else:
+    attributes[name] = value
+
+
 def _node_flatten_with_keys(node: 'NodeBase'):
   metadata = vars(node).copy()
   value = metadata.pop('value')

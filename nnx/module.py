@@ -98,11 +98,7 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
 
   if not tp.TYPE_CHECKING:
 
-    def __getattribute__(self, name: str) -> tp.Any:
-      value = _get_attribute(self, name)
-      if isinstance(value, containers.Container):
-        return containers.unbox(value)
-      return value
+    __getattribute__ = containers.getattribute_unboxed
 
     def __setattr__(self, name: str, value: tp.Any) -> None:
       _check_trace(self)
@@ -110,7 +106,7 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
       if hasattr(descriptor, '__set__'):
         object.__setattr__(self, name, value)
       else:
-        _set_value(_dict(self), name, value, copy=True)
+        containers.assign(_dict(self), name, value, copy=True)
 
     def __delattr__(self, name: str) -> None:
       _check_trace(self)
@@ -189,7 +185,7 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
       for path, value in state.items():
         owner, name = _owner(self, path)
         _check_trace(owner)
-        _set_value(_dict(owner), name, value, copy=False)
+        containers.assign(_dict(owner), name, value, copy=False)
 
   def clone(self: M) -> M:
     """An independent deep copy, made through partition and merge."""
@@ -248,18 +244,6 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
       if isinstance(value, containers.Container):
         value = f'{type(value).__name__}({containers._short_repr(value.value)})'
       yield reprlib.Attr(name, value)
-
-
-def _set_value(attributes: dict[str, tp.Any], name: str, value: tp.Any, *, copy: bool) -> None:
-  """Assignment rules shared by ``__setattr__`` and ``update_state``."""
-  if isinstance(value, containers.Container):
-    attributes[name] = value.copy() if copy else value
-    return
-  current = attributes.get(name)
-  if isinstance(current, containers.Container):
-    attributes[name] = current._with_value(value)
-  else:
-    attributes[name] = value
 
 
 def _as_state_tuple(states: tp.Any) -> tuple[State, ...]:

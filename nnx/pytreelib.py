@@ -75,11 +75,7 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
 
   if not tp.TYPE_CHECKING:
 
-    def __getattribute__(self, name: str) -> tp.Any:
-      value = _get_attribute(self, name)
-      if isinstance(value, containers.Container):
-        return containers.unbox(value)
-      return value
+    __getattribute__ = containers.getattribute_unboxed
 
     def __setattr__(self, name: str, value: tp.Any) -> None:
       attributes = _get_attribute(self, '__dict__')
@@ -98,7 +94,7 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
               f'{type(self).__name__} is immutable, trying to update field '
               f'{name!r}; use .replace({name}=...) for a modified copy'
           )
-      _assign(attributes, name, value)
+      containers.assign(attributes, name, value, copy=True)
 
   def replace(self: P, **updates: tp.Any) -> P:
     """A copy with some fields replaced."""
@@ -113,12 +109,7 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
           f'Trying to replace unknown fields {sorted(unknown)} for '
           f'{type(self).__name__!r}'
       )
-    new = object.__new__(type(self))
-    new_attributes = _get_attribute(new, '__dict__')
-    new_attributes.update(attributes)
-    for name, value in updates.items():
-      _assign(new_attributes, name, value)
-    return new
+    return _copy_with(self, updates)
 
   def __nnx_repr__(self):
     yield reprlib.Object(type(self))
@@ -126,14 +117,14 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
       yield reprlib.Attr(name, value)
 
 
-def _assign(attributes: dict[str, tp.Any], name: str, value: tp.Any) -> None:
-  current = attributes.get(name)
-  if isinstance(current, containers.Container) and not isinstance(value, containers.Container):
-    attributes[name] = current._with_value(value)
-  elif isinstance(value, containers.Container):
-    attributes[name] = value.copy()
-  else:
-    attributes[name] = value
+def _copy_with(pytree: P, updates: tp.Mapping[str, tp.Any]) -> P:
+  """A shallow copy of ``pytree`` with ``updates`` assigned (no validation)."""
+  new = object.__new__(type(pytree))
+  attributes = _get_attribute(new, '__dict__')
+  attributes.update(_get_attribute(pytree, '__dict__'))
+  for name, value in updates.items():
+    containers.assign(attributes, name, value, copy=True)
+  return new
 
 
 def _split(pytree: Pytree):
@@ -201,12 +192,7 @@ def _register_flax_serialization(cls: type) -> None:
           f'instance of {type(pytree).__name__} at path '
           f'{serialization.current_path()}'
       )
-    new = object.__new__(type(pytree))
-    new_attributes = _get_attribute(new, '__dict__')
-    new_attributes.update(attributes)
-    for name, value in updates.items():
-      _assign(new_attributes, name, value)
-    return new
+    return _copy_with(pytree, updates)
 
   serialization.register_serialization_state(
       cls, to_state_dict, from_state_dict, override=True
