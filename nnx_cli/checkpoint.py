@@ -7,9 +7,8 @@ without this code. Restoring takes an abstract target (from `jax.eval_shape`,
 carrying shardings where the arrays should land) and returns the same tree
 structure::
 
-    ckpt = Checkpointer(workdir / "checkpoints", every_steps=1000, keep=3)
-    ckpt.save(step, state)                   # periodic: only every `every_steps`
-    ckpt.save(step, state, force=True)       # final / on interrupt
+    ckpt = Checkpointer(workdir / "checkpoints", keep=3)
+    ckpt.save(step, state)                   # asynchronous: returns once the arrays are copied
     state = ckpt.restore(ckpt.latest_step(), jax.eval_shape(init))
 """
 
@@ -27,15 +26,14 @@ _ITEM = "state"
 class Checkpointer:
     """A thin wrapper over `ocp.CheckpointManager` that keeps `keep` checkpoints."""
 
-    def __init__(self, directory: str | Path, *, every_steps: int = 1, keep: int | None = None, async_: bool = True, read_only: bool = False):
+    def __init__(self, directory: str | Path, *, keep: int | None = None, async_: bool = True, read_only: bool = False):
+        _quiet_absl()
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=every_steps,
             max_to_keep=keep,
             enable_async_checkpointing=async_,
             create=not read_only,
             read_only=read_only,
         )
-        _quiet_absl()
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_ITEM,))
 
@@ -45,9 +43,9 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        """Save `state` at `step` (asynchronously if configured); False when skipped."""
-        return self.manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=force)
+    def save(self, step: int, state: Any) -> None:
+        """Save `state` at `step` (asynchronously if configured); the caller decides when."""
+        self.manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=True)
 
     def restore(self, step: int, target: Any) -> Any:
         """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`."""

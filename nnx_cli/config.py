@@ -143,7 +143,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def dump_yaml(data: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 # --------------------------------------------------------------------------- overrides

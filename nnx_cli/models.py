@@ -13,7 +13,8 @@ A trainable model is an `nnx.Module` built as
 and `use_running_average` flags (False while training, True in eval).
 
 Every parameter declares logical axes (`embed`: flattened input pixels,
-`hidden`: hidden units, `latent`, `classes`, conv spatial axes), so a mesh
+`hidden` / `mlp`: hidden units of alternate layers, `latent`, `classes`,
+conv `channels` and spatial axes), so a mesh
 shards the model by changing `sharding.rules` only. `model.name` may also be
 `"package.module:Class"` for a class following the same protocol.
 """
@@ -47,6 +48,12 @@ def _linear(din: int, dout: int, axes: tuple[str, str], ctx: nnx.Context) -> nnx
     )
 
 
+def _hidden_axes(count: int) -> list[str]:
+    """Logical names of consecutive hidden layers: `hidden`, `mlp`, `hidden`, ... so that
+    no kernel names one axis twice (hidden-to-hidden kernels are `(hidden, mlp)`)."""
+    return [("hidden", "mlp")[i % 2] for i in range(count)]
+
+
 def _mlp(sizes: Sequence[int], axes: Sequence[str], ctx: nnx.Context) -> nnx.Sequence:
     """Linear layers `sizes[0] -> sizes[1] -> ...`; layer i has axes `(axes[i], axes[i + 1])`."""
     return nnx.Sequence([_linear(a, b, (axes[i], axes[i + 1]), ctx) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))])
@@ -67,10 +74,11 @@ class VAE(nnx.Module):
         self.latent_size = latent_size
         pixels = math.prod(input_shape)
         hidden = list(hidden_sizes)
-        self.encoder = _mlp([pixels, *hidden], ["embed", *["hidden"] * len(hidden)], ctx)
-        self.mean = _linear(hidden[-1] if hidden else pixels, latent_size, ("hidden" if hidden else "embed", "latent"), ctx)
-        self.logvar = _linear(hidden[-1] if hidden else pixels, latent_size, ("hidden" if hidden else "embed", "latent"), ctx)
-        self.decoder = _mlp([latent_size, *reversed(hidden), pixels], ["latent", *["hidden"] * len(hidden), "embed"], ctx)
+        encoder_axes = ["embed", *_hidden_axes(len(hidden))]
+        self.encoder = _mlp([pixels, *hidden], encoder_axes, ctx)
+        self.mean = _linear(([pixels, *hidden])[-1], latent_size, (encoder_axes[-1], "latent"), ctx)
+        self.logvar = _linear(([pixels, *hidden])[-1], latent_size, (encoder_axes[-1], "latent"), ctx)
+        self.decoder = _mlp([latent_size, *reversed(hidden), pixels], ["latent", *_hidden_axes(len(hidden)), "embed"], ctx)
 
     def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         h = x.reshape(x.shape[0], -1)
@@ -131,9 +139,10 @@ class MLPClassifier(_Classifier):
     def __init__(self, input_shape: Sequence[int], num_classes: int | None = None, *, hidden_sizes: Sequence[int] = (256,), dropout: float = 0.1, ctx: nnx.Context):
         classes = _require_classes(num_classes, "mlp_classifier")
         hidden = list(hidden_sizes)
-        self.hidden = _mlp([math.prod(input_shape), *hidden], ["embed", *["hidden"] * len(hidden)], ctx)
+        axes = ["embed", *_hidden_axes(len(hidden))]
+        self.hidden = _mlp([math.prod(input_shape), *hidden], axes, ctx)
         self.dropout = nnx.Dropout(dropout)
-        self.head = _linear(hidden[-1] if hidden else math.prod(input_shape), classes, ("hidden" if hidden else "embed", "classes"), ctx)
+        self.head = _linear(([math.prod(input_shape), *hidden])[-1], classes, (axes[-1], "classes"), ctx)
 
     def logits(self, x: jax.Array, ctx: nnx.Context) -> jax.Array:
         h = x.reshape(x.shape[0], -1)

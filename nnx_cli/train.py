@@ -105,7 +105,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     if not resume and is_main:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         (workdir / "metrics.jsonl").unlink(missing_ok=True)
-    ckpt = checkpoint.Checkpointer(ckpt_dir, every_steps=cfg.checkpoint.every_steps, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
     start = ckpt.latest_step()
     if start is not None:
         state = ckpt.restore(start, sharding.with_shardings(abstract, state_shardings))
@@ -153,7 +153,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
 
     # 6. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
     sums = steps.empty_sums(names)
-    step = start
+    step = saved = start
     stopped = None
     try:
         with _StopRequested() as stop, jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
@@ -172,6 +172,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
                 if step % cfg.checkpoint.every_steps == 0 and step != total_steps:
                     check_finite(jax.device_get(sums), step)
                     ckpt.save(step, state)
+                    saved = step
                 if step % cfg.train.eval_every == 0 and step != total_steps:
                     run_eval(step)
                 if stop.signal is not None:
@@ -179,7 +180,8 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
                     break
             feed.close()
             check_finite(jax.device_get(sums), step)
-            ckpt.save(step, state, force=True)
+            if step != saved:
+                ckpt.save(step, state)
             ckpt.wait()
             if stopped is None:
                 run_eval(step)

@@ -1,0 +1,114 @@
+"""The trainer's config: defaults, YAML files, KEY=VALUE overrides and their errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from nnx_cli.config import Config, apply_overrides, from_dict, load_config, parse_value, to_dict
+from nnx_cli.errors import UserError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_empty_config_gets_every_default(tmp_path):
+    cfg = load_config(write(tmp_path, ""))
+    assert to_dict(cfg) == to_dict(Config())
+    assert cfg.data.source == "sklearn:digits"
+    assert cfg.sharding.mesh == {"data": -1, "model": 1}
+
+
+def test_file_values_override_defaults_and_keep_the_rest(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  batch_size: 32\nsharding:\n  mesh: {data: 2}\n"))
+    assert cfg.train.batch_size == 32
+    assert cfg.train.log_every == Config().train.log_every
+    assert cfg.sharding.mesh == {"data": 2, "model": 1}
+
+
+def test_overrides_are_dotted_paths_with_yaml_values(tmp_path):
+    cfg = load_config(write(tmp_path, "train: {steps: 10}"), ["train.steps=200", "optimizer.learning_rate=3e-4", "model.hidden_sizes=[64, 32]", "data.binarize=null"])
+    assert cfg.train.steps == 200
+    assert cfg.optimizer.learning_rate == pytest.approx(3e-4)
+    assert cfg.model.options["hidden_sizes"] == [64, 32]
+    assert cfg.data.binarize is None
+
+
+def test_override_inside_a_mapping_keeps_its_other_keys():
+    cfg = load_config(None, ["sharding.mesh.data=4"])
+    assert cfg.sharding.mesh == {"data": 4, "model": 1}
+
+
+def test_exponent_without_dot_parses_as_float():
+    assert parse_value("1e-3") == pytest.approx(1e-3)
+    assert isinstance(parse_value("1e-3"), float)
+
+
+def test_unknown_key_in_file_names_path_and_suggests_closest(tmp_path):
+    with pytest.raises(UserError, match=r"unknown config key 'train\.bacth_size' \(did you mean 'train\.batch_size'\?\)"):
+        load_config(write(tmp_path, "train:\n  bacth_size: 3\n"))
+
+
+def test_unknown_override_key_suggests_closest():
+    with pytest.raises(UserError, match=r"override 'train\.setps=3': unknown config key 'train\.setps' \(did you mean 'train\.steps'\?\)"):
+        load_config(None, ["train.setps=3"])
+
+
+def test_unknown_section_suggests_closest():
+    with pytest.raises(UserError, match=r"'modle'.*did you mean 'model'"):
+        load_config(None, ["modle.name=vae"])
+
+
+def test_wrong_type_names_key_expected_type_and_value():
+    with pytest.raises(UserError, match=r"config key 'train\.batch_size' must be an integer, got 'many' \(str\)"):
+        load_config(None, ["train.batch_size=many"])
+
+
+def test_non_positive_batch_size_is_rejected():
+    with pytest.raises(UserError, match="train.batch_size"):
+        load_config(None, ["train.batch_size=0"])
+
+
+def test_override_without_equals_sign_is_rejected():
+    with pytest.raises(UserError, match="must look like KEY=VALUE"):
+        load_config(None, ["train.steps"])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(UserError, match="nope.yaml.*does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    with pytest.raises(UserError, match=r"run\.yaml.*not valid YAML at line 2"):
+        load_config(write(tmp_path, "train:\n  steps: 1: 2\n"))
+
+
+def test_config_that_is_not_a_mapping_is_rejected(tmp_path):
+    with pytest.raises(UserError, match="must hold a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_sharding_rule_must_name_a_mesh_axis():
+    with pytest.raises(UserError, match=r"sharding\.rules\[0\]"):
+        load_config(None, ["sharding.rules=[[batch, dat]]"])
+
+
+def test_model_and_optimizer_sections_keep_extra_keys_as_options():
+    cfg = load_config(None, ["model.latent_size=8", "optimizer.weight_decay=0.1"])
+    assert cfg.model.options == {"latent_size": 8}
+    assert cfg.optimizer.options == {"weight_decay": 0.1}
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(None, ["model.latent_size=8", "checkpoint.async=false", "optimizer.learning_rate={name: cosine_decay, init_value: 0.1}"])
+    assert to_dict(from_dict(to_dict(cfg))) == to_dict(cfg)
+    assert to_dict(cfg)["checkpoint"]["async"] is False
+
+
+def test_apply_overrides_does_not_mutate_its_input():
+    raw = {"train": {"steps": 1}}
+    apply_overrides(raw, ["train.steps=2"])
+    assert raw == {"train": {"steps": 1}}

@@ -1,0 +1,282 @@
+"""The three console scripts, run as a user runs them: real subprocesses, real files.
+
+One small digits VAE is trained once (the reference run); the fault tests
+interrupt copies of it and check that resuming ends with exactly its
+parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nnx_cli.checkpoint import Checkpointer
+
+BIN = Path(sys.executable).parent
+STEPS = 240
+# Big enough hidden layers that a step takes a few milliseconds: the fault tests must catch runs mid-way.
+RUN_CONFIG = f"""
+seed: 3
+model: {{name: vae, hidden_sizes: [768, 768], latent_size: 8}}
+data: {{source: "sklearn:digits", binarize: 0.5}}
+optimizer: {{name: adam, learning_rate: 1.0e-3}}
+train: {{batch_size: 64, steps: {STEPS}, log_every: 20, eval_every: 120}}
+checkpoint: {{every_steps: 40, keep: 10}}
+"""
+
+
+def env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def cli(name: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "nnx-train"), *map(str, args)], cwd=cwd, env=env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not (workdir / "checkpoints" / str(step) / "commit_success.txt").exists():
+        assert proc.poll() is None, f"training ended before step {step}: {proc.communicate()[1]}"
+        assert time.monotonic() < deadline, f"no checkpoint {step} after {timeout}s"
+        time.sleep(0.01)
+
+
+def final_state(workdir: Path) -> dict:
+    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+    step = ckpt.latest_step()
+    return {"step": step, **ckpt.restore_raw(step)}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == STEPS
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A user's directory holding the run config."""
+    root = tmp_path_factory.mktemp("project")
+    (root / "run.yaml").write_text(RUN_CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(project: Path) -> Path:
+    """The uninterrupted run: trained once, shared by the tests."""
+    result = cli("nnx-train", "run.yaml", "--workdir", "ref", cwd=project)
+    assert result.returncode == 0, result.stderr
+    return project / "ref"
+
+
+# --------------------------------------------------------------------------- a user's session
+
+
+def test_train_writes_config_checkpoints_metrics_and_image_grids(reference: Path):
+    assert (reference / "config.yaml").is_file()
+    assert sorted(int(p.name) for p in (reference / "checkpoints").iterdir()) == list(range(40, STEPS + 1, 40))
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert {tuple(sorted(r)) for r in records} == {("metrics", "split", "step", "time")}
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(20, STEPS + 1, 20))
+    assert [r["step"] for r in records if r["split"] == "eval"] == [120, 240]
+    assert set(records[-1]["metrics"]) == {"nelbo", "recon", "kl"}
+    assert sorted(p.name for p in (reference / "images").iterdir()) == ["120.png", "240.png"]
+
+
+def test_training_reduces_the_loss(reference: Path):
+    train = [json.loads(line)["metrics"]["nelbo"] for line in (reference / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert train[-1] < 0.7 * train[0]
+
+
+def test_saved_config_is_fully_resolved(reference: Path):
+    import yaml
+
+    saved = yaml.safe_load((reference / "config.yaml").read_text())
+    assert saved["model"]["input_shape"] == [8, 8, 1]
+    assert saved["train"]["steps"] == STEPS and saved["checkpoint"]["async"] is True
+    assert set(saved) == {"seed", "workdir", "model", "data", "optimizer", "train", "sharding", "checkpoint"}
+
+
+def test_eval_json_is_one_object_matching_the_final_eval(reference: Path, project: Path):
+    result = cli("nnx-eval", reference, "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    last_eval = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]
+    assert report["step"] == STEPS
+    assert report["metrics"] == pytest.approx(last_eval["metrics"], rel=1e-6)
+
+
+def test_eval_of_an_earlier_step_dir(reference: Path, project: Path):
+    result = cli("nnx-eval", reference / "checkpoints" / "120", "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    evals = {json.loads(line)["step"]: json.loads(line)["metrics"] for line in (reference / "metrics.jsonl").read_text().splitlines() if '"eval"' in line}
+    assert json.loads(result.stdout) == {"step": 120, "metrics": pytest.approx(evals[120], rel=1e-6)}
+
+
+def test_eval_prints_a_table(reference: Path, project: Path):
+    result = cli("nnx-eval", reference, cwd=project)
+    assert result.returncode == 0 and "nelbo" in result.stdout and "eval at step 240" in result.stdout
+
+
+def test_inspect_work_dir_counts_every_parameter(reference: Path, project: Path):
+    result = cli("nnx-inspect", reference, "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    saved = Checkpointer(reference / "checkpoints", read_only=True).restore_raw(STEPS)["params"]
+    assert report["total_params"] == sum(np.size(x) for x in jax.tree.leaves(saved))
+    assert sum(e["size"] for e in report["entries"]) == report["total_size"]
+
+
+def test_inspect_config_is_abstract_and_its_sizes_add_up(project: Path):
+    # 2 x 20000 x 20000 hidden weights: 3.2 GB of float32 if it were allocated
+    result = cli("nnx-inspect", "run.yaml", "model.hidden_sizes=[20000, 20000]", "--json", cwd=project, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["total_params"] > 800_000_000
+    for type_name, totals in report["by_type"].items():
+        entries = [e for e in report["entries"] if e["type"] == type_name]
+        assert totals["size"] == sum(e["size"] for e in entries)
+        assert totals["bytes"] == sum(e["bytes"] for e in entries)
+    assert report["total_bytes"] == sum(t["bytes"] for t in report["by_type"].values())
+
+
+def test_inspect_maps_logical_axes_to_the_mesh(project: Path):
+    result = cli("nnx-inspect", "run.yaml", "--json", "--filter", "Param", cwd=project)
+    entries = {e["path"]: e for e in json.loads(result.stdout)["entries"]}
+    assert entries["encoder/0/kernel"]["sharding"] == ["embed", "hidden"]
+    assert entries["encoder/0/kernel"]["mesh_axes"] == [None, "model"]
+    assert all(e["sharding"] for e in entries.values())
+
+
+# --------------------------------------------------------------------------- faults lose nothing
+
+
+def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(reference: Path, project: Path):
+    proc = start_train("run.yaml", "--workdir", "killed", cwd=project)
+    wait_for_checkpoint(project / "killed", 80, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed_from = Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step()
+    assert 80 <= resumed_from < STEPS
+    result = cli("nnx-train", "run.yaml", "--workdir", "killed", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {Path('killed', 'checkpoints', str(resumed_from))}" in result.stderr
+    assert_same_state(final_state(project / "killed"), final_state(reference))
+
+
+def test_ctrl_c_writes_a_checkpoint_exits_130_and_resumes_exactly(reference: Path, project: Path):
+    proc = start_train("run.yaml", "--workdir", "interrupted", cwd=project)
+    wait_for_checkpoint(project / "interrupted", 80, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    stopped_at = Checkpointer(project / "interrupted" / "checkpoints", read_only=True).latest_step()
+    assert 80 <= stopped_at <= STEPS
+    assert f"checkpoint written at {Path('interrupted', 'checkpoints', str(stopped_at))}" in stderr
+    result = cli("nnx-train", "run.yaml", "--workdir", "interrupted", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert_same_state(final_state(project / "interrupted"), final_state(reference))
+
+
+def test_training_to_n_then_resuming_to_2n_matches_training_to_2n(reference: Path, project: Path):
+    first = cli("nnx-train", "run.yaml", f"train.steps={STEPS // 2}", "--workdir", "twice", cwd=project)
+    assert first.returncode == 0, first.stderr
+    second = cli("nnx-train", "run.yaml", "--workdir", "twice", cwd=project)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr
+    assert_same_state(final_state(project / "twice"), final_state(reference))
+    steps = [json.loads(line)["step"] for line in (project / "twice" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert steps == list(range(20, STEPS + 1, 20))
+
+
+def test_non_finite_loss_exits_1_naming_the_step_and_keeps_the_last_good_checkpoint(project: Path):
+    result = cli(
+        "nnx-train", "run.yaml", "optimizer.name=sgd", "optimizer.learning_rate=1e30",
+        "checkpoint.every_steps=1", "train.log_every=1", "--workdir", "diverged", cwd=project,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "non-finite at step" in result.stderr
+    ckpt = Checkpointer(project / "diverged" / "checkpoints", read_only=True)
+    last = ckpt.latest_step()
+    assert f"last good checkpoint is {Path('diverged', 'checkpoints', str(last))}" in result.stderr
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(ckpt.restore_raw(last)["params"]))
+
+
+# --------------------------------------------------------------------------- bad input: one message, exit 2
+
+
+def test_missing_config_file(project: Path):
+    assert_user_error(cli("nnx-train", "nope.yaml", cwd=project), "nope.yaml", "does not exist")
+
+
+def test_malformed_config_file(project: Path):
+    (project / "broken.yaml").write_text("train: [1, 2\n")
+    assert_user_error(cli("nnx-train", "broken.yaml", cwd=project), "broken.yaml", "not valid YAML")
+
+
+def test_unknown_key_in_config_suggests_closest(project: Path):
+    (project / "typo.yaml").write_text("optimizer:\n  nmae: adam\n")
+    assert_user_error(cli("nnx-train", "typo.yaml", cwd=project), "'optimizer.nmae'", "did you mean 'optimizer.name'")
+
+
+def test_unknown_override_key_suggests_closest(project: Path):
+    assert_user_error(cli("nnx-train", "run.yaml", "train.setps=3", cwd=project), "'train.setps'", "did you mean 'train.steps'")
+
+
+def test_wrong_type_names_the_key(project: Path):
+    assert_user_error(cli("nnx-train", "run.yaml", "train.batch_size=big", cwd=project), "'train.batch_size'", "integer")
+
+
+def test_unknown_model_name(project: Path):
+    assert_user_error(cli("nnx-train", "run.yaml", "model.name=vea", "--workdir", "bad-model", cwd=project), "'model.name'", "did you mean 'vae'")
+
+
+def test_unknown_model_option_suggests_closest(project: Path):
+    assert_user_error(cli("nnx-train", "run.yaml", "model.latent_sise=3", "--workdir", "bad-option", cwd=project), "'model.latent_sise'", "did you mean 'model.latent_size'")
+
+
+def test_unknown_optimizer_name(project: Path):
+    assert_user_error(cli("nnx-train", "run.yaml", "optimizer.name=adamm", "--workdir", "bad-opt", cwd=project), "'optimizer.name'", "adamm")
+
+
+def test_missing_local_dataset(project: Path):
+    assert_user_error(cli("nnx-train", "run.yaml", "data.source=./no/such/data", "--workdir", "bad-data", cwd=project), "data.source", "./no/such/data", "does not exist")
+
+
+def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: Path):
+    result = cli("nnx-train", "run.yaml", "data.source=nnx-tests/not-cached", "--workdir", "bad-hub", cwd=project)
+    assert_user_error(result, "data.source", "nnx-tests/not-cached", "cannot be reached", "local copy")
+
+
+def test_eval_on_a_dir_without_checkpoints(project: Path):
+    (project / "empty-run").mkdir()
+    assert_user_error(cli("nnx-eval", "empty-run", cwd=project), "empty-run", "no checkpoint")
+
+
+def test_inspect_of_an_unknown_dataset_asks_for_the_input_shape(project: Path):
+    assert_user_error(cli("nnx-inspect", "run.yaml", "data.source=someone/unknown", cwd=project), "model.input_shape")
