@@ -592,9 +592,12 @@ def _scan_init(
 
   if options.length is not None and (options.variable_axes or split):
     out_axes = (*options.axes, None, None)
-    states = jax.vmap(
+    init_all = jax.vmap(
         init_one, in_axes=(0, None), out_axes=out_axes, axis_size=options.length
-    )(split, broadcast)
+    )
+    # Compiled as one program: run eagerly, every initializer op of the
+    # vmapped constructor would be compiled on its own.
+    states = jax.jit(init_all)(split, broadcast)
   else:
     states = init_one(split, broadcast)
   *axes_states, broadcast_state, carry_state = states
