@@ -60,9 +60,9 @@ def evaluate(
     if as_json:
         print(json.dumps({"step": run.step, "metrics": metrics}))
     else:
-        report.stderr_console().print(f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} examples", markup=False, highlight=False)
         from rich.console import Console
 
+        report.stderr_console().print(f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} examples", markup=False, highlight=False)
         Console().print(report.metrics_table(f"eval at step {run.step}", metrics))
 
 

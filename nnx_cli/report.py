@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -124,7 +123,3 @@ def write_image_grid(images: np.ndarray, path: str | Path, columns: int = 8, sca
         pixels, mode = pixels[..., :1], "L"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode=mode).save(path)
-
-
-def is_terminal() -> bool:
-    return sys.stderr.isatty()

@@ -75,6 +75,10 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     is_main = jax.process_index() == 0
     console = report.stderr_console()
 
+    # 0. Names in the config are checked before any data is read (or downloaded).
+    models.resolve_options(cfg.model)
+    optim.build_optimizer(cfg.optimizer, total_steps=1)
+
     # 1. Data, decoded once into arrays.
     train_split = data.load_split(cfg.data, cfg.data.train_split, "data.train_split")
     eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split") if cfg.data.eval_split else None
@@ -125,8 +129,8 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     has_images = hasattr(models.model_class(cfg.model.name), "images") and len(train_split.spec.input_shape) == 3
     images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed)) if has_images else None
     names = steps.metric_names(moduledef, abstract, jax.eval_shape(lambda: batches.get(0)))
-    place = lambda batch: sharding.place_batch(batch, batch_sharding)  # noqa: E731
     eval_batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
+    eval_sharding = sharding.batch_sharding(mesh, rules, eval_batch_size)
 
     log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
     progress = report.Progress(console, start, total_steps, loss_metric)
@@ -134,13 +138,13 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     def run_eval(step: int) -> None:
         if eval_split is None:
             return
-        eval_batches = (place(b) for b in data.eval_batches(eval_split, eval_batch_size))
+        eval_batches = (sharding.place_batch(b, eval_sharding) for b in data.eval_batches(eval_split, eval_batch_size))
         metrics = steps.evaluate(eval_step, state, eval_batches, len(eval_split))
         if log is not None:
             log.write(step, "eval", metrics)
             progress.print(report.metrics_table(f"eval at step {step}", metrics))
             if images_step is not None:
-                first = place(next(data.eval_batches(eval_split, eval_batch_size)))
+                first = sharding.place_batch(next(data.eval_batches(eval_split, eval_batch_size)), eval_sharding)
                 report.write_image_grid(jax.device_get(images_step(state, first)), workdir / "images" / f"{step}.png")
 
     def check_finite(sums: dict[str, Any], step: int) -> None:
@@ -157,7 +161,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     stopped = None
     try:
         with _StopRequested() as stop, jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-            feed = data.prefetch(lambda s: place(batches.get(s, rows)), range(start, total_steps))
+            feed = data.prefetch(lambda s: sharding.place_batch(batches.get(s, rows), batch_sharding), range(start, total_steps))
             for batch in feed:
                 state, sums = train_step(state, sums, batch)
                 step += 1

@@ -1,0 +1,71 @@
+"""MNIST VAE: `nnx-train configs/mnist_vae.yaml` against a plain JAX + optax script.
+
+Both run as subprocesses on the same data, same model (MLP 784-512-32,
+Bernoulli decoder), same optimizer (Adam 1e-3), batch 128 and epochs; wall
+time is measured around each whole process (imports, decoding, compiling,
+training, evaluating; for nnx-train also its evals, checkpoints and PNGs).
+Prints both test negative ELBOs and the time ratio, and checks the targets:
+nnx-train's test nELBO <= 85.5 nats and time <= 1.15x the plain script.
+
+    python benchmarks/mnist_vae.py                      # 30 epochs, ../shared/data/mnist
+    python benchmarks/mnist_vae.py --epochs 2 --no-check  # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MAX_NELBO = 85.5
+MAX_TIME_RATIO = 1.15
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return seconds, result.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="../shared/data/mnist", help="data.source, relative to the repo root")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--no-check", dest="check", action="store_false", help="print figures without enforcing the targets")
+    args = parser.parse_args()
+
+    plain_seconds, out = timed([sys.executable, "benchmarks/plain_vae.py", "--source", args.source, "--epochs", str(args.epochs)])
+    plain = json.loads(out.strip().splitlines()[-1])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp) / "mnist_vae"
+        nnx_seconds, _ = timed([str(BIN / "nnx-train"), "configs/mnist_vae.yaml", f"data.source={args.source}", f"train.epochs={args.epochs}", "--workdir", str(workdir), "--no-resume"])
+        evals = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+        nnx_nelbo = evals[-1]["metrics"]["nelbo"]
+        steps = evals[-1]["step"]
+
+    ratio = nnx_seconds / plain_seconds
+    print(f"MNIST VAE 784-512-32, Adam 1e-3, batch 128, {args.epochs} epochs ({steps} steps), data {args.source}")
+    print(f"{'':12} {'wall s':>8} {'test nELBO':>11}")
+    print(f"{'plain JAX':12} {plain_seconds:8.1f} {plain['test_nelbo']:11.2f}")
+    print(f"{'nnx-train':12} {nnx_seconds:8.1f} {nnx_nelbo:11.2f}")
+    print(f"time ratio nnx-train / plain: {ratio:.3f} (target <= {MAX_TIME_RATIO}); test nELBO target <= {MAX_NELBO}")
+    print(json.dumps({"epochs": args.epochs, "plain_seconds": plain_seconds, "plain_nelbo": plain["test_nelbo"], "nnx_seconds": nnx_seconds, "nnx_nelbo": nnx_nelbo, "time_ratio": ratio}))
+    if args.check:
+        failed = [f"test nELBO {nnx_nelbo:.2f} > {MAX_NELBO}"] * (nnx_nelbo > MAX_NELBO) + [f"time ratio {ratio:.3f} > {MAX_TIME_RATIO}"] * (ratio > MAX_TIME_RATIO)
+        if failed:
+            sys.exit("FAILED: " + "; ".join(failed))
+        print("OK")
+
+
+if __name__ == "__main__":
+    main()
