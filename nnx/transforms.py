@@ -88,6 +88,47 @@ def _write_back(module: Module, state: State) -> None:
 # ------------------------------------------------------------------------------
 
 
+def _reconcile(target: Module, fresh: Module) -> None:
+  """Makes ``target`` look like ``fresh``, keeping ``target``'s submodules.
+
+  ``fresh`` was built from what a transform returned (state and structure).
+  Attributes are copied over (new ones added, missing ones deleted);
+  submodules of the same type at the same place are updated in place rather
+  than replaced, so references to them stay valid. Sharing is preserved.
+  """
+  targets: dict[int, Module] = {}  # id(fresh module) -> module standing for it
+  used: set[int] = set()  # ids of existing modules already updated
+
+  def adopt(module: Module) -> None:
+    for _, sub in module.modules():
+      targets.setdefault(id(sub), sub)
+
+  def update(target: Module, fresh: Module) -> None:
+    _check_trace(target)
+    targets[id(fresh)] = target
+    used.add(id(target))
+    attributes, new = _dict(target), _dict(fresh)
+    for name in [n for n in attributes if n not in new]:
+      del attributes[name]
+    for name, value in new.items():
+      if name == _MODULE_STATE:
+        continue
+      if isinstance(value, Module):
+        if id(value) in targets:
+          attributes[name] = targets[id(value)]
+          continue
+        current = attributes.get(name)
+        if type(current) is type(value) and id(current) not in used:
+          update(current, value)
+        else:
+          adopt(value)
+          attributes[name] = value
+      else:
+        attributes[name] = value
+
+  update(target, fresh)
+
+
 class _Signature:
   """The static half of a jitted call: the state's treedef and the ModuleDef.
 
@@ -214,11 +255,15 @@ class _Jitted:
       out = self._fun(module, *args, **_merge_ctx(kwargs))
       if not self._stateful:
         return out
-      state = module.get_state()
+      state, moduledef = module.partition()
+    if self._structured:
+      return out, state
     new_leaves, treedef = jax.tree.flatten(state)
-    if treedef == signature.treedef and not self._structured:
+    if treedef == signature.treedef and moduledef == signature.moduledef:
       return out, new_leaves  # same structure: the fast write-back applies
-    return out, state  # new attributes or containers: general write-back
+    # New attributes, submodules or static fields: the structure comes back
+    # too (a ModuleDef has no leaves, so this costs nothing at run time).
+    return out, state, moduledef
 
   def _flat(self, module: Module) -> _Flat:
     flat = self._flats.get(id(module))
@@ -247,16 +292,24 @@ class _Jitted:
     if self._structured:
       state = flat.signature.treedef.unflatten(flat.leaves)
       out, new = self._jitted(state, flat.signature, *args, **kwargs)
-      new = jax.tree.leaves(new) if jax.tree.structure(new) == flat.signature.treedef else new
+      leaves, treedef = jax.tree.flatten(new)
+      if treedef == flat.signature.treedef and flat.slots is not None:
+        flat.write_back(leaves)
+      else:
+        module.update_state(new)
+        self._flats.pop(id(module), None)
+      return out
+    result = self._jitted(flat.leaves, flat.signature, *args, **kwargs)
+    if len(result) == 2:
+      out, leaves = result
+      if flat.slots is not None:
+        flat.write_back(leaves)
+        return out
+      module.update_state(flat.signature.treedef.unflatten(leaves))
     else:
-      out, new = self._jitted(flat.leaves, flat.signature, *args, **kwargs)
-    if type(new) is list and flat.slots is not None:
-      flat.write_back(new)
-    else:
-      if type(new) is list:
-        new = flat.signature.treedef.unflatten(new)
-      module.update_state(new)
-      self._flats.pop(id(module), None)
+      out, state, moduledef = result
+      _reconcile(module, moduledef.merge(state))
+    self._flats.pop(id(module), None)
     return out
 
   def lower(self, module: Module, *args, **kwargs):
@@ -625,6 +678,16 @@ def _move_axes(tree: A, source: tp.Any, destination: bool) -> A:
   return jax.tree.map(move, source, tree, is_leaf=lambda x: x is None)
 
 
+def _carry_and_xs(args: tuple) -> tuple[tp.Any, tp.Any, tuple]:
+  if len(args) < 2:
+    raise TypeError(
+        'A scanned call takes (carry, xs, *broadcast_args): expected at '
+        f'least 2 positional arguments, got {len(args)}. Pass None for a '
+        'carry or xs you do not use.'
+    )
+  return args[0], args[1], args[2:]
+
+
 def _scan_apply(
     options: _ScanOptions,
     fun: tp.Callable[..., tuple[C, tp.Any]],
@@ -795,14 +858,15 @@ class Scan(Module, tp.Generic[M], metaclass=_LiftedMeta):
         self.options, module_constructor, module_init_args, dict(module_init_kwargs)
     )
 
-  def __call__(self, carry: C, xs: tp.Any, *args, **kwargs) -> tuple[C, tp.Any]:
-    return self.call(carry, xs, *args, **kwargs)
+  def __call__(self, *args, **kwargs) -> tuple[C, tp.Any]:
+    return self.call(*args, **kwargs)
 
   @property
   def call(self) -> M:
     """Scans any method of the layer: ``m.call.decode(carry, xs, ...)``."""
 
-    def run(accessor, carry, xs, *args, **kwargs):
+    def run(accessor, *args, **kwargs):
+      carry, xs, args = _carry_and_xs(args)
       return _scan_apply(
           self.options,
           lambda layer, *a, **k: accessor(layer)(*a, **k),
@@ -879,7 +943,8 @@ def scan(
     return init_wrapper  # type: ignore[return-value]
 
   @functools.wraps(f)
-  def apply_wrapper(self: Module, carry, xs, *args, **kwargs):
+  def apply_wrapper(self: Module, *args, **kwargs):
+    carry, xs, args = _carry_and_xs(args)
     return _scan_apply(scan_options, f, self, carry, xs, args, dict(kwargs))
 
   return apply_wrapper  # type: ignore[return-value]

@@ -721,3 +721,58 @@ def test_remat_decorator_under_scan_decorator():
   assert mlp.linear.kernel.shape == (4, 3, 3)
   y, _ = mlp(jnp.ones((1, 3)), None)
   assert y.shape == (1, 3)
+
+
+def test_scan_call_with_fewer_than_two_positional_arguments_raises():
+  mlp = nnx.Scan(Block, variable_axes={nnx.Param: 0}, length=2)(ctx=nnx.context(0))
+  with pytest.raises(TypeError, match='at least 2 positional arguments, got 1'):
+    mlp(jnp.ones((1, 3)))
+
+
+def test_plain_jax_grad_cannot_mutate_a_module_from_outside():
+  # jax.grad opens a new trace on current JAX: use nnx.grad instead.
+  model = _counter()
+
+  def loss(params):
+    model.count = 1
+    return jnp.sum(params)
+
+  with pytest.raises(nnx.TraceContextError):
+    jax.grad(loss)(jnp.ones(3))
+
+
+def test_jit_on_init_builds_the_module_with_static_attributes():
+  calls = []
+
+  class Foo(nnx.Module):
+
+    @functools.partial(nnx.jit, static_argnums=(1, 2))
+    def __init__(self, din: int, dout: int, *, ctx: nnx.Context):
+      calls.append(1)
+      self.w = nnx.Param(jax.random.normal(ctx.make_rng('params'), (din, dout)))
+      self.din = din
+      self.linear = nnx.Linear(din, dout, ctx=ctx)
+
+  foo = Foo(2, 3, ctx=nnx.context(0))
+  assert foo.w.shape == (2, 3) and isinstance(foo.w, jax.Array)
+  assert foo.din == 2 and isinstance(foo.din, int)
+  assert foo.linear.kernel.shape == (2, 3)
+  Foo(2, 3, ctx=nnx.context(0))
+  assert len(calls) == 1
+
+
+def test_jit_writes_structure_changes_back_keeping_submodules():
+  model = _counter()
+  linear = model.linear
+
+  @nnx.jit
+  def f(model):
+    model.linear.note = 'static'
+    model.extra = nnx.Linear(3, 1, ctx=nnx.context(0))
+    del model.count
+
+  f(model)
+  assert model.linear is linear
+  assert linear.note == 'static'
+  assert model.extra.kernel.shape == (3, 1)
+  assert not hasattr(model, 'count')
