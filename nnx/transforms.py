@@ -36,6 +36,7 @@ from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nnx import containers, contextlib, partitioning, spmd, tracers
 from nnx.module import (
@@ -78,10 +79,6 @@ def _merge_ctx(kwargs: dict[str, tp.Any]) -> dict[str, tp.Any]:
     kwargs = dict(kwargs)
     kwargs['ctx'] = ctx.merge()
   return kwargs
-
-
-def _write_back(module: Module, state: State) -> None:
-  module.update_state(state)
 
 
 # jit
@@ -484,7 +481,7 @@ def grad(
         allow_int=allow_int,
     )(diff, rest, *args, **kwargs)
     if stateful:
-      _write_back(module, updates)
+      module.update_state(updates)
     return (grads, aux) if has_aux else grads
 
   return grad_fn
@@ -965,6 +962,11 @@ def _as_argnums(argnums: tp.Union[int, tp.Sequence[int]]) -> tuple[int, ...]:
   return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
+def _all_arrays(tree: tp.Any) -> bool:
+  leaves = jax.tree.leaves(tree)
+  return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+
+
 def _remat_apply(
     options: _RematOptions,
     fun: tp.Callable[..., tp.Any],
@@ -975,11 +977,15 @@ def _remat_apply(
   """Runs ``fun(module, *args, **kwargs)`` under ``jax.checkpoint``."""
   state, moduledef = module.partition()
   kwargs = _partition_ctx(kwargs)
+  # Keyword arguments holding arrays (a Context's keys) are traced; others
+  # (flags such as train=True) stay Python values, as in a direct call.
+  traced = {k: v for k, v in kwargs.items() if _all_arrays(v)}
+  untraced = {k: v for k, v in kwargs.items() if k not in traced}
 
-  def pure(state: State, kwargs: dict[str, tp.Any], *args):
+  def pure(state: State, traced: dict[str, tp.Any], *args):
     with tracers.nnx_trace():
       inner = moduledef.merge(state)
-      out = fun(inner, *args, **_merge_ctx(kwargs))
+      out = fun(inner, *args, **_merge_ctx({**untraced, **traced}))
       return inner.get_state(), out
 
   # Argument 0 is the state, 1 the keyword arguments: shift user indices by 2.
@@ -989,7 +995,7 @@ def _remat_apply(
       prevent_cse=options.prevent_cse,
       static_argnums=static,
       policy=options.policy,
-  )(state, kwargs, *args)
+  )(state, traced, *args)
   module.update_state(state)
   return out
 

@@ -776,3 +776,22 @@ def test_jit_writes_structure_changes_back_keeping_submodules():
   assert linear.note == 'static'
   assert model.extra.kernel.shape == (3, 1)
   assert not hasattr(model, 'count')
+
+
+def test_remat_keeps_python_keyword_arguments_static():
+
+  class Model(nnx.Module):
+
+    def __init__(self, *, ctx):
+      self.linear = nnx.Linear(2, 2, ctx=ctx)
+      self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, *, train: bool, ctx=None):
+      return self.dropout(self.linear(x), deterministic=not train, ctx=ctx)
+
+  remat = nnx.Remat(Model)(ctx=nnx.context(0))
+  y = remat(jnp.ones((1, 2)), train=True, ctx=nnx.context(dropout=0))
+  assert y.shape == (1, 2)
+  np.testing.assert_allclose(
+      remat(jnp.ones((1, 2)), train=False), remat.remat_module(jnp.ones((1, 2)), train=False)
+  )
