@@ -795,3 +795,22 @@ def test_remat_keeps_python_keyword_arguments_static():
   np.testing.assert_allclose(
       remat(jnp.ones((1, 2)), train=False), remat.remat_module(jnp.ones((1, 2)), train=False)
   )
+
+
+def test_scan_raises_when_a_layer_mutates_a_module_captured_from_outside():
+  outer = _counter()
+
+  class Layer(nnx.Module):
+
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(()))
+
+    def __call__(self, x, _):
+      outer.count = 3
+      return x, None
+
+  s = nnx.Scan(Layer, variable_axes={nnx.Param: 0}, length=2)()
+  with pytest.raises(
+      nnx.TraceContextError, match='Cannot mutate Module from different trace level'
+  ):
+    s(jnp.ones(()), None)
