@@ -43,10 +43,11 @@ def empty_sums(metric_names: list[str]) -> dict[str, Any]:
     return {"metrics": {k: jnp.zeros((), jnp.float32) for k in metric_names}, "count": jnp.zeros((), jnp.int32), "bad_step": jnp.full((), -1, jnp.int32)}
 
 
-def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_metric: str, seed: int, state: TrainState, sums: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any]]:
+def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_metric: str, seed: int, state: TrainState, sums: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
 
-    `sums["bad_step"]` records the first step whose loss was not finite.
+    `sums["bad_step"]` records the first step whose loss was not finite. The
+    loss is also returned on its own: a small output the loop can wait on.
     """
     step = state["step"]
 
@@ -65,7 +66,7 @@ def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_
         "count": sums["count"] + 1,
         "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
     }
-    return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums
+    return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums, loss
 
 
 def metric_names(moduledef: nnx.ModuleDef, abstract: TrainState, batch: dict[str, Any]) -> list[str]:

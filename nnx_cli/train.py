@@ -8,6 +8,7 @@ project README for the work dir layout.
 
 from __future__ import annotations
 
+import collections
 import functools
 import shutil
 import signal
@@ -19,6 +20,8 @@ import typer
 
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
 from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, report_errors
+
+_MAX_IN_FLIGHT = 2  # steps dispatched ahead of the one being computed
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -162,9 +165,13 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     try:
         with _StopRequested() as stop, jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
             feed = data.prefetch(lambda s: sharding.place_batch(batches.get(s, rows), batch_sharding), range(start, total_steps))
+            in_flight: collections.deque = collections.deque()
             for batch in feed:
-                state, sums = train_step(state, sums, batch)
+                state, sums, loss = train_step(state, sums, batch)
                 step += 1
+                in_flight.append(loss)
+                if len(in_flight) > _MAX_IN_FLIGHT:  # bound async dispatch: keeps collectives on few CPU cores from starving
+                    in_flight.popleft().block_until_ready()
                 if step % cfg.train.log_every == 0 or step == total_steps:
                     host = jax.device_get(sums)
                     check_finite(host, step)
