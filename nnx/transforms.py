@@ -32,6 +32,7 @@ level"). Pass every Module the function changes as an argument.
 import dataclasses
 import functools
 import typing as tp
+import weakref
 from types import MappingProxyType
 
 import jax
@@ -169,7 +170,7 @@ class _Flat:
   def __init__(self, module: Module):
     state, moduledef = module.partition()
     leaves, treedef = jax.tree.flatten(state)
-    self.module = module
+    self.module = weakref.ref(module)  # the cache must not keep models alive
     self.dicts = tuple(_dict(m) for _, m in module.modules())
     self.copies = tuple(dict(d) for d in self.dicts)
     self.signature = _Signature(treedef, moduledef)
@@ -264,14 +265,18 @@ class _Jitted:
 
   def _flat(self, module: Module) -> _Flat:
     flat = self._flats.get(id(module))
-    if flat is not None and flat.module is module and flat.is_current():
+    if flat is not None and flat.module() is module and flat.is_current():
       return flat
     flat = _Flat(module)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in flat.leaves):
       return flat  # a Module of an enclosing trace: do not keep its tracers
     if len(self._flats) >= self._MAX_CACHED_MODULES:
       del self._flats[next(iter(self._flats))]
-    self._flats[id(module)] = flat
+    key, flats = id(module), self._flats
+    flat.module = weakref.ref(
+        module, lambda _: flats.pop(key, None) if flats.get(key) is flat else None
+    )
+    flats[key] = flat
     return flat
 
   def __call__(self, module: Module, *args, **kwargs):

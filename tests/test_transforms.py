@@ -814,3 +814,16 @@ def test_scan_raises_when_a_layer_mutates_a_module_captured_from_outside():
       nnx.TraceContextError, match='Cannot mutate Module from different trace level'
   ):
     s(jnp.ones(()), None)
+
+
+def test_jit_does_not_keep_modules_alive():
+  import gc
+  import weakref
+
+  f = nnx.jit(lambda model, x: model(x))
+  model = _counter()
+  f(model, X)
+  ref = weakref.ref(model)
+  del model
+  gc.collect()
+  assert ref() is None
