@@ -241,7 +241,11 @@ class _Jitted:
     self._fun = fun
     self._stateful = stateful
     self._structured = 'in_shardings' in jit_kwargs or 'out_shardings' in jit_kwargs
-    self._jitted = jax.jit(self._pure, **jit_kwargs)
+    pure = functools.partial(_Jitted._pure, self)
+    # Named after the user's function in HLO dumps and profiles (no
+    # __wrapped__: jax.jit must see the pure signature, not the user's).
+    pure.__name__ = getattr(fun, '__name__', 'fun')  # type: ignore[attr-defined]
+    self._jitted = jax.jit(pure, **jit_kwargs)
     self._flats: dict[int, _Flat] = {}
 
   def _pure(self, leaves: tp.Any, signature: _Signature, *args, **kwargs):

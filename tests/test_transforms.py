@@ -827,3 +827,13 @@ def test_jit_does_not_keep_modules_alive():
   del model
   gc.collect()
   assert ref() is None
+
+
+def test_jit_static_argnames_keep_keyword_arguments_static():
+
+  @functools.partial(nnx.jit, static_argnames='times')
+  def f(model, x, *, times):
+    assert isinstance(times, int)
+    return x * times
+
+  assert f(_counter(), jnp.ones(()), times=3) == 3.0
