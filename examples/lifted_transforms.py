@@ -11,7 +11,6 @@ Evaluation uses ``stateful=False``: it cannot change the model.
 import argparse
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

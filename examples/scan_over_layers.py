@@ -13,7 +13,6 @@ everything not stacked), so all blocks share one set of running statistics.
 """
 import argparse
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

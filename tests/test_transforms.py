@@ -1,5 +1,4 @@
 import functools
-import typing as tp
 
 import jax
 import jax.numpy as jnp
