@@ -171,6 +171,26 @@ def test_inspect_maps_logical_axes_to_the_mesh(project: Path):
     assert all(e["sharding"] for e in entries.values())
 
 
+def test_cnn_classifier_checkpoints_its_batch_statistics(project: Path):
+    (project / "cnn.yaml").write_text("model: {name: cnn_classifier, features: [8]}\ntrain: {batch_size: 32, steps: 30, log_every: 10, eval_every: 30}\n")
+    result = cli("nnx-train", "cnn.yaml", "--workdir", "cnn", cwd=project)
+    assert result.returncode == 0, result.stderr
+    rest = final_state(project / "cnn")["rest"]
+    assert np.abs(rest["norms"]["0"]["mean"]).sum() > 0  # running mean moved away from its zero init
+    report = json.loads(cli("nnx-eval", "cnn", "--json", cwd=project).stdout)
+    assert set(report["metrics"]) == {"loss", "accuracy"} and 0.0 <= report["metrics"]["accuracy"] <= 1.0
+
+
+def test_no_resume_starts_over(project: Path):
+    first = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", cwd=project)
+    assert first.returncode == 0, first.stderr
+    again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
+    assert again.returncode == 0, again.stderr
+    assert "resumed" not in again.stderr
+    steps = [json.loads(line)["step"] for line in (project / "fresh" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert steps == [20, 40]
+
+
 # --------------------------------------------------------------------------- faults lose nothing
 
 
