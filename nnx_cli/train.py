@@ -1,9 +1,9 @@
 """`nnx-train CONFIG [KEY=VALUE ...]`: train a model from a YAML config.
 
-The whole run, top to bottom: config -> data -> model + optimizer -> mesh and
-placed state (fresh or restored) -> jitted steps -> loop with logs, evals
-and checkpoints -> final checkpoint. See `nnx_cli/README` section of the
-project README for the work dir layout.
+The run, top to bottom in `run`: config -> data -> model + optimizer -> mesh
+and placed state (fresh or restored) -> jitted steps -> loop with logs,
+evals and checkpoints -> final checkpoint. Writes config.yaml,
+checkpoints/<step>/, metrics.jsonl and images/<step>.png into the work dir.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import collections
 import functools
 import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Any, Optional
 
