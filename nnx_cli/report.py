@@ -71,6 +71,7 @@ class Progress:
         self.live = console.is_terminal
         self._last_step, self._last_time = start, time.perf_counter()
         self._bar: RichProgress | None = None
+        self._last_tick = 0.0
         if self.live:
             self._bar = RichProgress(
                 TextColumn("[bold]train"),
@@ -93,6 +94,12 @@ class Progress:
             self._bar.update(self._task, completed=step, loss=f"{self.loss_name} {metrics.get(self.loss_name, float('nan')):.4g}", rate=f"{rate:.1f} steps/s")
         else:
             self.console.print(f"step {step}/{self.total} {format_metrics(metrics)} ({rate:.1f} steps/s)", highlight=False, soft_wrap=True)
+
+    def tick(self, step: int) -> None:
+        """Called every step: moves the live bar (no device sync; at most 10 redraws/s)."""
+        if self._bar is not None and time.perf_counter() - self._last_tick > 0.1:
+            self._last_tick = time.perf_counter()
+            self._bar.update(self._task, completed=step)
 
     def print(self, renderable: Any) -> None:
         self.console.print(renderable, highlight=False, soft_wrap=True)

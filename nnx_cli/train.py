@@ -168,6 +168,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
             for batch in feed:
                 state, sums, loss = train_step(state, sums, batch)
                 step += 1
+                progress.tick(step)
                 in_flight.append(loss)
                 if len(in_flight) > _MAX_IN_FLIGHT:  # bound async dispatch: keeps collectives on few CPU cores from starving
                     in_flight.popleft().block_until_ready()
