@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from nnx_cli.errors import UserError
+
 _ITEM = "state"
 
 
@@ -35,7 +37,7 @@ class Checkpointer:
             read_only=read_only,
         )
         self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_ITEM,))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={_ITEM: ocp.StandardCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -48,10 +50,38 @@ class Checkpointer:
         self.manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=True)
 
     def restore(self, step: int, target: Any) -> Any:
-        """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`."""
+        """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`.
+
+        A checkpoint of a different model or optimizer is a UserError, found
+        from the checkpoint's metadata before any array is read.
+        """
         abstract = to_named_tree(jax.tree.map(_as_abstract, target))
+        self._check_matches(step, abstract)
         restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract)}))[_ITEM]
         return from_named_tree(restored, target)
+
+    def _check_matches(self, step: int, abstract: dict[str, Any]) -> None:
+        def layout(tree: Any) -> dict[str, tuple]:
+            return {"/".join(_names(path)): (tuple(x.shape), str(x.dtype)) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+        saved, wanted = layout(self.manager.item_metadata(step)[_ITEM]), layout(abstract)
+        if saved == wanted:
+            return
+        params_first = lambda path: (not path.startswith("params/"), path)  # noqa: E731
+        missing = sorted(wanted.keys() - saved.keys(), key=params_first)
+        extra = sorted(saved.keys() - wanted.keys(), key=params_first)
+        changed = sorted((k for k in wanted.keys() & saved.keys() if wanted[k] != saved[k]), key=params_first)
+        if changed:
+            (old_shape, old_dtype), (new_shape, new_dtype) = saved[changed[0]], wanted[changed[0]]
+            what = f"{changed[0]} is {old_dtype}{list(old_shape)} there but {new_dtype}{list(new_shape)} in the config"
+        elif missing:
+            what = f"it has no {missing[0]}"
+        else:
+            what = f"it has {extra[0]}, which the config's model and optimizer do not"
+        raise UserError(
+            f"checkpoint {self.directory / str(step)} does not match the model and optimizer of the config: {what}; "
+            f"train in a new --workdir, or pass --no-resume to start over"
+        )
 
     def restore_raw(self, step: int) -> dict[str, Any]:
         """The checkpoint at `step` as saved: nested dicts of numpy arrays."""

@@ -293,6 +293,14 @@ def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: 
     assert_user_error(result, "data.source", "nnx-tests/not-cached", "cannot be reached", "local copy")
 
 
+def test_resuming_with_a_different_model_is_a_user_error(project: Path):
+    first = cli("nnx-train", "run.yaml", "train.steps=20", "--workdir", "changed", cwd=project)
+    assert first.returncode == 0, first.stderr
+    result = cli("nnx-train", "run.yaml", "train.steps=40", "model.latent_size=4", "--workdir", "changed", cwd=project)
+    assert_user_error(result, "does not match", "--no-resume")
+    assert Checkpointer(project / "changed" / "checkpoints", read_only=True).all_steps() == [20]
+
+
 def test_eval_on_a_dir_without_checkpoints(project: Path):
     (project / "empty-run").mkdir()
     assert_user_error(cli("nnx-eval", "empty-run", cwd=project), "empty-run", "no checkpoint")
