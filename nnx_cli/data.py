@@ -256,21 +256,24 @@ class Batches:
         assert self._perm is not None
         return self._perm[i * self.batch_size : (i + 1) * self.batch_size]
 
-    def get(self, step: int, part: slice = slice(None)) -> dict[str, np.ndarray]:
-        """The batch for `step` (only rows `part` of it, for one process's share)."""
-        idx = self.indices(step)[part]
+    def get(self, step: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """The batch for `step`; only its `rows` (one process's share) are gathered."""
+        idx = self.indices(step)[rows]
         return {k: v[idx] for k, v in self.arrays.items()}
 
 
-def eval_batches(split: Split, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    """The whole split in order, the last batch padded; `"mask"` marks real rows."""
+def eval_batches(split: Split, batch_size: int, rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
+    """The whole split in order, the last batch padded; `"mask"` marks real rows.
+
+    Only `rows` of each batch (one process's share) are yielded.
+    """
     arrays = split.arrays()
     for start in range(0, len(split), batch_size):
         stop = min(start + batch_size, len(split))
         pad = batch_size - (stop - start)
         batch = {k: np.concatenate([v[start:stop], np.zeros((pad, *v.shape[1:]), v.dtype)]) if pad else v[start:stop] for k, v in arrays.items()}
         batch["mask"] = np.arange(batch_size) < stop - start
-        yield batch
+        yield {k: v[rows] for k, v in batch.items()}
 
 
 def prefetch(produce: Callable[[int], Any], steps: range, size: int = 2) -> Iterator[Any]:

@@ -54,7 +54,8 @@ def evaluate(
     batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
     batch_sharding = sharding.batch_sharding(mesh, rules, batch_size)
     eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed))
-    batches = (sharding.place_batch(b, batch_sharding) for b in data.eval_batches(eval_split, batch_size))
+    rows = sharding.process_rows(batch_size)
+    batches = (sharding.place_batch(b, batch_sharding) for b in data.eval_batches(eval_split, batch_size, rows))
     metrics = steps.evaluate(eval_step, state, batches, len(eval_split))
 
     if as_json:

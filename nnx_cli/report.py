@@ -22,8 +22,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgres
 from rich.table import Table
 
 
-def stderr_console() -> Console:
-    return Console(stderr=True)
+def stderr_console(quiet: bool = False) -> Console:
+    """Where progress and messages go; `quiet` for every process but the first."""
+    return Console(stderr=True, quiet=quiet)
 
 
 class MetricsLog:

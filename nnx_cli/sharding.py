@@ -10,7 +10,7 @@ axis, each process contributing its own rows)::
     mesh = make_mesh(cfg.sharding)
     rules = axis_rules(cfg.sharding)
     shardings = state_shardings(abstract_state, mesh, rules)
-    batch = place_batch(numpy_batch, batch_sharding(mesh, rules))
+    batch = place_batch(batches.get(step, process_rows(128)), batch_sharding(mesh, rules, 128))
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def process_rows(batch_size: int) -> slice:
 
 
 def place_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Put this process's rows of a global batch on its devices as one global array per key."""
+    """Put this process's rows of a global batch (see :func:`process_rows`) on its devices, as global arrays."""
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

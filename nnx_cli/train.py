@@ -75,7 +75,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
 
     _init_distributed(*distributed)
     is_main = jax.process_index() == 0
-    console = report.stderr_console()
+    console = report.stderr_console(quiet=not is_main)
 
     # 0. Names in the config are checked before any data is read (or downloaded).
     models.resolve_options(cfg.model)
@@ -133,6 +133,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     names = steps.metric_names(moduledef, abstract, jax.eval_shape(lambda: batches.get(0)))
     eval_batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
     eval_sharding = sharding.batch_sharding(mesh, rules, eval_batch_size)
+    eval_rows = sharding.process_rows(eval_batch_size)
 
     log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
     progress = report.Progress(console, start, total_steps, loss_metric)
@@ -140,13 +141,13 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     def run_eval(step: int) -> None:
         if eval_split is None:
             return
-        eval_batches = (sharding.place_batch(b, eval_sharding) for b in data.eval_batches(eval_split, eval_batch_size))
+        eval_batches = (sharding.place_batch(b, eval_sharding) for b in data.eval_batches(eval_split, eval_batch_size, eval_rows))
         metrics = steps.evaluate(eval_step, state, eval_batches, len(eval_split))
         if log is not None:
             log.write(step, "eval", metrics)
             progress.print(report.metrics_table(f"eval at step {step}", metrics))
             if images_step is not None:
-                first = sharding.place_batch(next(data.eval_batches(eval_split, eval_batch_size)), eval_sharding)
+                first = sharding.place_batch(next(data.eval_batches(eval_split, eval_batch_size, eval_rows)), eval_sharding)
                 report.write_image_grid(jax.device_get(images_step(state, first)), workdir / "images" / f"{step}.png")
 
     def check_finite(sums: dict[str, Any], step: int) -> None:
