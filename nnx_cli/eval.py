@@ -42,7 +42,7 @@ def evaluate(
     eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split")
 
     build = models.model_factory(cfg.model, data.spec_from_config(cfg) or eval_split.spec)
-    tx = optim.build_optimizer(cfg.optimizer, cfg.train.steps or 1)  # the schedule length does not change the state's shape
+    tx = optim.build_optimizer(cfg.optimizer, total_steps=None)  # the state's structure is all a restore needs
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     mesh = sharding.make_mesh(cfg.sharding)
     rules = sharding.axis_rules(cfg.sharding)

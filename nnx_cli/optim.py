@@ -43,8 +43,13 @@ def schedule_names() -> list[str]:
     return sorted(n.removesuffix("_schedule") for n in dir(optax) if n.endswith("_schedule") and callable(getattr(optax, n)))
 
 
-def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.GradientTransformation:
     """The optax transformation the `optimizer` section describes.
+
+    With `total_steps=None` (run length unknown: checking a config, or
+    restoring a checkpoint for eval) everything is validated and a schedule
+    is replaced by a placeholder of the same kind, so the optimizer state has
+    the structure of the real one.
 
     >>> tx = build_optimizer(OptimizerConfig(name="sgd", learning_rate=0.1, options={"momentum": 0.9}), 100)
     """
@@ -65,8 +70,11 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTra
     return tx
 
 
-def build_schedule(spec: float | dict[str, Any], total_steps: int) -> float | Callable[[Any], Any]:
-    """A constant learning rate, or the optax schedule `{name: ..., **kwargs}` describes."""
+def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> float | Callable[[Any], Any]:
+    """A constant learning rate, or the optax schedule `{name: ..., **kwargs}` describes.
+
+    `total_steps=None` checks the schedule and returns a placeholder schedule.
+    """
     if not isinstance(spec, dict):
         return float(spec)
     spec = dict(spec)
@@ -85,6 +93,8 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int) -> float | Ca
     if "decay_steps" in params and "decay_steps" not in spec and params["decay_steps"].default is _pyinspect.Parameter.empty:
         spec["decay_steps"] = total_steps
     kwargs = _check_kwargs(fn, spec, "optimizer.learning_rate.", f"optax.{fn.__name__}", fixed=("name",))
+    if total_steps is None:
+        return optax.constant_schedule(0.0)
     try:
         return fn(**kwargs)
     except (TypeError, ValueError) as e:

@@ -79,7 +79,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
 
     # 0. Names in the config are checked before any data is read (or downloaded).
     models.resolve_options(cfg.model)
-    optim.build_optimizer(cfg.optimizer, total_steps=1)
+    optim.build_optimizer(cfg.optimizer, total_steps=None)
 
     # 1. Data, decoded once into arrays.
     train_split = data.load_split(cfg.data, cfg.data.train_split, "data.train_split")

@@ -36,6 +36,16 @@ def test_missing_decay_steps_default_to_the_run_length():
     assert float(schedule(50)) == pytest.approx(0.5, abs=1e-6)
 
 
+def test_without_run_length_a_schedule_keeps_the_optimizer_state_structure():
+    import jax
+
+    spec = {"name": "warmup_cosine_decay", "init_value": 0.0, "peak_value": 1e-3, "warmup_steps": 200}
+    params = {"w": jnp.zeros(3)}
+    real = build_optimizer(OptimizerConfig(name="adamw", learning_rate=spec), 1000).init(params)
+    placeholder = build_optimizer(OptimizerConfig(name="adamw", learning_rate=spec), None).init(params)
+    assert jax.tree.structure(real) == jax.tree.structure(placeholder)
+
+
 def test_clip_grad_norm_bounds_the_update():
     tx = build_optimizer(OptimizerConfig(name="sgd", learning_rate=1.0, clip_grad_norm=1.0), 10)
     params = {"w": jnp.zeros(4)}

@@ -171,8 +171,12 @@ def test_inspect_maps_logical_axes_to_the_mesh(project: Path):
     assert all(e["sharding"] for e in entries.values())
 
 
-def test_cnn_classifier_checkpoints_its_batch_statistics(project: Path):
-    (project / "cnn.yaml").write_text("model: {name: cnn_classifier, features: [8]}\ntrain: {batch_size: 32, steps: 30, log_every: 10, eval_every: 30}\n")
+def test_cnn_classifier_with_a_schedule_checkpoints_its_batch_statistics(project: Path):
+    (project / "cnn.yaml").write_text(
+        "model: {name: cnn_classifier, features: [8]}\n"
+        "optimizer: {name: adamw, learning_rate: {name: warmup_cosine_decay, init_value: 0.0, peak_value: 1.0e-3, warmup_steps: 10}}\n"
+        "train: {batch_size: 750, epochs: 20, log_every: 10, eval_every: 40}\n"
+    )
     result = cli("nnx-train", "cnn.yaml", "--workdir", "cnn", cwd=project)
     assert result.returncode == 0, result.stderr
     rest = final_state(project / "cnn")["rest"]
