@@ -74,10 +74,10 @@ class VAE(nnx.Module):
         self.latent_size = latent_size
         pixels = math.prod(input_shape)
         hidden = list(hidden_sizes)
-        encoder_axes = ["embed", *_hidden_axes(len(hidden))]
-        self.encoder = _mlp([pixels, *hidden], encoder_axes, ctx)
-        self.mean = _linear(([pixels, *hidden])[-1], latent_size, (encoder_axes[-1], "latent"), ctx)
-        self.logvar = _linear(([pixels, *hidden])[-1], latent_size, (encoder_axes[-1], "latent"), ctx)
+        sizes, axes = [pixels, *hidden], ["embed", *_hidden_axes(len(hidden))]
+        self.encoder = _mlp(sizes, axes, ctx)
+        self.mean = _linear(sizes[-1], latent_size, (axes[-1], "latent"), ctx)
+        self.logvar = _linear(sizes[-1], latent_size, (axes[-1], "latent"), ctx)
         self.decoder = _mlp([latent_size, *reversed(hidden), pixels], ["latent", *_hidden_axes(len(hidden)), "embed"], ctx)
 
     def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -139,10 +139,10 @@ class MLPClassifier(_Classifier):
     def __init__(self, input_shape: Sequence[int], num_classes: int | None = None, *, hidden_sizes: Sequence[int] = (256,), dropout: float = 0.1, ctx: nnx.Context):
         classes = _require_classes(num_classes, "mlp_classifier")
         hidden = list(hidden_sizes)
-        axes = ["embed", *_hidden_axes(len(hidden))]
-        self.hidden = _mlp([math.prod(input_shape), *hidden], axes, ctx)
+        sizes, axes = [math.prod(input_shape), *hidden], ["embed", *_hidden_axes(len(hidden))]
+        self.hidden = _mlp(sizes, axes, ctx)
         self.dropout = nnx.Dropout(dropout)
-        self.head = _linear(([math.prod(input_shape), *hidden])[-1], classes, (axes[-1], "classes"), ctx)
+        self.head = _linear(sizes[-1], classes, (axes[-1], "classes"), ctx)
 
     def logits(self, x: jax.Array, ctx: nnx.Context) -> jax.Array:
         h = x.reshape(x.shape[0], -1)
