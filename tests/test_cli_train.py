@@ -34,12 +34,12 @@ checkpoint: {{every_steps: 40, keep: 10}}
 """
 
 
-def env(tmp: Path) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def env(tmp: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def cli(name: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=timeout)
+def cli(name: str, *args: str, cwd: Path, timeout: float = 120, extra_env: dict[str, str] = {}) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd, **extra_env), capture_output=True, text=True, timeout=timeout)
 
 
 def start_train(*args: str, cwd: Path) -> subprocess.Popen:
@@ -161,6 +161,19 @@ def test_inspect_config_is_abstract_and_its_sizes_add_up(project: Path):
         assert totals["size"] == sum(e["size"] for e in entries)
         assert totals["bytes"] == sum(e["bytes"] for e in entries)
     assert report["total_bytes"] == sum(t["bytes"] for t in report["by_type"].values())
+
+
+def test_model_can_be_any_importable_class(project: Path):
+    (project / "my_models.py").write_text(
+        "import nnx\nfrom nnx_cli.models import MLPClassifier\n\n"
+        "class Wide(MLPClassifier):\n"
+        "    def __init__(self, input_shape, num_classes=None, *, width: int = 8, ctx: nnx.Context):\n"
+        "        super().__init__(input_shape, num_classes, hidden_sizes=[width, width], ctx=ctx)\n"
+    )
+    result = cli("nnx-inspect", "run.yaml", "model={name: 'my_models:Wide', width: 5}", "--json", cwd=project, extra_env={"PYTHONPATH": str(project)})
+    assert result.returncode == 0, result.stderr
+    shapes = {e["path"]: e["shape"] for e in json.loads(result.stdout)["entries"]}
+    assert shapes["hidden/1/kernel"] == [5, 5] and shapes["head/kernel"] == [5, 10]
 
 
 def test_inspect_maps_logical_axes_to_the_mesh(project: Path):
