@@ -78,6 +78,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     console = report.stderr_console(quiet=not is_main)
 
     # 0. Names in the config are checked before any data is read (or downloaded).
+    model_cls = models.model_class(cfg.model.name)
     models.resolve_options(cfg.model)
     optim.build_optimizer(cfg.optimizer, total_steps=None)
 
@@ -125,10 +126,10 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
         return 0
 
     # 5. The jitted steps over pure state.
-    loss_metric = models.model_class(cfg.model.name).loss_metric
+    loss_metric = model_cls.loss_metric
     train_step = jax.jit(functools.partial(steps.train_step, moduledef, tx, loss_metric, cfg.seed), donate_argnums=(0, 1))
     eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed))
-    has_images = hasattr(models.model_class(cfg.model.name), "images") and len(train_split.spec.input_shape) == 3
+    has_images = hasattr(model_cls, "images") and len(train_split.spec.input_shape) == 3
     images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed)) if has_images else None
     names = steps.metric_names(moduledef, abstract, jax.eval_shape(lambda: batches.get(0)))
     eval_batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
