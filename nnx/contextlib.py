@@ -148,9 +148,9 @@ class Context:
 
   def make_rng(self, name: str) -> KeyArray:
     """Returns a fresh key from stream ``name`` and advances its counter."""
+    self._check_trace()
     if name not in self._rngs:
       raise ValueError(f'Unknown Rng Stream: {name}')
-    self._check_trace()
     stream = self._rngs[name]
     key = _fold_in(stream.key, _stable_hash(stream.count_path + (stream.count,)))
     stream.count += 1
@@ -185,6 +185,8 @@ def _to_stream(name: str, value: tp.Any) -> RngStream:
   if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
     return RngStream(jax.random.PRNGKey(int(value)))
   if isinstance(value, (jax.Array, np.ndarray)):
+    if value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
+      return RngStream(jax.random.PRNGKey(value))  # a seed, e.g. jnp.int32(0)
     return RngStream(jnp.asarray(value) if isinstance(value, np.ndarray) else value)
   raise TypeError(
       f'RNG stream {name!r} must be an int seed, a key array or an RngStream, '
@@ -203,8 +205,9 @@ def context(
   Args:
     params: seed, key or stream of the ``params`` stream (optional).
     flags: boolean flags such as ``{'deterministic': True}``.
-    **rngs: more streams by name, each an int seed, a key (raw ``uint32`` or
-      typed) or an existing ``RngStream``.
+    **rngs: more streams by name, each an int seed (a Python int or an
+      integer scalar array), a key (raw ``uint32`` or typed) or an existing
+      ``RngStream``.
 
   Example::
 

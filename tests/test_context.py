@@ -35,6 +35,13 @@ def test_typed_and_raw_keys_are_accepted():
   np.testing.assert_array_equal(raw, jax.random.key_data(typed))
 
 
+def test_integer_scalar_array_is_a_seed():
+  from_array = nnx.context(np.int32(3), dropout=jax.numpy.uint32(4))
+  from_int = nnx.context(3, dropout=4)
+  np.testing.assert_array_equal(from_array.make_rng('params'), from_int.make_rng('params'))
+  np.testing.assert_array_equal(from_array.make_rng('dropout'), from_int.make_rng('dropout'))
+
+
 def test_unknown_stream_raises():
   with pytest.raises(ValueError, match='Unknown Rng Stream: dropout'):
     nnx.context(0).make_rng('dropout')
@@ -91,6 +98,18 @@ def test_outer_context_cannot_be_used_inside_jit():
       ctx.make_rng('params')
     with pytest.raises(nnx.TraceContextError, match='Cannot use Context from a different trace level'):
       ctx.partition()
+    return 0
+
+  f()
+
+
+def test_outer_context_without_the_stream_raises_the_trace_error_first():
+  ctx = nnx.context()
+
+  @jax.jit
+  def f():
+    with pytest.raises(nnx.TraceContextError, match='Cannot use Context from a different trace level'):
+      ctx.make_rng('params')
     return 0
 
   f()
