@@ -9,8 +9,9 @@
       count: int = nnx.var_field(Count)
 
 After ``__init__`` each declared field is wrapped into its container
-(``scale`` becomes a ``Param``, ``count`` a ``Count``), so the fields show up
-in ``partition`` exactly like hand-written ``nnx.Param(...)`` attributes. A
+(``scale`` becomes a ``Param``, ``count`` a ``Count``, ``features`` a
+``Static``), so the fields show up in ``partition`` exactly like hand-written
+``nnx.Param(...)`` attributes, and static fields never do. A
 field that is given a container must be compatible with the declared one:
 ``nnx.Node(1)`` is accepted by a ``node_field``, ``nnx.Param(1)`` is not.
 """
@@ -46,8 +47,12 @@ def _container_field(container_fn, metadata, **kwargs) -> tp.Any:
 
 
 def static_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwargs) -> tp.Any:
-  """A field that is static structure, never state."""
-  return field(metadata={**(metadata or {}), 'static': True}, **kwargs)
+  """A field that is static structure, never state, even when it holds an array.
+
+  Wrapped into ``nnx.Static`` after ``__init__``: it lives in the ModuleDef (or
+  a Pytree's aux data) and reading it gives the value.
+  """
+  return _container_field(containers.Static, {**(metadata or {}), 'static': True}, **kwargs)
 
 
 def node_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwargs) -> tp.Any:

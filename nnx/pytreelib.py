@@ -16,7 +16,14 @@ After ``__init__`` a Pytree is immutable (``class P(nnx.Pytree, mutable=True)``
 allows assignment, never new fields). Wrap a non-node value in
 ``nnx.TreeNode`` to make it a child anyway. Reading an attribute that holds a
 container returns its value.
+
+With flax installed, every Pytree round-trips through
+``flax.serialization.to_state_dict`` / ``from_state_dict`` (and so through
+``to_bytes`` / ``from_bytes``), whether flax is imported before or after the
+class is defined.
 """
+import importlib.abc
+import importlib.util
 import sys
 import typing as tp
 from abc import ABCMeta
@@ -70,8 +77,9 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
         flatten_func=_flatten,
     )
     _pytree_classes.append(cls)
-    if 'flax.serialization' in sys.modules:
-      _register_flax_serialization(cls)
+    serialization = sys.modules.get('flax.serialization')
+    if serialization is not None:
+      _register_flax_serialization(cls, serialization)
 
   if not tp.TYPE_CHECKING:
 
@@ -100,8 +108,6 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
     """A copy with some fields replaced."""
     import dataclasses
 
-    if dataclasses.is_dataclass(self):
-      return dataclasses.replace(self, **updates)
     attributes = _get_attribute(self, '__dict__')
     unknown = set(updates) - set(attributes)
     if unknown:
@@ -109,6 +115,8 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
           f'Trying to replace unknown fields {sorted(unknown)} for '
           f'{type(self).__name__!r}'
       )
+    if dataclasses.is_dataclass(self):
+      return dataclasses.replace(self, **updates)
     return _copy_with(self, updates)
 
   def __nnx_repr__(self):
@@ -160,8 +168,8 @@ def _unflatten(cls: type[P], aux, children) -> P:
   return pytree
 
 
-def _register_flax_serialization(cls: type) -> None:
-  from flax import serialization
+def _register_flax_serialization(cls: type, serialization: tp.Any) -> None:
+  """Registers ``cls`` with the ``flax.serialization`` module given."""
 
   def to_state_dict(pytree: Pytree) -> dict[str, tp.Any]:
     attributes = _get_attribute(pytree, '__dict__')
@@ -200,14 +208,49 @@ def _register_flax_serialization(cls: type) -> None:
 
 
 def register_flax_serialization() -> None:
-  """Registers every Pytree class with ``flax.serialization``.
+  """Registers every Pytree class defined so far with ``flax.serialization``.
 
-  Classes defined after ``flax.serialization`` is imported register
-  themselves; call this for classes defined before (such as
-  ``nnx.TrainState``) if you import flax later.
+  Not needed in normal use: classes defined after ``flax.serialization`` is
+  imported register themselves, and importing it later registers the
+  classes defined before (see :class:`_FlaxSerializationHook`).
   """
+  from flax import serialization
+
   for cls in _pytree_classes:
-    _register_flax_serialization(cls)
+    _register_flax_serialization(cls, serialization)
+
+
+class _FlaxSerializationHook(importlib.abc.MetaPathFinder):
+  """Registers the Pytree classes as soon as ``flax.serialization`` is imported.
+
+  Importing flax with nnx would make ``import nnx`` noticeably slower, so
+  nnx waits for the user to import it: this finder wraps the module's
+  ``exec_module`` to register every Pytree class defined so far (such as
+  ``nnx.TrainState``) right after ``flax.serialization`` has run, then
+  leaves ``sys.meta_path``.
+  """
+
+  def find_spec(self, fullname, path, target=None):
+    if fullname != 'flax.serialization':
+      return None
+    sys.meta_path.remove(self)
+    spec = importlib.util.find_spec(fullname)
+    if spec is None or spec.loader is None:
+      return spec
+    loader = spec.loader
+
+    def exec_and_register(module):
+      del loader.exec_module  # back to the class's method (loaders may be shared)
+      loader.exec_module(module)
+      for cls in _pytree_classes:
+        _register_flax_serialization(cls, module)
+
+    loader.exec_module = exec_and_register  # type: ignore[method-assign]
+    return spec
+
+
+if 'flax.serialization' not in sys.modules:
+  sys.meta_path.insert(0, _FlaxSerializationHook())
 
 
 nodes.register_node_type(Pytree)

@@ -533,9 +533,14 @@ class _CallProxy:
 
 
 class _LiftedMeta(ModuleMeta):
-  """``Wrapper(module_constructor, **options)`` returns a constructor."""
+  """``Wrapper(module_constructor, **options)`` returns a constructor.
+
+  The options are checked right away (``cls._check_options``), so a wrong
+  one fails where the wrapper is declared, not where it is first built.
+  """
 
   def __call__(cls, module_constructor, *args, **options):
+    cls._check_options(*args, **options)
     create = super().__call__
 
     def constructor(*init_args, **init_kwargs):
@@ -543,6 +548,9 @@ class _LiftedMeta(ModuleMeta):
 
     functools.update_wrapper(constructor, module_constructor, updated=())
     return constructor
+
+  def _check_options(cls, *args, **options) -> None:
+    """Validates the options; a class may override it with a staticmethod."""
 
 
 def _new_instance(cls: type[M], init: tp.Callable[..., None], args, kwargs) -> M:
@@ -568,6 +576,14 @@ def _adopt(target: Module, source: Module) -> None:
 # ------------------------------------------------------------------------------
 
 
+def _check_scan_length(variable_axes: tp.Mapping[Filter, int], length: tp.Optional[int]) -> None:
+  if variable_axes and length is None:
+    raise ValueError(
+        'Cannot use variable_axes without specifying a length: pass '
+        'length=<number of layers> to nnx.Scan / nnx.scan.'
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _ScanOptions:
   variable_axes: tp.Mapping[Filter, int]
@@ -583,11 +599,7 @@ class _ScanOptions:
   metadata_params: tp.Mapping[str, tp.Any]
 
   def __post_init__(self):
-    if self.variable_axes and self.length is None:
-      raise ValueError(
-          'Cannot use variable_axes without specifying a length: pass '
-          'length=<number of layers> to nnx.Scan / nnx.scan.'
-      )
+    _check_scan_length(self.variable_axes, self.length)
 
   @property
   def filters(self) -> tuple[Filter, ...]:
@@ -863,6 +875,15 @@ class Scan(Module, tp.Generic[M], metaclass=_LiftedMeta):
     self.scan_module = _scan_init(
         self.options, module_constructor, module_init_args, dict(module_init_kwargs)
     )
+
+  @staticmethod
+  def _check_options(
+      *,
+      variable_axes: tp.Mapping[Filter, int] = MappingProxyType({}),
+      length: tp.Optional[int] = None,
+      **options: tp.Any,
+  ) -> None:
+    _check_scan_length(variable_axes, length)
 
   def __call__(self, *args, **kwargs) -> tuple[C, tp.Any]:
     return self.call(*args, **kwargs)

@@ -400,6 +400,18 @@ def test_dataclass_module_fields_are_wrapped():
   assert hash(m) == hash(m)
 
 
+def test_dataclass_module_static_field_holding_an_array_is_not_state():
+  @nnx.dataclass
+  class DC(nnx.Module):
+    table: jax.Array = nnx.static_field()
+    w: jax.Array = nnx.param_field()
+
+  m = DC(table=jnp.arange(3), w=jnp.ones(2))
+  assert list(m.get_state()) == ['w']
+  assert (m.table == jnp.arange(3)).all()
+  assert (m.clone().table == jnp.arange(3)).all()
+
+
 def test_dataclass_field_rejects_incompatible_container():
   @nnx.dataclass
   class DC(nnx.Module):

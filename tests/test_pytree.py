@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+import textwrap
 import typing as tp
 
 import jax
@@ -95,6 +99,26 @@ def test_dataclass_pytree():
   assert foo.replace(b=5).b == 5
 
 
+def test_dataclass_pytree_static_field_holding_an_array_is_not_a_leaf():
+  @nnx.dataclass
+  class Foo(nnx.Pytree):
+    table: jax.Array = nnx.static_field()
+    x: jax.Array = nnx.field()
+
+  foo = Foo(table=jnp.arange(3), x=jnp.ones(2))
+  assert jax.tree_util.tree_leaves(foo) == [foo.x]
+  assert (foo.table == jnp.arange(3)).all()
+
+
+def test_dataclass_pytree_replace_of_an_unknown_field_raises_value_error():
+  @nnx.dataclass
+  class Foo(nnx.Pytree):
+    a: int = nnx.node_field()
+
+  with pytest.raises(ValueError, match='Trying to replace unknown fields'):
+    Foo(a=1).replace(zz=1)
+
+
 def test_frozen_dataclass_pytree_rejects_assignment():
   @nnx.dataclass(frozen=True)
   class Foo(nnx.Pytree):
@@ -133,3 +157,33 @@ def test_flax_serialization_round_trip():
   state_dict['x'] = 6
   with pytest.raises(ValueError, match='Unknown field'):
     serialization.from_state_dict(foo, state_dict)
+
+
+def test_flax_serialization_works_for_classes_defined_before_flax_is_imported():
+  # A fresh interpreter: in this one flax is already imported.
+  script = textwrap.dedent('''
+      import sys
+      import jax.numpy as jnp, optax
+      import nnx
+      assert 'flax.serialization' not in sys.modules
+
+      class Early(nnx.Pytree):
+        def __init__(self):
+          self.a = jnp.ones(2)
+          self.name = 'static'
+
+      params, moduledef = nnx.Linear(2, 3, ctx=nnx.context(0)).partition(nnx.Param)
+      state = nnx.TrainState(moduledef, params=params, tx=optax.sgd(0.1))
+
+      from flax import serialization
+      assert list(serialization.to_state_dict(Early())) == ['a']
+      assert sorted(serialization.to_state_dict(state)) == ['opt_state', 'params', 'step']
+      restored = serialization.from_state_dict(state, {
+          **serialization.to_state_dict(state), 'step': jnp.asarray(7)})
+      assert int(restored.step) == 7
+  ''')
+  proc = subprocess.run(
+      [sys.executable, '-c', script], capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'),
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]

@@ -595,6 +595,11 @@ def test_scan_variable_axes_without_length_raise():
     nnx.Scan(Block, variable_axes={nnx.Param: 0})(ctx=nnx.context(0))
 
 
+def test_scan_variable_axes_without_length_raise_where_the_scan_is_declared():
+  with pytest.raises(ValueError, match='length'):
+    nnx.Scan(Block, variable_axes={nnx.Param: 0})
+
+
 def test_scan_decorator_builds_stacked_layers_in_place_and_scans_the_call():
 
   class MLP(nnx.Module):
