@@ -124,6 +124,32 @@ def test_linear_infers_dtype_from_inputs_and_params():
   assert layer(jnp.ones((2, 3), jnp.int32)).dtype == jnp.float32
 
 
+@pytest.mark.parametrize(
+  "dtype, param_dtype, input_dtype",
+  [
+    (None, jnp.bfloat16, jnp.float32),
+    (None, jnp.bfloat16, jnp.bfloat16),
+    (None, jnp.float32, jnp.int32),
+    (jnp.float16, jnp.bfloat16, jnp.float32),
+  ],
+  ids=str,
+)
+def test_linear_dtype_promotion_matches_flax_dense(dtype, param_dtype, input_dtype):
+  x = jnp.arange(6).reshape(2, 3).astype(input_dtype)
+  layer = Linear(
+    3, 4, dtype=dtype, param_dtype=param_dtype, bias_init=initializers.normal(1.0),
+    ctx=ctx(),
+  )
+  expected = linen.Dense(4, dtype=dtype, param_dtype=param_dtype).apply(
+    {"params": params_of(layer, "kernel", "bias")}, x
+  )
+  y = layer(x)
+  assert y.dtype == expected.dtype
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(expected, np.float32), rtol=1e-2
+  )
+
+
 def test_linear_calls_custom_dot_general():
   calls = []
 
@@ -227,6 +253,55 @@ def test_conv_2d_matches_flax(kwargs):
   names = ("kernel", "bias") if conv.bias is not None else ("kernel",)
   expected = linen.Conv(5, (3, 2), **kwargs).apply({"params": params_of(conv, *names)}, x)
   np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "kernel_size, kwargs",
+  [
+    ((3, 3), dict(strides=(2, 1), kernel_dilation=(1, 2), feature_group_count=2)),
+    ((2, 2), dict(strides=2, padding="CIRCULAR", feature_group_count=4)),
+    ((3, 3), dict(input_dilation=(2, 1), padding=((1, 1), (0, 2)))),
+    ((3, 3), dict(padding="SAME", strides=3, kernel_dilation=2)),
+    ((3,), dict(padding="CAUSAL", strides=2)),
+    ((2, 2, 2), dict(strides=(1, 2, 1), padding="VALID")),
+  ],
+  ids=repr,
+)
+def test_conv_strides_dilation_and_groups_match_flax(kernel_size, kwargs):
+  x = random((2,) + (7,) * len(kernel_size) + (4,))
+  conv = Conv(4, 8, kernel_size, **kwargs, bias_init=initializers.normal(1.0), ctx=ctx())
+  expected = linen.Conv(8, kernel_size, **kwargs).apply(
+    {"params": params_of(conv, "kernel", "bias")}, x
+  )
+  np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_2d_mask_matches_flax():
+  x = random((2, 6, 6, 4))
+  mask = jnp.asarray(np.random.default_rng(1).integers(0, 2, (3, 3, 4, 8)), jnp.float32)
+  conv = Conv(4, 8, (3, 3), mask=mask, bias_init=initializers.normal(1.0), ctx=ctx())
+  expected = linen.Conv(8, (3, 3), mask=mask).apply(
+    {"params": params_of(conv, "kernel", "bias")}, x
+  )
+  np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [dict(param_dtype=jnp.bfloat16), dict(dtype=jnp.bfloat16), dict(dtype=jnp.float16, param_dtype=jnp.bfloat16)],
+  ids=str,
+)
+def test_conv_dtype_promotion_matches_flax(kwargs):
+  x = random((2, 6, 6, 4))
+  conv = Conv(4, 8, (3, 3), **kwargs, bias_init=initializers.normal(1.0), ctx=ctx())
+  expected = linen.Conv(8, (3, 3), **kwargs).apply(
+    {"params": params_of(conv, "kernel", "bias")}, x
+  )
+  y = conv(x)
+  assert y.dtype == expected.dtype
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2
+  )
 
 
 def test_conv_param_shapes_match_flax():
@@ -361,6 +436,33 @@ def test_embed_matches_flax_call_and_attend():
   np.testing.assert_array_equal(embed(indices), flax_embed.apply(variables, indices))
   np.testing.assert_allclose(
     embed.attend(query), flax_embed.apply(variables, query, method="attend"), rtol=1e-6
+  )
+
+
+@pytest.mark.parametrize(
+  "dtype, param_dtype, query_dtype",
+  [
+    (None, jnp.bfloat16, jnp.float32),
+    (jnp.bfloat16, jnp.float32, jnp.float32),
+    (jnp.float16, jnp.bfloat16, jnp.bfloat16),
+  ],
+  ids=str,
+)
+def test_embed_dtype_promotion_matches_flax_call_and_attend(dtype, param_dtype, query_dtype):
+  indices = jnp.array([[1, 2], [7, 0]])
+  query = random((3, 4)).astype(query_dtype)
+  embed = Embed(8, 4, dtype=dtype, param_dtype=param_dtype, ctx=ctx())
+  variables = {"params": params_of(embed, "embedding")}
+  flax_embed = linen.Embed(8, 4, dtype=dtype, param_dtype=param_dtype)
+  expected = flax_embed.apply(variables, indices)
+  y = embed(indices)
+  assert y.dtype == expected.dtype
+  np.testing.assert_array_equal(y, expected)
+  expected = flax_embed.apply(variables, query, method="attend")
+  scores = embed.attend(query)
+  assert scores.dtype == expected.dtype
+  np.testing.assert_allclose(
+    np.asarray(scores, np.float32), np.asarray(expected, np.float32), rtol=1e-2, atol=1e-2
   )
 
 

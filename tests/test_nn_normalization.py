@@ -152,6 +152,36 @@ def test_batchnorm_dtype_sets_output_dtype_but_stats_stay_float32():
   assert bn.mean.dtype == jnp.float32
 
 
+@pytest.mark.parametrize(
+  "kwargs, input_dtype",
+  [
+    (dict(dtype=jnp.bfloat16), jnp.float32),
+    (dict(param_dtype=jnp.bfloat16), jnp.float32),
+    (dict(), jnp.bfloat16),
+  ],
+  ids=str,
+)
+def test_batchnorm_dtype_promotion_matches_flax(kwargs, input_dtype):
+  x = random((8, 3), loc=2.0).astype(input_dtype)
+  bn = BatchNorm(3, **kwargs, ctx=ctx())
+  random_scale_and_bias(bn, 3)
+  variables = {
+    "params": {"scale": bn.scale, "bias": bn.bias},
+    "batch_stats": {"mean": bn.mean, "var": bn.var},
+  }
+  expected, updates = linen.BatchNorm(**kwargs).apply(
+    variables, x, use_running_average=False, mutable=["batch_stats"]
+  )
+  y = bn(x, use_running_average=False)
+  assert y.dtype == expected.dtype
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2
+  )
+  assert bn.mean.dtype == updates["batch_stats"]["mean"].dtype
+  np.testing.assert_allclose(bn.mean, updates["batch_stats"]["mean"], rtol=1e-5)
+  np.testing.assert_allclose(bn.var, updates["batch_stats"]["var"], rtol=1e-5)
+
+
 def test_batchnorm_custom_initializers():
   bn = BatchNorm(
     3, scale_init=initializers.constant(2.0), bias_init=initializers.constant(1.0),
@@ -223,6 +253,51 @@ def test_layernorm_reduction_and_feature_axes_match_flax():
     {"params": {"scale": ln.scale, "bias": ln.bias}}, x
   )
   np.testing.assert_allclose(ln(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_features_along_a_middle_axis_match_flax():
+  x = random((2, 3, 5), loc=1.0)
+  ln = LayerNorm(3, reduction_axes=-1, feature_axes=1, ctx=ctx())
+  random_scale_and_bias(ln, 3)
+  expected = linen.LayerNorm(reduction_axes=-1, feature_axes=1).apply(
+    {"params": {"scale": ln.scale, "bias": ln.bias}}, x
+  )
+  np.testing.assert_allclose(ln(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_over_several_feature_axes_matches_flax():
+  # flax lays scale and bias out in the features' shape; nnx flattens them.
+  x = random((2, 3, 5), loc=1.0)
+  ln = LayerNorm(15, reduction_axes=(-2, -1), feature_axes=(-2, -1), ctx=ctx())
+  random_scale_and_bias(ln, 15)
+  params = {"scale": ln.scale.reshape(3, 5), "bias": ln.bias.reshape(3, 5)}
+  expected = linen.LayerNorm(reduction_axes=(-2, -1), feature_axes=(-2, -1)).apply(
+    {"params": params}, x
+  )
+  np.testing.assert_allclose(ln(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "kwargs, input_dtype",
+  [
+    (dict(dtype=jnp.bfloat16), jnp.float32),
+    (dict(param_dtype=jnp.bfloat16), jnp.float32),
+    (dict(), jnp.bfloat16),
+  ],
+  ids=str,
+)
+def test_layernorm_dtype_promotion_matches_flax(kwargs, input_dtype):
+  x = random((2, 3, 5), loc=1.0).astype(input_dtype)
+  ln = LayerNorm(5, **kwargs, ctx=ctx())
+  random_scale_and_bias(ln, 5)
+  expected = linen.LayerNorm(**kwargs).apply(
+    {"params": {"scale": ln.scale, "bias": ln.bias}}, x
+  )
+  y = ln(x)
+  assert y.dtype == expected.dtype
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2
+  )
 
 
 def test_layernorm_normalizes_each_example():

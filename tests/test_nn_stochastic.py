@@ -77,6 +77,16 @@ def test_dropout_broadcast_dims_share_the_mask():
   assert (dropped == dropped[:1]).all()
 
 
+@pytest.mark.parametrize("broadcast_dims", [(0,), (1,), (0, 1)])
+def test_dropout_broadcast_dims_match_flax(broadcast_dims):
+  key = ctx(5).make_rng("dropout")
+  expected = linen.Dropout(0.3, broadcast_dims=broadcast_dims).apply(
+    {}, X, deterministic=False, rng=key
+  )
+  y = Dropout(0.3, broadcast_dims=broadcast_dims)(X, deterministic=False, ctx=ctx(5))
+  np.testing.assert_array_equal(y, expected)
+
+
 def test_dropout_call_argument_beats_attribute():
   y = Dropout(0.5, deterministic=False)(X, deterministic=True, ctx=ctx())
   assert y is X
