@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from nnx_cli.errors import UserError
@@ -64,7 +65,7 @@ class Checkpointer:
         def layout(tree: Any) -> dict[str, tuple]:
             return {"/".join(_names(path)): (tuple(x.shape), str(x.dtype)) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-        saved, wanted = layout(self.manager.item_metadata(step)[_ITEM]), layout(abstract)
+        saved, wanted = layout(self.metadata(step)), layout(abstract)
         if saved == wanted:
             return
         params_first = lambda path: (not path.startswith("params/"), path)  # noqa: E731
@@ -83,9 +84,17 @@ class Checkpointer:
             f"train in a new --workdir, or pass --no-resume to start over"
         )
 
+    def metadata(self, step: int) -> dict[str, Any]:
+        """What the checkpoint at `step` holds, without reading arrays: Orbax array
+        metadata (`shape`, `dtype`, `sharding.partition_spec`) in the saved tree."""
+        return self.manager.item_metadata(step)[_ITEM]
+
     def restore_raw(self, step: int) -> dict[str, Any]:
-        """The checkpoint at `step` as saved: nested dicts of numpy arrays."""
-        return self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore()}))[_ITEM]
+        """The checkpoint at `step` as saved: nested dicts of numpy arrays, whatever devices wrote it."""
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), self.metadata(step))
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(target)}))[_ITEM]
+        return jax.tree.map(np.asarray, restored)
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""
