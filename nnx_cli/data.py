@@ -112,15 +112,34 @@ def load_split(cfg: DataConfig, split: str, key: str = "data.train_split") -> Sp
 
 
 def _digits(split: str, key: str) -> Split:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    labels = digits.target.astype(np.int32)
+    pixels, labels = _digits_arrays()
+    images = (pixels.reshape(-1, 8, 8) / 16.0).astype(np.float32)[..., None]
+    labels = labels.astype(np.int32)
     parts = {"train": slice(0, _DIGITS_TRAIN), "test": slice(_DIGITS_TRAIN, None)}
     if split not in parts:
         raise UserError(f"config key {key!r}: {DIGITS} has splits 'train' and 'test', not {split!r}")
     return Split(images[parts[split]], labels[parts[split]], 10)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits: pixels `[1797, 64]` in 0..16 and labels.
+
+    Read straight from the CSV that scikit-learn ships, which is what
+    `sklearn.datasets.load_digits` parses too, without importing scikit-learn
+    and SciPy (seconds of start-up for every run and every process).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1], table[:, -1]
+    from sklearn.datasets import load_digits  # a layout we do not know: let scikit-learn find it
+
+    digits = load_digits()
+    return digits.data, digits.target
 
 
 def _looks_like_path(source: str) -> bool:

@@ -30,6 +30,15 @@ def test_digits_has_train_and_test_splits_of_8x8_images():
     assert train.num_classes == 10
 
 
+def test_digits_are_scikit_learns_digits_in_order():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    train, test = load_split(DataConfig(), "train"), load_split(DataConfig(), "test")
+    np.testing.assert_array_equal(np.concatenate([train.images, test.images])[..., 0] * 16.0, digits.images)
+    np.testing.assert_array_equal(np.concatenate([train.labels, test.labels]), digits.target)
+
+
 def test_binarize_thresholds_pixels():
     split = load_split(DataConfig(binarize=0.5), "train")
     assert set(np.unique(split.images)) == {0.0, 1.0}
