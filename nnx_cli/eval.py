@@ -46,16 +46,15 @@ def evaluate(
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     mesh = sharding.make_mesh(cfg.sharding)
     rules = sharding.axis_rules(cfg.sharding)
-    target_state = sharding.with_shardings(abstract, sharding.state_shardings(abstract, mesh, rules))
+    state_shardings = sharding.state_shardings(abstract, mesh, rules)
+    target_state = sharding.with_shardings(abstract, state_shardings)
     ckpt = checkpoint.Checkpointer(run.checkpoints, read_only=True)
     state = ckpt.restore(run.step, target_state)
     ckpt.close()
 
-    batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
-    batch_sharding = sharding.batch_sharding(mesh, rules, batch_size)
-    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed))
-    rows = sharding.process_rows(batch_size)
-    batches = (sharding.place_batch(b, batch_sharding) for b in data.eval_batches(eval_split, batch_size, rows))
+    layout = sharding.batch_layout(mesh, rules, cfg.train.eval_batch_size or cfg.train.batch_size)
+    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed), in_shardings=(state_shardings, layout.sharding, sharding.replicated(mesh)), out_shardings=sharding.replicated(mesh))
+    batches = (layout.place(b) for b in data.eval_batches(eval_split, layout.size, layout.rows))
     metrics = steps.evaluate(eval_step, state, batches, len(eval_split))
 
     if as_json:

@@ -4,17 +4,19 @@ The model declares logical axis names on its parameters; `sharding.rules`
 maps them to mesh axes. Everything a run places goes through two functions:
 :func:`state_shardings` (params, optimizer state, batch stats: each array's
 `NamedSharding` derived with `nnx.get_partition_spec` and the rules) and
-:func:`place_batch` (batches split along the mesh axes of the logical `batch`
-axis, each process contributing its own rows)::
+:class:`BatchLayout` (batches split along the mesh axes of the logical
+`batch` axis, each process contributing the rows its devices hold)::
 
     mesh = make_mesh(cfg.sharding)
     rules = axis_rules(cfg.sharding)
     shardings = state_shardings(abstract_state, mesh, rules)
-    batch = place_batch(batches.get(step, process_rows(128)), batch_sharding(mesh, rules, 128))
+    layout = batch_layout(mesh, rules, batch_size=128)
+    batch = layout.place(batches.get(step, layout.rows))
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -41,7 +43,9 @@ def mesh_shape(cfg: ShardingConfig, device_count: int) -> dict[str, int]:
     if math.prod(sizes.values()) != device_count or any(s < 1 for s in sizes.values()):
         raise UserError(
             f"config key 'sharding.mesh' {cfg.mesh} does not fit the {device_count} available device(s); "
-            f"the axis sizes must multiply to {device_count} (use -1 on one axis for 'all remaining devices')"
+            f"the axis sizes must multiply to {device_count}; override it on the command line, for example "
+            + " ".join(f"sharding.mesh.{name}={-1 if i == 0 else 1}" for i, name in enumerate(cfg.mesh))
+            + " (-1: all remaining devices)"
         )
     return sizes
 
@@ -65,27 +69,52 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def batch_sharding(mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int) -> NamedSharding:
-    """Batches are split along the mesh axes that the logical `batch` axis maps to."""
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A copy on every device: scalars, metrics, images for the host."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch of `size` rows lies on the mesh, and which rows this process feeds.
+
+    Rows are split along the mesh axes that the logical `batch` axis maps to.
+    In a multi-process run each process gathers only `rows` (the rows its own
+    devices hold) and :meth:`place` assembles the global array from every
+    process's share.
+    """
+
+    sharding: NamedSharding
+    size: int
+    rows: slice
+
+    def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Put this process's rows of a batch (`batch[k]` has `rows` rows) on its devices, as global arrays."""
+        if jax.process_count() == 1:
+            return jax.device_put(batch, self.sharding)
+        return {k: jax.make_array_from_process_local_data(self.sharding, v, (self.size, *v.shape[1:])) for k, v in batch.items()}
+
+
+def batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int) -> BatchLayout:
+    """The layout of batches of `batch_size` rows: split along the mesh axes of the logical `batch` axis."""
     spec = PartitionSpec(*nnx.spmd.logical_to_mesh_axes(("batch",), rules))
     axes = spec[0] if spec[0] is None or isinstance(spec[0], tuple) else (spec[0],)
     ways = math.prod(mesh.shape[a] for a in axes or ())
     if batch_size % ways:
         raise UserError(f"config key 'train.batch_size' ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh")
-    return NamedSharding(mesh, spec)
+    sharding = NamedSharding(mesh, spec)
+    return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))
 
 
-def process_rows(batch_size: int) -> slice:
-    """This process's rows of a global batch (all of them in a single-process run)."""
-    count, index = jax.process_count(), jax.process_index()
-    if batch_size % count:
-        raise UserError(f"config key 'train.batch_size' ({batch_size}) must be divisible by the number of processes ({count})")
-    share = batch_size // count
-    return slice(index * share, (index + 1) * share)
-
-
-def place_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Put this process's rows of a global batch (see :func:`process_rows`) on its devices, as global arrays."""
-    if jax.process_count() == 1:
-        return jax.device_put(batch, sharding)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+def _process_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of a global batch that this process's devices hold (all rows in a single-process run)."""
+    spans = sorted({s[0].indices(batch_size)[:2] for s in sharding.addressable_devices_indices_map((batch_size,)).values()})
+    start, stop = spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a != stop:
+            raise UserError(
+                f"the mesh {dict(sharding.mesh.shape)} gives process {jax.process_index()} batch rows that are not contiguous; "
+                f"order sharding.mesh with the batch (data) axis first"
+            )
+        stop = b
+    return slice(start, stop)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import shutil
 import signal
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import typer
 
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
 from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, report_errors
 
 _MAX_IN_FLIGHT = 2  # steps dispatched ahead of the one being computed
+_STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM this often (in steps)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -32,9 +35,9 @@ def train(
     overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.", show_default=False),
     workdir: Optional[Path] = typer.Option(None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints and metrics first."),
-    coordinator: Optional[str] = typer.Option(None, help="Multi-process: HOST:PORT of process 0 (jax.distributed)."),
-    num_processes: Optional[int] = typer.Option(None, help="Multi-process: number of processes."),
-    process_id: Optional[int] = typer.Option(None, help="Multi-process: this process's index."),
+    coordinator: Optional[str] = typer.Option(None, envvar="JAX_COORDINATOR_ADDRESS", help="Multi-process: HOST:PORT where process 0 runs the jax.distributed coordinator."),
+    num_processes: Optional[int] = typer.Option(None, envvar="JAX_NUM_PROCESSES", help="Multi-process: number of processes."),
+    process_id: Optional[int] = typer.Option(None, envvar="JAX_PROCESS_ID", help="Multi-process: this process's index, 0 to N-1."),
 ) -> None:
     """Train the model a config describes, writing checkpoints and metrics to the work dir."""
     cfg = load_config(config, overrides or [])
@@ -47,7 +50,12 @@ def main() -> None:
 
 
 class _StopRequested:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step.
+
+    In a multi-process run every process must stop after the same step (a
+    process that ran one step more would wait forever in its collectives), so
+    the processes compare flags every `_STOP_VOTE_EVERY` steps.
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -64,6 +72,20 @@ class _StopRequested:
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    def agreed(self, step: int) -> bool:
+        """Whether to stop after `step`; the same answer on every process."""
+        import jax
+
+        if jax.process_count() == 1:
+            return self.signal is not None
+        if step % _STOP_VOTE_EVERY:
+            return False
+        from jax.experimental import multihost_utils
+
+        votes = multihost_utils.process_allgather(np.int32(self.signal or 0))
+        self.signal = self.signal or int(votes.max()) or None
+        return self.signal is not None
 
 
 def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple = (None, None, None)) -> int:
@@ -104,14 +126,16 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     rules = sharding.axis_rules(cfg.sharding)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     state_shardings = sharding.state_shardings(abstract, mesh, rules)
-    batch_sharding = sharding.batch_sharding(mesh, rules, cfg.train.batch_size)
-    rows = sharding.process_rows(cfg.train.batch_size)
+    scalar = sharding.replicated(mesh)
+    train_layout = sharding.batch_layout(mesh, rules, cfg.train.batch_size)
+    eval_layout = sharding.batch_layout(mesh, rules, cfg.train.eval_batch_size or cfg.train.batch_size)
 
     # 4. Fresh state, or the latest checkpoint restored straight into its shardings.
     ckpt_dir = workdir / "checkpoints"
     if not resume and is_main:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         (workdir / "metrics.jsonl").unlink(missing_ok=True)
+    _barrier("nnx-train: work dir ready")
     ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
     start = ckpt.latest_step()
     if start is not None:
@@ -125,31 +149,37 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
         ckpt.close()
         return 0
 
-    # 5. The jitted steps over pure state.
+    # 5. The jitted steps over pure state; the state keeps its shardings from step to step.
     loss_metric = model_cls.loss_metric
-    train_step = jax.jit(functools.partial(steps.train_step, moduledef, tx, loss_metric, cfg.seed), donate_argnums=(0, 1))
-    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed))
+    train_step = jax.jit(
+        functools.partial(steps.train_step, moduledef, tx, loss_metric, cfg.seed),
+        in_shardings=(state_shardings, scalar, train_layout.sharding),
+        out_shardings=(state_shardings, scalar, scalar),
+        donate_argnums=(0, 1),
+    )
+    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed), in_shardings=(state_shardings, eval_layout.sharding, scalar), out_shardings=scalar)
     has_images = hasattr(model_cls, "images") and len(train_split.spec.input_shape) == 3
-    images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed)) if has_images else None
+    images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed), out_shardings=scalar) if has_images else None
     names = steps.metric_names(moduledef, abstract, jax.eval_shape(lambda: batches.get(0)))
-    eval_batch_size = cfg.train.eval_batch_size or cfg.train.batch_size
-    eval_sharding = sharding.batch_sharding(mesh, rules, eval_batch_size)
-    eval_rows = sharding.process_rows(eval_batch_size)
 
     log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
     progress = report.Progress(console, start, total_steps, loss_metric)
 
     def run_eval(step: int) -> None:
+        """Every process computes (the arrays span all of them); process 0 writes."""
         if eval_split is None:
             return
-        eval_batches = (sharding.place_batch(b, eval_sharding) for b in data.eval_batches(eval_split, eval_batch_size, eval_rows))
-        metrics = steps.evaluate(eval_step, state, eval_batches, len(eval_split))
+        placed = (eval_layout.place(b) for b in data.eval_batches(eval_split, eval_layout.size, eval_layout.rows))
+        metrics = steps.evaluate(eval_step, state, placed, len(eval_split))
+        images = None
+        if images_step is not None:
+            first = eval_layout.place(next(data.eval_batches(eval_split, eval_layout.size, eval_layout.rows)))
+            images = jax.device_get(images_step(state, first))
         if log is not None:
             log.write(step, "eval", metrics)
             progress.print(report.metrics_table(f"eval at step {step}", metrics))
-            if images_step is not None:
-                first = sharding.place_batch(next(data.eval_batches(eval_split, eval_batch_size, eval_rows)), eval_sharding)
-                report.write_image_grid(jax.device_get(images_step(state, first)), workdir / "images" / f"{step}.png")
+            if images is not None:
+                report.write_image_grid(images, workdir / "images" / f"{step}.png")
 
     def check_finite(sums: dict[str, Any], step: int) -> None:
         bad = int(sums["bad_step"])
@@ -165,7 +195,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     stopped = None
     try:
         with _StopRequested() as stop, jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-            feed = data.prefetch(lambda s: sharding.place_batch(batches.get(s, rows), batch_sharding), range(start, total_steps))
+            feed = data.prefetch(lambda s: train_layout.place(batches.get(s, train_layout.rows)), range(start, total_steps))
             in_flight: collections.deque = collections.deque()
             for batch in feed:
                 state, sums, loss = train_step(state, sums, batch)
@@ -188,7 +218,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
                     saved = step
                 if step % cfg.train.eval_every == 0 and step != total_steps:
                     run_eval(step)
-                if stop.signal is not None:
+                if stop.agreed(step):
                     stopped = stop.signal
                     break
             feed.close()
@@ -209,14 +239,53 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
 
 
 def _init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
-    """Join a multi-process run (flags, or jax.distributed's own environment variables)."""
+    """Join a multi-process run through `jax.distributed.initialize`.
+
+    Either from the flags (or `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+    `JAX_PROCESS_ID`), where JAX fills in what a cluster manager it knows
+    provides; or, with no flags, inside a SLURM or Open MPI job of more than
+    one task, entirely from that job's environment. Otherwise a single process.
+    """
     import jax
 
     if coordinator is None and num_processes is None and process_id is None:
+        if _cluster_tasks() > 1:
+            jax.distributed.initialize()
         return
-    if None in (coordinator, num_processes, process_id):
-        raise UserError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N and --process-id I")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    if coordinator is not None and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
+        raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)")
+    if num_processes is not None and num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
+    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
+        raise UserError(f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N ({num_processes})")
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    except ValueError as e:  # JAX found no cluster manager to fill in what is missing
+        raise UserError(
+            f"cannot start a multi-process run ({e}): pass all of --coordinator HOST:PORT, --num-processes N and "
+            f"--process-id I, or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+        ) from None
+    except Exception as e:  # the coordinator could not be reached, or not every process joined in time
+        raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {str(e).splitlines()[0]}") from None
+
+
+def _cluster_tasks() -> int:
+    """Processes in the SLURM or Open MPI job this process belongs to (1 outside one)."""
+    for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):  # set for each task that srun / mpirun starts
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def _barrier(name: str) -> None:
+    """Wait until every process reaches this point (nothing to wait for in a single-process run)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 if __name__ == "__main__":
