@@ -8,20 +8,16 @@ parameters.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from cli_support import assert_user_error, cli, final_state, start, wait_for_checkpoint
 from nnx_cli.checkpoint import Checkpointer
 
-BIN = Path(sys.executable).parent
 STEPS = 240
 # Big enough hidden layers that a step takes a few milliseconds: the fault tests must catch runs mid-way.
 RUN_CONFIG = f"""
@@ -34,46 +30,11 @@ checkpoint: {{every_steps: 40, keep: 10}}
 """
 
 
-def env(tmp: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
-
-
-def cli(name: str, *args: str, cwd: Path, timeout: float = 120, extra_env: dict[str, str] = {}) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd, **extra_env), capture_output=True, text=True, timeout=timeout)
-
-
-def start_train(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "nnx-train"), *map(str, args)], cwd=cwd, env=env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_checkpoint(workdir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not (workdir / "checkpoints" / str(step) / "commit_success.txt").exists():
-        assert proc.poll() is None, f"training ended before step {step}: {proc.communicate()[1]}"
-        assert time.monotonic() < deadline, f"no checkpoint {step} after {timeout}s"
-        time.sleep(0.01)
-
-
-def final_state(workdir: Path) -> dict:
-    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
-    step = ckpt.latest_step()
-    return {"step": step, **ckpt.restore_raw(step)}
-
-
 def assert_same_state(a: dict, b: dict) -> None:
     assert a["step"] == b["step"] == STEPS
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    message = result.stderr.strip()
-    assert message.startswith("error: ") and "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +173,8 @@ def test_no_resume_starts_over(project: Path):
 
 
 def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(reference: Path, project: Path):
-    proc = start_train("run.yaml", "--workdir", "killed", cwd=project)
-    wait_for_checkpoint(project / "killed", 80, proc)
+    proc = start("nnx-train", "run.yaml", "--workdir", "killed", cwd=project)
+    wait_for_checkpoint(project / "killed", 80, [proc])
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     resumed_from = Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step()
@@ -225,8 +186,8 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(reference: P
 
 
 def test_ctrl_c_writes_a_checkpoint_exits_130_and_resumes_exactly(reference: Path, project: Path):
-    proc = start_train("run.yaml", "--workdir", "interrupted", cwd=project)
-    wait_for_checkpoint(project / "interrupted", 80, proc)
+    proc = start("nnx-train", "run.yaml", "--workdir", "interrupted", cwd=project)
+    wait_for_checkpoint(project / "interrupted", 80, [proc])
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr

@@ -1,0 +1,82 @@
+"""Running the console scripts as a user does: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from nnx_cli.checkpoint import Checkpointer
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
+
+# One persistent compilation cache for every CLI run of a test session: runs of
+# the same config compile the same programs, and JAX reuses them instead of
+# compiling again (most of a short run's time on two cores).
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="nnx-tests-jax-cache-")
+atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+
+
+def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a CLI run: CPU only, no network, `devices` simulated CPU devices."""
+    out = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "HF_HOME": str(tmp / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "JAX_COMPILATION_CACHE_DIR": _COMPILATION_CACHE,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        **extra,
+    }
+    if devices is not None:
+        out["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return out
+
+
+def cli(name: str, *args: str, cwd: Path, timeout: float = 120, devices: int | None = None, extra_env: dict[str, str] = {}) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd, devices, **extra_env), capture_output=True, text=True, timeout=timeout)
+
+
+def start(name: str, *args: str, cwd: Path, devices: int | None = None) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd, devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_checkpoint(workdir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Wait until checkpoint `step` is committed, while every process in `procs` still runs."""
+    deadline = time.monotonic() + timeout
+    while not (workdir / "checkpoints" / str(step) / "commit_success.txt").exists():
+        for proc in procs:
+            assert proc.poll() is None, f"training ended before step {step}: {proc.communicate()[1]}"
+        assert time.monotonic() < deadline, f"no checkpoint {step} after {timeout}s"
+        time.sleep(0.01)
+
+
+def final_state(workdir: Path) -> dict:
+    """The latest checkpoint of a work dir as numpy arrays, with its step."""
+    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+    step = ckpt.latest_step()
+    return {"step": step, **ckpt.restore_raw(step)}
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message

@@ -1,0 +1,194 @@
+"""Scaling out: the shipped digits config on 1 device, on a mesh of 8, and as 2 processes.
+
+Only `sharding` and the launch change between these runs, and they end with
+the same metrics. Devices are simulated CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=N`); processes talk
+through `jax.distributed` on 127.0.0.1 with gloo collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from cli_support import ROOT, assert_user_error, cli, final_state, free_port, start, wait_for_checkpoint
+from nnx_cli.checkpoint import Checkpointer
+
+CONFIG = ROOT / "configs" / "digits_vae.yaml"
+STEPS = 100  # on meshes
+MESH_4x2 = ("sharding.mesh.data=4", "sharding.mesh.model=2")
+MP_STEPS = 40  # as several processes: gloo collectives make each step slow on two cores
+MULTI_PROCESS = (f"train.steps={MP_STEPS}", "train.log_every=10", "checkpoint.every_steps=10", "checkpoint.keep=10")
+
+
+def train(workdir: str, *overrides: str, cwd: Path, devices: int = 1) -> Path:
+    result = cli("nnx-train", CONFIG, *overrides, "--workdir", workdir, cwd=cwd, devices=devices, timeout=240)
+    assert result.returncode == 0, result.stderr
+    return cwd / workdir
+
+
+def start_processes(workdir: str, cwd: Path, processes: int = 2, devices: int = 2) -> list[subprocess.Popen]:
+    """One `nnx-train` per process, joined through a coordinator on the loopback address."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        start("nnx-train", CONFIG, *MULTI_PROCESS, "--workdir", workdir, "--coordinator", coordinator, "--num-processes", str(processes), "--process-id", str(i), cwd=cwd, devices=devices)
+        for i in range(processes)
+    ]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    outputs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        outputs.append((proc.returncode, stdout, stderr))
+    return outputs
+
+
+def last_eval(workdir: Path) -> dict[str, float]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]["metrics"]
+
+
+def assert_same_state(a: Path, b: Path, **tolerance: float) -> None:
+    x, y = final_state(a), final_state(b)
+    assert x["step"] == y["step"]
+    assert jax.tree.structure(x) == jax.tree.structure(y)
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+        np.testing.assert_allclose(u, v, **tolerance)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("scale")
+
+
+@pytest.fixture(scope="module")
+def one_device(project: Path) -> Path:
+    return train("one-device", f"train.steps={STEPS}", cwd=project)
+
+
+@pytest.fixture(scope="module")
+def eight_devices(project: Path) -> Path:
+    return train("eight-devices", f"train.steps={STEPS}", *MESH_4x2, cwd=project, devices=8)
+
+
+@pytest.fixture(scope="module")
+def four_devices(project: Path) -> Path:
+    return train("four-devices", *MULTI_PROCESS, cwd=project, devices=4)
+
+
+@pytest.fixture(scope="module")
+def two_processes(project: Path) -> tuple[Path, list[tuple[int, str, str]]]:
+    outputs = finish(start_processes("two-processes", cwd=project))
+    for code, _, stderr in outputs:
+        assert code == 0, stderr
+    return project / "two-processes", outputs
+
+
+# --------------------------------------------------------------------------- a mesh of 8 devices
+
+
+def test_eight_devices_with_a_model_axis_evaluate_like_one_device(one_device: Path, eight_devices: Path, project: Path):
+    result = cli("nnx-eval", eight_devices, "--json", cwd=project, devices=8)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["metrics"] == pytest.approx(last_eval(one_device), rel=1e-4)
+
+
+def test_parameters_and_optimizer_state_stay_split_over_the_model_axis(eight_devices: Path):
+    saved = Checkpointer(eight_devices / "checkpoints", read_only=True).metadata(STEPS)
+    specs = {"/".join(map(str, path)): tuple(m.sharding.partition_spec) for path, m in _flatten(saved)}
+    assert specs["params/encoder/0/kernel"] == (None, "model")  # (embed, hidden)
+    assert specs["params/decoder/1/kernel"] == ("model", None)  # (hidden, embed)
+    assert specs["opt_state/0/mu/encoder/0/kernel"] == (None, "model")
+    assert specs["opt_state/0/nu/decoder/0/bias"] == ("model",)
+    assert all(axis is None for axis in specs["params/mean/kernel"][1:])  # (hidden, latent): latent has no rule
+
+
+def test_inspect_shows_the_mesh_axes_of_the_run(eight_devices: Path, project: Path):
+    result = cli("nnx-inspect", eight_devices, "--json", "--filter", "Param", cwd=project)
+    assert result.returncode == 0, result.stderr
+    entries = {e["path"]: e for e in json.loads(result.stdout)["entries"]}
+    assert entries["encoder/0/kernel"]["sharding"] == ["embed", "hidden"]
+    assert entries["encoder/0/kernel"]["mesh_axes"] == [None, "model"]
+    assert entries["encoder/0/bias"]["mesh_axes"] == ["model"]
+    assert all(e["sharding"] for e in entries.values())
+
+
+def test_a_mesh_that_does_not_fit_the_devices_says_how_to_override_it(project: Path):
+    result = cli("nnx-train", CONFIG, *MESH_4x2, "--workdir", "misfit", cwd=project, devices=2)
+    assert_user_error(result, "'sharding.mesh'", "2 available device(s)", "sharding.mesh.data=-1 sharding.mesh.model=1")
+
+
+# --------------------------------------------------------------------------- several processes
+
+
+def test_two_processes_train_like_one_process_with_four_devices(two_processes, four_devices: Path):
+    workdir, _ = two_processes
+    assert last_eval(workdir) == pytest.approx(last_eval(four_devices), rel=1e-5)
+    assert_same_state(workdir, four_devices, rtol=1e-5, atol=1e-6)
+
+
+def test_a_multi_process_checkpoint_evaluates_in_one_process(two_processes, project: Path):
+    workdir, _ = two_processes
+    result = cli("nnx-eval", workdir, "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"step": MP_STEPS, "metrics": pytest.approx(last_eval(workdir), rel=1e-5)}
+
+
+def test_only_process_zero_reports(two_processes):
+    workdir, outputs = two_processes
+    (_, _, first), (_, _, second) = outputs
+    assert f"step {MP_STEPS}/{MP_STEPS}" in first and "done:" in first
+    assert "step " not in second and "done:" not in second and "eval" not in second
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(10, MP_STEPS + 1, 10))
+    assert (workdir / "images" / f"{MP_STEPS}.png").is_file()
+
+
+def test_killed_processes_resume_to_the_uninterrupted_parameters(two_processes, project: Path):
+    reference, _ = two_processes
+    procs = start_processes("killed", cwd=project)
+    wait_for_checkpoint(project / "killed", 10, procs)
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    finish(procs)
+    resumed_from = Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step()
+    assert 10 <= resumed_from < MP_STEPS
+    outputs = finish(start_processes("killed", cwd=project))
+    assert [code for code, _, _ in outputs] == [0, 0], outputs[0][2] + outputs[1][2]
+    assert f"resumed from {Path('killed', 'checkpoints', str(resumed_from))}" in outputs[0][2]
+    assert_same_state(project / "killed", reference, rtol=0, atol=0)
+
+
+def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step(two_processes, project: Path):
+    reference, _ = two_processes
+    procs = start_processes("interrupted", cwd=project)
+    wait_for_checkpoint(project / "interrupted", 10, procs)
+    procs[1].send_signal(signal.SIGINT)  # process 0 learns of it from the others
+    outputs = finish(procs)
+    assert [code for code, _, _ in outputs] == [130, 130], outputs[0][2] + outputs[1][2]
+    stopped_at = Checkpointer(project / "interrupted" / "checkpoints", read_only=True).latest_step()
+    assert 10 <= stopped_at < MP_STEPS
+    assert f"checkpoint written at {Path('interrupted', 'checkpoints', str(stopped_at))}" in outputs[0][2]
+    outputs = finish(start_processes("interrupted", cwd=project))
+    assert [code for code, _, _ in outputs] == [0, 0], outputs[0][2] + outputs[1][2]
+    assert_same_state(project / "interrupted", reference, rtol=0, atol=0)
+
+
+def test_multi_process_flags_must_describe_a_run(project: Path):
+    assert_user_error(cli("nnx-train", CONFIG, "--num-processes", "2", "--process-id", "0", cwd=project), "--coordinator")
+    assert_user_error(cli("nnx-train", CONFIG, "--coordinator", "localhost", "--num-processes", "2", "--process-id", "0", cwd=project), "HOST:PORT")
+    assert_user_error(cli("nnx-train", CONFIG, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2", cwd=project), "--process-id 2")
+
+
+def _flatten(tree: dict, prefix: tuple = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
