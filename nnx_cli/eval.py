@@ -52,7 +52,7 @@ def evaluate(
     state = ckpt.restore(run.step, target_state)
     ckpt.close()
 
-    layout = sharding.batch_layout(mesh, rules, cfg.train.eval_batch_size or cfg.train.batch_size)
+    layout = sharding.eval_batch_layout(mesh, rules, cfg.train)
     eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed), in_shardings=(state_shardings, layout.sharding, sharding.replicated(mesh)), out_shardings=sharding.replicated(mesh))
     batches = (layout.place(b) for b in data.eval_batches(eval_split, layout.size, layout.rows))
     metrics = steps.evaluate(eval_step, state, batches, len(eval_split))

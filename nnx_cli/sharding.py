@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import nnx
-from nnx_cli.config import ShardingConfig
+from nnx_cli.config import ShardingConfig, TrainConfig
 from nnx_cli.errors import UserError
 
 
@@ -58,10 +58,31 @@ def make_mesh(cfg: ShardingConfig) -> Mesh:
 
 
 def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> Any:
-    """A `NamedSharding` for every array of `abstract`, in the same tree structure."""
-    prefix = nnx.spmd.logical_to_mesh_sharding(nnx.get_partition_spec(abstract), mesh, rules)
-    # get_partition_spec drops the Variable wrappers; expand back to one sharding per leaf.
-    return jax.tree.map(lambda sharding, subtree: jax.tree.map(lambda _: sharding, subtree), prefix, abstract)
+    """A `NamedSharding` for every array of `abstract`, in the same tree structure.
+
+    Every sharded dimension must split evenly over its mesh axes; one that
+    does not is a UserError naming the entry and its logical axis.
+    """
+    # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf.
+    logical = jax.tree.map(lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), nnx.get_partition_spec(abstract), abstract)
+    shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)
+    leaves = zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(logical), jax.tree.leaves(shardings))
+    for (path, leaf), names, sharding in sorted(leaves, key=lambda item: not str(item[0][0][0]).startswith("['params']")):
+        for size, name, axes in zip(leaf.shape, names, sharding.spec):
+            if size % _ways(mesh, axes):
+                entry = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+                raise UserError(
+                    f"{entry} {list(leaf.shape)} cannot be split as {sharding.spec} over the mesh {dict(mesh.shape)}: "
+                    f"{size} is not divisible by {_ways(mesh, axes)}; change sharding.mesh, or map {name!r} to null in sharding.rules"
+                )
+    return shardings
+
+
+def _ways(mesh: Mesh, axes: Any) -> int:
+    """How many pieces a dimension with PartitionSpec entry `axes` is split into."""
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -95,15 +116,21 @@ class BatchLayout:
         return {k: jax.make_array_from_process_local_data(self.sharding, v, (self.size, *v.shape[1:])) for k, v in batch.items()}
 
 
-def batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int) -> BatchLayout:
-    """The layout of batches of `batch_size` rows: split along the mesh axes of the logical `batch` axis."""
+def batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size") -> BatchLayout:
+    """The layout of batches of `batch_size` rows (config key `key`): split along the mesh axes of the logical `batch` axis."""
     spec = PartitionSpec(*nnx.spmd.logical_to_mesh_axes(("batch",), rules))
-    axes = spec[0] if spec[0] is None or isinstance(spec[0], tuple) else (spec[0],)
-    ways = math.prod(mesh.shape[a] for a in axes or ())
+    ways = _ways(mesh, spec[0])
     if batch_size % ways:
-        raise UserError(f"config key 'train.batch_size' ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh")
+        raise UserError(f"config key {key!r} ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh {dict(mesh.shape)}")
     sharding = NamedSharding(mesh, spec)
     return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))
+
+
+def eval_batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], train: TrainConfig) -> BatchLayout:
+    """Eval batches: `train.eval_batch_size` rows, or `train.batch_size` when that is null."""
+    if train.eval_batch_size:
+        return batch_layout(mesh, rules, train.eval_batch_size, "train.eval_batch_size")
+    return batch_layout(mesh, rules, train.batch_size)
 
 
 def _process_rows(sharding: NamedSharding, batch_size: int) -> slice:

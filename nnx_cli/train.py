@@ -128,7 +128,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     state_shardings = sharding.state_shardings(abstract, mesh, rules)
     scalar = sharding.replicated(mesh)
     train_layout = sharding.batch_layout(mesh, rules, cfg.train.batch_size)
-    eval_layout = sharding.batch_layout(mesh, rules, cfg.train.eval_batch_size or cfg.train.batch_size)
+    eval_layout = sharding.eval_batch_layout(mesh, rules, cfg.train)
 
     # 4. Fresh state, or the latest checkpoint restored straight into its shardings.
     ckpt_dir = workdir / "checkpoints"

@@ -124,6 +124,11 @@ def test_a_mesh_that_does_not_fit_the_devices_says_how_to_override_it(project: P
     assert_user_error(result, "'sharding.mesh'", "2 available device(s)", "sharding.mesh.data=-1 sharding.mesh.model=1")
 
 
+def test_a_parameter_that_does_not_split_evenly_names_its_logical_axis(project: Path):
+    result = cli("nnx-train", CONFIG, "sharding.mesh.data=1", "sharding.mesh.model=2", "model.hidden_sizes=[101]", "--workdir", "uneven", cwd=project, devices=2)
+    assert_user_error(result, "params/", "[101]", "not divisible by 2", "map 'hidden' to null in sharding.rules")
+
+
 # --------------------------------------------------------------------------- several processes
 
 
