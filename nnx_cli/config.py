@@ -16,6 +16,7 @@ function, checked against their signatures when the run is built.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import re
 import types
@@ -143,7 +144,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def dump_yaml(data: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    """Write `data` as YAML, atomically: a reader never sees half a file."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(yaml.safe_dump(data, sort_keys=False))
+    partial.replace(path)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -189,7 +194,7 @@ def _check_override_path(parts: list[str], item: str) -> None:
                 return
             path = ".".join(parts[: depth + 1])
             prefix = ".".join(parts[:depth])
-            suggestion = did_you_mean(part, fields, prefix + "." if prefix else "")
+            suggestion = did_you_mean(part, fields, prefix + "." if prefix else "") or f"; valid keys{' in ' + repr(prefix) if prefix else ''}: {', '.join(fields)}"
             raise UserError(f"override {item!r}: unknown config key {path!r}{suggestion}")
         hint = _hints(cls)[fields[part].name]
         cls = hint if dataclasses.is_dataclass(hint) else None
@@ -207,8 +212,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     The file is laid over the defaults and the overrides over the file, so
     `sharding.mesh.data=4` keeps the default `model` axis.
     """
-    raw = _merge(to_dict(Config()), read_yaml(path) if path is not None else {})
-    return from_dict(apply_overrides(raw, overrides))
+    try:
+        raw = _merge(to_dict(Config()), read_yaml(path) if path is not None else {})
+        return from_dict(apply_overrides(raw, overrides))
+    except RecursionError:  # a YAML alias that contains itself (`a: &x [*x]`)
+        raise UserError(f"config file {str(path)!r} nests without end (a YAML anchor that refers to itself)") from None
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -258,24 +266,45 @@ def _build(cls: type, raw: Any, path: str) -> Any:
             if getattr(cls, "open_section", False):
                 options[key] = value
                 continue
-            suggestion = did_you_mean(key, fields, path + "." if path else "")
+            suggestion = did_you_mean(key, fields, path + "." if path else "") or f"; valid keys{' in ' + repr(path) if path else ''}: {', '.join(fields)}"
             raise UserError(f"unknown config key {dotted!r}{suggestion}")
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, value, dotted)
         else:
-            kwargs[f.name] = _coerce(value, hint, dotted)
+            kwargs[f.name] = check_type(value, hint, dotted)
     if getattr(cls, "open_section", False):
         kwargs["options"] = options
     return cls(**kwargs)
 
 
-def _coerce(value: Any, hint: Any, path: str) -> Any:
-    """Check `value` against the annotation `hint`; return it (ints widened to floats)."""
+def check_type(value: Any, hint: Any, path: str) -> Any:
+    """Check `value` against the annotation `hint`; return it (ints widened to floats).
+
+    A mismatch is a UserError naming the innermost key or list item at fault:
+    `sharding.mesh.data=abc` is reported for `sharding.mesh.data`.
+    """
     ok, out = _match(value, hint)
     if not ok:
+        path, value, hint = _culprit(value, hint, path)
         raise UserError(f"config key {path!r} must be {_describe(hint)}, got {_show(value)}")
     return out
+
+
+def _culprit(value: Any, hint: Any, path: str) -> tuple[str, Any, Any]:
+    """The deepest (path, value, hint) that does not match, for a precise message."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    for option in options:
+        origin, args = typing.get_origin(option), typing.get_args(option)
+        if origin is dict and isinstance(value, dict) and args:
+            for k, v in value.items():
+                if not _match(v, args[1])[0]:
+                    return _culprit(v, args[1], f"{path}.{k}")
+        if origin in (list, collections.abc.Sequence) and isinstance(value, (list, tuple)) and args:
+            for i, v in enumerate(value):
+                if not _match(v, args[0])[0]:
+                    return _culprit(v, args[0], f"{path}[{i}]")
+    return path, value, hint
 
 
 def _match(value: Any, hint: Any) -> tuple[bool, Any]:
@@ -300,7 +329,7 @@ def _match(value: Any, hint: Any) -> tuple[bool, Any]:
         return ok, float(value) if ok else None
     if hint is str:
         return isinstance(value, str), value
-    if origin is list:
+    if origin in (list, collections.abc.Sequence):
         if not isinstance(value, (list, tuple)):
             return False, None
         out = []
@@ -329,19 +358,24 @@ def _allows_mapping(hint: Any) -> bool:
     return any(_allows_mapping(a) for a in typing.get_args(hint))
 
 
-def _describe(hint: Any) -> str:
+_NAMES = {bool: ("a boolean", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"), Any: ("a value", "values")}
+
+
+def _describe(hint: Any, plural: bool = False) -> str:
+    """`int` -> "an integer", `list[list[Any]]` -> "a list of lists", `float | None` -> "a number or null"."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if hint is type(None):
         return "null"
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is list:
-        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+        return " or ".join(_describe(a, plural) for a in args)
+    if origin in (list, collections.abc.Sequence):
+        inner = f" of {_describe(args[0], plural=True)}" if args and args[0] is not Any else ""
+        return ("lists" if plural else "a list") + inner
     if origin is dict:
-        return "a mapping"
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-    return names.get(hint, getattr(hint, "__name__", str(hint)))
+        return "mappings" if plural else "a mapping"
+    one, many = _NAMES.get(hint, (getattr(hint, "__name__", str(hint)),) * 2)
+    return many if plural else one
 
 
 def _show(value: Any) -> str:
@@ -360,6 +394,8 @@ def _check_values(cfg: Config) -> None:
         if value is None or value < 1:
             raise UserError(f"config key {path!r} must be a positive integer, got {_show(value)}")
 
+    if not 0 <= cfg.seed < 2**32:
+        raise UserError(f"config key 'seed' must be an integer from 0 to 2**32 - 1, got {cfg.seed}")
     t = cfg.train
     positive("train.batch_size", t.batch_size)
     positive("train.log_every", t.log_every)

@@ -66,6 +66,32 @@ def test_wrong_type_names_key_expected_type_and_value():
         load_config(None, ["train.batch_size=many"])
 
 
+def test_wrong_type_inside_a_mapping_names_the_inner_key():
+    with pytest.raises(UserError, match=r"config key 'sharding\.mesh\.data' must be an integer, got 'abc'"):
+        load_config(None, ["sharding.mesh.data=abc"])
+
+
+def test_nested_list_types_read_as_english():
+    with pytest.raises(UserError, match=r"'sharding\.rules' must be a list of lists, got 5"):
+        load_config(None, ["sharding.rules=5"])
+
+
+def test_unknown_key_without_a_close_match_lists_the_valid_ones():
+    with pytest.raises(UserError, match=r"unknown config key 'foo'; valid keys: seed, workdir, model"):
+        load_config(None, ["foo=1"])
+
+
+def test_seed_must_fit_the_random_generators():
+    for seed in ("-1", str(2**64)):
+        with pytest.raises(UserError, match=r"config key 'seed' must be an integer from 0"):
+            load_config(None, [f"seed={seed}"])
+
+
+def test_a_yaml_anchor_that_contains_itself_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="refers to itself"):
+        load_config(write(tmp_path, "model: &x {name: vae, nested: *x}\n"))
+
+
 def test_non_positive_batch_size_is_rejected():
     with pytest.raises(UserError, match="train.batch_size"):
         load_config(None, ["train.batch_size=0"])
