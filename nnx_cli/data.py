@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -159,6 +160,9 @@ def _open(source: str) -> Any:
         return _cache[source]
     import datasets
 
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported as one UserError below
+    if not sys.stderr.isatty():
+        datasets.disable_progress_bars()
     path = Path(source).expanduser()
     try:
         if path.exists():
@@ -198,13 +202,15 @@ def _from_datasets(cfg: DataConfig, split: str, key: str) -> Split:
     import datasets
 
     ds = _open(cfg.source)
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise UserError(
-                f"config key {key!r}: dataset {cfg.source!r} has no split {split!r}"
-                f"{did_you_mean(split, list(ds))}; available: {', '.join(ds)}"
-            )
-        ds = ds[split]
+    if not isinstance(ds, datasets.DatasetDict):  # save_to_disk of one Dataset: a single split, "train"
+        ds = datasets.DatasetDict({"train": ds})
+    if split not in ds:
+        raise UserError(
+            f"config key {key!r}: dataset {cfg.source!r} has no split {split!r}"
+            f"{did_you_mean(split, list(ds))}; available: {', '.join(ds)}"
+            + (" (set data.eval_split=null to train without evals)" if key == "data.eval_split" else "")
+        )
+    ds = ds[split]
     columns = list(ds.column_names)
     if cfg.image_key not in columns:
         raise UserError(
@@ -234,6 +240,9 @@ def _decode_images(ds: Any, key: str) -> np.ndarray:
             source = io.BytesIO(item["bytes"]) if item.get("bytes") is not None else item["path"]
             with Image.open(source) as img:
                 pixels.append(np.asarray(img))
+        shapes = {p.shape for p in pixels}
+        if len(shapes) > 1:
+            raise UserError(f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes ({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first")
         array = np.stack(pixels)
     else:
         array = np.asarray(ds.with_format("numpy")[key][:])

@@ -64,6 +64,25 @@ def test_save_to_disk_directory_with_splits(tmp_path):
     np.testing.assert_allclose(load_split(cfg, "train").images[..., 0], pixels / 255.0, rtol=1e-6)
 
 
+def test_save_to_disk_of_one_dataset_is_a_train_split_only(tmp_path):
+    ds, _ = image_dataset(n=6)
+    ds.save_to_disk(str(tmp_path / "one"))
+    cfg = DataConfig(source=str(tmp_path / "one"), image_key="img", label_key="digit")
+    assert len(load_split(cfg, "train")) == 6
+    with pytest.raises(UserError, match="no split 'test'.*available: train.*data.eval_split=null"):
+        load_split(cfg, "test", "data.eval_split")
+
+
+def test_images_of_different_shapes_are_a_user_error(tmp_path):
+    import datasets
+    from PIL import Image
+
+    images = [Image.fromarray(np.zeros((8 + i % 2, 8), np.uint8)) for i in range(4)]
+    datasets.Dataset.from_dict({"img": images}).cast_column("img", datasets.Image()).to_parquet(str(tmp_path / "mixed.parquet"))
+    with pytest.raises(UserError, match="come in 2 shapes"):
+        load_split(DataConfig(source=str(tmp_path / "mixed.parquet"), image_key="img"), "train")
+
+
 def test_directory_of_parquet_files_splits_by_file_name(tmp_path):
     train, _ = image_dataset(n=10)
     test, _ = image_dataset(n=3, seed=3)
