@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import inspect as _pyinspect
 import math
+import typing
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 import nnx
-from nnx_cli.config import ModelConfig
+from nnx_cli.config import ModelConfig, check_type
 from nnx_cli.data import DataSpec
 from nnx_cli.errors import UserError, did_you_mean
 
@@ -73,7 +74,8 @@ class VAE(nnx.Module):
         self.input_shape = tuple(input_shape)
         self.latent_size = latent_size
         pixels = math.prod(input_shape)
-        hidden = list(hidden_sizes)
+        hidden = _sizes("hidden_sizes", hidden_sizes)
+        _sizes("latent_size", [latent_size])
         sizes, axes = [pixels, *hidden], ["embed", *_hidden_axes(len(hidden))]
         self.encoder = _mlp(sizes, axes, ctx)
         self.mean = _linear(sizes[-1], latent_size, (axes[-1], "latent"), ctx)
@@ -114,6 +116,7 @@ class VAE(nnx.Module):
 
 class _Classifier(nnx.Module):
     loss_metric = "loss"
+    needs_labels = True
 
     def logits(self, x: jax.Array, ctx: nnx.Context) -> jax.Array:
         raise NotImplementedError
@@ -127,6 +130,18 @@ class _Classifier(nnx.Module):
         }
 
 
+def _sizes(option: str, sizes: Sequence[int]) -> list[int]:
+    """Layer sizes must be positive: a zero-width layer has nothing to learn."""
+    if any(size < 1 for size in sizes):
+        raise ValueError(f"model.{option} must hold positive sizes, got {list(sizes)}")
+    return list(sizes)
+
+
+def _rate(option: str, rate: float) -> None:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"model.{option} is a drop probability in [0, 1), got {rate}")
+
+
 def _require_classes(num_classes: int | None, name: str) -> int:
     if not num_classes:
         raise UserError(f"model {name!r} needs labels: set data.label_key to the label column, or model.num_classes")
@@ -138,7 +153,8 @@ class MLPClassifier(_Classifier):
 
     def __init__(self, input_shape: Sequence[int], num_classes: int | None = None, *, hidden_sizes: Sequence[int] = (256,), dropout: float = 0.1, ctx: nnx.Context):
         classes = _require_classes(num_classes, "mlp_classifier")
-        hidden = list(hidden_sizes)
+        hidden = _sizes("hidden_sizes", hidden_sizes)
+        _rate("dropout", dropout)
         sizes, axes = [math.prod(input_shape), *hidden], ["embed", *_hidden_axes(len(hidden))]
         self.hidden = _mlp(sizes, axes, ctx)
         self.dropout = nnx.Dropout(dropout)
@@ -159,8 +175,10 @@ class CNNClassifier(_Classifier):
         if len(input_shape) != 3:
             raise UserError(f"model 'cnn_classifier' needs images [height, width, channels], got input shape {list(input_shape)}")
         height, width, channels = input_shape
+        _sizes("hidden_size", [hidden_size])
+        _rate("dropout", dropout)
         convs, norms = [], []
-        for f in features:
+        for f in _sizes("features", features):
             convs.append(
                 nnx.Conv(
                     channels,
@@ -231,10 +249,11 @@ def resolve_options(cfg: ModelConfig) -> dict[str, Any]:
         if key not in params:
             known = [*params, "name", "input_shape", "num_classes"]
             raise UserError(f"unknown config key 'model.{key}' for model {cfg.name!r}{did_you_mean(key, known, 'model.')}; options: {', '.join(params) or 'none'}")
+    hints = _type_hints(cls.__init__)
     out = {}
     for name, p in params.items():
         if name in cfg.options:
-            out[name] = cfg.options[name]
+            out[name] = check_type(cfg.options[name], hints.get(name, Any), f"model.{name}")
         elif p.default is p.empty:
             raise UserError(f"config key 'model.{name}' is required by model {cfg.name!r}")
         else:
@@ -254,7 +273,22 @@ def model_factory(cfg: ModelConfig, spec: DataSpec) -> Callable[[nnx.Context], n
             return cls(input_shape, num_classes, **options, ctx=ctx)
         except UserError:
             raise
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # the constructor's own checks, or what a bad option breaks inside it
             raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {options}: {e}") from None
 
     return build
+
+
+def check_data(cfg: ModelConfig, cls: type, spec: DataSpec, has_labels: bool, label_key: str | None) -> None:
+    """The loaded data fits the model: the configured input shape, labels for a classifier."""
+    if cfg.input_shape is not None and tuple(cfg.input_shape) != tuple(spec.input_shape):
+        raise UserError(f"config key 'model.input_shape' {list(cfg.input_shape)} does not match the data's inputs {list(spec.input_shape)}; set it to null to take the data's")
+    if getattr(cls, "needs_labels", False) and not has_labels:
+        raise UserError(f"model {cfg.name!r} needs labels, but the dataset has no column {label_key!r}; set data.label_key to its label column")
+
+
+def _type_hints(fn: Callable) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # annotations that do not resolve: options go unchecked, as plain Python would
+        return {}
