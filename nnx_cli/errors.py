@@ -56,3 +56,25 @@ def report_errors(fn: F) -> F:
             raise SystemExit(EXIT_INTERRUPTED) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def run_app(app: Any) -> None:
+    """Run a Typer app; a usage error (unknown option, bad option value, missing
+    argument) is one `error:` line and exit 2 like every other bad input."""
+    from typer import Abort
+
+    try:
+        from typer._click.exceptions import ClickException  # newer Typer vendors Click
+    except ImportError:
+        from click.exceptions import ClickException
+
+    try:
+        code = app(standalone_mode=False)
+    except ClickException as e:
+        name = e.ctx.command_path if getattr(e, "ctx", None) is not None else "the command"
+        print(f"error: {e.format_message()} (see {name} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
+    except Abort:
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

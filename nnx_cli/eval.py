@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from nnx_cli.errors import UserError, report_errors
+from nnx_cli.errors import UserError, report_errors, run_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -24,7 +24,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @app.command()
 @report_errors
 def evaluate(
-    target: Path = typer.Argument(..., help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False),
+    target: Path = typer.Argument(..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False),
     overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.source=/data/mnist.", show_default=False),
     step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
@@ -58,7 +58,7 @@ def evaluate(
     metrics = steps.evaluate(eval_step, state, batches, len(eval_split))
 
     if as_json:
-        print(json.dumps({"step": run.step, "metrics": metrics}))
+        print(json.dumps({"step": run.step, "metrics": report.json_metrics(metrics)}))
     else:
         from rich.console import Console
 
@@ -67,7 +67,7 @@ def evaluate(
 
 
 def main() -> None:
-    app()
+    run_app(app)
 
 
 if __name__ == "__main__":

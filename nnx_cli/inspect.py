@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import typer
 
-from nnx_cli.errors import UserError, did_you_mean, report_errors
+from nnx_cli.errors import UserError, did_you_mean, report_errors, run_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -30,13 +30,14 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @app.command()
 @report_errors
 def inspect_state(
-    target: Path = typer.Argument(..., help="Config YAML, or a work dir / checkpoint dir.", show_default=False),
+    target: Path = typer.Argument(..., metavar="TARGET", help="Config YAML, or a work dir / checkpoint dir.", show_default=False),
     overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. sharding.mesh.model=2.", show_default=False),
     filter_type: Optional[str] = typer.Option(None, "--filter", help="Keep one Variable type, e.g. Param or BatchStat."),
     depth: Optional[int] = typer.Option(None, min=1, help="Group paths to this many levels."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
+    from nnx_cli import optim
     from nnx_cli.config import load_config
 
     if target.is_dir():
@@ -46,6 +47,7 @@ def inspect_state(
         cfg, title = run.cfg, f"{run.checkpoints / str(run.step)}"
     else:
         cfg, title = load_config(target, overrides or []), str(target)
+    optim.build_optimizer(cfg.optimizer, total_steps=cfg.train.steps)  # the whole config is checked, not only the model
     entries = state_entries(cfg)
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
@@ -138,7 +140,7 @@ def _print_tables(title: str, model: str, entries: list[dict[str, Any]], summary
         if levels < len(parts):
             continue
         sharding = "(" + ", ".join(str(a) for a in e["sharding"]) + ")" if e["sharding"] else "-"
-        mesh = "P(" + ", ".join(repr(a) for a in e["mesh_axes"]) + ")" if e["mesh_axes"] is not None else "P()"
+        mesh = "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in e["mesh_axes"]) + ")" if e["mesh_axes"] is not None else "P()"
         table.add_row("  " * (len(parts) - 1) + parts[-1], e["type"], str(tuple(e["shape"])), e["dtype"], f"{e['size']:,}", _bytes(e["bytes"]), sharding, mesh)
     console.print(table)
     totals = Table(title="totals", title_justify="left")
@@ -159,7 +161,7 @@ def _bytes(n: int) -> str:
 
 
 def main() -> None:
-    app()
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def optimizer_names() -> list[str]:
 
 def schedule_names() -> list[str]:
     """Optax schedules, without their `_schedule` suffix."""
-    return sorted(n.removesuffix("_schedule") for n in dir(optax) if n.endswith("_schedule") and callable(getattr(optax, n)))
+    return sorted(n.removesuffix("_schedule") for n in dir(optax) if n.endswith("_schedule") and not n.startswith("scale_by") and callable(getattr(optax, n)))
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.GradientTransformation:
@@ -90,7 +90,8 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
             f"config key 'optimizer.learning_rate.name': unknown optax schedule {name!r}{did_you_mean(name, schedule_names())}"
         )
     params = _signature(fn).parameters
-    if "decay_steps" in params and "decay_steps" not in spec and params["decay_steps"].default is _pyinspect.Parameter.empty:
+    filled = "decay_steps" in params and "decay_steps" not in spec and params["decay_steps"].default is _pyinspect.Parameter.empty
+    if filled:
         spec["decay_steps"] = total_steps
     kwargs = _check_kwargs(fn, spec, "optimizer.learning_rate.", f"optax.{fn.__name__}", fixed=("name",))
     if total_steps is None:
@@ -98,7 +99,8 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
     try:
         return fn(**kwargs)
     except (TypeError, ValueError) as e:
-        raise UserError(f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}") from None
+        note = f" (decay_steps is the run length, {total_steps} steps, when the config leaves it out)" if filled else ""
+        raise UserError(f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}") from None
 
 
 def _check_kwargs(fn: Callable, kwargs: dict[str, Any], prefix: str, what: str, exclude: set[str] = set(), fixed: tuple[str, ...] = ()) -> dict[str, Any]:

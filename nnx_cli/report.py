@@ -37,9 +37,14 @@ class MetricsLog:
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
-        record = {"step": step, "split": split, "metrics": {k: float(v) for k, v in metrics.items()}, "time": time.time()}
+        record = {"step": step, "split": split, "metrics": json_metrics(metrics), "time": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def json_metrics(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    """Metrics as strict JSON numbers: a NaN or infinity becomes null."""
+    return {k: float(v) if math.isfinite(v) else None for k, v in metrics.items()}
 
 
 def _step_of(line: str) -> float:
