@@ -58,8 +58,18 @@ class Checkpointer:
         """
         abstract = to_named_tree(jax.tree.map(_as_abstract, target))
         self._check_matches(step, abstract)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract)}))[_ITEM]
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract)}))[_ITEM]
+        except Exception as e:
+            raise self._unreadable(step, "restored", e) from None
         return from_named_tree(restored, target)
+
+    def _unreadable(self, step: int, what: str, error: Exception) -> UserError:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        return UserError(
+            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: {reason}); it may be damaged: "
+            f"pick another step, or move that step directory away to fall back to the previous checkpoint"
+        )
 
     def _check_matches(self, step: int, abstract: dict[str, Any]) -> None:
         def layout(tree: Any) -> dict[str, tuple]:
@@ -86,8 +96,14 @@ class Checkpointer:
 
     def metadata(self, step: int) -> dict[str, Any]:
         """What the checkpoint at `step` holds, without reading arrays: Orbax array
-        metadata (`shape`, `dtype`, `sharding.partition_spec`) in the saved tree."""
-        return self.manager.item_metadata(step)[_ITEM]
+        metadata (`shape`, `dtype`, `sharding.partition_spec`) in the saved tree.
+
+        A checkpoint that cannot be read (damaged, or not written by nnx-train) is a UserError.
+        """
+        try:
+            return self.manager.item_metadata(step)[_ITEM]
+        except Exception as e:
+            raise self._unreadable(step, "read", e) from None
 
     def restore_raw(self, step: int) -> dict[str, Any]:
         """The checkpoint at `step` as saved: nested dicts of numpy arrays, whatever devices wrote it."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import nnx
+from nnx_cli.errors import UserError
 
 TrainState = dict[str, Any]
 _TRAIN, _EVAL, _IMAGES = 0, 1, 2
@@ -46,7 +47,8 @@ def empty_sums(metric_names: list[str]) -> dict[str, Any]:
 def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_metric: str, seed: int, state: TrainState, sums: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
 
-    `sums["bad_step"]` records the first step whose loss was not finite. The
+    `sums["bad_step"]` records the first step whose loss, or the parameters it
+    produced, were not finite (so a non-finite state is never checkpointed). The
     loss is also returned on its own: a small output the loop can wait on.
     """
     step = state["step"]
@@ -64,15 +66,41 @@ def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_
     sums = {
         "metrics": {k: sums["metrics"][k] + means[k] for k in sums["metrics"]},
         "count": sums["count"] + 1,
-        "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
+        "bad_step": jnp.where((sums["bad_step"] < 0) & ~(jnp.isfinite(loss) & _all_finite(params)), step, sums["bad_step"]),
     }
     return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums, loss
 
 
-def metric_names(moduledef: nnx.ModuleDef, abstract: TrainState, batch: dict[str, Any]) -> list[str]:
-    """The names the model's `metrics` returns (traced abstractly, nothing computed)."""
-    out = jax.eval_shape(lambda s, b: moduledef.apply(s["params"], s["rest"]).metrics(b, _context(0, _EVAL, jnp.zeros((), jnp.int32), training=False))[0], abstract, batch)
-    return list(out)
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every array in `tree` is finite (a norm would overflow first)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def check_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, model_name: str, abstract: TrainState, batch: dict[str, Any]) -> list[str]:
+    """Trace the model's metrics and the optimizer update on shapes alone; return the metric names.
+
+    Nothing is computed or allocated. A model that cannot run on the data's
+    batches, or an optimizer that cannot update the parameters (say, an
+    option of the wrong type), is a UserError here, before a run touches its
+    work dir, rather than a traceback at the first step.
+    """
+    ctx = lambda: _context(0, _EVAL, jnp.zeros((), jnp.int32), training=False)  # noqa: E731
+    try:
+        metrics = jax.eval_shape(lambda s, b: moduledef.apply(s["params"], s["rest"]).metrics(b, ctx())[0], abstract, batch)
+    except UserError:
+        raise
+    except Exception as e:
+        shapes = {k: list(v.shape) for k, v in batch.items()}
+        raise UserError(f"model {model_name!r} cannot run on batches of {shapes}: {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        jax.eval_shape(lambda s: tx.update(s["params"], s["opt_state"], s["params"]), abstract)
+    except Exception as e:
+        raise UserError(f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: {_first_line(e)}") from None
+    return list(metrics)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def eval_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:

@@ -13,6 +13,7 @@ import functools
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,7 +21,7 @@ import numpy as np
 import typer
 
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
-from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, report_errors
+from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, report_errors, run_app
 
 _MAX_IN_FLIGHT = 2  # steps dispatched ahead of the one being computed
 _STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM this often (in steps)
@@ -31,26 +32,33 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @app.command()
 @report_errors
 def train(
-    config: Path = typer.Argument(..., help="YAML config file.", show_default=False),
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file.", show_default=False),
     overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.", show_default=False),
     workdir: Optional[Path] = typer.Option(None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."),
-    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints and metrics first."),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints, metrics and images first."),
     coordinator: Optional[str] = typer.Option(None, envvar="JAX_COORDINATOR_ADDRESS", help="Multi-process: HOST:PORT where process 0 runs the jax.distributed coordinator."),
     num_processes: Optional[int] = typer.Option(None, envvar="JAX_NUM_PROCESSES", help="Multi-process: number of processes."),
     process_id: Optional[int] = typer.Option(None, envvar="JAX_PROCESS_ID", help="Multi-process: this process's index, 0 to N-1."),
 ) -> None:
     """Train the model a config describes, writing checkpoints and metrics to the work dir."""
-    cfg = load_config(config, overrides or [])
-    workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
-    raise SystemExit(run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id)))
+    with _Signals() as signals:
+        cfg = load_config(config, overrides or [])
+        workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
+        raise SystemExit(run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals))
 
 
 def main() -> None:
-    app()
+    run_app(app)
 
 
-class _StopRequested:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step.
+class _Signals:
+    """What SIGINT and SIGTERM do during a run.
+
+    Until the training loop starts nothing would be lost, so a signal ends the
+    process at once (exit 130). In the loop the first signal asks to stop
+    after the current step, which writes a checkpoint; a second one ends the
+    process at once (the last committed checkpoint stays intact: Orbax commits
+    by renaming a finished directory).
 
     In a multi-process run every process must stop after the same step (a
     process that ran one step more would wait forever in its collectives), so
@@ -59,14 +67,15 @@ class _StopRequested:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.in_loop = False
 
-    def __enter__(self) -> "_StopRequested":
+    def __enter__(self) -> "_Signals":
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:  # a second Ctrl-C: stop waiting
-            raise KeyboardInterrupt
+        if not self.in_loop or self.signal is not None:
+            _exit_now(signum)
         self.signal = signum
 
     def __exit__(self, *exc: Any) -> None:
@@ -88,60 +97,84 @@ class _StopRequested:
         return self.signal is not None
 
 
-def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple = (None, None, None)) -> int:
-    """Train; return the exit status (0, or 130 when interrupted). Raises UserError / RunError."""
+def _exit_now(signum: int) -> None:
+    """Leave without unwinding: raising into JAX's compiler or Orbax's threads can crash the interpreter."""
+    sys.stdout.flush()
+    print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
+def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple = (None, None, None), signals: _Signals | None = None) -> int:
+    """Train; return the exit status (0, or 130 when interrupted). Raises UserError / RunError.
+
+    Everything the config can get wrong is found before the work dir is
+    touched: a rejected run never deletes, overwrites or adds anything there.
+    """
     import jax
 
     import nnx
     from nnx_cli import checkpoint, data, models, optim, report, sharding, steps
+    from nnx_cli.workdir import check_workdir, lock_workdir
 
+    signals = signals or _Signals()
     _init_distributed(*distributed)
     is_main = jax.process_index() == 0
     console = report.stderr_console(quiet=not is_main)
 
-    # 0. Names in the config are checked before any data is read (or downloaded).
+    # 0. Names in the config and the work dir are checked before any data is read (or downloaded).
     model_cls = models.model_class(cfg.model.name)
     models.resolve_options(cfg.model)
-    optim.build_optimizer(cfg.optimizer, total_steps=None)
+    optim.build_optimizer(cfg.optimizer, total_steps=cfg.train.steps)
+    check_workdir(workdir)
 
     # 1. Data, decoded once into arrays.
     train_split = data.load_split(cfg.data, cfg.data.train_split, "data.train_split")
     eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split") if cfg.data.eval_split else None
+    models.check_data(cfg.model, model_cls, train_split.spec, train_split.labels is not None, cfg.data.label_key)
     batches = data.Batches(train_split, cfg.train.batch_size, cfg.seed)
     total_steps = cfg.train.steps or cfg.train.epochs * batches.steps_per_epoch
 
-    # 2. Model and optimizer, checked against the config; the resolved config is the run's record.
+    # 2. Model and optimizer, built abstractly and traced through one train step (nothing allocated).
     build = models.model_factory(cfg.model, train_split.spec)
     cfg.model.options = models.resolve_options(cfg.model)
     cfg.model.input_shape = cfg.model.input_shape or list(train_split.spec.input_shape)
     if cfg.model.num_classes is None:
         cfg.model.num_classes = train_split.spec.num_classes
     tx = optim.build_optimizer(cfg.optimizer, total_steps)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        dump_yaml(to_dict(cfg), workdir / "config.yaml")
+    moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
+    names = steps.check_step(moduledef, tx, cfg.model.name, abstract, jax.eval_shape(lambda: batches.get(0)))
 
     # 3. One mesh; the state's shardings come from the parameters' logical axes.
     mesh = sharding.make_mesh(cfg.sharding)
     rules = sharding.axis_rules(cfg.sharding)
-    moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     state_shardings = sharding.state_shardings(abstract, mesh, rules)
     scalar = sharding.replicated(mesh)
     train_layout = sharding.batch_layout(mesh, rules, cfg.train.batch_size)
     eval_layout = sharding.eval_batch_layout(mesh, rules, cfg.train)
+    target = sharding.with_shardings(abstract, state_shardings)
 
-    # 4. Fresh state, or the latest checkpoint restored straight into its shardings.
+    # 4. The work dir: one run at a time; a checkpoint to resume must fit the config; only then is anything written.
     ckpt_dir = workdir / "checkpoints"
-    if not resume and is_main:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    lock = lock_workdir(workdir) if is_main else None  # held until this function returns
+    start = None
+    if resume:  # the latest checkpoint, restored straight into its shardings (a mismatch is a UserError)
+        ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
+        start = ckpt.latest_step()
+        if start is not None:
+            state = ckpt.restore(start, target)
+            console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
+    elif is_main:
+        for old in (ckpt_dir, workdir / "images"):
+            shutil.rmtree(old, ignore_errors=True)
         (workdir / "metrics.jsonl").unlink(missing_ok=True)
     _barrier("nnx-train: work dir ready")
-    ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
-    start = ckpt.latest_step()
-    if start is not None:
-        state = ckpt.restore(start, sharding.with_shardings(abstract, state_shardings))
-        console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
-    else:
+    if not resume:
+        ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
+    if is_main:
+        dump_yaml(to_dict(cfg), workdir / "config.yaml")
+
+    # 5. Or a fresh state, created on the devices in its shardings.
+    if start is None:
         start = 0
         state = jax.jit(lambda: steps.init_state(build, tx, cfg.seed)[1], out_shardings=state_shardings)()
     if start >= total_steps:
@@ -149,7 +182,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
         ckpt.close()
         return 0
 
-    # 5. The jitted steps over pure state; the state keeps its shardings from step to step.
+    # 6. The jitted steps over pure state; the state keeps its shardings from step to step.
     loss_metric = model_cls.loss_metric
     train_step = jax.jit(
         functools.partial(steps.train_step, moduledef, tx, loss_metric, cfg.seed),
@@ -160,7 +193,6 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed), in_shardings=(state_shardings, eval_layout.sharding, scalar), out_shardings=scalar)
     has_images = hasattr(model_cls, "images") and len(train_split.spec.input_shape) == 3
     images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed), out_shardings=scalar) if has_images else None
-    names = steps.metric_names(moduledef, abstract, jax.eval_shape(lambda: batches.get(0)))
 
     log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
     progress = report.Progress(console, start, total_steps, loss_metric)
@@ -187,14 +219,15 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
             ckpt.wait()
             last = ckpt.latest_step()
             kept = f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
-            raise RunError(f"the loss became non-finite at step {bad + 1} (training stopped at step {step}); {kept}")
+            raise RunError(f"training became non-finite at step {bad + 1}: its loss or its updated parameters (stopped at step {step}); {kept}")
 
-    # 6. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
+    # 7. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
     sums = steps.empty_sums(names)
     step = saved = start
     stopped = None
+    signals.in_loop = True
     try:
-        with _StopRequested() as stop, jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
             feed = data.prefetch(lambda s: train_layout.place(batches.get(s, train_layout.rows)), range(start, total_steps))
             in_flight: collections.deque = collections.deque()
             for batch in feed:
@@ -217,9 +250,10 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
                     ckpt.save(step, state)
                     saved = step
                 if step % cfg.train.eval_every == 0 and step != total_steps:
+                    check_finite(jax.device_get(sums), step)
                     run_eval(step)
-                if stop.agreed(step):
-                    stopped = stop.signal
+                if signals.agreed(step):
+                    stopped = signals.signal
                     break
             feed.close()
             check_finite(jax.device_get(sums), step)
@@ -231,6 +265,8 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     finally:
         progress.close()
         ckpt.close()
+        if lock is not None:
+            lock.close()
     if stopped is not None:
         console.print(f"interrupted by {signal.Signals(stopped).name}: checkpoint written at {ckpt_dir / str(step)}", highlight=False)
         return EXIT_INTERRUPTED

@@ -1,4 +1,4 @@
-"""A training run's work dir, as `nnx-eval` and `nnx-inspect` find it.
+"""A training run's work dir: checked and locked by `nnx-train`, found by `nnx-eval` and `nnx-inspect`.
 
 Layout written by `nnx-train`::
 
@@ -6,16 +6,59 @@ Layout written by `nnx-train`::
     <workdir>/checkpoints/<step>/  Orbax checkpoints
     <workdir>/metrics.jsonl        train logs and evals
     <workdir>/images/<step>.png    reconstructions and samples of image models
+    <workdir>/.lock                held by the nnx-train writing the work dir
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 from nnx_cli.config import Config, load_config
 from nnx_cli.errors import UserError
+
+
+_LAYOUT = {"checkpoints": "a directory", "images": "a directory", "metrics.jsonl": "a file", "config.yaml": "a file"}
+
+
+def check_workdir(workdir: Path) -> None:
+    """Make sure `nnx-train` can use `workdir` (creating it if needed), before any data is loaded."""
+    if workdir.exists() and not workdir.is_dir():
+        raise UserError(f"work dir {str(workdir)!r} is a file; pass --workdir with a directory")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create work dir {str(workdir)!r}: {e.strerror or e}") from None
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        raise UserError(f"work dir {str(workdir)!r} is not writable")
+    for name, kind in _LAYOUT.items():
+        path = workdir / name
+        if path.exists() and path.is_dir() != (kind == "a directory"):
+            raise UserError(f"{str(path)!r} should be {kind}; move it away or pass another --workdir")
+
+
+def lock_workdir(workdir: Path) -> IO:
+    """Hold `<workdir>/.lock` so that a second `nnx-train` on the same work dir stops at once.
+
+    The lock lives as long as the returned file stays open, and the operating
+    system drops it when the process ends, however it ends.
+    """
+    f = open(workdir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise UserError(f"work dir {str(workdir)!r} is in use by another nnx-train (pid {holder}); wait for it to finish or pass another --workdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 @dataclasses.dataclass
@@ -40,7 +83,9 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     if (path / "checkpoints").is_dir():
         checkpoints = path / "checkpoints"
     elif path.name.isdigit() and (path / "state").is_dir():
-        checkpoints, step = path.parent, int(path.name) if step is None else step
+        if step is not None and step != int(path.name):
+            raise UserError(f"--step {step} contradicts the step dir {str(path)!r}; pass the work dir with --step, or the step dir alone")
+        checkpoints, step = path.parent, int(path.name)
     else:
         checkpoints = path
     steps = Checkpointer(checkpoints, read_only=True).all_steps() if checkpoints.is_dir() else []

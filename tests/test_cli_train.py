@@ -8,7 +8,10 @@ parameters.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
+import time
 from pathlib import Path
 
 import jax
@@ -28,6 +31,11 @@ optimizer: {{name: adam, learning_rate: 1.0e-3}}
 train: {{batch_size: 64, steps: {STEPS}, log_every: 20, eval_every: 120}}
 checkpoint: {{every_steps: 40, keep: 10}}
 """
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes (the lock file aside: it only names the last holder)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -225,7 +233,63 @@ def test_non_finite_loss_exits_1_naming_the_step_and_keeps_the_last_good_checkpo
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(ckpt.restore_raw(last)["params"]))
 
 
+def test_no_eval_runs_on_parameters_that_went_non_finite(project: Path):
+    result = cli(
+        "nnx-train", "run.yaml", "optimizer.name=sgd", "optimizer.learning_rate=1e30",
+        "train.eval_every=1", "train.log_every=1000", "--workdir", "diverged-eval", cwd=project,
+    )
+    assert result.returncode == 1, result.stderr
+    bad = int(re.search(r"non-finite at step (\d+)", result.stderr).group(1))
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    records = [json.loads(line, parse_constant=strict) for line in (project / "diverged-eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "eval"] == list(range(1, bad))
+
+
+def test_a_second_run_on_a_busy_work_dir_stops_at_once(project: Path):
+    first = start("nnx-train", "run.yaml", "train.steps=100000", "--workdir", "busy", cwd=project)
+    try:
+        wait_for_checkpoint(project / "busy", 40, [first])
+        assert_user_error(cli("nnx-train", "run.yaml", "--workdir", "busy", cwd=project), "'busy' is in use by another nnx-train", f"pid {first.pid}")
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def test_ctrl_c_before_training_starts_exits_130_without_a_traceback(project: Path):
+    proc = start("nnx-train", "run.yaml", "--workdir", "early", cwd=project)
+    while not (project / "early" / "config.yaml").exists():  # written once the config checks out, before compiling
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted by SIGINT" in stderr and "Traceback" not in stderr
+
+
 # --------------------------------------------------------------------------- bad input: one message, exit 2
+
+
+def test_a_rejected_run_leaves_the_work_dir_as_it_was(reference: Path, project: Path):
+    shutil.copytree(reference, project / "kept")
+    before = files(project / "kept")
+    for bad in (["optimizer.b1=abc", "--no-resume"], ["model.latent_size=4"], ["sharding.mesh.data=3"]):
+        result = cli("nnx-train", "run.yaml", *bad, "--workdir", "kept", cwd=project)
+        assert_user_error(result)
+    assert files(project / "kept") == before
+
+
+def test_usage_errors_are_one_line_too(project: Path):
+    assert_user_error(cli("nnx-inspect", "run.yaml", "--depth", "abc", cwd=project), "'--depth'", "nnx-inspect --help")
+    assert_user_error(cli("nnx-train", cwd=project), "Missing argument 'CONFIG'")
+
+
+def test_a_damaged_checkpoint_is_a_user_error(reference: Path, project: Path):
+    shutil.copytree(reference, project / "damaged")
+    shutil.rmtree(project / "damaged" / "checkpoints" / str(STEPS) / "state")
+    assert_user_error(cli("nnx-eval", "damaged", cwd=project), f"checkpoints/{STEPS}", "damaged")
 
 
 def test_missing_config_file(project: Path):
