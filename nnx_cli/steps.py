@@ -47,8 +47,7 @@ def empty_sums(metric_names: list[str]) -> dict[str, Any]:
 def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_metric: str, seed: int, state: TrainState, sums: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
 
-    `sums["bad_step"]` records the first step whose loss, or the parameters it
-    produced, were not finite (so a non-finite state is never checkpointed). The
+    `sums["bad_step"]` records the first step whose loss was not finite. The
     loss is also returned on its own: a small output the loop can wait on.
     """
     step = state["step"]
@@ -66,13 +65,17 @@ def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_
     sums = {
         "metrics": {k: sums["metrics"][k] + means[k] for k in sums["metrics"]},
         "count": sums["count"] + 1,
-        "bad_step": jnp.where((sums["bad_step"] < 0) & ~(jnp.isfinite(loss) & _all_finite(params)), step, sums["bad_step"]),
+        "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
     }
     return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums, loss
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every array in `tree` is finite (a norm would overflow first)."""
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every array in `tree` is finite (a norm would overflow first).
+
+    A full pass over the arrays: the loop runs it on the parameters only
+    before a checkpoint or an eval, not every step.
+    """
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 

@@ -213,13 +213,21 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
             if images is not None:
                 report.write_image_grid(images, workdir / "images" / f"{step}.png")
 
-    def check_finite(sums: dict[str, Any], step: int) -> None:
+    params_finite = jax.jit(steps.all_finite)
+
+    def check_finite(sums: dict[str, Any], step: int, *, params: bool = False) -> None:
+        """Stop the run (RunError) once a loss, or with `params` the parameters, are not finite."""
         bad = int(sums["bad_step"])
         if bad >= 0:
-            ckpt.wait()
-            last = ckpt.latest_step()
-            kept = f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
-            raise RunError(f"training became non-finite at step {bad + 1}: its loss or its updated parameters (stopped at step {step}); {kept}")
+            what = f"the loss became non-finite at step {bad + 1}"
+        elif params and not bool(params_finite(state["params"])):
+            what = f"the parameters are non-finite at step {step}"
+        else:
+            return
+        ckpt.wait()
+        last = ckpt.latest_step()
+        kept = f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
+        raise RunError(f"{what} (training stopped at step {step}); {kept}")
 
     # 7. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
     sums = steps.empty_sums(names)
@@ -246,17 +254,17 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
                         log.write(step, "train", metrics)
                     sums = steps.empty_sums(names)
                 if step % cfg.checkpoint.every_steps == 0 and step != total_steps:
-                    check_finite(jax.device_get(sums), step)
+                    check_finite(jax.device_get(sums), step, params=True)
                     ckpt.save(step, state)
                     saved = step
                 if step % cfg.train.eval_every == 0 and step != total_steps:
-                    check_finite(jax.device_get(sums), step)
+                    check_finite(jax.device_get(sums), step, params=True)
                     run_eval(step)
                 if signals.agreed(step):
                     stopped = signals.signal
                     break
             feed.close()
-            check_finite(jax.device_get(sums), step)
+            check_finite(jax.device_get(sums), step, params=True)
             if step != saved:
                 ckpt.save(step, state)
             ckpt.wait()
