@@ -102,7 +102,17 @@ class Config:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 safe loader that also reads `3e-4` (no dot) as a float, like YAML 1.2."""
+    """YAML 1.1 safe loader that also reads `3e-4` (no dot) as a float, like YAML 1.2,
+    and rejects a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

@@ -248,7 +248,10 @@ def resolve_options(cfg: ModelConfig) -> dict[str, Any]:
     for key in cfg.options:
         if key not in params:
             known = [*params, "name", "input_shape", "num_classes"]
-            raise UserError(f"unknown config key 'model.{key}' for model {cfg.name!r}{did_you_mean(key, known, 'model.')}; options: {', '.join(params) or 'none'}")
+            raise UserError(
+                f"unknown config key 'model.{key}' for model {cfg.name!r}{did_you_mean(key, known, 'model.')}; options: {', '.join(params) or 'none'} "
+                f"(to switch models on the command line, replace the whole section: model={{name: {cfg.name}}})"
+            )
     hints = _type_hints(cls.__init__)
     out = {}
     for name, p in params.items():

@@ -92,6 +92,11 @@ def test_a_yaml_anchor_that_contains_itself_is_a_user_error(tmp_path):
         load_config(write(tmp_path, "model: &x {name: vae, nested: *x}\n"))
 
 
+def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
+    with pytest.raises(UserError, match=r"line 3.*key 'batch_size' appears twice"):
+        load_config(write(tmp_path, "train:\n  batch_size: 32\n  batch_size: 64\n"))
+
+
 def test_non_positive_batch_size_is_rejected():
     with pytest.raises(UserError, match="train.batch_size"):
         load_config(None, ["train.batch_size=0"])
