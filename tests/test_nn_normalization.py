@@ -152,15 +152,15 @@ def test_batchnorm_dtype_sets_output_dtype_but_stats_stay_float32():
   assert bn.mean.dtype == jnp.float32
 
 
-@pytest.mark.parametrize(
-  "kwargs, input_dtype",
-  [
-    (dict(dtype=jnp.bfloat16), jnp.float32),
-    (dict(param_dtype=jnp.bfloat16), jnp.float32),
-    (dict(), jnp.bfloat16),
-  ],
-  ids=str,
-)
+# Computation dtype, parameter dtype, and inputs of a lower precision than both.
+DTYPE_CASES = [
+  (dict(dtype=jnp.bfloat16), jnp.float32),
+  (dict(param_dtype=jnp.bfloat16), jnp.float32),
+  (dict(), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("kwargs, input_dtype", DTYPE_CASES, ids=str)
 def test_batchnorm_dtype_promotion_matches_flax(kwargs, input_dtype):
   x = random((8, 3), loc=2.0).astype(input_dtype)
   bn = BatchNorm(3, **kwargs, ctx=ctx())
@@ -277,15 +277,7 @@ def test_layernorm_over_several_feature_axes_matches_flax():
   np.testing.assert_allclose(ln(x), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-  "kwargs, input_dtype",
-  [
-    (dict(dtype=jnp.bfloat16), jnp.float32),
-    (dict(param_dtype=jnp.bfloat16), jnp.float32),
-    (dict(), jnp.bfloat16),
-  ],
-  ids=str,
-)
+@pytest.mark.parametrize("kwargs, input_dtype", DTYPE_CASES, ids=str)
 def test_layernorm_dtype_promotion_matches_flax(kwargs, input_dtype):
   x = random((2, 3, 5), loc=1.0).astype(input_dtype)
   ln = LayerNorm(5, **kwargs, ctx=ctx())
