@@ -66,11 +66,13 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
     # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf.
     logical = jax.tree.map(lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), nnx.get_partition_spec(abstract), abstract)
     shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)
-    leaves = zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(logical), jax.tree.leaves(shardings))
-    for (path, leaf), names, sharding in sorted(leaves, key=lambda item: not str(item[0][0][0]).startswith("['params']")):
+    entries = [
+        (jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"), leaf, names, sharding)
+        for (path, leaf), names, sharding in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(logical), jax.tree.leaves(shardings))
+    ]
+    for entry, leaf, names, sharding in sorted(entries, key=lambda e: not e[0].startswith("params/")):  # name a parameter first
         for size, name, axes in zip(leaf.shape, names, sharding.spec):
             if size % _ways(mesh, axes):
-                entry = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
                 raise UserError(
                     f"{entry} {list(leaf.shape)} cannot be split as {sharding.spec} over the mesh {dict(mesh.shape)}: "
                     f"{size} is not divisible by {_ways(mesh, axes)}; change sharding.mesh, or map {name!r} to null in sharding.rules"

@@ -123,7 +123,7 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
 
     # 0. Names in the config and the work dir are checked before any data is read (or downloaded).
     model_cls = models.model_class(cfg.model.name)
-    models.resolve_options(cfg.model)
+    cfg.model.options = models.resolve_options(cfg.model)  # checked, defaults filled in: the saved config is complete
     optim.build_optimizer(cfg.optimizer, total_steps=cfg.train.steps)
     check_workdir(workdir)
 
@@ -136,7 +136,6 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
 
     # 2. Model and optimizer, built abstractly and traced through one train step (nothing allocated).
     build = models.model_factory(cfg.model, train_split.spec)
-    cfg.model.options = models.resolve_options(cfg.model)
     cfg.model.input_shape = cfg.model.input_shape or list(train_split.spec.input_shape)
     if cfg.model.num_classes is None:
         cfg.model.num_classes = train_split.spec.num_classes
