@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, first_line
 
 _ITEM = "state"
 
@@ -65,9 +65,8 @@ class Checkpointer:
         return from_named_tree(restored, target)
 
     def _unreadable(self, step: int, what: str, error: Exception) -> UserError:
-        reason = (str(error).strip().splitlines() or [""])[0]
         return UserError(
-            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: {reason}); it may be damaged: "
+            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: {first_line(error)}); it may be damaged: "
             f"pick another step, or move that step directory away to fall back to the previous checkpoint"
         )
 

@@ -23,7 +23,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import yaml
 
@@ -204,13 +204,18 @@ def _check_override_path(parts: list[str], item: str) -> None:
                 return
             path = ".".join(parts[: depth + 1])
             prefix = ".".join(parts[:depth])
-            suggestion = did_you_mean(part, fields, prefix + "." if prefix else "") or f"; valid keys{' in ' + repr(prefix) if prefix else ''}: {', '.join(fields)}"
-            raise UserError(f"override {item!r}: unknown config key {path!r}{suggestion}")
+            raise UserError(f"override {item!r}: unknown config key {path!r}{_unknown_key_hint(part, fields, prefix)}")
         hint = _hints(cls)[fields[part].name]
         cls = hint if dataclasses.is_dataclass(hint) else None
         if cls is None and depth < len(parts) - 1 and not _allows_mapping(hint):
             path = ".".join(parts[: depth + 1])
             raise UserError(f"override {item!r}: {path!r} is a single value, it has no key {parts[depth + 1]!r}")
+
+
+def _unknown_key_hint(key: str, fields: Iterable[str], section: str) -> str:
+    """The closest valid key of `section` ("" at the top level), or all of them when none is close."""
+    fields = list(fields)
+    return did_you_mean(key, fields, section + "." if section else "") or f"; valid keys{' in ' + repr(section) if section else ''}: {', '.join(fields)}"
 
 
 # --------------------------------------------------------------------------- validation
@@ -276,8 +281,7 @@ def _build(cls: type, raw: Any, path: str) -> Any:
             if getattr(cls, "open_section", False):
                 options[key] = value
                 continue
-            suggestion = did_you_mean(key, fields, path + "." if path else "") or f"; valid keys{' in ' + repr(path) if path else ''}: {', '.join(fields)}"
-            raise UserError(f"unknown config key {dotted!r}{suggestion}")
+            raise UserError(f"unknown config key {dotted!r}{_unknown_key_hint(key, fields, path)}")
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             kwargs[f.name] = _build(hint, value, dotted)

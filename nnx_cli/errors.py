@@ -38,6 +38,11 @@ def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
     return f" (did you mean {prefix + match[0]!r}?)" if match else ""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message: third-party errors can run to pages."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 def report_errors(fn: F) -> F:
     """Run an entry point, turning our errors into a message and an exit status."""
 

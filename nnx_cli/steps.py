@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import nnx
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, first_line
 
 TrainState = dict[str, Any]
 _TRAIN, _EVAL, _IMAGES = 0, 1, 2
@@ -94,16 +94,12 @@ def check_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, model
         raise
     except Exception as e:
         shapes = {k: list(v.shape) for k, v in batch.items()}
-        raise UserError(f"model {model_name!r} cannot run on batches of {shapes}: {type(e).__name__}: {_first_line(e)}") from None
+        raise UserError(f"model {model_name!r} cannot run on batches of {shapes}: {type(e).__name__}: {first_line(e)}") from None
     try:
         jax.eval_shape(lambda s: tx.update(s["params"], s["opt_state"], s["params"]), abstract)
     except Exception as e:
-        raise UserError(f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: {_first_line(e)}") from None
+        raise UserError(f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: {first_line(e)}") from None
     return list(metrics)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 def eval_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:

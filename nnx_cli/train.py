@@ -21,7 +21,7 @@ import numpy as np
 import typer
 
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
-from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, report_errors, run_app
+from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, first_line, report_errors, run_app
 
 _MAX_IN_FLIGHT = 2  # steps dispatched ahead of the one being computed
 _STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM this often (in steps)
@@ -309,7 +309,7 @@ def _init_distributed(coordinator: str | None, num_processes: int | None, proces
             f"--process-id I, or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
         ) from None
     except Exception as e:  # the coordinator could not be reached, or not every process joined in time
-        raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
 
 
 def _cluster_tasks() -> int:
