@@ -46,18 +46,34 @@ def main() -> None:
     parser.add_argument("--source", default="../shared/data/mnist", help="data.source, relative to the repo root")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating in ABBA order")
-    parser.add_argument("--no-check", dest="check", action="store_false", help="print figures without enforcing the targets")
+    parser.add_argument(
+        "--no-check", dest="check", action="store_false", help="print figures without enforcing the targets"
+    )
     args = parser.parse_args()
 
     def plain_run() -> tuple[float, float]:
-        seconds, out = timed([sys.executable, "benchmarks/plain_vae.py", "--source", args.source, "--epochs", str(args.epochs)])
+        seconds, out = timed(
+            [sys.executable, "benchmarks/plain_vae.py", "--source", args.source, "--epochs", str(args.epochs)]
+        )
         return seconds, json.loads(out.strip().splitlines()[-1])["test_nelbo"]
 
     def nnx_run() -> tuple[float, float, int]:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp) / "mnist_vae"
-            seconds, _ = timed([str(BIN / "nnx-train"), "configs/mnist_vae.yaml", f"data.source={args.source}", f"train.epochs={args.epochs}", "--workdir", str(workdir), "--no-resume"])
-            evals = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+            seconds, _ = timed(
+                [
+                    str(BIN / "nnx-train"),
+                    "configs/mnist_vae.yaml",
+                    f"data.source={args.source}",
+                    f"train.epochs={args.epochs}",
+                    "--workdir",
+                    str(workdir),
+                    "--no-resume",
+                ]
+            )
+            evals = [
+                json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
+            ]
         return seconds, evals[-1]["metrics"]["nelbo"], evals[-1]["step"]
 
     plain_times, nnx_times = [], []
@@ -78,9 +94,25 @@ def main() -> None:
     print(f"{'plain JAX':12} {plain_seconds:8.1f} {plain_nelbo:11.2f}")
     print(f"{'nnx-train':12} {nnx_seconds:8.1f} {nnx_nelbo:11.2f}")
     print(f"time ratio nnx-train / plain: {ratio:.3f} (target <= {MAX_TIME_RATIO}); test nELBO target <= {MAX_NELBO}")
-    print(json.dumps({"epochs": args.epochs, "rounds": args.rounds, "plain_runs": plain_times, "nnx_runs": nnx_times, "plain_seconds": plain_seconds, "plain_nelbo": plain_nelbo, "nnx_seconds": nnx_seconds, "nnx_nelbo": nnx_nelbo, "time_ratio": ratio}))
+    print(
+        json.dumps(
+            {
+                "epochs": args.epochs,
+                "rounds": args.rounds,
+                "plain_runs": plain_times,
+                "nnx_runs": nnx_times,
+                "plain_seconds": plain_seconds,
+                "plain_nelbo": plain_nelbo,
+                "nnx_seconds": nnx_seconds,
+                "nnx_nelbo": nnx_nelbo,
+                "time_ratio": ratio,
+            }
+        )
+    )
     if args.check:
-        failed = [f"test nELBO {nnx_nelbo:.2f} > {MAX_NELBO}"] * (nnx_nelbo > MAX_NELBO) + [f"time ratio {ratio:.3f} > {MAX_TIME_RATIO}"] * (ratio > MAX_TIME_RATIO)
+        failed = [f"test nELBO {nnx_nelbo:.2f} > {MAX_NELBO}"] * (nnx_nelbo > MAX_NELBO) + [
+            f"time ratio {ratio:.3f} > {MAX_TIME_RATIO}"
+        ] * (ratio > MAX_TIME_RATIO)
         if failed:
             sys.exit("FAILED: " + "; ".join(failed))
         print("OK")

@@ -86,9 +86,16 @@ def main() -> None:
             params, opt_state, loss = train_step(params, opt_state, x, step)
             step += 1
     eval_key = jax.random.key(args.seed + 1)
-    total = sum(float(eval_sum(params, jax.device_put(test[i : i + 1000]), jax.random.fold_in(eval_key, i))) for i in range(0, len(test), 1000))
+    total = sum(
+        float(eval_sum(params, jax.device_put(test[i : i + 1000]), jax.random.fold_in(eval_key, i)))
+        for i in range(0, len(test), 1000)
+    )
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "test_nelbo": total / len(test), "steps": step, "final_train_loss": float(loss)}))
+    print(
+        json.dumps(
+            {"seconds": seconds, "test_nelbo": total / len(test), "steps": step, "final_train_loss": float(loss)}
+        )
+    )
 
 
 if __name__ == "__main__":

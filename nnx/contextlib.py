@@ -16,6 +16,7 @@ forks every stream, so keys drawn inside and outside never collide, and the
 static half (``ContextDef``) depends only on stream names and flags, so a
 jitted function taking a ``PureContext`` compiles once.
 """
+
 import builtins
 import dataclasses
 import hashlib
@@ -33,165 +34,160 @@ Counts = tp.Tuple[int, ...]
 
 
 def _stable_hash(data: tp.Union[Counts, str]) -> int:
-  """A uint32 hash of ``data`` that is identical in every process and run."""
-  if isinstance(data, str):
-    text = data
-  else:
-    text = ' '.join(str(x) for x in data)
-  digest = hashlib.blake2s(text.encode()).digest()
-  return int.from_bytes(digest[:4], byteorder='big')
+    """A uint32 hash of ``data`` that is identical in every process and run."""
+    if isinstance(data, str):
+        text = data
+    else:
+        text = " ".join(str(x) for x in data)
+    digest = hashlib.blake2s(text.encode()).digest()
+    return int.from_bytes(digest[:4], byteorder="big")
 
 
 def _fold_in(key: KeyArray, data: int) -> KeyArray:
-  return jax.random.fold_in(key, np.uint32(data))
+    return jax.random.fold_in(key, np.uint32(data))
 
 
 @dataclasses.dataclass
 class RngStream:
-  """One named stream: a root key and the counter state derived from it."""
-  key: KeyArray
-  count: int = 0
-  count_path: Counts = ()
+    """One named stream: a root key and the counter state derived from it."""
 
-  def fork(self) -> 'RngStream':
-    """A child stream whose keys never collide with this stream's."""
-    count_path = self.count_path + (self.count,)
-    self.count += 1
-    return RngStream(_fold_in(self.key, _stable_hash(count_path)), 0, count_path)
+    key: KeyArray
+    count: int = 0
+    count_path: Counts = ()
+
+    def fork(self) -> "RngStream":
+        """A child stream whose keys never collide with this stream's."""
+        count_path = self.count_path + (self.count,)
+        self.count += 1
+        return RngStream(_fold_in(self.key, _stable_hash(count_path)), 0, count_path)
 
 
 class ContextDef:
-  """The static half of a partitioned Context: stream names and flags.
+    """The static half of a partitioned Context: stream names and flags.
 
-  Two ContextDefs with the same stream names and flags are equal, so a jitted
-  function receiving a fresh ``PureContext`` at every call does not retrace.
-  """
+    Two ContextDefs with the same stream names and flags are equal, so a jitted
+    function receiving a fresh ``PureContext`` at every call does not retrace.
+    """
 
-  __slots__ = ('_rng_counts', '_flags')
+    __slots__ = ("_rng_counts", "_flags")
 
-  def __init__(
-      self,
-      rng_counts: tp.Tuple[tp.Tuple[str, Counts], ...],
-      flags: tp.Tuple[tp.Tuple[str, bool], ...],
-  ):
-    self._rng_counts = rng_counts
-    self._flags = flags
+    def __init__(
+        self,
+        rng_counts: tp.Tuple[tp.Tuple[str, Counts], ...],
+        flags: tp.Tuple[tp.Tuple[str, bool], ...],
+    ):
+        self._rng_counts = rng_counts
+        self._flags = flags
 
-  def _key(self):
-    return tuple(name for name, _ in self._rng_counts), self._flags
+    def _key(self):
+        return tuple(name for name, _ in self._rng_counts), self._flags
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, ContextDef) and self._key() == other._key()
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ContextDef) and self._key() == other._key()
 
-  def __hash__(self) -> int:
-    return hash(self._key())
+    def __hash__(self) -> int:
+        return hash(self._key())
 
-  def __repr__(self) -> str:
-    return f'ContextDef(rngs={self._key()[0]}, flags={dict(self._flags)})'
+    def __repr__(self) -> str:
+        return f"ContextDef(rngs={self._key()[0]}, flags={dict(self._flags)})"
 
-  def merge(self, keys: tp.Mapping[str, KeyArray]) -> 'Context':
-    """Rebuilds the Context from its keys."""
-    rngs = {
-        name: RngStream(keys[name], 0, count_path)
-        for name, count_path in self._rng_counts
-    }
-    return Context(rngs, dict(self._flags))
+    def merge(self, keys: tp.Mapping[str, KeyArray]) -> "Context":
+        """Rebuilds the Context from its keys."""
+        rngs = {name: RngStream(keys[name], 0, count_path) for name, count_path in self._rng_counts}
+        return Context(rngs, dict(self._flags))
 
 
 class PureContext(tp.Tuple[tp.Dict[str, KeyArray], ContextDef]):
-  """A partitioned Context: a pytree tuple ``(keys, contextdef)``."""
+    """A partitioned Context: a pytree tuple ``(keys, contextdef)``."""
 
-  def __new__(cls, keys: tp.Dict[str, KeyArray], contextdef: ContextDef):
-    return tuple.__new__(cls, (keys, contextdef))
+    def __new__(cls, keys: tp.Dict[str, KeyArray], contextdef: ContextDef):
+        return tuple.__new__(cls, (keys, contextdef))
 
-  @property
-  def keys(self) -> tp.Dict[str, KeyArray]:
-    return self[0]
+    @property
+    def keys(self) -> tp.Dict[str, KeyArray]:
+        return self[0]
 
-  @property
-  def contextdef(self) -> ContextDef:
-    return self[1]
+    @property
+    def contextdef(self) -> ContextDef:
+        return self[1]
 
-  def merge(self) -> 'Context':
-    return self.contextdef.merge(self.keys)
+    def merge(self) -> "Context":
+        return self.contextdef.merge(self.keys)
 
 
 jtu.register_pytree_with_keys(
     PureContext,
-    lambda pc: (((jtu.GetAttrKey('keys'), pc[0]),), pc[1]),
+    lambda pc: (((jtu.GetAttrKey("keys"), pc[0]),), pc[1]),
     lambda contextdef, children: PureContext(children[0], contextdef),
     flatten_func=lambda pc: ((pc[0],), pc[1]),
 )
 
 
 class Context:
-  """RNG streams and flags, passed to layers as ``ctx=``. See ``nnx.context``."""
+    """RNG streams and flags, passed to layers as ``ctx=``. See ``nnx.context``."""
 
-  __slots__ = ('_rngs', '_flags', '_trace_state')
+    __slots__ = ("_rngs", "_flags", "_trace_state")
 
-  def __init__(self, rngs: tp.Mapping[str, RngStream], flags: tp.Mapping[str, bool]):
-    self._rngs = dict(rngs)
-    self._flags = dict(flags)
-    self._trace_state = tracers.TraceState()
+    def __init__(self, rngs: tp.Mapping[str, RngStream], flags: tp.Mapping[str, bool]):
+        self._rngs = dict(rngs)
+        self._flags = dict(flags)
+        self._trace_state = tracers.TraceState()
 
-  def _check_trace(self) -> None:
-    if not self._trace_state.is_valid():
-      raise errors.TraceContextError(
-          'Cannot use Context from a different trace level: it was created '
-          'outside (or inside) the current jax/nnx transform. Pass it in as '
-          'an argument (ctx.partition() outside, .merge() inside) or use a '
-          'lifted transform such as nnx.jit.'
-      )
+    def _check_trace(self) -> None:
+        if not self._trace_state.is_valid():
+            raise errors.TraceContextError(
+                "Cannot use Context from a different trace level: it was created "
+                "outside (or inside) the current jax/nnx transform. Pass it in as "
+                "an argument (ctx.partition() outside, .merge() inside) or use a "
+                "lifted transform such as nnx.jit."
+            )
 
-  def has_rng(self, name: str) -> bool:
-    return name in self._rngs
+    def has_rng(self, name: str) -> bool:
+        return name in self._rngs
 
-  def make_rng(self, name: str) -> KeyArray:
-    """Returns a fresh key from stream ``name`` and advances its counter."""
-    self._check_trace()
-    if name not in self._rngs:
-      raise ValueError(f'Unknown Rng Stream: {name}')
-    stream = self._rngs[name]
-    key = _fold_in(stream.key, _stable_hash(stream.count_path + (stream.count,)))
-    stream.count += 1
-    return key
+    def make_rng(self, name: str) -> KeyArray:
+        """Returns a fresh key from stream ``name`` and advances its counter."""
+        self._check_trace()
+        if name not in self._rngs:
+            raise ValueError(f"Unknown Rng Stream: {name}")
+        stream = self._rngs[name]
+        key = _fold_in(stream.key, _stable_hash(stream.count_path + (stream.count,)))
+        stream.count += 1
+        return key
 
-  def has_flag(self, name: str) -> bool:
-    return name in self._flags
+    def has_flag(self, name: str) -> bool:
+        return name in self._flags
 
-  def get_flag(self, name: str) -> tp.Optional[bool]:
-    """The flag's value, or ``None`` when it is not set."""
-    return self._flags.get(name)
+    def get_flag(self, name: str) -> tp.Optional[bool]:
+        """The flag's value, or ``None`` when it is not set."""
+        return self._flags.get(name)
 
-  def copy(self) -> 'Context':
-    """A Context at the current trace level sharing these streams and flags."""
-    return Context(self._rngs, self._flags)
+    def copy(self) -> "Context":
+        """A Context at the current trace level sharing these streams and flags."""
+        return Context(self._rngs, self._flags)
 
-  def partition(self) -> PureContext:
-    """Forks every stream into a pure ``(keys, contextdef)`` pytree."""
-    self._check_trace()
-    forks = {name: stream.fork() for name, stream in self._rngs.items()}
-    keys = {name: stream.key for name, stream in forks.items()}
-    rng_counts = tuple((name, stream.count_path) for name, stream in forks.items())
-    return PureContext(keys, ContextDef(rng_counts, tuple(self._flags.items())))
+    def partition(self) -> PureContext:
+        """Forks every stream into a pure ``(keys, contextdef)`` pytree."""
+        self._check_trace()
+        forks = {name: stream.fork() for name, stream in self._rngs.items()}
+        keys = {name: stream.key for name, stream in forks.items()}
+        rng_counts = tuple((name, stream.count_path) for name, stream in forks.items())
+        return PureContext(keys, ContextDef(rng_counts, tuple(self._flags.items())))
 
-  def __repr__(self) -> str:
-    return f'Context(rngs={list(self._rngs)}, flags={self._flags})'
+    def __repr__(self) -> str:
+        return f"Context(rngs={list(self._rngs)}, flags={self._flags})"
 
 
 def _to_stream(name: str, value: tp.Any) -> RngStream:
-  if isinstance(value, RngStream):
-    return value
-  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-    return RngStream(jax.random.PRNGKey(int(value)))
-  if isinstance(value, (jax.Array, np.ndarray)):
-    if value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
-      return RngStream(jax.random.PRNGKey(value))  # a seed, e.g. jnp.int32(0)
-    return RngStream(jnp.asarray(value) if isinstance(value, np.ndarray) else value)
-  raise TypeError(
-      f'RNG stream {name!r} must be an int seed, a key array or an RngStream, '
-      f'got {type(value).__name__}'
-  )
+    if isinstance(value, RngStream):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return RngStream(jax.random.PRNGKey(int(value)))
+    if isinstance(value, (jax.Array, np.ndarray)):
+        if value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
+            return RngStream(jax.random.PRNGKey(value))  # a seed, e.g. jnp.int32(0)
+        return RngStream(jnp.asarray(value) if isinstance(value, np.ndarray) else value)
+    raise TypeError(f"RNG stream {name!r} must be an int seed, a key array or an RngStream, got {type(value).__name__}")
 
 
 def context(
@@ -200,57 +196,55 @@ def context(
     flags: tp.Optional[tp.Mapping[str, bool]] = None,
     **rngs: tp.Union[int, KeyArray, RngStream],
 ) -> Context:
-  """Creates a :class:`Context`.
+    """Creates a :class:`Context`.
 
-  Args:
-    params: seed, key or stream of the ``params`` stream (optional).
-    flags: boolean flags such as ``{'deterministic': True}``.
-    **rngs: more streams by name, each an int seed (a Python int or an
-      integer scalar array), a key (raw ``uint32`` or typed) or an existing
-      ``RngStream``.
+    Args:
+      params: seed, key or stream of the ``params`` stream (optional).
+      flags: boolean flags such as ``{'deterministic': True}``.
+      **rngs: more streams by name, each an int seed (a Python int or an
+        integer scalar array), a key (raw ``uint32`` or typed) or an existing
+        ``RngStream``.
 
-  Example::
+    Example::
 
-      ctx = nnx.context(0, dropout=1)
-      model = MLP(..., ctx=ctx)
-  """
-  if params is not None:
-    rngs = {'params': params, **rngs}
-  streams = {name: _to_stream(name, value) for name, value in rngs.items()}
-  return Context(streams, dict(flags or {}))
+        ctx = nnx.context(0, dropout=1)
+        model = MLP(..., ctx=ctx)
+    """
+    if params is not None:
+        rngs = {"params": params, **rngs}
+    streams = {name: _to_stream(name, value) for name, value in rngs.items()}
+    return Context(streams, dict(flags or {}))
 
 
 if tp.TYPE_CHECKING:
-  ellipsis = builtins.ellipsis
+    ellipsis = builtins.ellipsis
 else:
-  ellipsis = tp.Any
+    ellipsis = tp.Any
 
 RngPredicate = tp.Callable[[str], bool]
 RngFilterLiteral = tp.Union[str, RngPredicate, ellipsis, None]
-RngFilter = tp.Union[
-    RngFilterLiteral, tp.Sequence[RngFilterLiteral], tp.Mapping[RngFilterLiteral, bool]
-]
+RngFilter = tp.Union[RngFilterLiteral, tp.Sequence[RngFilterLiteral], tp.Mapping[RngFilterLiteral, bool]]
 
 
 def to_rng_predicate(filter: RngFilter) -> RngPredicate:
-  """Turns an RNG filter (used by ``split_rngs``) into a name predicate.
+    """Turns an RNG filter (used by ``split_rngs``) into a name predicate.
 
-  ``None`` matches no stream, ``...`` every stream, a string that stream, a
-  callable is used as is, a sequence matches what any element matches and a
-  mapping ``{filter: bool}`` what the filters marked ``True`` match.
-  """
-  if filter is None:
-    return lambda _: False
-  if filter is ...:
-    return lambda _: True
-  if isinstance(filter, str):
-    return lambda name: name == filter
-  if callable(filter):
-    return filter
-  if isinstance(filter, tp.Mapping):
-    predicates = tuple(to_rng_predicate(f) for f, include in filter.items() if include)
-    return lambda name: any(p(name) for p in predicates)
-  if isinstance(filter, tp.Sequence):
-    predicates = tuple(map(to_rng_predicate, filter))
-    return lambda name: any(p(name) for p in predicates)
-  raise TypeError(f'Invalid rng filter: {filter!r}')
+    ``None`` matches no stream, ``...`` every stream, a string that stream, a
+    callable is used as is, a sequence matches what any element matches and a
+    mapping ``{filter: bool}`` what the filters marked ``True`` match.
+    """
+    if filter is None:
+        return lambda _: False
+    if filter is ...:
+        return lambda _: True
+    if isinstance(filter, str):
+        return lambda name: name == filter
+    if callable(filter):
+        return filter
+    if isinstance(filter, tp.Mapping):
+        predicates = tuple(to_rng_predicate(f) for f, include in filter.items() if include)
+        return lambda name: any(p(name) for p in predicates)
+    if isinstance(filter, tp.Sequence):
+        predicates = tuple(map(to_rng_predicate, filter))
+        return lambda name: any(p(name) for p in predicates)
+    raise TypeError(f"Invalid rng filter: {filter!r}")

@@ -15,14 +15,15 @@ After ``__init__`` each declared field is wrapped into its container
 field that is given a container must be compatible with the declared one:
 ``nnx.Node(1)`` is accepted by a ``node_field``, ``nnx.Param(1)`` is not.
 """
+
 import dataclasses
 import typing as tp
 
 from nnx import containers
 
-A = tp.TypeVar('A')
-T = tp.TypeVar('T', bound=type)
-_CONTAINER_FN = 'nnx_container_fn'
+A = tp.TypeVar("A")
+T = tp.TypeVar("T", bound=type)
+_CONTAINER_FN = "nnx_container_fn"
 
 
 def field(
@@ -35,29 +36,34 @@ def field(
     compare: bool = True,
     metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None,
 ) -> tp.Any:
-  """A ``dataclasses.field``; the value is kept as it is."""
-  return dataclasses.field(
-      default=default, default_factory=default_factory, init=init, repr=repr,
-      hash=hash, compare=compare, metadata=metadata,
-  )
+    """A ``dataclasses.field``; the value is kept as it is."""
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        init=init,
+        repr=repr,
+        hash=hash,
+        compare=compare,
+        metadata=metadata,
+    )
 
 
 def _container_field(container_fn, metadata, **kwargs) -> tp.Any:
-  return field(metadata={**(metadata or {}), _CONTAINER_FN: container_fn}, **kwargs)
+    return field(metadata={**(metadata or {}), _CONTAINER_FN: container_fn}, **kwargs)
 
 
 def static_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwargs) -> tp.Any:
-  """A field that is static structure, never state, even when it holds an array.
+    """A field that is static structure, never state, even when it holds an array.
 
-  Wrapped into ``nnx.Static`` after ``__init__``: it lives in the ModuleDef (or
-  a Pytree's aux data) and reading it gives the value.
-  """
-  return _container_field(containers.Static, {**(metadata or {}), 'static': True}, **kwargs)
+    Wrapped into ``nnx.Static`` after ``__init__``: it lives in the ModuleDef (or
+    a Pytree's aux data) and reading it gives the value.
+    """
+    return _container_field(containers.Static, {**(metadata or {}), "static": True}, **kwargs)
 
 
 def node_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwargs) -> tp.Any:
-  """A field wrapped into ``nnx.Node`` after ``__init__``."""
-  return _container_field(containers.Node, metadata, **kwargs)
+    """A field wrapped into ``nnx.Node`` after ``__init__``."""
+    return _container_field(containers.Node, metadata, **kwargs)
 
 
 def param_field(
@@ -66,8 +72,8 @@ def param_field(
     metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None,
     **kwargs,
 ) -> tp.Any:
-  """A field wrapped into ``nnx.Param`` after ``__init__``."""
-  return var_field(containers.Param, sharding, metadata=metadata, **kwargs)
+    """A field wrapped into ``nnx.Param`` after ``__init__``."""
+    return var_field(containers.Param, sharding, metadata=metadata, **kwargs)
 
 
 def var_field(
@@ -77,80 +83,76 @@ def var_field(
     metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None,
     **kwargs,
 ) -> tp.Any:
-  """A field wrapped into ``variable_type`` (with ``sharding``) after ``__init__``."""
+    """A field wrapped into ``variable_type`` (with ``sharding``) after ``__init__``."""
 
-  def wrap(value):
-    if isinstance(value, containers.Container):
-      return variable_type(value)
-    return variable_type(value, sharding=sharding)
+    def wrap(value):
+        if isinstance(value, containers.Container):
+            return variable_type(value)
+        return variable_type(value, sharding=sharding)
 
-  return _container_field(wrap, metadata, **kwargs)
+    return _container_field(wrap, metadata, **kwargs)
 
 
 _declared: dict[type, tuple[tuple[str, tp.Callable[[tp.Any], tp.Any]], ...]] = {}
 
 
 def _declared_containers(cls: type) -> tuple[tuple[str, tp.Callable[[tp.Any], tp.Any]], ...]:
-  """``(name, container_fn)`` of the fields of ``cls`` that declare a container.
+    """``(name, container_fn)`` of the fields of ``cls`` that declare a container.
 
-  Dataclass fields, and for plain classes, ``x: int = nnx.node_field()``
-  class attributes.
-  """
-  found = _declared.get(cls)
-  if found is None:
-    if dataclasses.is_dataclass(cls):
-      fields = dataclasses.fields(cls)
-    else:
-      fields = [
-          value
-          for klass in reversed(cls.__mro__)
-          for value in vars(klass).values()
-          if isinstance(value, dataclasses.Field)
-      ]
-      for klass in reversed(cls.__mro__):
-        for name, value in vars(klass).items():
-          if isinstance(value, dataclasses.Field) and value.name is None:
-            value.name = name
-    found = tuple(
-        (f.name, f.metadata[_CONTAINER_FN]) for f in fields if _CONTAINER_FN in f.metadata
-    )
-    _declared[cls] = found
-  return found
+    Dataclass fields, and for plain classes, ``x: int = nnx.node_field()``
+    class attributes.
+    """
+    found = _declared.get(cls)
+    if found is None:
+        if dataclasses.is_dataclass(cls):
+            fields = dataclasses.fields(cls)
+        else:
+            fields = [
+                value
+                for klass in reversed(cls.__mro__)
+                for value in vars(klass).values()
+                if isinstance(value, dataclasses.Field)
+            ]
+            for klass in reversed(cls.__mro__):
+                for name, value in vars(klass).items():
+                    if isinstance(value, dataclasses.Field) and value.name is None:
+                        value.name = name
+        found = tuple((f.name, f.metadata[_CONTAINER_FN]) for f in fields if _CONTAINER_FN in f.metadata)
+        _declared[cls] = found
+    return found
 
 
 def wrap_fields(obj: tp.Any) -> None:
-  """Wraps the declared fields of ``obj`` into their containers."""
-  declared = _declared_containers(type(obj))
-  if not declared:
-    return
-  attributes = object.__getattribute__(obj, '__dict__')
-  for name, container_fn in declared:
-    if name in attributes:
-      attributes[name] = container_fn(attributes[name])
+    """Wraps the declared fields of ``obj`` into their containers."""
+    declared = _declared_containers(type(obj))
+    if not declared:
+        return
+    attributes = object.__getattribute__(obj, "__dict__")
+    for name, container_fn in declared:
+        if name in attributes:
+            attributes[name] = container_fn(attributes[name])
 
 
 @tp.overload
-def dataclass(cls: T, /) -> T:
-  ...
+def dataclass(cls: T, /) -> T: ...
 
 
 @tp.overload
-def dataclass(*, frozen: bool = False, **kwargs: tp.Any) -> tp.Callable[[T], T]:
-  ...
+def dataclass(*, frozen: bool = False, **kwargs: tp.Any) -> tp.Callable[[T], T]: ...
 
 
 def dataclass(cls: tp.Optional[T] = None, /, *, frozen: bool = False, **kwargs: tp.Any):
-  """``dataclasses.dataclass`` for Modules and Pytrees.
+    """``dataclasses.dataclass`` for Modules and Pytrees.
 
-  Modules keep identity equality and hashing (``eq=False``) and nnx's repr.
-  """
+    Modules keep identity equality and hashing (``eq=False``) and nnx's repr.
+    """
 
-  def decorate(cls: T) -> T:
-    from nnx.module import Module  # local: module imports this file
+    def decorate(cls: T) -> T:
+        from nnx.module import Module  # local: module imports this file
 
-    options = dict(repr=False, **kwargs)
-    if issubclass(cls, Module):
-      options.setdefault('eq', False)
-    return dataclasses.dataclass(cls, frozen=frozen, **options)  # type: ignore
+        options = dict(repr=False, **kwargs)
+        if issubclass(cls, Module):
+            options.setdefault("eq", False)
+        return dataclasses.dataclass(cls, frozen=frozen, **options)  # type: ignore
 
-  return decorate if cls is None else decorate(cls)
+    return decorate if cls is None else decorate(cls)

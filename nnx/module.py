@@ -22,6 +22,7 @@ dicts directly, keeps the static structure as nested tuples that compare at C
 speed, and records each node's full path in the ModuleDef so that ``merge``
 does no string work.
 """
+
 import typing as tp
 from abc import ABCMeta
 
@@ -31,13 +32,13 @@ from nnx import containers, errors, ids, nodes, partitioning, reprlib, tracers
 from nnx import dataclasses as nnx_dataclasses
 from nnx.state import State
 
-A = tp.TypeVar('A')
-M = tp.TypeVar('M', bound='Module')
+A = tp.TypeVar("A")
+M = tp.TypeVar("M", bound="Module")
 Path = str
 Filter = partitioning.Filter
 
 _get_attribute = object.__getattribute__
-_MODULE_STATE = '_module__state'
+_MODULE_STATE = "_module__state"
 
 # ModuleDef attribute kinds.
 _NODE = 0  # payload: the node's full path in the State
@@ -47,513 +48,494 @@ _STATIC = 3  # payload: the attribute value itself
 
 
 class ModuleState:
-  """Hidden per-instance state: the trace level and a unique id."""
+    """Hidden per-instance state: the trace level and a unique id."""
 
-  __slots__ = ('_trace_state', '_id')
+    __slots__ = ("_trace_state", "_id")
 
-  def __init__(self):
-    self._trace_state = tracers.TraceState()
-    self._id = None
+    def __init__(self):
+        self._trace_state = tracers.TraceState()
+        self._id = None
 
-  @property
-  def trace_state(self) -> tracers.TraceState:
-    return self._trace_state
+    @property
+    def trace_state(self) -> tracers.TraceState:
+        return self._trace_state
 
-  @property
-  def id(self) -> ids.UUID:
-    if self._id is None:
-      self._id = ids.uuid()
-    return self._id
-
-
-def _dict(module: 'Module') -> dict[str, tp.Any]:
-  return _get_attribute(module, '__dict__')
+    @property
+    def id(self) -> ids.UUID:
+        if self._id is None:
+            self._id = ids.uuid()
+        return self._id
 
 
-def _check_trace(module: 'Module') -> None:
-  if not _dict(module)[_MODULE_STATE]._trace_state.is_valid():
-    raise errors.TraceContextError(
-        'Cannot mutate Module from different trace level: it was created '
-        'outside the current jax/nnx transform. Pass it through the '
-        'transform (partition outside, merge inside) or use a lifted '
-        'transform such as nnx.jit or nnx.grad.'
-    )
+def _dict(module: "Module") -> dict[str, tp.Any]:
+    return _get_attribute(module, "__dict__")
+
+
+def _check_trace(module: "Module") -> None:
+    if not _dict(module)[_MODULE_STATE]._trace_state.is_valid():
+        raise errors.TraceContextError(
+            "Cannot mutate Module from different trace level: it was created "
+            "outside the current jax/nnx transform. Pass it through the "
+            "transform (partition outside, merge inside) or use a lifted "
+            "transform such as nnx.jit or nnx.grad."
+        )
 
 
 class ModuleMeta(ABCMeta):
-
-  def __call__(cls, *args, **kwargs):
-    if cls.__new__ is object.__new__:
-      module = object.__new__(cls)
-    else:
-      module = cls.__new__(cls, *args, **kwargs)
-    _dict(module)[_MODULE_STATE] = ModuleState()
-    module.__init__(*args, **kwargs)
-    nnx_dataclasses.wrap_fields(module)
-    return module
+    def __call__(cls, *args, **kwargs):
+        if cls.__new__ is object.__new__:
+            module = object.__new__(cls)
+        else:
+            module = cls.__new__(cls, *args, **kwargs)
+        _dict(module)[_MODULE_STATE] = ModuleState()
+        module.__init__(*args, **kwargs)
+        nnx_dataclasses.wrap_fields(module)
+        return module
 
 
 class Module(reprlib.Representable, metaclass=ModuleMeta):
-  """Base class of every nnx Module. See the module docstring."""
+    """Base class of every nnx Module. See the module docstring."""
 
-  if not tp.TYPE_CHECKING:
+    if not tp.TYPE_CHECKING:
+        __getattribute__ = containers.getattribute_unboxed
 
-    __getattribute__ = containers.getattribute_unboxed
+        def __setattr__(self, name: str, value: tp.Any) -> None:
+            _check_trace(self)
+            descriptor = getattr(type(self), name, None)
+            if hasattr(descriptor, "__set__"):
+                object.__setattr__(self, name, value)
+            else:
+                containers.assign(_dict(self), name, value, copy=True)
 
-    def __setattr__(self, name: str, value: tp.Any) -> None:
-      _check_trace(self)
-      descriptor = getattr(type(self), name, None)
-      if hasattr(descriptor, '__set__'):
-        object.__setattr__(self, name, value)
-      else:
-        containers.assign(_dict(self), name, value, copy=True)
+        def __delattr__(self, name: str) -> None:
+            _check_trace(self)
+            object.__delattr__(self, name)
 
-    def __delattr__(self, name: str) -> None:
-      _check_trace(self)
-      object.__delattr__(self, name)
+    # --- the functional API -------------------------------------------------
 
-  # --- the functional API -------------------------------------------------
+    @tp.overload
+    def partition(self: M) -> "Pure[State, M]": ...
 
-  @tp.overload
-  def partition(self: M) -> 'Pure[State, M]':
-    ...
+    @tp.overload
+    def partition(self: M, filter: Filter, /) -> "Pure[State, M]": ...
 
-  @tp.overload
-  def partition(self: M, filter: Filter, /) -> 'Pure[State, M]':
-    ...
+    @tp.overload
+    def partition(self: M, filter: Filter, filter2: Filter, /, *filters: Filter) -> "Pure[tuple[State, ...], M]": ...
 
-  @tp.overload
-  def partition(
-      self: M, filter: Filter, filter2: Filter, /, *filters: Filter
-  ) -> 'Pure[tuple[State, ...], M]':
-    ...
+    def partition(self: M, *filters: Filter) -> "Pure[tp.Any, M]":
+        """Splits the Module into pure state and a static ``ModuleDef``.
 
-  def partition(self: M, *filters: Filter) -> 'Pure[tp.Any, M]':
-    """Splits the Module into pure state and a static ``ModuleDef``.
+        With no filter, the state is one ``State`` holding every node; with one
+        filter, one ``State`` (the filter must match every node); with several,
+        a tuple of ``State``s, one per filter, which together must match every
+        node (put ``...`` last to catch the rest)::
 
-    With no filter, the state is one ``State`` holding every node; with one
-    filter, one ``State`` (the filter must match every node); with several,
-    a tuple of ``State``s, one per filter, which together must match every
-    node (put ``...`` last to catch the rest)::
+            (params, rest), moduledef = model.partition(nnx.Param, ...)
+            model = moduledef.merge(params, rest)
+        """
+        state, moduledef = _graph_flatten(self)
+        if filters:
+            return Pure(state.partition(*filters), moduledef)
+        return Pure(state, moduledef)
 
-        (params, rest), moduledef = model.partition(nnx.Param, ...)
-        model = moduledef.merge(params, rest)
-    """
-    state, moduledef = _graph_flatten(self)
-    if filters:
-      return Pure(state.partition(*filters), moduledef)
-    return Pure(state, moduledef)
+    def get_state(self) -> State:
+        """Every node of the Module (and its submodules) as one ``State``."""
+        return _graph_flatten(self)[0]
 
-  def get_state(self) -> State:
-    """Every node of the Module (and its submodules) as one ``State``."""
-    return _graph_flatten(self)[0]
+    def get_module_def(self: M) -> "ModuleDef[M]":
+        """The static structure of the Module."""
+        return _graph_flatten(self)[1]
 
-  def get_module_def(self: M) -> 'ModuleDef[M]':
-    """The static structure of the Module."""
-    return _graph_flatten(self)[1]
+    def filter(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
+        """Like ``partition`` but returns only the states and drops unmatched nodes."""
+        return self.get_state().filter(*filters)
 
-  def filter(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
-    """Like ``partition`` but returns only the states and drops unmatched nodes."""
-    return self.get_state().filter(*filters)
+    def pop_state(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
+        """Removes the nodes matching ``filters`` from the Module and returns them."""
+        if not filters:
+            raise TypeError("pop_state needs at least one filter")
+        states = self.filter(*filters)
+        for state in states if isinstance(states, tuple) else (states,):
+            for path in state:
+                owner, name = _owner(self, path)
+                _check_trace(owner)
+                del _dict(owner)[name]
+        return states
 
-  def pop_state(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
-    """Removes the nodes matching ``filters`` from the Module and returns them."""
-    if not filters:
-      raise TypeError('pop_state needs at least one filter')
-    states = self.filter(*filters)
-    for state in states if isinstance(states, tuple) else (states,):
-      for path in state:
-        owner, name = _owner(self, path)
-        _check_trace(owner)
-        del _dict(owner)[name]
-    return states
+    def update_state(self, updates: tp.Union["Module", "Pure[tp.Any, tp.Any]", State, tp.Sequence[State]]) -> None:
+        """Writes every value of ``updates`` at its path, creating missing attributes.
 
-  def update_state(
-      self, updates: tp.Union['Module', 'Pure[tp.Any, tp.Any]', State, tp.Sequence[State]]
-  ) -> None:
-    """Writes every value of ``updates`` at its path, creating missing attributes.
+        ``updates`` is a Module, a ``Pure``, a ``State`` or a tuple of States.
+        """
+        if isinstance(updates, Module):
+            states: tp.Sequence[State] = (updates.get_state(),)
+        elif isinstance(updates, Pure):
+            states = _as_state_tuple(updates.states)
+        else:
+            states = _as_state_tuple(updates)
+        for state in states:
+            for path, value in state.items():
+                owner, name = _owner(self, path)
+                _check_trace(owner)
+                containers.assign(_dict(owner), name, value, copy=False)
 
-    ``updates`` is a Module, a ``Pure``, a ``State`` or a tuple of States.
-    """
-    if isinstance(updates, Module):
-      states: tp.Sequence[State] = (updates.get_state(),)
-    elif isinstance(updates, Pure):
-      states = _as_state_tuple(updates.states)
-    else:
-      states = _as_state_tuple(updates)
-    for state in states:
-      for path, value in state.items():
-        owner, name = _owner(self, path)
-        _check_trace(owner)
-        containers.assign(_dict(owner), name, value, copy=False)
+    def clone(self: M) -> M:
+        """An independent deep copy, made through partition and merge."""
+        return self.partition().merge()
 
-  def clone(self: M) -> M:
-    """An independent deep copy, made through partition and merge."""
-    return self.partition().merge()
+    @property
+    def apply(self: M) -> "ApplyCaller[tuple[tp.Any, M]]":
+        """Calls the Module (or one of its methods/submodules) on a clone.
 
-  @property
-  def apply(self: M) -> 'ApplyCaller[tuple[tp.Any, M]]':
-    """Calls the Module (or one of its methods/submodules) on a clone.
+        ``out, updated = model.apply(x)`` and ``model.apply.encode(x)`` leave
+        ``model`` untouched and return the clone that saw the call.
+        """
+        return ApplyCaller(self.clone, lambda out, module: (out, module))
 
-    ``out, updated = model.apply(x)`` and ``model.apply.encode(x)`` leave
-    ``model`` untouched and return the clone that saw the call.
-    """
-    return ApplyCaller(self.clone, lambda out, module: (out, module))
+    def sow(self, variable_type: type[containers.Variable[tp.Any]], name: str, value: tp.Any) -> None:
+        """Appends ``value`` to a tuple kept in a ``variable_type`` attribute.
 
-  def sow(self, variable_type: type[containers.Variable[tp.Any]], name: str, value: tp.Any) -> None:
-    """Appends ``value`` to a tuple kept in a ``variable_type`` attribute.
+        Example: ``self.sow(nnx.Intermediate, 'y', y)`` twice gives
+        ``self.y == (y1, y2)``; ``model.pop_state(nnx.Intermediate)`` collects them.
+        """
+        attributes = _dict(self)
+        if name not in attributes:
+            setattr(self, name, variable_type((value,)))
+            return
+        current = attributes[name]
+        if not isinstance(current, containers.Variable):
+            raise ValueError(f"Expected '{name}' to be a Variable, got {type(current).__name__}")
+        if type(current) is not variable_type:
+            raise ValueError(
+                f"Expected '{name}' to be of type '{variable_type.__name__}', got '{type(current).__name__}'"
+            )
+        if not isinstance(current.value, tuple):
+            raise ValueError(f"Expected '{name}' to be a tuple, got {type(current.value).__name__}")
+        setattr(self, name, current.value + (value,))
 
-    Example: ``self.sow(nnx.Intermediate, 'y', y)`` twice gives
-    ``self.y == (y1, y2)``; ``model.pop_state(nnx.Intermediate)`` collects them.
-    """
-    attributes = _dict(self)
-    if name not in attributes:
-      setattr(self, name, variable_type((value,)))
-      return
-    current = attributes[name]
-    if not isinstance(current, containers.Variable):
-      raise ValueError(
-          f"Expected '{name}' to be a Variable, got {type(current).__name__}"
-      )
-    if type(current) is not variable_type:
-      raise ValueError(
-          f"Expected '{name}' to be of type '{variable_type.__name__}', "
-          f"got '{type(current).__name__}'"
-      )
-    if not isinstance(current.value, tuple):
-      raise ValueError(
-          f"Expected '{name}' to be a tuple, got {type(current.value).__name__}"
-      )
-    setattr(self, name, current.value + (value,))
+    def for_each(self, module_type: type[M], fn: tp.Callable[[M], None]) -> None:
+        """Calls ``fn`` once on every distinct submodule (self included) of ``module_type``."""
+        for module in _iter_modules(self):
+            if isinstance(module, module_type):
+                fn(module)
 
-  def for_each(self, module_type: type[M], fn: tp.Callable[[M], None]) -> None:
-    """Calls ``fn`` once on every distinct submodule (self included) of ``module_type``."""
-    for module in _iter_modules(self):
-      if isinstance(module, module_type):
-        fn(module)
+    def modules(self) -> tp.Iterator[tuple[Path, "Module"]]:
+        """Every distinct Module of the graph with its first path (``''`` for self)."""
+        return _iter_modules_with_paths(self)
 
-  def modules(self) -> tp.Iterator[tuple[Path, 'Module']]:
-    """Every distinct Module of the graph with its first path (``''`` for self)."""
-    return _iter_modules_with_paths(self)
-
-  def __nnx_repr__(self):
-    yield reprlib.Object(type(self))
-    for name, value in sorted(_dict(self).items()):
-      if name == _MODULE_STATE:
-        continue
-      if isinstance(value, containers.Container):
-        value = f'{type(value).__name__}({containers._short_repr(value.value)})'
-      yield reprlib.Attr(name, value)
+    def __nnx_repr__(self):
+        yield reprlib.Object(type(self))
+        for name, value in sorted(_dict(self).items()):
+            if name == _MODULE_STATE:
+                continue
+            if isinstance(value, containers.Container):
+                value = f"{type(value).__name__}({containers._short_repr(value.value)})"
+            yield reprlib.Attr(name, value)
 
 
 def _as_state_tuple(states: tp.Any) -> tuple[State, ...]:
-  if isinstance(states, State):
-    return (states,)
-  if isinstance(states, (tuple, list)):
-    return tuple(s for item in states for s in _as_state_tuple(item))
-  if isinstance(states, tp.Mapping):
-    return (State(states),)
-  raise TypeError(
-      f'Expected a State or a tuple of States, got {type(states).__name__}'
-  )
+    if isinstance(states, State):
+        return (states,)
+    if isinstance(states, (tuple, list)):
+        return tuple(s for item in states for s in _as_state_tuple(item))
+    if isinstance(states, tp.Mapping):
+        return (State(states),)
+    raise TypeError(f"Expected a State or a tuple of States, got {type(states).__name__}")
 
 
 def _owner(root: Module, path: Path) -> tuple[Module, str]:
-  """The module holding the attribute at ``path`` and the attribute's name."""
-  *prefix, name = path.split('/')
-  module = root
-  for i, part in enumerate(prefix):
-    child = _dict(module).get(part)
-    if not isinstance(child, Module):
-      where = '/'.join(prefix[: i + 1])
-      raise ValueError(
-          f'Cannot reach path {path!r}: {where!r} is not a submodule of '
-          f'{type(root).__name__}'
-      )
-    module = child
-  return module, name
+    """The module holding the attribute at ``path`` and the attribute's name."""
+    *prefix, name = path.split("/")
+    module = root
+    for i, part in enumerate(prefix):
+        child = _dict(module).get(part)
+        if not isinstance(child, Module):
+            where = "/".join(prefix[: i + 1])
+            raise ValueError(f"Cannot reach path {path!r}: {where!r} is not a submodule of {type(root).__name__}")
+        module = child
+    return module, name
 
 
 def _iter_modules(root: Module) -> list[Module]:
-  return [module for _, module in _iter_modules_with_paths(root)]
+    return [module for _, module in _iter_modules_with_paths(root)]
 
 
 def _iter_modules_with_paths(root: Module) -> list[tuple[Path, Module]]:
-  seen: set[int] = set()
-  out: list[tuple[Path, Module]] = []
+    seen: set[int] = set()
+    out: list[tuple[Path, Module]] = []
 
-  def visit(module: Module, path: Path) -> None:
-    seen.add(id(module))
-    out.append((path, module))
-    attributes = _dict(module)
-    for name in sorted(attributes):
-      value = attributes[name]
-      if isinstance(value, Module) and id(value) not in seen:
-        visit(value, f'{path}/{name}' if path else name)
+    def visit(module: Module, path: Path) -> None:
+        seen.add(id(module))
+        out.append((path, module))
+        attributes = _dict(module)
+        for name in sorted(attributes):
+            value = attributes[name]
+            if isinstance(value, Module) and id(value) not in seen:
+                visit(value, f"{path}/{name}" if path else name)
 
-  visit(root, '')
-  return out
+    visit(root, "")
+    return out
 
 
 # --- graph flatten / unflatten -------------------------------------------
 
 
 class ModuleDef(tp.Generic[M], reprlib.Representable):
-  """The static structure of a Module graph: types, sharing, static fields.
+    """The static structure of a Module graph: types, sharing, static fields.
 
-  A pytree with no leaves, hashable and equal by structure, so a jitted
-  function that receives it back unchanged does not retrace.
-  """
-
-  __slots__ = ('_type', '_index', '_attributes', '_hash')
-
-  def __init__(self, type: type[M], index: int, attributes: tuple[tuple[str, int, tp.Any], ...]):
-    self._type = type
-    self._index = index
-    self._attributes = attributes
-    self._hash: tp.Optional[int] = None
-
-  @property
-  def type(self) -> type[M]:
-    return self._type
-
-  def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
-    if not isinstance(other, ModuleDef):
-      return False
-    return (
-        self._type is other._type
-        and self._index == other._index
-        and self._attributes == other._attributes
-    )
-
-  def __hash__(self) -> int:
-    # Static values may be unhashable (lists); the skeleton is enough for a
-    # hash consistent with __eq__.
-    if self._hash is None:
-      self._hash = hash((self._type, self._index, tuple(
-          (name, kind, hash(payload) if kind in (_MODULE, _SHARED) else None)
-          for name, kind, payload in self._attributes
-      )))
-    return self._hash
-
-  def __nnx_repr__(self):
-    yield reprlib.Object(type(self))
-    yield reprlib.Attr('type', self._type.__name__)
-    yield reprlib.Attr('index', self._index)
-    for name, kind, payload in self._attributes:
-      if kind == _NODE:
-        yield reprlib.Attr(name, f'<node {payload!r}>')
-      elif kind == _SHARED:
-        yield reprlib.Attr(name, f'<shared module {payload}>')
-      else:
-        yield reprlib.Attr(name, payload)
-
-  def merge(self, state: tp.Union[State, tp.Sequence[State]], *states: State) -> M:
-    """Builds new Modules from ``states``, preserving sharing and cycles."""
-    if not states and isinstance(state, State):
-      mapping = state._mapping
-    else:
-      mapping = {}
-      for s in _as_state_tuple((state, *states)):
-        mapping.update(s._mapping)
-    return _graph_unflatten(self, mapping)
-
-  def apply(
-      self, state: tp.Union[State, tp.Sequence[State]], *states: State
-  ) -> 'ApplyCaller[tuple[tp.Any, Pure[State, M]]]':
-    """Calls a Module built from ``states`` and returns ``(out, Pure)``.
-
-    Example::
-
-        y, (state, moduledef) = moduledef.apply(params, counts)(x)
-        z, updates = moduledef.apply(state).encoder(x)
+    A pytree with no leaves, hashable and equal by structure, so a jitted
+    function that receives it back unchanged does not retrace.
     """
-    return ApplyCaller(
-        lambda: self.merge(state, *states),
-        lambda out, module: (out, module.partition()),
-    )
+
+    __slots__ = ("_type", "_index", "_attributes", "_hash")
+
+    def __init__(self, type: type[M], index: int, attributes: tuple[tuple[str, int, tp.Any], ...]):
+        self._type = type
+        self._index = index
+        self._attributes = attributes
+        self._hash: tp.Optional[int] = None
+
+    @property
+    def type(self) -> type[M]:
+        return self._type
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, ModuleDef):
+            return False
+        return self._type is other._type and self._index == other._index and self._attributes == other._attributes
+
+    def __hash__(self) -> int:
+        # Static values may be unhashable (lists); the skeleton is enough for a
+        # hash consistent with __eq__.
+        if self._hash is None:
+            self._hash = hash(
+                (
+                    self._type,
+                    self._index,
+                    tuple(
+                        (name, kind, hash(payload) if kind in (_MODULE, _SHARED) else None)
+                        for name, kind, payload in self._attributes
+                    ),
+                )
+            )
+        return self._hash
+
+    def __nnx_repr__(self):
+        yield reprlib.Object(type(self))
+        yield reprlib.Attr("type", self._type.__name__)
+        yield reprlib.Attr("index", self._index)
+        for name, kind, payload in self._attributes:
+            if kind == _NODE:
+                yield reprlib.Attr(name, f"<node {payload!r}>")
+            elif kind == _SHARED:
+                yield reprlib.Attr(name, f"<shared module {payload}>")
+            else:
+                yield reprlib.Attr(name, payload)
+
+    def merge(self, state: tp.Union[State, tp.Sequence[State]], *states: State) -> M:
+        """Builds new Modules from ``states``, preserving sharing and cycles."""
+        if not states and isinstance(state, State):
+            mapping = state._mapping
+        else:
+            mapping = {}
+            for s in _as_state_tuple((state, *states)):
+                mapping.update(s._mapping)
+        return _graph_unflatten(self, mapping)
+
+    def apply(
+        self, state: tp.Union[State, tp.Sequence[State]], *states: State
+    ) -> "ApplyCaller[tuple[tp.Any, Pure[State, M]]]":
+        """Calls a Module built from ``states`` and returns ``(out, Pure)``.
+
+        Example::
+
+            y, (state, moduledef) = moduledef.apply(params, counts)(x)
+            z, updates = moduledef.apply(state).encoder(x)
+        """
+        return ApplyCaller(
+            lambda: self.merge(state, *states),
+            lambda out, module: (out, module.partition()),
+        )
 
 
 def _attribute_kind(value_type: type) -> int:
-  """``_MODULE``, ``_NODE`` or ``_STATIC`` for values of ``value_type`` (cached)."""
-  kind = nodes.type_cache.get(value_type)
-  if kind is None:
-    if issubclass(value_type, Module):
-      kind = _MODULE
-    elif issubclass(value_type, nodes._node_types):
-      kind = _NODE
-    else:
-      kind = _STATIC
-    nodes.type_cache[value_type] = kind
-  return kind
+    """``_MODULE``, ``_NODE`` or ``_STATIC`` for values of ``value_type`` (cached)."""
+    kind = nodes.type_cache.get(value_type)
+    if kind is None:
+        if issubclass(value_type, Module):
+            kind = _MODULE
+        elif issubclass(value_type, nodes._node_types):
+            kind = _NODE
+        else:
+            kind = _STATIC
+        nodes.type_cache[value_type] = kind
+    return kind
 
 
 def _graph_flatten(root: Module) -> tuple[State, ModuleDef[tp.Any]]:
-  flat: dict[Path, tp.Any] = {}
-  indices: dict[int, int] = {}
-  kinds = nodes.type_cache
-  get_dict = _get_attribute
+    flat: dict[Path, tp.Any] = {}
+    indices: dict[int, int] = {}
+    kinds = nodes.type_cache
+    get_dict = _get_attribute
 
-  def walk(module: Module, prefix: str) -> ModuleDef[tp.Any]:
-    index = len(indices)
-    indices[id(module)] = index
-    attributes = get_dict(module, '__dict__')
-    entries = []
-    append = entries.append
-    for name in sorted(attributes):
-      value = attributes[name]
-      kind = kinds.get(type(value))
-      if kind is None:
-        kind = _attribute_kind(type(value))
-      if kind == _STATIC:
-        if name != _MODULE_STATE:
-          append((name, _STATIC, value))
-      elif kind == _NODE:
-        path = prefix + name
-        flat[path] = value
-        append((name, _NODE, path))
-      else:
-        shared = indices.get(id(value))
-        if shared is None:
-          append((name, _MODULE, walk(value, prefix + name + '/')))
-        else:
-          append((name, _SHARED, shared))
-    return ModuleDef(type(module), index, tuple(entries))
+    def walk(module: Module, prefix: str) -> ModuleDef[tp.Any]:
+        index = len(indices)
+        indices[id(module)] = index
+        attributes = get_dict(module, "__dict__")
+        entries = []
+        append = entries.append
+        for name in sorted(attributes):
+            value = attributes[name]
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = _attribute_kind(type(value))
+            if kind == _STATIC:
+                if name != _MODULE_STATE:
+                    append((name, _STATIC, value))
+            elif kind == _NODE:
+                path = prefix + name
+                flat[path] = value
+                append((name, _NODE, path))
+            else:
+                shared = indices.get(id(value))
+                if shared is None:
+                    append((name, _MODULE, walk(value, prefix + name + "/")))
+                else:
+                    append((name, _SHARED, shared))
+        return ModuleDef(type(module), index, tuple(entries))
 
-  moduledef = walk(root, '')
-  paths = list(flat)
-  if paths != sorted(paths):  # only for names with characters below '/'
-    flat = dict(sorted(flat.items()))
-  return State._from_sorted(flat), moduledef
+    moduledef = walk(root, "")
+    paths = list(flat)
+    if paths != sorted(paths):  # only for names with characters below '/'
+        flat = dict(sorted(flat.items()))
+    return State._from_sorted(flat), moduledef
 
 
 def _graph_unflatten(moduledef: ModuleDef[M], mapping: tp.Mapping[Path, tp.Any]) -> M:
-  built: dict[int, Module] = {}
+    built: dict[int, Module] = {}
 
-  def build(definition: ModuleDef[tp.Any]) -> Module:
-    module = object.__new__(definition._type)
-    built[definition._index] = module
-    attributes = _get_attribute(module, '__dict__')
-    attributes[_MODULE_STATE] = ModuleState()
-    for name, kind, payload in definition._attributes:
-      if kind == _NODE:
-        if payload in mapping:
-          attributes[name] = mapping[payload]
-      elif kind == _MODULE:
-        attributes[name] = build(payload)
-      elif kind == _SHARED:
-        attributes[name] = built[payload]
-      else:
-        attributes[name] = payload
-    return module
+    def build(definition: ModuleDef[tp.Any]) -> Module:
+        module = object.__new__(definition._type)
+        built[definition._index] = module
+        attributes = _get_attribute(module, "__dict__")
+        attributes[_MODULE_STATE] = ModuleState()
+        for name, kind, payload in definition._attributes:
+            if kind == _NODE:
+                if payload in mapping:
+                    attributes[name] = mapping[payload]
+            elif kind == _MODULE:
+                attributes[name] = build(payload)
+            elif kind == _SHARED:
+                attributes[name] = built[payload]
+            else:
+                attributes[name] = payload
+        return module
 
-  return tp.cast(M, build(moduledef))
+    return tp.cast(M, build(moduledef))
 
 
 # --- Pure and apply --------------------------------------------------------
 
-S = tp.TypeVar('S', bound=tp.Union[State, tuple[State, ...]])
+S = tp.TypeVar("S", bound=tp.Union[State, tuple[State, ...]])
 
 
 class ApplyCaller(tp.Generic[A]):
-  """A proxy: call it, or reach a method/submodule with ``.`` or ``[]`` first."""
+    """A proxy: call it, or reach a method/submodule with ``.`` or ``[]`` first."""
 
-  __slots__ = ('_make', '_finish', '_accessors')
+    __slots__ = ("_make", "_finish", "_accessors")
 
-  def __init__(self, make, finish, accessors: tuple[tuple[bool, tp.Any], ...] = ()):
-    self._make = make
-    self._finish = finish
-    self._accessors = accessors
+    def __init__(self, make, finish, accessors: tuple[tuple[bool, tp.Any], ...] = ()):
+        self._make = make
+        self._finish = finish
+        self._accessors = accessors
 
-  def __getattr__(self, name: str) -> 'ApplyCaller[A]':
-    if name.startswith('__'):
-      raise AttributeError(name)
-    return ApplyCaller(self._make, self._finish, self._accessors + ((True, name),))
+    def __getattr__(self, name: str) -> "ApplyCaller[A]":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return ApplyCaller(self._make, self._finish, self._accessors + ((True, name),))
 
-  def __getitem__(self, key: tp.Any) -> 'ApplyCaller[A]':
-    return ApplyCaller(self._make, self._finish, self._accessors + ((False, key),))
+    def __getitem__(self, key: tp.Any) -> "ApplyCaller[A]":
+        return ApplyCaller(self._make, self._finish, self._accessors + ((False, key),))
 
-  def __call__(self, *args, **kwargs) -> A:
-    module = self._make()
-    target: tp.Any = module
-    for is_attribute, key in self._accessors:
-      target = getattr(target, key) if is_attribute else target[key]
-    out = target(*args, **kwargs)
-    return self._finish(out, module)
+    def __call__(self, *args, **kwargs) -> A:
+        module = self._make()
+        target: tp.Any = module
+        for is_attribute, key in self._accessors:
+            target = getattr(target, key) if is_attribute else target[key]
+        out = target(*args, **kwargs)
+        return self._finish(out, module)
 
 
 class Pure(tp.Tuple[S, ModuleDef[M]]):
-  """A partitioned Module: the pytree tuple ``(states, moduledef)``.
+    """A partitioned Module: the pytree tuple ``(states, moduledef)``.
 
-  ``states`` is a ``State`` or a tuple of them; only they are leaves, the
-  ``ModuleDef`` is static. Alias: ``PureModule``.
-  """
+    ``states`` is a ``State`` or a tuple of them; only they are leaves, the
+    ``ModuleDef`` is static. Alias: ``PureModule``.
+    """
 
-  def __new__(cls, states: S, moduledef: ModuleDef[M]):
-    return tuple.__new__(cls, (states, moduledef))
+    def __new__(cls, states: S, moduledef: ModuleDef[M]):
+        return tuple.__new__(cls, (states, moduledef))
 
-  @property
-  def states(self) -> S:
-    return self[0]
+    @property
+    def states(self) -> S:
+        return self[0]
 
-  @property
-  def moduledef(self) -> ModuleDef[M]:
-    return self[1]
+    @property
+    def moduledef(self) -> ModuleDef[M]:
+        return self[1]
 
-  def merge(self) -> M:
-    """Builds the Module."""
-    return self.moduledef.merge(self.states)
+    def merge(self) -> M:
+        """Builds the Module."""
+        return self.moduledef.merge(self.states)
 
-  @property
-  def apply(self) -> ApplyCaller[tuple[tp.Any, 'Pure[State, M]']]:
-    """Calls the merged Module; returns ``(out, updated Pure)``."""
-    return self.moduledef.apply(self.states)
+    @property
+    def apply(self) -> ApplyCaller[tuple[tp.Any, "Pure[State, M]"]]:
+        """Calls the merged Module; returns ``(out, updated Pure)``."""
+        return self.moduledef.apply(self.states)
 
-  @property
-  def call(self) -> ApplyCaller[tp.Any]:
-    """Calls the merged Module; returns only the output."""
-    return ApplyCaller(self.merge, lambda out, _: out)
+    @property
+    def call(self) -> ApplyCaller[tp.Any]:
+        """Calls the merged Module; returns only the output."""
+        return ApplyCaller(self.merge, lambda out, _: out)
 
-  def get_state(self) -> State:
-    """All states merged into one."""
-    states = _as_state_tuple(self.states)
-    return states[0] if len(states) == 1 else State.merge(*states)
+    def get_state(self) -> State:
+        """All states merged into one."""
+        states = _as_state_tuple(self.states)
+        return states[0] if len(states) == 1 else State.merge(*states)
 
-  def filter(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
-    return self.get_state().filter(*filters)
+    def filter(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
+        return self.get_state().filter(*filters)
 
-  def partition(self, *filters: Filter) -> 'Pure[tp.Any, M]':
-    """Re-splits the state by ``filters`` (or merges it into one State)."""
-    state = self.get_state()
-    return Pure(state.partition(*filters) if filters else state, self.moduledef)
+    def partition(self, *filters: Filter) -> "Pure[tp.Any, M]":
+        """Re-splits the state by ``filters`` (or merges it into one State)."""
+        state = self.get_state()
+        return Pure(state.partition(*filters) if filters else state, self.moduledef)
 
-  def pop_state(self, *filters: Filter) -> tuple[tp.Any, 'Pure[State, M]']:
-    """Returns ``(popped states, Pure of the rest)``."""
-    if not filters:
-      raise TypeError('pop_state needs at least one filter')
-    state = self.get_state()
-    popped = state.filter(*filters)
-    removed = State.merge(*popped) if isinstance(popped, tuple) else popped
-    return popped, Pure(state - removed, self.moduledef)
+    def pop_state(self, *filters: Filter) -> tuple[tp.Any, "Pure[State, M]"]:
+        """Returns ``(popped states, Pure of the rest)``."""
+        if not filters:
+            raise TypeError("pop_state needs at least one filter")
+        state = self.get_state()
+        popped = state.filter(*filters)
+        removed = State.merge(*popped) if isinstance(popped, tuple) else popped
+        return popped, Pure(state - removed, self.moduledef)
 
-  def update_state(self, updates: tp.Any) -> 'Pure[State, M]':
-    """A new Pure with ``updates`` written in (see ``Module.update_state``)."""
-    module = self.merge()
-    module.update_state(updates)
-    return module.partition()
+    def update_state(self, updates: tp.Any) -> "Pure[State, M]":
+        """A new Pure with ``updates`` written in (see ``Module.update_state``)."""
+        module = self.merge()
+        module.update_state(updates)
+        return module.partition()
 
 
 PureModule = Pure
 
 jtu.register_pytree_with_keys(
     Pure,
-    lambda pure: (((jtu.GetAttrKey('states'), pure[0]),), pure[1]),
+    lambda pure: (((jtu.GetAttrKey("states"), pure[0]),), pure[1]),
     lambda moduledef, children: Pure(children[0], moduledef),
     flatten_func=lambda pure: ((pure[0],), pure[1]),
 )
-jtu.register_pytree_node(
-    ModuleDef, lambda moduledef: ((), moduledef), lambda moduledef, _: moduledef
-)
+jtu.register_pytree_node(ModuleDef, lambda moduledef: ((), moduledef), lambda moduledef, _: moduledef)
 nodes.register_node_type(Pure)

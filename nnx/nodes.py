@@ -11,6 +11,7 @@ structure and lives in the ``ModuleDef``. Arrays, ``Node`` containers,
 
 Register your own types with :func:`register_node_type`.
 """
+
 import typing as tp
 
 import jax
@@ -24,21 +25,21 @@ type_cache: dict[type, tp.Any] = {}
 
 
 def register_node_type(node_type: type) -> None:
-  """Makes instances of ``node_type`` (and its subclasses) nodes."""
-  global _node_types
-  if node_type not in _node_types:
-    _node_types = (*_node_types, node_type)
-    type_cache.clear()
+    """Makes instances of ``node_type`` (and its subclasses) nodes."""
+    global _node_types
+    if node_type not in _node_types:
+        _node_types = (*_node_types, node_type)
+        type_cache.clear()
 
 
 def is_node(x: tp.Any) -> bool:
-  """Whether ``x`` is state (collected by partition) rather than static."""
-  return isinstance(x, _node_types)
+    """Whether ``x`` is state (collected by partition) rather than static."""
+    return isinstance(x, _node_types)
 
 
 def node_types() -> tuple[type, ...]:
-  """The registered node types, for fast ``isinstance`` checks."""
-  return _node_types
+    """The registered node types, for fast ``isinstance`` checks."""
+    return _node_types
 
 
 register_node_type(jax.Array)

@@ -16,6 +16,7 @@ every parameter outside the backbone::
 A string is not a filter: variable kinds are types (``nnx.Param``), not
 collection names.
 """
+
 import builtins
 import dataclasses
 import typing as tp
@@ -24,116 +25,117 @@ import jax
 import numpy as np
 
 if tp.TYPE_CHECKING:
-  ellipsis = builtins.ellipsis
+    ellipsis = builtins.ellipsis
 else:
-  ellipsis = tp.Any
+    ellipsis = tp.Any
 
 Path = str
 Predicate = tp.Callable[[Path, tp.Any], bool]
 FilterLiteral = tp.Union[type, ellipsis, None, Predicate]
-Filter = tp.Union[FilterLiteral, tp.Sequence['Filter']]
+Filter = tp.Union[FilterLiteral, tp.Sequence["Filter"]]
 
 
 def to_predicate(filter: Filter) -> Predicate:
-  """Turns any filter into a predicate ``(path, value) -> bool``."""
-  if isinstance(filter, str):
-    raise TypeError(
-        f'A string is not a filter, got {filter!r}. Filter by type '
-        '(e.g. nnx.Param) or with a predicate (path, value) -> bool.'
-    )
-  if isinstance(filter, type):
-    return OfType(filter)
-  if filter is ...:
-    return Everything()
-  if filter is None:
-    return Nothing()
-  if callable(filter):
-    return filter
-  if isinstance(filter, (tuple, list)):
-    return Any(*filter)
-  raise TypeError(f'Invalid filter of type {type(filter).__name__!r}: {filter!r}')
+    """Turns any filter into a predicate ``(path, value) -> bool``."""
+    if isinstance(filter, str):
+        raise TypeError(
+            f"A string is not a filter, got {filter!r}. Filter by type "
+            "(e.g. nnx.Param) or with a predicate (path, value) -> bool."
+        )
+    if isinstance(filter, type):
+        return OfType(filter)
+    if filter is ...:
+        return Everything()
+    if filter is None:
+        return Nothing()
+    if callable(filter):
+        return filter
+    if isinstance(filter, (tuple, list)):
+        return Any(*filter)
+    raise TypeError(f"Invalid filter of type {type(filter).__name__!r}: {filter!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class OfType:
-  """Matches values that are instances of ``type``."""
-  type: tp.Union[type, tuple[type, ...]]
+    """Matches values that are instances of ``type``."""
 
-  def __call__(self, path: Path, value: tp.Any) -> bool:
-    return isinstance(value, self.type)
+    type: tp.Union[type, tuple[type, ...]]
+
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return isinstance(value, self.type)
 
 
 class Any:
-  """Matches what any of ``filters`` matches."""
+    """Matches what any of ``filters`` matches."""
 
-  def __init__(self, *filters: Filter):
-    self.predicates = tuple(map(to_predicate, filters))
+    def __init__(self, *filters: Filter):
+        self.predicates = tuple(map(to_predicate, filters))
 
-  def __call__(self, path: Path, value: tp.Any) -> bool:
-    return any(predicate(path, value) for predicate in self.predicates)
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return any(predicate(path, value) for predicate in self.predicates)
 
-  def __repr__(self) -> str:
-    return f'Any{self.predicates}'
+    def __repr__(self) -> str:
+        return f"Any{self.predicates}"
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, Any) and self.predicates == other.predicates
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Any) and self.predicates == other.predicates
 
-  def __hash__(self) -> int:
-    return hash((Any, self.predicates))
+    def __hash__(self) -> int:
+        return hash((Any, self.predicates))
 
 
 class All:
-  """Matches what all of ``filters`` match."""
+    """Matches what all of ``filters`` match."""
 
-  def __init__(self, *filters: Filter):
-    self.predicates = tuple(map(to_predicate, filters))
+    def __init__(self, *filters: Filter):
+        self.predicates = tuple(map(to_predicate, filters))
 
-  def __call__(self, path: Path, value: tp.Any) -> bool:
-    return all(predicate(path, value) for predicate in self.predicates)
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return all(predicate(path, value) for predicate in self.predicates)
 
-  def __repr__(self) -> str:
-    return f'All{self.predicates}'
+    def __repr__(self) -> str:
+        return f"All{self.predicates}"
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, All) and self.predicates == other.predicates
+    def __eq__(self, other) -> bool:
+        return isinstance(other, All) and self.predicates == other.predicates
 
-  def __hash__(self) -> int:
-    return hash((All, self.predicates))
+    def __hash__(self) -> int:
+        return hash((All, self.predicates))
 
 
 class Not:
-  """Matches what ``filter`` does not."""
+    """Matches what ``filter`` does not."""
 
-  def __init__(self, filter: Filter):
-    self.predicate = to_predicate(filter)
+    def __init__(self, filter: Filter):
+        self.predicate = to_predicate(filter)
 
-  def __call__(self, path: Path, value: tp.Any) -> bool:
-    return not self.predicate(path, value)
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return not self.predicate(path, value)
 
-  def __repr__(self) -> str:
-    return f'Not({self.predicate!r})'
+    def __repr__(self) -> str:
+        return f"Not({self.predicate!r})"
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, Not) and self.predicate == other.predicate
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Not) and self.predicate == other.predicate
 
-  def __hash__(self) -> int:
-    return hash((Not, self.predicate))
+    def __hash__(self) -> int:
+        return hash((Not, self.predicate))
 
 
 @dataclasses.dataclass(frozen=True)
 class Everything:
-  """Matches everything (the predicate form of ``...``)."""
+    """Matches everything (the predicate form of ``...``)."""
 
-  def __call__(self, path: Path, value: tp.Any) -> bool:
-    return True
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
 class Nothing:
-  """Matches nothing (the predicate form of ``None``)."""
+    """Matches nothing (the predicate form of ``None``)."""
 
-  def __call__(self, path: Path, value: tp.Any) -> bool:
-    return False
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return False
 
 
 buffers = OfType((jax.Array, np.ndarray))
@@ -141,9 +143,8 @@ buffers = OfType((jax.Array, np.ndarray))
 
 
 def check_ellipsis_last(filters: tp.Sequence[Filter]) -> None:
-  for i, filter in enumerate(filters[:-1]):
-    if filter is ...:
-      raise ValueError(
-          f'Ellipsis `...` can only be used as the last filter, got it at '
-          f'index {i} of {len(filters)} filters.'
-      )
+    for i, filter in enumerate(filters[:-1]):
+        if filter is ...:
+            raise ValueError(
+                f"Ellipsis `...` can only be used as the last filter, got it at index {i} of {len(filters)} filters."
+            )

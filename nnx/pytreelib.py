@@ -22,6 +22,7 @@ With flax installed, every Pytree round-trips through
 ``to_bytes`` / ``from_bytes``), whether flax is imported before or after the
 class is defined.
 """
+
 import importlib.abc
 import importlib.util
 import sys
@@ -33,224 +34,216 @@ import jax.tree_util as jtu
 from nnx import containers, nodes, reprlib
 from nnx import dataclasses as nnx_dataclasses
 
-A = tp.TypeVar('A')
-P = tp.TypeVar('P', bound='Pytree')
+A = tp.TypeVar("A")
+P = tp.TypeVar("P", bound="Pytree")
 
-_INITIALIZING = '_pytree__initializing'
+_INITIALIZING = "_pytree__initializing"
 _get_attribute = object.__getattribute__
 
 
 class TreeNode(containers.NodeBase[A]):
-  """Marks a Pytree attribute as a child, whatever its value."""
+    """Marks a Pytree attribute as a child, whatever its value."""
 
 
 class PytreeMeta(ABCMeta):
-
-  def __call__(cls, *args: tp.Any, **kwargs: tp.Any):
-    if cls.__new__ is object.__new__:
-      obj = object.__new__(cls)
-    else:
-      obj = cls.__new__(cls, *args, **kwargs)
-    attributes = _get_attribute(obj, '__dict__')
-    attributes[_INITIALIZING] = True
-    try:
-      obj.__init__(*args, **kwargs)
-    finally:
-      del attributes[_INITIALIZING]
-    nnx_dataclasses.wrap_fields(obj)
-    return obj
+    def __call__(cls, *args: tp.Any, **kwargs: tp.Any):
+        if cls.__new__ is object.__new__:
+            obj = object.__new__(cls)
+        else:
+            obj = cls.__new__(cls, *args, **kwargs)
+        attributes = _get_attribute(obj, "__dict__")
+        attributes[_INITIALIZING] = True
+        try:
+            obj.__init__(*args, **kwargs)
+        finally:
+            del attributes[_INITIALIZING]
+        nnx_dataclasses.wrap_fields(obj)
+        return obj
 
 
 _pytree_classes: list[type] = []
 
 
 class Pytree(reprlib.Representable, metaclass=PytreeMeta):
-  """Base class for immutable pytrees. See the module docstring."""
+    """Base class for immutable pytrees. See the module docstring."""
 
-  _pytree__class_is_mutable: bool = False
+    _pytree__class_is_mutable: bool = False
 
-  def __init_subclass__(cls, mutable: bool = False, **kwargs):
-    super().__init_subclass__(**kwargs)
-    cls._pytree__class_is_mutable = mutable
-    jtu.register_pytree_with_keys(
-        cls, _flatten_with_keys, lambda aux, children: _unflatten(cls, aux, children),
-        flatten_func=_flatten,
-    )
-    _pytree_classes.append(cls)
-    serialization = sys.modules.get('flax.serialization')
-    if serialization is not None:
-      _register_flax_serialization(cls, serialization)
+    def __init_subclass__(cls, mutable: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._pytree__class_is_mutable = mutable
+        jtu.register_pytree_with_keys(
+            cls,
+            _flatten_with_keys,
+            lambda aux, children: _unflatten(cls, aux, children),
+            flatten_func=_flatten,
+        )
+        _pytree_classes.append(cls)
+        serialization = sys.modules.get("flax.serialization")
+        if serialization is not None:
+            _register_flax_serialization(cls, serialization)
 
-  if not tp.TYPE_CHECKING:
+    if not tp.TYPE_CHECKING:
+        __getattribute__ = containers.getattribute_unboxed
 
-    __getattribute__ = containers.getattribute_unboxed
+        def __setattr__(self, name: str, value: tp.Any) -> None:
+            attributes = _get_attribute(self, "__dict__")
+            descriptor = getattr(type(self), name, None)
+            if hasattr(descriptor, "__set__"):
+                object.__setattr__(self, name, value)
+                return
+            if _INITIALIZING not in attributes:
+                if name not in attributes:
+                    raise AttributeError(
+                        f"Cannot add new fields to an initialized Pytree: {type(self).__name__} has no field {name!r}"
+                    )
+                if not self._pytree__class_is_mutable:
+                    raise AttributeError(
+                        f"{type(self).__name__} is immutable, trying to update field "
+                        f"{name!r}; use .replace({name}=...) for a modified copy"
+                    )
+            containers.assign(attributes, name, value, copy=True)
 
-    def __setattr__(self, name: str, value: tp.Any) -> None:
-      attributes = _get_attribute(self, '__dict__')
-      descriptor = getattr(type(self), name, None)
-      if hasattr(descriptor, '__set__'):
-        object.__setattr__(self, name, value)
-        return
-      if _INITIALIZING not in attributes:
-        if name not in attributes:
-          raise AttributeError(
-              f'Cannot add new fields to an initialized Pytree: '
-              f'{type(self).__name__} has no field {name!r}'
-          )
-        if not self._pytree__class_is_mutable:
-          raise AttributeError(
-              f'{type(self).__name__} is immutable, trying to update field '
-              f'{name!r}; use .replace({name}=...) for a modified copy'
-          )
-      containers.assign(attributes, name, value, copy=True)
+    def replace(self: P, **updates: tp.Any) -> P:
+        """A copy with some fields replaced."""
+        import dataclasses
 
-  def replace(self: P, **updates: tp.Any) -> P:
-    """A copy with some fields replaced."""
-    import dataclasses
+        attributes = _get_attribute(self, "__dict__")
+        unknown = set(updates) - set(attributes)
+        if unknown:
+            raise ValueError(f"Trying to replace unknown fields {sorted(unknown)} for {type(self).__name__!r}")
+        if dataclasses.is_dataclass(self):
+            return dataclasses.replace(self, **updates)
+        return _copy_with(self, updates)
 
-    attributes = _get_attribute(self, '__dict__')
-    unknown = set(updates) - set(attributes)
-    if unknown:
-      raise ValueError(
-          f'Trying to replace unknown fields {sorted(unknown)} for '
-          f'{type(self).__name__!r}'
-      )
-    if dataclasses.is_dataclass(self):
-      return dataclasses.replace(self, **updates)
-    return _copy_with(self, updates)
-
-  def __nnx_repr__(self):
-    yield reprlib.Object(type(self))
-    for name, value in sorted(_get_attribute(self, '__dict__').items()):
-      yield reprlib.Attr(name, value)
+    def __nnx_repr__(self):
+        yield reprlib.Object(type(self))
+        for name, value in sorted(_get_attribute(self, "__dict__").items()):
+            yield reprlib.Attr(name, value)
 
 
 def _copy_with(pytree: P, updates: tp.Mapping[str, tp.Any]) -> P:
-  """A shallow copy of ``pytree`` with ``updates`` assigned (no validation)."""
-  new = object.__new__(type(pytree))
-  attributes = _get_attribute(new, '__dict__')
-  attributes.update(_get_attribute(pytree, '__dict__'))
-  for name, value in updates.items():
-    containers.assign(attributes, name, value, copy=True)
-  return new
+    """A shallow copy of ``pytree`` with ``updates`` assigned (no validation)."""
+    new = object.__new__(type(pytree))
+    attributes = _get_attribute(new, "__dict__")
+    attributes.update(_get_attribute(pytree, "__dict__"))
+    for name, value in updates.items():
+        containers.assign(attributes, name, value, copy=True)
+    return new
 
 
 def _split(pytree: Pytree):
-  attributes = _get_attribute(pytree, '__dict__')
-  node_types = nodes._node_types
-  names, children, static = [], [], []
-  for name in sorted(attributes):
-    value = attributes[name]
-    if isinstance(value, node_types):
-      names.append(name)
-      children.append(value)
-    else:
-      static.append((name, value))
-  return names, children, (tuple(names), tuple(static))
+    attributes = _get_attribute(pytree, "__dict__")
+    node_types = nodes._node_types
+    names, children, static = [], [], []
+    for name in sorted(attributes):
+        value = attributes[name]
+        if isinstance(value, node_types):
+            names.append(name)
+            children.append(value)
+        else:
+            static.append((name, value))
+    return names, children, (tuple(names), tuple(static))
 
 
 def _flatten(pytree: Pytree):
-  _, children, aux = _split(pytree)
-  return children, aux
+    _, children, aux = _split(pytree)
+    return children, aux
 
 
 def _flatten_with_keys(pytree: Pytree):
-  names, children, aux = _split(pytree)
-  return [(jtu.GetAttrKey(n), c) for n, c in zip(names, children)], aux
+    names, children, aux = _split(pytree)
+    return [(jtu.GetAttrKey(n), c) for n, c in zip(names, children)], aux
 
 
 def _unflatten(cls: type[P], aux, children) -> P:
-  names, static = aux
-  pytree = object.__new__(cls)
-  attributes = _get_attribute(pytree, '__dict__')
-  attributes.update(zip(names, children))
-  attributes.update(static)
-  return pytree
+    names, static = aux
+    pytree = object.__new__(cls)
+    attributes = _get_attribute(pytree, "__dict__")
+    attributes.update(zip(names, children))
+    attributes.update(static)
+    return pytree
 
 
 def _register_flax_serialization(cls: type, serialization: tp.Any) -> None:
-  """Registers ``cls`` with the ``flax.serialization`` module given."""
+    """Registers ``cls`` with the ``flax.serialization`` module given."""
 
-  def to_state_dict(pytree: Pytree) -> dict[str, tp.Any]:
-    attributes = _get_attribute(pytree, '__dict__')
-    return {
-        name: serialization.to_state_dict(getattr(pytree, name))
-        for name in sorted(attributes)
-        if nodes.is_node(attributes[name])
-    }
+    def to_state_dict(pytree: Pytree) -> dict[str, tp.Any]:
+        attributes = _get_attribute(pytree, "__dict__")
+        return {
+            name: serialization.to_state_dict(getattr(pytree, name))
+            for name in sorted(attributes)
+            if nodes.is_node(attributes[name])
+        }
 
-  def from_state_dict(pytree: Pytree, state: dict[str, tp.Any]) -> Pytree:
-    state = dict(state)
-    attributes = _get_attribute(pytree, '__dict__')
-    updates = {}
-    for name in sorted(attributes):
-      if not nodes.is_node(attributes[name]):
-        continue
-      if name not in state:
-        raise ValueError(
-            f'Missing field {name!r} in state dict while restoring an instance '
-            f'of {type(pytree).__name__} at path {serialization.current_path()}'
-        )
-      updates[name] = serialization.from_state_dict(
-          getattr(pytree, name), state.pop(name), name=name
-      )
-    if state:
-      raise ValueError(
-          f'Unknown field(s) {sorted(state)} in state dict while restoring an '
-          f'instance of {type(pytree).__name__} at path '
-          f'{serialization.current_path()}'
-      )
-    return _copy_with(pytree, updates)
+    def from_state_dict(pytree: Pytree, state: dict[str, tp.Any]) -> Pytree:
+        state = dict(state)
+        attributes = _get_attribute(pytree, "__dict__")
+        updates = {}
+        for name in sorted(attributes):
+            if not nodes.is_node(attributes[name]):
+                continue
+            if name not in state:
+                raise ValueError(
+                    f"Missing field {name!r} in state dict while restoring an instance "
+                    f"of {type(pytree).__name__} at path {serialization.current_path()}"
+                )
+            updates[name] = serialization.from_state_dict(getattr(pytree, name), state.pop(name), name=name)
+        if state:
+            raise ValueError(
+                f"Unknown field(s) {sorted(state)} in state dict while restoring an "
+                f"instance of {type(pytree).__name__} at path "
+                f"{serialization.current_path()}"
+            )
+        return _copy_with(pytree, updates)
 
-  serialization.register_serialization_state(
-      cls, to_state_dict, from_state_dict, override=True
-  )
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
 
 
 def register_flax_serialization() -> None:
-  """Registers every Pytree class defined so far with ``flax.serialization``.
+    """Registers every Pytree class defined so far with ``flax.serialization``.
 
-  Not needed in normal use: classes defined after ``flax.serialization`` is
-  imported register themselves, and importing it later registers the
-  classes defined before (see :class:`_FlaxSerializationHook`).
-  """
-  from flax import serialization
+    Not needed in normal use: classes defined after ``flax.serialization`` is
+    imported register themselves, and importing it later registers the
+    classes defined before (see :class:`_FlaxSerializationHook`).
+    """
+    from flax import serialization
 
-  for cls in _pytree_classes:
-    _register_flax_serialization(cls, serialization)
+    for cls in _pytree_classes:
+        _register_flax_serialization(cls, serialization)
 
 
 class _FlaxSerializationHook(importlib.abc.MetaPathFinder):
-  """Registers the Pytree classes as soon as ``flax.serialization`` is imported.
+    """Registers the Pytree classes as soon as ``flax.serialization`` is imported.
 
-  Importing flax with nnx would make ``import nnx`` noticeably slower, so
-  nnx waits for the user to import it: this finder wraps the module's
-  ``exec_module`` to register every Pytree class defined so far (such as
-  ``nnx.TrainState``) right after ``flax.serialization`` has run, then
-  leaves ``sys.meta_path``.
-  """
+    Importing flax with nnx would make ``import nnx`` noticeably slower, so
+    nnx waits for the user to import it: this finder wraps the module's
+    ``exec_module`` to register every Pytree class defined so far (such as
+    ``nnx.TrainState``) right after ``flax.serialization`` has run, then
+    leaves ``sys.meta_path``.
+    """
 
-  def find_spec(self, fullname, path, target=None):
-    if fullname != 'flax.serialization':
-      return None
-    sys.meta_path.remove(self)
-    spec = importlib.util.find_spec(fullname)
-    if spec is None or spec.loader is None:
-      return spec
-    loader = spec.loader
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "flax.serialization":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
 
-    def exec_and_register(module):
-      del loader.exec_module  # back to the class's method (loaders may be shared)
-      loader.exec_module(module)
-      for cls in _pytree_classes:
-        _register_flax_serialization(cls, module)
+        def exec_and_register(module):
+            del loader.exec_module  # back to the class's method (loaders may be shared)
+            loader.exec_module(module)
+            for cls in _pytree_classes:
+                _register_flax_serialization(cls, module)
 
-    loader.exec_module = exec_and_register  # type: ignore[method-assign]
-    return spec
+        loader.exec_module = exec_and_register  # type: ignore[method-assign]
+        return spec
 
 
-if 'flax.serialization' not in sys.modules:
-  sys.meta_path.insert(0, _FlaxSerializationHook())
+if "flax.serialization" not in sys.modules:
+    sys.meta_path.insert(0, _FlaxSerializationHook())
 
 
 nodes.register_node_type(Pytree)

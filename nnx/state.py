@@ -10,6 +10,7 @@ path for each entry is its path, so it goes through ``jax.jit``,
     params, rest = state.partition(nnx.Param, ...)
     state = params | rest
 """
+
 import typing as tp
 
 import jax.tree_util as jtu
@@ -21,142 +22,137 @@ Node = tp.Any
 
 
 class State(tp.Mapping[Path, Node], reprlib.Representable):
-  """An immutable flat mapping from path strings to nodes, keys sorted."""
+    """An immutable flat mapping from path strings to nodes, keys sorted."""
 
-  __slots__ = ('_mapping',)
-  _mapping: dict[Path, Node]
+    __slots__ = ("_mapping",)
+    _mapping: dict[Path, Node]
 
-  def __init__(
-      self,
-      mapping: tp.Union[tp.Mapping[Path, Node], tp.Iterable[tuple[Path, Node]]] = (),
-      /,
-  ):
-    items = mapping.items() if isinstance(mapping, tp.Mapping) else mapping
-    object.__setattr__(self, '_mapping', dict(sorted(items)))
+    def __init__(
+        self,
+        mapping: tp.Union[tp.Mapping[Path, Node], tp.Iterable[tuple[Path, Node]]] = (),
+        /,
+    ):
+        items = mapping.items() if isinstance(mapping, tp.Mapping) else mapping
+        object.__setattr__(self, "_mapping", dict(sorted(items)))
 
-  @classmethod
-  def _from_sorted(cls, mapping: dict[Path, Node]) -> 'State':
-    """Wraps a dict whose keys are already sorted (internal fast path)."""
-    state = object.__new__(cls)
-    object.__setattr__(state, '_mapping', mapping)
-    return state
+    @classmethod
+    def _from_sorted(cls, mapping: dict[Path, Node]) -> "State":
+        """Wraps a dict whose keys are already sorted (internal fast path)."""
+        state = object.__new__(cls)
+        object.__setattr__(state, "_mapping", mapping)
+        return state
 
-  def __getitem__(self, path: Path) -> Node:
-    return self._mapping[path]
+    def __getitem__(self, path: Path) -> Node:
+        return self._mapping[path]
 
-  def __iter__(self) -> tp.Iterator[Path]:
-    return iter(self._mapping)
+    def __iter__(self) -> tp.Iterator[Path]:
+        return iter(self._mapping)
 
-  def __len__(self) -> int:
-    return len(self._mapping)
+    def __len__(self) -> int:
+        return len(self._mapping)
 
-  def __contains__(self, path: object) -> bool:
-    return path in self._mapping
+    def __contains__(self, path: object) -> bool:
+        return path in self._mapping
 
-  def __setattr__(self, name: str, value: tp.Any) -> None:
-    raise AttributeError(
-        'State is immutable; build a new one with State.merge, | or -'
-    )
+    def __setattr__(self, name: str, value: tp.Any) -> None:
+        raise AttributeError("State is immutable; build a new one with State.merge, | or -")
 
-  def __reduce__(self):
-    return (State, (self._mapping,))
+    def __reduce__(self):
+        return (State, (self._mapping,))
 
-  def __nnx_repr__(self):
-    yield reprlib.Object(type(self), start='({', end='})', value_sep=': ')
-    for path, value in self._mapping.items():
-      yield reprlib.Attr(repr(path), value)
+    def __nnx_repr__(self):
+        yield reprlib.Object(type(self), start="({", end="})", value_sep=": ")
+        for path, value in self._mapping.items():
+            yield reprlib.Attr(repr(path), value)
 
-  @tp.overload
-  def partition(self, first: partitioning.Filter, /) -> 'State':
-    ...
+    @tp.overload
+    def partition(self, first: partitioning.Filter, /) -> "State": ...
 
-  @tp.overload
-  def partition(
-      self, first: partitioning.Filter, second: partitioning.Filter,
-      /, *filters: partitioning.Filter,
-  ) -> tuple['State', ...]:
-    ...
+    @tp.overload
+    def partition(
+        self,
+        first: partitioning.Filter,
+        second: partitioning.Filter,
+        /,
+        *filters: partitioning.Filter,
+    ) -> tuple["State", ...]: ...
 
-  def partition(self, *filters: partitioning.Filter):
-    """Splits the state by ``filters``; every entry must be matched.
+    def partition(self, *filters: partitioning.Filter):
+        """Splits the state by ``filters``; every entry must be matched.
 
-    Each entry goes to the first filter that matches it. Returns one
-    ``State`` for one filter, else a tuple in the order of ``filters``. Use
-    ``...`` as the last filter to catch everything else.
-    """
-    if not filters:
-      return self
-    states, remainder = _split(self._mapping, filters)
-    if remainder:
-      raise ValueError(
-          f'Non-exhaustive filters, got a non-empty remainder: '
-          f'{list(remainder)}.\nUse `...` as the last filter to match all '
-          'remaining elements.'
-      )
-    return states[0] if len(states) == 1 else states
+        Each entry goes to the first filter that matches it. Returns one
+        ``State`` for one filter, else a tuple in the order of ``filters``. Use
+        ``...`` as the last filter to catch everything else.
+        """
+        if not filters:
+            return self
+        states, remainder = _split(self._mapping, filters)
+        if remainder:
+            raise ValueError(
+                f"Non-exhaustive filters, got a non-empty remainder: "
+                f"{list(remainder)}.\nUse `...` as the last filter to match all "
+                "remaining elements."
+            )
+        return states[0] if len(states) == 1 else states
 
-  def filter(self, *filters: partitioning.Filter):
-    """Like :meth:`partition`, but entries no filter matches are dropped."""
-    if not filters:
-      raise TypeError('State.filter needs at least one filter')
-    states, _ = _split(self._mapping, filters)
-    return states[0] if len(states) == 1 else states
+    def filter(self, *filters: partitioning.Filter):
+        """Like :meth:`partition`, but entries no filter matches are dropped."""
+        if not filters:
+            raise TypeError("State.filter needs at least one filter")
+        states, _ = _split(self._mapping, filters)
+        return states[0] if len(states) == 1 else states
 
-  @staticmethod
-  def merge(state: 'State', /, *states: 'State') -> 'State':
-    """Combines states into one; on a shared path the later state wins."""
-    if not states:
-      return state
-    mapping = dict(state._mapping)
-    for other in states:
-      mapping.update(other._mapping)
-    return State(mapping)
+    @staticmethod
+    def merge(state: "State", /, *states: "State") -> "State":
+        """Combines states into one; on a shared path the later state wins."""
+        if not states:
+            return state
+        mapping = dict(state._mapping)
+        for other in states:
+            mapping.update(other._mapping)
+        return State(mapping)
 
-  def __or__(self, other: 'State') -> 'State':
-    if not other:
-      return self
-    return State.merge(self, other)
+    def __or__(self, other: "State") -> "State":
+        if not other:
+            return self
+        return State.merge(self, other)
 
-  def __sub__(self, other: 'State') -> 'State':
-    if not other:
-      return self
-    return State._from_sorted(
-        {k: v for k, v in self._mapping.items() if k not in other}
-    )
+    def __sub__(self, other: "State") -> "State":
+        if not other:
+            return self
+        return State._from_sorted({k: v for k, v in self._mapping.items() if k not in other})
 
 
 def _split(
     mapping: dict[Path, Node], filters: tp.Sequence[partitioning.Filter]
 ) -> tuple[tuple[State, ...], dict[Path, Node]]:
-  partitioning.check_ellipsis_last(filters)
-  predicates = [partitioning.to_predicate(f) for f in filters]
-  buckets: list[dict[Path, Node]] = [{} for _ in predicates]
-  remainder: dict[Path, Node] = {}
-  for path, value in mapping.items():
-    for predicate, bucket in zip(predicates, buckets):
-      if predicate(path, value):
-        bucket[path] = value
-        break
-    else:
-      remainder[path] = value
-  return tuple(map(State._from_sorted, buckets)), remainder
+    partitioning.check_ellipsis_last(filters)
+    predicates = [partitioning.to_predicate(f) for f in filters]
+    buckets: list[dict[Path, Node]] = [{} for _ in predicates]
+    remainder: dict[Path, Node] = {}
+    for path, value in mapping.items():
+        for predicate, bucket in zip(predicates, buckets):
+            if predicate(path, value):
+                bucket[path] = value
+                break
+        else:
+            remainder[path] = value
+    return tuple(map(State._from_sorted, buckets)), remainder
 
 
 def _state_flatten_with_keys(state: State):
-  mapping = state._mapping
-  return [(jtu.DictKey(path), value) for path, value in mapping.items()], tuple(mapping)
+    mapping = state._mapping
+    return [(jtu.DictKey(path), value) for path, value in mapping.items()], tuple(mapping)
 
 
 def _state_flatten(state: State):
-  mapping = state._mapping
-  return tuple(mapping.values()), tuple(mapping)
+    mapping = state._mapping
+    return tuple(mapping.values()), tuple(mapping)
 
 
 def _state_unflatten(paths: tuple[Path, ...], values) -> State:
-  return State._from_sorted(dict(zip(paths, values)))
+    return State._from_sorted(dict(zip(paths, values)))
 
 
-jtu.register_pytree_with_keys(
-    State, _state_flatten_with_keys, _state_unflatten, flatten_func=_state_flatten
-)
+jtu.register_pytree_with_keys(State, _state_flatten_with_keys, _state_unflatten, flatten_func=_state_flatten)
 nodes.register_node_type(State)

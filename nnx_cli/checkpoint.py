@@ -38,7 +38,9 @@ class Checkpointer:
             read_only=read_only,
         )
         self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={_ITEM: ocp.StandardCheckpointHandler()})
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers={_ITEM: ocp.StandardCheckpointHandler()}
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -48,7 +50,9 @@ class Checkpointer:
 
     def save(self, step: int, state: Any) -> None:
         """Save `state` at `step` (asynchronously if configured); the caller decides when."""
-        self.manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=True)
+        self.manager.save(
+            step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=True
+        )
 
     def restore(self, step: int, target: Any) -> Any:
         """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`.
@@ -59,7 +63,9 @@ class Checkpointer:
         abstract = to_named_tree(jax.tree.map(_as_abstract, target))
         self._check_matches(step, abstract)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract)}))[_ITEM]
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract)})
+            )[_ITEM]
         except Exception as e:
             raise self._unreadable(step, "restored", e) from None
         return from_named_tree(restored, target)
@@ -72,7 +78,10 @@ class Checkpointer:
 
     def _check_matches(self, step: int, abstract: dict[str, Any]) -> None:
         def layout(tree: Any) -> dict[str, tuple]:
-            return {"/".join(_names(path)): (tuple(x.shape), str(x.dtype)) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+            return {
+                "/".join(_names(path)): (tuple(x.shape), str(x.dtype))
+                for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            }
 
         saved, wanted = layout(self.metadata(step)), layout(abstract)
         if saved == wanted:
@@ -108,7 +117,9 @@ class Checkpointer:
         """The checkpoint at `step` as saved: nested dicts of numpy arrays, whatever devices wrote it."""
         here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), self.metadata(step))
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(target)}))[_ITEM]
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(target)}))[
+            _ITEM
+        ]
         return jax.tree.map(np.asarray, restored)
 
     def wait(self) -> None:

@@ -110,7 +110,9 @@ class _Loader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -134,7 +136,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from `path`; a missing, unreadable or malformed file is a UserError."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"config file {str(path)!r} does not exist" if not path.exists() else f"config path {str(path)!r} is not a file")
+        raise UserError(
+            f"config file {str(path)!r} does not exist"
+            if not path.exists()
+            else f"config path {str(path)!r} is not a file"
+        )
     try:
         raw = yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as e:
@@ -215,7 +221,10 @@ def _check_override_path(parts: list[str], item: str) -> None:
 def _unknown_key_hint(key: str, fields: Iterable[str], section: str) -> str:
     """The closest valid key of `section` ("" at the top level), or all of them when none is close."""
     fields = list(fields)
-    return did_you_mean(key, fields, section + "." if section else "") or f"; valid keys{' in ' + repr(section) if section else ''}: {', '.join(fields)}"
+    return (
+        did_you_mean(key, fields, section + "." if section else "")
+        or f"; valid keys{' in ' + repr(section) if section else ''}: {', '.join(fields)}"
+    )
 
 
 # --------------------------------------------------------------------------- validation
@@ -307,7 +316,11 @@ def check_type(value: Any, hint: Any, path: str) -> Any:
 
 def _culprit(value: Any, hint: Any, path: str) -> tuple[str, Any, Any]:
     """The deepest (path, value, hint) that does not match, for a precise message."""
-    options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    options = (
+        [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else [hint]
+    )
     for option in options:
         origin, args = typing.get_origin(option), typing.get_args(option)
         if origin is dict and isinstance(value, dict) and args:
@@ -372,7 +385,13 @@ def _allows_mapping(hint: Any) -> bool:
     return any(_allows_mapping(a) for a in typing.get_args(hint))
 
 
-_NAMES = {bool: ("a boolean", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"), Any: ("a value", "values")}
+_NAMES = {
+    bool: ("a boolean", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+    Any: ("a value", "values"),
+}
 
 
 def _describe(hint: Any, plural: bool = False) -> str:
@@ -427,7 +446,9 @@ def _check_values(cfg: Config) -> None:
         raise UserError(f"config key 'model.input_shape' must be a list of positive sizes, got {cfg.model.input_shape}")
     for axis, size in cfg.sharding.mesh.items():
         if size != -1 and size < 1:
-            raise UserError(f"config key 'sharding.mesh.{axis}' must be a positive size or -1 (all remaining devices), got {size}")
+            raise UserError(
+                f"config key 'sharding.mesh.{axis}' must be a positive size or -1 (all remaining devices), got {size}"
+            )
     if sum(1 for size in cfg.sharding.mesh.values() if size == -1) > 1:
         raise UserError("config key 'sharding.mesh': at most one axis may be -1")
     for i, rule in enumerate(cfg.sharding.rules):

@@ -104,7 +104,9 @@ def load_split(cfg: DataConfig, split: str, key: str = "data.train_split") -> Sp
     if cfg.source == DIGITS:
         split_data = _digits(split, key)
     elif cfg.source.startswith("sklearn:"):
-        raise UserError(f"config key 'data.source': unknown scikit-learn dataset {cfg.source!r}; only {DIGITS!r} is shipped")
+        raise UserError(
+            f"config key 'data.source': unknown scikit-learn dataset {cfg.source!r}; only {DIGITS!r} is shipped"
+        )
     else:
         split_data = _from_datasets(cfg, split, key)
     if cfg.binarize is not None:
@@ -242,12 +244,16 @@ def _decode_images(ds: Any, key: str) -> np.ndarray:
                 pixels.append(np.asarray(img))
         shapes = {p.shape for p in pixels}
         if len(shapes) > 1:
-            raise UserError(f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes ({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first")
+            raise UserError(
+                f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes ({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first"
+            )
         array = np.stack(pixels)
     else:
         array = np.asarray(ds.with_format("numpy")[key][:])
     if array.ndim < 2 or not np.issubdtype(array.dtype, np.number):
-        raise UserError(f"config key 'data.image_key': column {key!r} holds {array.dtype} values of shape {array.shape[1:]}, not images")
+        raise UserError(
+            f"config key 'data.image_key': column {key!r} holds {array.dtype} values of shape {array.shape[1:]}, not images"
+        )
     if array.ndim == 3:  # [N, H, W] greyscale
         array = array[..., None]
     if np.issubdtype(array.dtype, np.integer):  # 8-bit grey levels (16-bit for uint16 images)
@@ -267,7 +273,9 @@ class Batches:
 
     def __init__(self, split: Split, batch_size: int, seed: int):
         if batch_size > len(split):
-            raise UserError(f"config key 'train.batch_size' ({batch_size}) is larger than the training split ({len(split)} examples)")
+            raise UserError(
+                f"config key 'train.batch_size' ({batch_size}) is larger than the training split ({len(split)} examples)"
+            )
         self.arrays = split.arrays()
         self.size = len(split)
         self.batch_size = batch_size
@@ -299,7 +307,10 @@ def eval_batches(split: Split, batch_size: int, rows: slice = slice(None)) -> It
     for start in range(0, len(split), batch_size):
         stop = min(start + batch_size, len(split))
         pad = batch_size - (stop - start)
-        batch = {k: np.concatenate([v[start:stop], np.zeros((pad, *v.shape[1:]), v.dtype)]) if pad else v[start:stop] for k, v in arrays.items()}
+        batch = {
+            k: np.concatenate([v[start:stop], np.zeros((pad, *v.shape[1:]), v.dtype)]) if pad else v[start:stop]
+            for k, v in arrays.items()
+        }
         batch["mask"] = np.arange(batch_size) < stop - start
         yield {k: v[rows] for k, v in batch.items()}
 

@@ -24,8 +24,12 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @app.command()
 @report_errors
 def evaluate(
-    target: Path = typer.Argument(..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False),
-    overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.source=/data/mnist.", show_default=False),
+    target: Path = typer.Argument(
+        ..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False
+    ),
+    overrides: Optional[list[str]] = typer.Argument(
+        None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.source=/data/mnist.", show_default=False
+    ),
     step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
@@ -38,7 +42,9 @@ def evaluate(
     run = open_run(target, overrides or [], step)
     cfg = run.cfg
     if not cfg.data.eval_split:
-        raise UserError("config key 'data.eval_split' is null: there is no split to evaluate; pass data.eval_split=<split>")
+        raise UserError(
+            "config key 'data.eval_split' is null: there is no split to evaluate; pass data.eval_split=<split>"
+        )
     eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split")
 
     build = models.model_factory(cfg.model, data.spec_from_config(cfg) or eval_split.spec)
@@ -53,7 +59,11 @@ def evaluate(
     ckpt.close()
 
     layout = sharding.eval_batch_layout(mesh, rules, cfg.train)
-    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed), in_shardings=(state_shardings, layout.sharding, sharding.replicated(mesh)), out_shardings=sharding.replicated(mesh))
+    eval_step = jax.jit(
+        functools.partial(steps.eval_step, moduledef, cfg.seed),
+        in_shardings=(state_shardings, layout.sharding, sharding.replicated(mesh)),
+        out_shardings=sharding.replicated(mesh),
+    )
     batches = (layout.place(b) for b in data.eval_batches(eval_split, layout.size, layout.rows))
     metrics = steps.evaluate(eval_step, state, batches, len(eval_split))
 
@@ -62,7 +72,11 @@ def evaluate(
     else:
         from rich.console import Console
 
-        report.stderr_console().print(f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} examples", markup=False, highlight=False)
+        report.stderr_console().print(
+            f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} examples",
+            markup=False,
+            highlight=False,
+        )
         Console().print(report.metrics_table(f"eval at step {run.step}", metrics))
 
 

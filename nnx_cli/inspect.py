@@ -30,9 +30,15 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @app.command()
 @report_errors
 def inspect_state(
-    target: Path = typer.Argument(..., metavar="TARGET", help="Config YAML, or a work dir / checkpoint dir.", show_default=False),
-    overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. sharding.mesh.model=2.", show_default=False),
-    filter_type: Optional[str] = typer.Option(None, "--filter", help="Keep one Variable type, e.g. Param or BatchStat."),
+    target: Path = typer.Argument(
+        ..., metavar="TARGET", help="Config YAML, or a work dir / checkpoint dir.", show_default=False
+    ),
+    overrides: Optional[list[str]] = typer.Argument(
+        None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. sharding.mesh.model=2.", show_default=False
+    ),
+    filter_type: Optional[str] = typer.Option(
+        None, "--filter", help="Keep one Variable type, e.g. Param or BatchStat."
+    ),
     depth: Optional[int] = typer.Option(None, min=1, help="Group paths to this many levels."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
@@ -52,7 +58,9 @@ def inspect_state(
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
         if filter_type not in types:
-            raise UserError(f"--filter {filter_type!r}: the model has no {filter_type!r} entries{did_you_mean(filter_type, types)}; types: {', '.join(types)}")
+            raise UserError(
+                f"--filter {filter_type!r}: the model has no {filter_type!r} entries{did_you_mean(filter_type, types)}; types: {', '.join(types)}"
+            )
         entries = [e for e in entries if e["type"] == filter_type]
     summary = summarize(entries)
     if as_json:
@@ -117,13 +125,24 @@ def _axis(axis: Any) -> Any:
     return list(axis) if isinstance(axis, tuple) else axis
 
 
-def _print_tables(title: str, model: str, entries: list[dict[str, Any]], summary: dict[str, Any], depth: int | None) -> None:
+def _print_tables(
+    title: str, model: str, entries: list[dict[str, Any]], summary: dict[str, Any], depth: int | None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console() if Console().is_terminal else Console(width=200)
     table = Table(title=f"{title}: model {model!r}", title_justify="left")
-    for column, justify in [("path", "left"), ("type", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"), ("bytes", "right"), ("sharding", "left"), ("mesh", "left")]:
+    for column, justify in [
+        ("path", "left"),
+        ("type", "left"),
+        ("shape", "left"),
+        ("dtype", "left"),
+        ("size", "right"),
+        ("bytes", "right"),
+        ("sharding", "left"),
+        ("mesh", "left"),
+    ]:
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     shown: set[str] = set()
     for e in entries:
@@ -136,12 +155,34 @@ def _print_tables(title: str, model: str, entries: list[dict[str, Any]], summary
             shown.add(group)  # a subtree header row with its totals
             members = [m for m in entries if m["path"].startswith(group + "/")]
             types = ", ".join(sorted({m["type"] for m in members}))
-            table.add_row("  " * (level - 1) + parts[level - 1] + "/", types, "", "", f"{sum(m['size'] for m in members):,}", _bytes(sum(m["bytes"] for m in members)), "", "")
+            table.add_row(
+                "  " * (level - 1) + parts[level - 1] + "/",
+                types,
+                "",
+                "",
+                f"{sum(m['size'] for m in members):,}",
+                _bytes(sum(m["bytes"] for m in members)),
+                "",
+                "",
+            )
         if levels < len(parts):
             continue
         sharding = "(" + ", ".join(str(a) for a in e["sharding"]) + ")" if e["sharding"] else "-"
-        mesh = "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in e["mesh_axes"]) + ")" if e["mesh_axes"] is not None else "P()"
-        table.add_row("  " * (len(parts) - 1) + parts[-1], e["type"], str(tuple(e["shape"])), e["dtype"], f"{e['size']:,}", _bytes(e["bytes"]), sharding, mesh)
+        mesh = (
+            "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in e["mesh_axes"]) + ")"
+            if e["mesh_axes"] is not None
+            else "P()"
+        )
+        table.add_row(
+            "  " * (len(parts) - 1) + parts[-1],
+            e["type"],
+            str(tuple(e["shape"])),
+            e["dtype"],
+            f"{e['size']:,}",
+            _bytes(e["bytes"]),
+            sharding,
+            mesh,
+        )
     console.print(table)
     totals = Table(title="totals", title_justify="left")
     for column in ("type", "entries", "size", "bytes"):

@@ -57,7 +57,9 @@ def _hidden_axes(count: int) -> list[str]:
 
 def _mlp(sizes: Sequence[int], axes: Sequence[str], ctx: nnx.Context) -> nnx.Sequence:
     """Linear layers `sizes[0] -> sizes[1] -> ...`; layer i has axes `(axes[i], axes[i + 1])`."""
-    return nnx.Sequence([_linear(a, b, (axes[i], axes[i + 1]), ctx) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))])
+    return nnx.Sequence(
+        [_linear(a, b, (axes[i], axes[i + 1]), ctx) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    )
 
 
 class VAE(nnx.Module):
@@ -70,7 +72,15 @@ class VAE(nnx.Module):
 
     loss_metric = "nelbo"
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int | None = None, *, hidden_sizes: Sequence[int] = (512,), latent_size: int = 32, ctx: nnx.Context):
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int | None = None,
+        *,
+        hidden_sizes: Sequence[int] = (512,),
+        latent_size: int = 32,
+        ctx: nnx.Context,
+    ):
         self.input_shape = tuple(input_shape)
         self.latent_size = latent_size
         pixels = math.prod(input_shape)
@@ -80,7 +90,9 @@ class VAE(nnx.Module):
         self.encoder = _mlp(sizes, axes, ctx)
         self.mean = _linear(sizes[-1], latent_size, (axes[-1], "latent"), ctx)
         self.logvar = _linear(sizes[-1], latent_size, (axes[-1], "latent"), ctx)
-        self.decoder = _mlp([latent_size, *reversed(hidden), pixels], ["latent", *_hidden_axes(len(hidden)), "embed"], ctx)
+        self.decoder = _mlp(
+            [latent_size, *reversed(hidden), pixels], ["latent", *_hidden_axes(len(hidden)), "embed"], ctx
+        )
 
     def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         h = x.reshape(x.shape[0], -1)
@@ -151,7 +163,15 @@ def _require_classes(num_classes: int | None, name: str) -> int:
 class MLPClassifier(_Classifier):
     """Flatten, `Linear -> relu -> Dropout` per hidden size, then a linear readout."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int | None = None, *, hidden_sizes: Sequence[int] = (256,), dropout: float = 0.1, ctx: nnx.Context):
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int | None = None,
+        *,
+        hidden_sizes: Sequence[int] = (256,),
+        dropout: float = 0.1,
+        ctx: nnx.Context,
+    ):
         classes = _require_classes(num_classes, "mlp_classifier")
         hidden = _sizes("hidden_sizes", hidden_sizes)
         _rate("dropout", dropout)
@@ -170,10 +190,21 @@ class MLPClassifier(_Classifier):
 class CNNClassifier(_Classifier):
     """`Conv 3x3 -> BatchNorm -> relu -> 2x2 average pool` per feature size, then Dropout and an MLP head."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int | None = None, *, features: Sequence[int] = (32, 64), hidden_size: int = 128, dropout: float = 0.3, ctx: nnx.Context):
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int | None = None,
+        *,
+        features: Sequence[int] = (32, 64),
+        hidden_size: int = 128,
+        dropout: float = 0.3,
+        ctx: nnx.Context,
+    ):
         classes = _require_classes(num_classes, "cnn_classifier")
         if len(input_shape) != 3:
-            raise UserError(f"model 'cnn_classifier' needs images [height, width, channels], got input shape {list(input_shape)}")
+            raise UserError(
+                f"model 'cnn_classifier' needs images [height, width, channels], got input shape {list(input_shape)}"
+            )
         height, width, channels = input_shape
         _sizes("hidden_size", [hidden_size])
         _rate("dropout", dropout)
@@ -184,7 +215,9 @@ class CNNClassifier(_Classifier):
                     channels,
                     f,
                     (3, 3),
-                    kernel_init=nnx.with_logical_partitioning(nnx.initializers.lecun_normal(), ("conv_height", "conv_width", "channels", "hidden")),
+                    kernel_init=nnx.with_logical_partitioning(
+                        nnx.initializers.lecun_normal(), ("conv_height", "conv_width", "channels", "hidden")
+                    ),
                     bias_init=nnx.with_logical_partitioning(nnx.initializers.zeros(), ("hidden",)),
                     ctx=ctx,
                 )
@@ -199,7 +232,9 @@ class CNNClassifier(_Classifier):
             )
             channels, height, width = f, height // 2, width // 2
         if height < 1 or width < 1:
-            raise UserError(f"model 'cnn_classifier': {len(features)} pooling stages shrink a {input_shape[0]}x{input_shape[1]} image to nothing; use fewer model.features")
+            raise UserError(
+                f"model 'cnn_classifier': {len(features)} pooling stages shrink a {input_shape[0]}x{input_shape[1]} image to nothing; use fewer model.features"
+            )
         self.convs = nnx.Sequence(convs)
         self.norms = nnx.Sequence(norms)
         self.dropout = nnx.Dropout(dropout)
@@ -228,11 +263,18 @@ def model_class(name: str) -> type:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise UserError(f"config key 'model.name': cannot import module {module_name!r} for {name!r}: {e}") from None
+            raise UserError(
+                f"config key 'model.name': cannot import module {module_name!r} for {name!r}: {e}"
+            ) from None
         cls = getattr(module, attr, None)
         if cls is None:
             raise UserError(f"config key 'model.name': module {module_name!r} has no attribute {attr!r}")
-        if not (isinstance(cls, type) and issubclass(cls, nnx.Module) and hasattr(cls, "metrics") and hasattr(cls, "loss_metric")):
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, nnx.Module)
+            and hasattr(cls, "metrics")
+            and hasattr(cls, "loss_metric")
+        ):
             raise UserError(f"config key 'model.name': {name!r} is not an nnx.Module with `metrics` and `loss_metric`")
         return cls
     raise UserError(
@@ -244,7 +286,11 @@ def model_class(name: str) -> type:
 def resolve_options(cfg: ModelConfig) -> dict[str, Any]:
     """The constructor keywords: `cfg.options` checked against the signature, defaults filled in."""
     cls = model_class(cfg.name)
-    params = {n: p for n, p in _pyinspect.signature(cls.__init__).parameters.items() if n not in _NOT_OPTIONS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    params = {
+        n: p
+        for n, p in _pyinspect.signature(cls.__init__).parameters.items()
+        if n not in _NOT_OPTIONS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
     for key in cfg.options:
         if key not in params:
             known = [*params, "name", "input_shape", "num_classes"]
@@ -285,9 +331,13 @@ def model_factory(cfg: ModelConfig, spec: DataSpec) -> Callable[[nnx.Context], n
 def check_data(cfg: ModelConfig, cls: type, spec: DataSpec, has_labels: bool, label_key: str | None) -> None:
     """The loaded data fits the model: the configured input shape, labels for a classifier."""
     if cfg.input_shape is not None and tuple(cfg.input_shape) != tuple(spec.input_shape):
-        raise UserError(f"config key 'model.input_shape' {list(cfg.input_shape)} does not match the data's inputs {list(spec.input_shape)}; set it to null to take the data's")
+        raise UserError(
+            f"config key 'model.input_shape' {list(cfg.input_shape)} does not match the data's inputs {list(spec.input_shape)}; set it to null to take the data's"
+        )
     if getattr(cls, "needs_labels", False) and not has_labels:
-        raise UserError(f"model {cfg.name!r} needs labels, but the dataset has no column {label_key!r}; set data.label_key to its label column")
+        raise UserError(
+            f"model {cfg.name!r} needs labels, but the dataset has no column {label_key!r}; set data.label_key to its label column"
+        )
 
 
 def _type_hints(fn: Callable) -> dict[str, Any]:

@@ -40,7 +40,11 @@ def optimizer_names() -> list[str]:
 
 def schedule_names() -> list[str]:
     """Optax schedules, without their `_schedule` suffix."""
-    return sorted(n.removesuffix("_schedule") for n in dir(optax) if n.endswith("_schedule") and not n.startswith("scale_by") and callable(getattr(optax, n)))
+    return sorted(
+        n.removesuffix("_schedule")
+        for n in dir(optax)
+        if n.endswith("_schedule") and not n.startswith("scale_by") and callable(getattr(optax, n))
+    )
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.GradientTransformation:
@@ -55,10 +59,19 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.Grad
     """
     names = optimizer_names()
     if cfg.name not in names:
-        raise UserError(f"config key 'optimizer.name': unknown optax optimizer {cfg.name!r}{did_you_mean(cfg.name, names)}")
+        raise UserError(
+            f"config key 'optimizer.name': unknown optax optimizer {cfg.name!r}{did_you_mean(cfg.name, names)}"
+        )
     fn = getattr(optax, cfg.name)
     learning_rate = build_schedule(cfg.learning_rate, total_steps)
-    kwargs = _check_kwargs(fn, dict(cfg.options), "optimizer.", f"optax.{cfg.name}", exclude={"learning_rate"}, fixed=("name", "learning_rate", "clip_grad_norm"))
+    kwargs = _check_kwargs(
+        fn,
+        dict(cfg.options),
+        "optimizer.",
+        f"optax.{cfg.name}",
+        exclude={"learning_rate"},
+        fixed=("name", "learning_rate", "clip_grad_norm"),
+    )
     try:
         tx = fn(learning_rate=learning_rate, **kwargs)
     except (TypeError, ValueError) as e:
@@ -90,7 +103,11 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
             f"config key 'optimizer.learning_rate.name': unknown optax schedule {name!r}{did_you_mean(name, schedule_names())}"
         )
     params = _signature(fn).parameters
-    filled = "decay_steps" in params and "decay_steps" not in spec and params["decay_steps"].default is _pyinspect.Parameter.empty
+    filled = (
+        "decay_steps" in params
+        and "decay_steps" not in spec
+        and params["decay_steps"].default is _pyinspect.Parameter.empty
+    )
     if filled:
         spec["decay_steps"] = total_steps
     kwargs = _check_kwargs(fn, spec, "optimizer.learning_rate.", f"optax.{fn.__name__}", fixed=("name",))
@@ -100,14 +117,24 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
         return fn(**kwargs)
     except (TypeError, ValueError) as e:
         note = f" (decay_steps is the run length, {total_steps} steps, when the config leaves it out)" if filled else ""
-        raise UserError(f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}") from None
+        raise UserError(
+            f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}"
+        ) from None
 
 
-def _check_kwargs(fn: Callable, kwargs: dict[str, Any], prefix: str, what: str, exclude: set[str] = set(), fixed: tuple[str, ...] = ()) -> dict[str, Any]:
-    params = {n: p for n, p in _signature(fn).parameters.items() if n not in exclude and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+def _check_kwargs(
+    fn: Callable, kwargs: dict[str, Any], prefix: str, what: str, exclude: set[str] = set(), fixed: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    params = {
+        n: p
+        for n, p in _signature(fn).parameters.items()
+        if n not in exclude and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
     for key in kwargs:
         if key not in params:
-            raise UserError(f"unknown config key {prefix + key!r} for {what}{did_you_mean(key, [*params, *fixed], prefix)}")
+            raise UserError(
+                f"unknown config key {prefix + key!r} for {what}{did_you_mean(key, [*params, *fixed], prefix)}"
+            )
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
     if missing:
         raise UserError(f"config key {prefix + missing[0]!r} is required by {what}")

@@ -97,9 +97,18 @@ class Progress:
         rate = (step - self._last_step) / max(now - self._last_time, 1e-9)
         self._last_step, self._last_time = step, now
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{self.loss_name} {metrics.get(self.loss_name, float('nan')):.4g}", rate=f"{rate:.1f} steps/s")
+            self._bar.update(
+                self._task,
+                completed=step,
+                loss=f"{self.loss_name} {metrics.get(self.loss_name, float('nan')):.4g}",
+                rate=f"{rate:.1f} steps/s",
+            )
         else:
-            self.console.print(f"step {step}/{self.total} {format_metrics(metrics)} ({rate:.1f} steps/s)", highlight=False, soft_wrap=True)
+            self.console.print(
+                f"step {step}/{self.total} {format_metrics(metrics)} ({rate:.1f} steps/s)",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def tick(self, step: int) -> None:
         """Called every step: moves the live bar (no device sync; at most 10 redraws/s)."""

@@ -64,13 +64,19 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
     does not is a UserError naming the entry and its logical axis.
     """
     # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf.
-    logical = jax.tree.map(lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), nnx.get_partition_spec(abstract), abstract)
+    logical = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), nnx.get_partition_spec(abstract), abstract
+    )
     shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)
     entries = [
         (jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"), leaf, names, sharding)
-        for (path, leaf), names, sharding in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(logical), jax.tree.leaves(shardings))
+        for (path, leaf), names, sharding in zip(
+            jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(logical), jax.tree.leaves(shardings)
+        )
     ]
-    for entry, leaf, names, sharding in sorted(entries, key=lambda e: not e[0].startswith("params/")):  # name a parameter first
+    for entry, leaf, names, sharding in sorted(
+        entries, key=lambda e: not e[0].startswith("params/")
+    ):  # name a parameter first
         for size, name, axes in zip(leaf.shape, names, sharding.spec):
             if size % _ways(mesh, axes):
                 raise UserError(
@@ -115,15 +121,22 @@ class BatchLayout:
         """Put this process's rows of a batch (`batch[k]` has `rows` rows) on its devices, as global arrays."""
         if jax.process_count() == 1:
             return jax.device_put(batch, self.sharding)
-        return {k: jax.make_array_from_process_local_data(self.sharding, v, (self.size, *v.shape[1:])) for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.sharding, v, (self.size, *v.shape[1:]))
+            for k, v in batch.items()
+        }
 
 
-def batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size") -> BatchLayout:
+def batch_layout(
+    mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size"
+) -> BatchLayout:
     """The layout of batches of `batch_size` rows (config key `key`): split along the mesh axes of the logical `batch` axis."""
     spec = PartitionSpec(*nnx.spmd.logical_to_mesh_axes(("batch",), rules))
     ways = _ways(mesh, spec[0])
     if batch_size % ways:
-        raise UserError(f"config key {key!r} ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh {dict(mesh.shape)}")
+        raise UserError(
+            f"config key {key!r} ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh {dict(mesh.shape)}"
+        )
     sharding = NamedSharding(mesh, spec)
     return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))
 
@@ -137,7 +150,9 @@ def eval_batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], train: TrainConf
 
 def _process_rows(sharding: NamedSharding, batch_size: int) -> slice:
     """The rows of a global batch that this process's devices hold (all rows in a single-process run)."""
-    spans = sorted({s[0].indices(batch_size)[:2] for s in sharding.addressable_devices_indices_map((batch_size,)).values()})
+    spans = sorted(
+        {s[0].indices(batch_size)[:2] for s in sharding.addressable_devices_indices_map((batch_size,)).values()}
+    )
     start, stop = spans[0][0], spans[0][1]
     for a, b in spans[1:]:
         if a != stop:

@@ -26,7 +26,9 @@ TrainState = dict[str, Any]
 _TRAIN, _EVAL, _IMAGES = 0, 1, 2
 
 
-def init_state(build: Callable[[nnx.Context], nnx.Module], tx: optax.GradientTransformation, seed: int) -> tuple[nnx.ModuleDef, TrainState]:
+def init_state(
+    build: Callable[[nnx.Context], nnx.Module], tx: optax.GradientTransformation, seed: int
+) -> tuple[nnx.ModuleDef, TrainState]:
     """Build the model and optimizer state. Run it under `jax.eval_shape` for shapes only."""
     model = build(nnx.context(seed))
     (params, rest), moduledef = model.partition(nnx.Param, ...)
@@ -36,15 +38,29 @@ def init_state(build: Callable[[nnx.Context], nnx.Module], tx: optax.GradientTra
 def _context(seed: int, stream: int, index: jax.Array, training: bool) -> nnx.Context:
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), index)
     sample, dropout = jax.random.split(key)
-    return nnx.context(sample=sample, dropout=dropout, flags={"deterministic": not training, "use_running_average": not training})
+    return nnx.context(
+        sample=sample, dropout=dropout, flags={"deterministic": not training, "use_running_average": not training}
+    )
 
 
 def empty_sums(metric_names: list[str]) -> dict[str, Any]:
     """The train-metric accumulator between two log lines."""
-    return {"metrics": {k: jnp.zeros((), jnp.float32) for k in metric_names}, "count": jnp.zeros((), jnp.int32), "bad_step": jnp.full((), -1, jnp.int32)}
+    return {
+        "metrics": {k: jnp.zeros((), jnp.float32) for k in metric_names},
+        "count": jnp.zeros((), jnp.int32),
+        "bad_step": jnp.full((), -1, jnp.int32),
+    }
 
 
-def train_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, loss_metric: str, seed: int, state: TrainState, sums: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any], jax.Array]:
+def train_step(
+    moduledef: nnx.ModuleDef,
+    tx: optax.GradientTransformation,
+    loss_metric: str,
+    seed: int,
+    state: TrainState,
+    sums: dict[str, Any],
+    batch: dict[str, jax.Array],
+) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
 
     `sums["bad_step"]` records the first step whose loss was not finite. The
@@ -79,7 +95,13 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def check_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, model_name: str, abstract: TrainState, batch: dict[str, Any]) -> list[str]:
+def check_step(
+    moduledef: nnx.ModuleDef,
+    tx: optax.GradientTransformation,
+    model_name: str,
+    abstract: TrainState,
+    batch: dict[str, Any],
+) -> list[str]:
     """Trace the model's metrics and the optimizer update on shapes alone; return the metric names.
 
     Nothing is computed or allocated. A model that cannot run on the data's
@@ -89,20 +111,28 @@ def check_step(moduledef: nnx.ModuleDef, tx: optax.GradientTransformation, model
     """
     ctx = lambda: _context(0, _EVAL, jnp.zeros((), jnp.int32), training=False)  # noqa: E731
     try:
-        metrics = jax.eval_shape(lambda s, b: moduledef.apply(s["params"], s["rest"]).metrics(b, ctx())[0], abstract, batch)
+        metrics = jax.eval_shape(
+            lambda s, b: moduledef.apply(s["params"], s["rest"]).metrics(b, ctx())[0], abstract, batch
+        )
     except UserError:
         raise
     except Exception as e:
         shapes = {k: list(v.shape) for k, v in batch.items()}
-        raise UserError(f"model {model_name!r} cannot run on batches of {shapes}: {type(e).__name__}: {first_line(e)}") from None
+        raise UserError(
+            f"model {model_name!r} cannot run on batches of {shapes}: {type(e).__name__}: {first_line(e)}"
+        ) from None
     try:
         jax.eval_shape(lambda s: tx.update(s["params"], s["opt_state"], s["params"]), abstract)
     except Exception as e:
-        raise UserError(f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: {first_line(e)}") from None
+        raise UserError(
+            f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: {first_line(e)}"
+        ) from None
     return list(metrics)
 
 
-def eval_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:
+def eval_step(
+    moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array], index: jax.Array
+) -> dict[str, jax.Array]:
     """Sums of the per-example metrics over the rows `batch["mask"]` marks as real."""
     ctx = _context(seed, _EVAL, index, training=False)
     metrics, _ = moduledef.apply(state["params"], state["rest"]).metrics(batch, ctx)
@@ -116,7 +146,12 @@ def images_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: d
     return images
 
 
-def evaluate(run_eval: Callable[[TrainState, dict[str, jax.Array], jax.Array], dict[str, jax.Array]], state: TrainState, batches: Any, count: int) -> dict[str, float]:
+def evaluate(
+    run_eval: Callable[[TrainState, dict[str, jax.Array], jax.Array], dict[str, jax.Array]],
+    state: TrainState,
+    batches: Any,
+    count: int,
+) -> dict[str, float]:
     """Average the jitted `eval_step` sums over all eval batches: per-example means."""
     totals: dict[str, jax.Array] | None = None
     for i, batch in enumerate(batches):

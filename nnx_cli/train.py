@@ -33,18 +33,39 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @report_errors
 def train(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file.", show_default=False),
-    overrides: Optional[list[str]] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.", show_default=False),
-    workdir: Optional[Path] = typer.Option(None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."),
-    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints, metrics and images first."),
-    coordinator: Optional[str] = typer.Option(None, envvar="JAX_COORDINATOR_ADDRESS", help="Multi-process: HOST:PORT where process 0 runs the jax.distributed coordinator."),
-    num_processes: Optional[int] = typer.Option(None, envvar="JAX_NUM_PROCESSES", help="Multi-process: number of processes."),
-    process_id: Optional[int] = typer.Option(None, envvar="JAX_PROCESS_ID", help="Multi-process: this process's index, 0 to N-1."),
+    overrides: Optional[list[str]] = typer.Argument(
+        None,
+        metavar="[KEY=VALUE]...",
+        help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.",
+        show_default=False,
+    ),
+    workdir: Optional[Path] = typer.Option(
+        None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."
+    ),
+    resume: bool = typer.Option(
+        True,
+        "--resume/--no-resume",
+        help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints, metrics and images first.",
+    ),
+    coordinator: Optional[str] = typer.Option(
+        None,
+        envvar="JAX_COORDINATOR_ADDRESS",
+        help="Multi-process: HOST:PORT where process 0 runs the jax.distributed coordinator.",
+    ),
+    num_processes: Optional[int] = typer.Option(
+        None, envvar="JAX_NUM_PROCESSES", help="Multi-process: number of processes."
+    ),
+    process_id: Optional[int] = typer.Option(
+        None, envvar="JAX_PROCESS_ID", help="Multi-process: this process's index, 0 to N-1."
+    ),
 ) -> None:
     """Train the model a config describes, writing checkpoints and metrics to the work dir."""
     with _Signals() as signals:
         cfg = load_config(config, overrides or [])
         workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
-        raise SystemExit(run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals))
+        raise SystemExit(
+            run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals)
+        )
 
 
 def main() -> None:
@@ -104,7 +125,14 @@ def _exit_now(signum: int) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
-def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple = (None, None, None), signals: _Signals | None = None) -> int:
+def run(
+    cfg: Config,
+    workdir: Path,
+    *,
+    resume: bool = True,
+    distributed: tuple = (None, None, None),
+    signals: _Signals | None = None,
+) -> int:
     """Train; return the exit status (0, or 130 when interrupted). Raises UserError / RunError.
 
     Everything the config can get wrong is found before the work dir is
@@ -189,9 +217,15 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
         out_shardings=(state_shardings, scalar, scalar),
         donate_argnums=(0, 1),
     )
-    eval_step = jax.jit(functools.partial(steps.eval_step, moduledef, cfg.seed), in_shardings=(state_shardings, eval_layout.sharding, scalar), out_shardings=scalar)
+    eval_step = jax.jit(
+        functools.partial(steps.eval_step, moduledef, cfg.seed),
+        in_shardings=(state_shardings, eval_layout.sharding, scalar),
+        out_shardings=scalar,
+    )
     has_images = hasattr(model_cls, "images") and len(train_split.spec.input_shape) == 3
-    images_step = jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed), out_shardings=scalar) if has_images else None
+    images_step = (
+        jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed), out_shardings=scalar) if has_images else None
+    )
 
     log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
     progress = report.Progress(console, start, total_steps, loss_metric)
@@ -225,7 +259,9 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
             return
         ckpt.wait()
         last = ckpt.latest_step()
-        kept = f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
+        kept = (
+            f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
+        )
         raise RunError(f"{what} (training stopped at step {step}); {kept}")
 
     # 7. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
@@ -235,14 +271,18 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
     signals.in_loop = True
     try:
         with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-            feed = data.prefetch(lambda s: train_layout.place(batches.get(s, train_layout.rows)), range(start, total_steps))
+            feed = data.prefetch(
+                lambda s: train_layout.place(batches.get(s, train_layout.rows)), range(start, total_steps)
+            )
             in_flight: collections.deque = collections.deque()
             for batch in feed:
                 state, sums, loss = train_step(state, sums, batch)
                 step += 1
                 progress.tick(step)
                 in_flight.append(loss)
-                if len(in_flight) > _MAX_IN_FLIGHT:  # bound async dispatch: keeps collectives on few CPU cores from starving
+                if (
+                    len(in_flight) > _MAX_IN_FLIGHT
+                ):  # bound async dispatch: keeps collectives on few CPU cores from starving
                     in_flight.popleft().block_until_ready()
                 if step % cfg.train.log_every == 0 or step == total_steps:
                     host = jax.device_get(sums)
@@ -275,7 +315,10 @@ def run(cfg: Config, workdir: Path, *, resume: bool = True, distributed: tuple =
         if lock is not None:
             lock.close()
     if stopped is not None:
-        console.print(f"interrupted by {signal.Signals(stopped).name}: checkpoint written at {ckpt_dir / str(step)}", highlight=False)
+        console.print(
+            f"interrupted by {signal.Signals(stopped).name}: checkpoint written at {ckpt_dir / str(step)}",
+            highlight=False,
+        )
         return EXIT_INTERRUPTED
     console.print(f"done: {step} steps, checkpoint {ckpt_dir / str(step)}", highlight=False)
     return 0
@@ -296,11 +339,15 @@ def _init_distributed(coordinator: str | None, num_processes: int | None, proces
             jax.distributed.initialize()
         return
     if coordinator is not None and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
-        raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)")
+        raise UserError(
+            f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)"
+        )
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
-        raise UserError(f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N ({num_processes})")
+        raise UserError(
+            f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N ({num_processes})"
+        )
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     except ValueError as e:  # JAX found no cluster manager to fill in what is missing

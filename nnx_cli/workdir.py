@@ -53,7 +53,9 @@ def lock_workdir(workdir: Path) -> IO:
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise UserError(f"work dir {str(workdir)!r} is in use by another nnx-train (pid {holder}); wait for it to finish or pass another --workdir") from None
+        raise UserError(
+            f"work dir {str(workdir)!r} is in use by another nnx-train (pid {holder}); wait for it to finish or pass another --workdir"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -84,19 +86,27 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         checkpoints = path / "checkpoints"
     elif path.name.isdigit() and (path / "state").is_dir():
         if step is not None and step != int(path.name):
-            raise UserError(f"--step {step} contradicts the step dir {str(path)!r}; pass the work dir with --step, or the step dir alone")
+            raise UserError(
+                f"--step {step} contradicts the step dir {str(path)!r}; pass the work dir with --step, or the step dir alone"
+            )
         checkpoints, step = path.parent, int(path.name)
     else:
         checkpoints = path
     steps = Checkpointer(checkpoints, read_only=True).all_steps() if checkpoints.is_dir() else []
     if not steps:
-        raise UserError(f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has checkpoints/")
+        raise UserError(
+            f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has checkpoints/"
+        )
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise UserError(f"--step {step}: no such checkpoint in {str(checkpoints)!r}; available steps: {', '.join(map(str, steps))}")
+        raise UserError(
+            f"--step {step}: no such checkpoint in {str(checkpoints)!r}; available steps: {', '.join(map(str, steps))}"
+        )
     workdir = checkpoints.parent
     config = workdir / "config.yaml"
     if not config.is_file():
-        raise UserError(f"{str(config)!r} is missing: nnx-eval and nnx-inspect rebuild the model from the config nnx-train saved there")
+        raise UserError(
+            f"{str(config)!r} is missing: nnx-eval and nnx-inspect rebuild the model from the config nnx-train saved there"
+        )
     return Run(workdir, checkpoints, step, load_config(config, overrides))

@@ -42,12 +42,28 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
     return out
 
 
-def cli(name: str, *args: str, cwd: Path, timeout: float = 120, devices: int | None = None, extra_env: dict[str, str] = {}) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd, devices, **extra_env), capture_output=True, text=True, timeout=timeout)
+def cli(
+    name: str, *args: str, cwd: Path, timeout: float = 120, devices: int | None = None, extra_env: dict[str, str] = {}
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / name), *map(str, args)],
+        cwd=cwd,
+        env=env(cwd, devices, **extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start(name: str, *args: str, cwd: Path, devices: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / name), *map(str, args)], cwd=cwd, env=env(cwd, devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(BIN / name), *map(str, args)],
+        cwd=cwd,
+        env=env(cwd, devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def free_port() -> int:

@@ -15,7 +15,12 @@ def train_state(seed: int = 0):
     model = nnx.Linear(3, 4, ctx=nnx.context(seed))
     (params, rest), _ = model.partition(nnx.Param, ...)
     params = jax.tree.map(lambda x: x + seed, params)
-    return {"step": jnp.asarray(seed, jnp.int32), "params": params, "opt_state": optax.adam(1e-3).init(params), "rest": rest}
+    return {
+        "step": jnp.asarray(seed, jnp.int32),
+        "params": params,
+        "opt_state": optax.adam(1e-3).init(params),
+        "rest": rest,
+    }
 
 
 def assert_trees_equal(a, b):

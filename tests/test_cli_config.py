@@ -29,7 +29,10 @@ def test_file_values_override_defaults_and_keep_the_rest(tmp_path):
 
 
 def test_overrides_are_dotted_paths_with_yaml_values(tmp_path):
-    cfg = load_config(write(tmp_path, "train: {steps: 10}"), ["train.steps=200", "optimizer.learning_rate=3e-4", "model.hidden_sizes=[64, 32]", "data.binarize=null"])
+    cfg = load_config(
+        write(tmp_path, "train: {steps: 10}"),
+        ["train.steps=200", "optimizer.learning_rate=3e-4", "model.hidden_sizes=[64, 32]", "data.binarize=null"],
+    )
     assert cfg.train.steps == 200
     assert cfg.optimizer.learning_rate == pytest.approx(3e-4)
     assert cfg.model.options["hidden_sizes"] == [64, 32]
@@ -47,12 +50,17 @@ def test_exponent_without_dot_parses_as_float():
 
 
 def test_unknown_key_in_file_names_path_and_suggests_closest(tmp_path):
-    with pytest.raises(UserError, match=r"unknown config key 'train\.bacth_size' \(did you mean 'train\.batch_size'\?\)"):
+    with pytest.raises(
+        UserError, match=r"unknown config key 'train\.bacth_size' \(did you mean 'train\.batch_size'\?\)"
+    ):
         load_config(write(tmp_path, "train:\n  bacth_size: 3\n"))
 
 
 def test_unknown_override_key_suggests_closest():
-    with pytest.raises(UserError, match=r"override 'train\.setps=3': unknown config key 'train\.setps' \(did you mean 'train\.steps'\?\)"):
+    with pytest.raises(
+        UserError,
+        match=r"override 'train\.setps=3': unknown config key 'train\.setps' \(did you mean 'train\.steps'\?\)",
+    ):
         load_config(None, ["train.setps=3"])
 
 
@@ -134,7 +142,14 @@ def test_model_and_optimizer_sections_keep_extra_keys_as_options():
 
 
 def test_resolved_config_round_trips():
-    cfg = load_config(None, ["model.latent_size=8", "checkpoint.async=false", "optimizer.learning_rate={name: cosine_decay, init_value: 0.1}"])
+    cfg = load_config(
+        None,
+        [
+            "model.latent_size=8",
+            "checkpoint.async=false",
+            "optimizer.learning_rate={name: cosine_decay, init_value: 0.1}",
+        ],
+    )
     assert to_dict(from_dict(to_dict(cfg))) == to_dict(cfg)
     assert to_dict(cfg)["checkpoint"]["async"] is False
 

@@ -78,7 +78,9 @@ def test_images_of_different_shapes_are_a_user_error(tmp_path):
     from PIL import Image
 
     images = [Image.fromarray(np.zeros((8 + i % 2, 8), np.uint8)) for i in range(4)]
-    datasets.Dataset.from_dict({"img": images}).cast_column("img", datasets.Image()).to_parquet(str(tmp_path / "mixed.parquet"))
+    datasets.Dataset.from_dict({"img": images}).cast_column("img", datasets.Image()).to_parquet(
+        str(tmp_path / "mixed.parquet")
+    )
     with pytest.raises(UserError, match="come in 2 shapes"):
         load_split(DataConfig(source=str(tmp_path / "mixed.parquet"), image_key="img"), "train")
 

@@ -37,10 +37,13 @@ def test_options_are_checked_against_the_constructors_annotations():
         resolve_options(ModelConfig(name="vae", options={"hidden_sizes": [8, "wide"]}))
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"latent_size": 0}, "latent_size must hold positive sizes"),
-    ({"hidden_sizes": [16, 0]}, "hidden_sizes must hold positive sizes"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"latent_size": 0}, "latent_size must hold positive sizes"),
+        ({"hidden_sizes": [16, 0]}, "hidden_sizes must hold positive sizes"),
+    ],
+)
 def test_zero_sized_layers_are_a_user_error(options, message):
     build = model_factory(ModelConfig(name="vae", options=options), DIGITS)
     with pytest.raises(UserError, match=message):
@@ -54,7 +57,9 @@ def test_dropout_must_be_a_probability():
 
 
 def test_a_configured_input_shape_must_match_the_data():
-    with pytest.raises(UserError, match=r"'model\.input_shape' \[9, 9, 1\] does not match the data's inputs \[8, 8, 1\]"):
+    with pytest.raises(
+        UserError, match=r"'model\.input_shape' \[9, 9, 1\] does not match the data's inputs \[8, 8, 1\]"
+    ):
         check_data(ModelConfig(name="vae", input_shape=[9, 9, 1]), REGISTRY["vae"], DIGITS, True, "label")
 
 

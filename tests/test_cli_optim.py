@@ -59,7 +59,9 @@ def test_unknown_optimizer_suggests_closest():
 
 
 def test_unknown_optimizer_option_suggests_closest():
-    with pytest.raises(UserError, match=r"'optimizer\.weight_decy' for optax\.adamw \(did you mean 'optimizer\.weight_decay'\?\)"):
+    with pytest.raises(
+        UserError, match=r"'optimizer\.weight_decy' for optax\.adamw \(did you mean 'optimizer\.weight_decay'\?\)"
+    ):
         build_optimizer(OptimizerConfig(name="adamw", options={"weight_decy": 0.1}), 10)
 
 

@@ -37,7 +37,21 @@ def start_processes(workdir: str, cwd: Path, processes: int = 2, devices: int = 
     """One `nnx-train` per process, joined through a coordinator on the loopback address."""
     coordinator = f"127.0.0.1:{free_port()}"
     return [
-        start("nnx-train", CONFIG, *MULTI_PROCESS, "--workdir", workdir, "--coordinator", coordinator, "--num-processes", str(processes), "--process-id", str(i), cwd=cwd, devices=devices)
+        start(
+            "nnx-train",
+            CONFIG,
+            *MULTI_PROCESS,
+            "--workdir",
+            workdir,
+            "--coordinator",
+            coordinator,
+            "--num-processes",
+            str(processes),
+            "--process-id",
+            str(i),
+            cwd=cwd,
+            devices=devices,
+        )
         for i in range(processes)
     ]
 
@@ -51,7 +65,9 @@ def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[in
 
 
 def last_eval(workdir: Path) -> dict[str, float]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]["metrics"]
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1][
+        "metrics"
+    ]
 
 
 def assert_same_state(a: Path, b: Path, **tolerance: float) -> None:
@@ -125,7 +141,17 @@ def test_a_mesh_that_does_not_fit_the_devices_says_how_to_override_it(project: P
 
 
 def test_a_parameter_that_does_not_split_evenly_names_its_logical_axis(project: Path):
-    result = cli("nnx-train", CONFIG, "sharding.mesh.data=1", "sharding.mesh.model=2", "model.hidden_sizes=[101]", "--workdir", "uneven", cwd=project, devices=2)
+    result = cli(
+        "nnx-train",
+        CONFIG,
+        "sharding.mesh.data=1",
+        "sharding.mesh.model=2",
+        "model.hidden_sizes=[101]",
+        "--workdir",
+        "uneven",
+        cwd=project,
+        devices=2,
+    )
     assert_user_error(result, "params/", "[101]", "not divisible by 2", "map 'hidden' to null in sharding.rules")
 
 
@@ -186,9 +212,29 @@ def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step(two_processe
 
 
 def test_multi_process_flags_must_describe_a_run(project: Path):
-    assert_user_error(cli("nnx-train", CONFIG, "--num-processes", "2", "--process-id", "0", cwd=project), "--coordinator")
-    assert_user_error(cli("nnx-train", CONFIG, "--coordinator", "localhost", "--num-processes", "2", "--process-id", "0", cwd=project), "HOST:PORT")
-    assert_user_error(cli("nnx-train", CONFIG, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2", cwd=project), "--process-id 2")
+    assert_user_error(
+        cli("nnx-train", CONFIG, "--num-processes", "2", "--process-id", "0", cwd=project), "--coordinator"
+    )
+    assert_user_error(
+        cli(
+            "nnx-train", CONFIG, "--coordinator", "localhost", "--num-processes", "2", "--process-id", "0", cwd=project
+        ),
+        "HOST:PORT",
+    )
+    assert_user_error(
+        cli(
+            "nnx-train",
+            CONFIG,
+            "--coordinator",
+            "127.0.0.1:1",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "2",
+            cwd=project,
+        ),
+        "--process-id 2",
+    )
 
 
 def _flatten(tree: dict, prefix: tuple = ()):

@@ -35,7 +35,9 @@ checkpoint: {{every_steps: 40, keep: 10}}
 
 def files(root: Path) -> dict[str, bytes]:
     """Every file under `root` with its bytes (the lock file aside: it only names the last holder)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"
+    }
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -76,7 +78,11 @@ def test_train_writes_config_checkpoints_metrics_and_image_grids(reference: Path
 
 
 def test_training_reduces_the_loss(reference: Path):
-    train = [json.loads(line)["metrics"]["nelbo"] for line in (reference / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    train = [
+        json.loads(line)["metrics"]["nelbo"]
+        for line in (reference / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in line
+    ]
     assert train[-1] < 0.7 * train[0]
 
 
@@ -93,7 +99,9 @@ def test_eval_json_is_one_object_matching_the_final_eval(reference: Path, projec
     result = cli("nnx-eval", reference, "--json", cwd=project)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    last_eval = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]
+    last_eval = [
+        json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
+    ][-1]
     assert report["step"] == STEPS
     assert report["metrics"] == pytest.approx(last_eval["metrics"], rel=1e-6)
 
@@ -101,7 +109,11 @@ def test_eval_json_is_one_object_matching_the_final_eval(reference: Path, projec
 def test_eval_of_an_earlier_step_dir(reference: Path, project: Path):
     result = cli("nnx-eval", reference / "checkpoints" / "120", "--json", cwd=project)
     assert result.returncode == 0, result.stderr
-    evals = {json.loads(line)["step"]: json.loads(line)["metrics"] for line in (reference / "metrics.jsonl").read_text().splitlines() if '"eval"' in line}
+    evals = {
+        json.loads(line)["step"]: json.loads(line)["metrics"]
+        for line in (reference / "metrics.jsonl").read_text().splitlines()
+        if '"eval"' in line
+    }
     assert json.loads(result.stdout) == {"step": 120, "metrics": pytest.approx(evals[120], rel=1e-6)}
 
 
@@ -139,7 +151,14 @@ def test_model_can_be_any_importable_class(project: Path):
         "    def __init__(self, input_shape, num_classes=None, *, width: int = 8, ctx: nnx.Context):\n"
         "        super().__init__(input_shape, num_classes, hidden_sizes=[width, width], ctx=ctx)\n"
     )
-    result = cli("nnx-inspect", "run.yaml", "model={name: 'my_models:Wide', width: 5}", "--json", cwd=project, extra_env={"PYTHONPATH": str(project)})
+    result = cli(
+        "nnx-inspect",
+        "run.yaml",
+        "model={name: 'my_models:Wide', width: 5}",
+        "--json",
+        cwd=project,
+        extra_env={"PYTHONPATH": str(project)},
+    )
     assert result.returncode == 0, result.stderr
     shapes = {e["path"]: e["shape"] for e in json.loads(result.stdout)["entries"]}
     assert shapes["hidden/1/kernel"] == [5, 5] and shapes["head/kernel"] == [5, 10]
@@ -173,7 +192,11 @@ def test_no_resume_starts_over(project: Path):
     again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     assert again.returncode == 0, again.stderr
     assert "resumed" not in again.stderr
-    steps = [json.loads(line)["step"] for line in (project / "fresh" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (project / "fresh" / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in line
+    ]
     assert steps == [20, 40]
 
 
@@ -215,14 +238,25 @@ def test_training_to_n_then_resuming_to_2n_matches_training_to_2n(reference: Pat
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr
     assert_same_state(final_state(project / "twice"), final_state(reference))
-    steps = [json.loads(line)["step"] for line in (project / "twice" / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    steps = [
+        json.loads(line)["step"]
+        for line in (project / "twice" / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in line
+    ]
     assert steps == list(range(20, STEPS + 1, 20))
 
 
 def test_non_finite_loss_exits_1_naming_the_step_and_keeps_the_last_good_checkpoint(project: Path):
     result = cli(
-        "nnx-train", "run.yaml", "optimizer.name=sgd", "optimizer.learning_rate=1e30",
-        "checkpoint.every_steps=1", "train.log_every=1", "--workdir", "diverged", cwd=project,
+        "nnx-train",
+        "run.yaml",
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=1e30",
+        "checkpoint.every_steps=1",
+        "train.log_every=1",
+        "--workdir",
+        "diverged",
+        cwd=project,
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
@@ -235,8 +269,15 @@ def test_non_finite_loss_exits_1_naming_the_step_and_keeps_the_last_good_checkpo
 
 def test_no_eval_runs_on_parameters_that_went_non_finite(project: Path):
     result = cli(
-        "nnx-train", "run.yaml", "optimizer.name=sgd", "optimizer.learning_rate=1e30",
-        "train.eval_every=1", "train.log_every=1000", "--workdir", "diverged-eval", cwd=project,
+        "nnx-train",
+        "run.yaml",
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=1e30",
+        "train.eval_every=1",
+        "train.log_every=1000",
+        "--workdir",
+        "diverged-eval",
+        cwd=project,
     )
     assert result.returncode == 1, result.stderr
     bad = int(re.search(r"non-finite at step (\d+)", result.stderr).group(1))
@@ -244,7 +285,10 @@ def test_no_eval_runs_on_parameters_that_went_non_finite(project: Path):
     def strict(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")
 
-    records = [json.loads(line, parse_constant=strict) for line in (project / "diverged-eval" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line, parse_constant=strict)
+        for line in (project / "diverged-eval" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records if r["split"] == "eval"] == list(range(1, bad))
 
 
@@ -252,7 +296,11 @@ def test_a_second_run_on_a_busy_work_dir_stops_at_once(project: Path):
     first = start("nnx-train", "run.yaml", "train.steps=100000", "--workdir", "busy", cwd=project)
     try:
         wait_for_checkpoint(project / "busy", 40, [first])
-        assert_user_error(cli("nnx-train", "run.yaml", "--workdir", "busy", cwd=project), "'busy' is in use by another nnx-train", f"pid {first.pid}")
+        assert_user_error(
+            cli("nnx-train", "run.yaml", "--workdir", "busy", cwd=project),
+            "'busy' is in use by another nnx-train",
+            f"pid {first.pid}",
+        )
     finally:
         first.kill()
         first.communicate()
@@ -307,27 +355,48 @@ def test_unknown_key_in_config_suggests_closest(project: Path):
 
 
 def test_unknown_override_key_suggests_closest(project: Path):
-    assert_user_error(cli("nnx-train", "run.yaml", "train.setps=3", cwd=project), "'train.setps'", "did you mean 'train.steps'")
+    assert_user_error(
+        cli("nnx-train", "run.yaml", "train.setps=3", cwd=project), "'train.setps'", "did you mean 'train.steps'"
+    )
 
 
 def test_wrong_type_names_the_key(project: Path):
-    assert_user_error(cli("nnx-train", "run.yaml", "train.batch_size=big", cwd=project), "'train.batch_size'", "integer")
+    assert_user_error(
+        cli("nnx-train", "run.yaml", "train.batch_size=big", cwd=project), "'train.batch_size'", "integer"
+    )
 
 
 def test_unknown_model_name(project: Path):
-    assert_user_error(cli("nnx-train", "run.yaml", "model.name=vea", "--workdir", "bad-model", cwd=project), "'model.name'", "did you mean 'vae'")
+    assert_user_error(
+        cli("nnx-train", "run.yaml", "model.name=vea", "--workdir", "bad-model", cwd=project),
+        "'model.name'",
+        "did you mean 'vae'",
+    )
 
 
 def test_unknown_model_option_suggests_closest(project: Path):
-    assert_user_error(cli("nnx-train", "run.yaml", "model.latent_sise=3", "--workdir", "bad-option", cwd=project), "'model.latent_sise'", "did you mean 'model.latent_size'")
+    assert_user_error(
+        cli("nnx-train", "run.yaml", "model.latent_sise=3", "--workdir", "bad-option", cwd=project),
+        "'model.latent_sise'",
+        "did you mean 'model.latent_size'",
+    )
 
 
 def test_unknown_optimizer_name(project: Path):
-    assert_user_error(cli("nnx-train", "run.yaml", "optimizer.name=adamm", "--workdir", "bad-opt", cwd=project), "'optimizer.name'", "adamm")
+    assert_user_error(
+        cli("nnx-train", "run.yaml", "optimizer.name=adamm", "--workdir", "bad-opt", cwd=project),
+        "'optimizer.name'",
+        "adamm",
+    )
 
 
 def test_missing_local_dataset(project: Path):
-    assert_user_error(cli("nnx-train", "run.yaml", "data.source=./no/such/data", "--workdir", "bad-data", cwd=project), "data.source", "./no/such/data", "does not exist")
+    assert_user_error(
+        cli("nnx-train", "run.yaml", "data.source=./no/such/data", "--workdir", "bad-data", cwd=project),
+        "data.source",
+        "./no/such/data",
+        "does not exist",
+    )
 
 
 def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: Path):

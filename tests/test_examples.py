@@ -1,66 +1,77 @@
 """Every example runs, with small sizes, and does what it says."""
+
 import importlib.util
 import pathlib
 
 import numpy as np
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / 'examples'
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def run(name: str, *argv: str) -> dict:
-  spec = importlib.util.spec_from_file_location(f'example_{name}', EXAMPLES / f'{name}.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main(list(argv))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(argv))
 
 
 def test_functional_api_example_trains_and_counts_calls():
-  result = run('functional_api', '--steps', '30', '--hidden', '16')
-  assert result['count'] == 30
-  assert np.mean(result['losses'][-5:]) < result['losses'][0]
+    result = run("functional_api", "--steps", "30", "--hidden", "16")
+    assert result["count"] == 30
+    assert np.mean(result["losses"][-5:]) < result["losses"][0]
 
 
 def test_lifted_transforms_example_trains_a_classifier():
-  result = run('lifted_transforms', '--steps', '40', '--hidden', '32')
-  assert np.mean(result['losses'][-5:]) < result['losses'][0]
-  assert result['accuracy'] > 0.2  # chance is 0.1
+    result = run("lifted_transforms", "--steps", "40", "--hidden", "32")
+    assert np.mean(result["losses"][-5:]) < result["losses"][0]
+    assert result["accuracy"] > 0.2  # chance is 0.1
 
 
 def test_train_state_example_counts_steps():
-  result = run('train_state', '--steps', '3', '--features', '4', '--batch-size', '8')
-  assert result['step'] == 3
-  assert all(np.isfinite(result['losses']))
+    result = run("train_state", "--steps", "3", "--features", "4", "--batch-size", "8")
+    assert result["step"] == 3
+    assert all(np.isfinite(result["losses"]))
 
 
 def test_vae_example_lowers_the_negative_elbo():
-  result = run('vae', '--steps', '30', '--hidden', '32', '--latent', '2')
-  assert np.mean(result['losses'][-5:]) < result['losses'][0]
-  assert result['samples'].shape == (4, 64)
+    result = run("vae", "--steps", "30", "--hidden", "32", "--latent", "2")
+    assert np.mean(result["losses"][-5:]) < result["losses"][0]
+    assert result["samples"].shape == (4, 64)
 
 
 def test_scan_over_layers_example_stacks_params_and_shares_batch_stats():
-  result = run('scan_over_layers', '--steps', '3', '--depth', '3', '--features', '8')
-  assert result['kernel_shape'] == (3, 8, 8)
-  assert result['batch_stats_shape'] == (8,)
+    result = run("scan_over_layers", "--steps", "3", "--depth", "3", "--features", "8")
+    assert result["kernel_shape"] == (3, 8, 8)
+    assert result["batch_stats_shape"] == (8,)
 
 
 def test_transformer_example_cached_decoding_matches_the_full_forward():
-  result = run(
-      'transformer', '--steps', '2', '--features', '16', '--heads', '2',
-      '--depth', '2', '--length', '6', '--batch-size', '4',
-  )
-  assert result['max_difference'] < 1e-4
+    result = run(
+        "transformer",
+        "--steps",
+        "2",
+        "--features",
+        "16",
+        "--heads",
+        "2",
+        "--depth",
+        "2",
+        "--length",
+        "6",
+        "--batch-size",
+        "4",
+    )
+    assert result["max_difference"] < 1e-4
 
 
 def test_checkpointing_example_restores_the_same_model(tmp_path):
-  result = run('checkpointing', '--steps', '2', '--hidden', '8',
-               '--directory', str(tmp_path))
-  assert result['same_outputs']
-  assert 'bn/mean' in result['paths']
+    result = run("checkpointing", "--steps", "2", "--hidden", "8", "--directory", str(tmp_path))
+    assert result["same_outputs"]
+    assert "bn/mean" in result["paths"]
 
 
 def test_surgery_example_freezes_the_backbone():
-  result = run('surgery', '--steps', '3', '--features', '8')
-  assert result['frozen']
-  assert result['trainable'] == ['head/bias', 'head/kernel']
-  assert result['head_shape'] == (8, 10)
+    result = run("surgery", "--steps", "3", "--features", "8")
+    assert result["frozen"]
+    assert result["trainable"] == ["head/bias", "head/kernel"]
+    assert result["head_shape"] == (8, 10)

@@ -25,53 +25,61 @@ nnx.nn.stochastic nnx.nn.activations nnx.nn.initializers nnx.nn.dtypes
 """.split()
 
 
-@pytest.mark.parametrize('name', PUBLIC_NAMES)
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
 def test_public_name_is_exported(name):
-  assert getattr(nnx, name) is not None
+    assert getattr(nnx, name) is not None
 
 
-@pytest.mark.parametrize('module', PUBLIC_MODULES)
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_public_module_is_importable(module):
-  importlib.import_module(module)
+    importlib.import_module(module)
 
 
 def test_pure_module_is_an_alias_of_pure():
-  assert nnx.PureModule is nnx.Pure
+    assert nnx.PureModule is nnx.Pure
 
 
 def test_initializer_factories():
-  import jax
-  assert nnx.initializers.zeros()(jax.random.key(0), (2,)).tolist() == [0.0, 0.0]
-  assert nnx.initializers.ones()(jax.random.key(0), (2,)).tolist() == [1.0, 1.0]
+    import jax
+
+    assert nnx.initializers.zeros()(jax.random.key(0), (2,)).tolist() == [0.0, 0.0]
+    assert nnx.initializers.ones()(jax.random.key(0), (2,)).tolist() == [1.0, 1.0]
 
 
-@pytest.mark.parametrize('node', ['array', 'ndarray', 'node', 'state', 'pure', 'pytree', 'treenode'])
+@pytest.mark.parametrize("node", ["array", "ndarray", "node", "state", "pure", "pytree", "treenode"])
 def test_node_types(node):
-  import jax.numpy as jnp
-  import numpy as np
-  values = {
-      'array': jnp.ones(1), 'ndarray': np.ones(1), 'node': nnx.Param(1),
-      'state': nnx.State({}), 'pure': nnx.Dict().partition(),
-      'pytree': nnx.TrainState, 'treenode': nnx.TreeNode(1),
-  }
-  value = values[node]
-  if node == 'pytree':
-    class P(nnx.Pytree):
-      pass
-    value = P()
-  assert nnx.is_node(value)
+    import jax.numpy as jnp
+    import numpy as np
+
+    values = {
+        "array": jnp.ones(1),
+        "ndarray": np.ones(1),
+        "node": nnx.Param(1),
+        "state": nnx.State({}),
+        "pure": nnx.Dict().partition(),
+        "pytree": nnx.TrainState,
+        "treenode": nnx.TreeNode(1),
+    }
+    value = values[node]
+    if node == "pytree":
+
+        class P(nnx.Pytree):
+            pass
+
+        value = P()
+    assert nnx.is_node(value)
 
 
-@pytest.mark.parametrize('value', [1, 'a', [1], {'a': 1}, len, None])
+@pytest.mark.parametrize("value", [1, "a", [1], {"a": 1}, len, None])
 def test_static_values_are_not_nodes(value):
-  assert not nnx.is_node(value)
+    assert not nnx.is_node(value)
 
 
 def test_register_node_type():
-  class Custom:
-    pass
+    class Custom:
+        pass
 
-  assert not nnx.is_node(Custom())
-  nnx.register_node_type(Custom)
-  assert nnx.is_node(Custom())
-  assert list(nnx.Dict(c=Custom()).get_state()) == ['c']
+    assert not nnx.is_node(Custom())
+    nnx.register_node_type(Custom)
+    assert nnx.is_node(Custom())
+    assert list(nnx.Dict(c=Custom()).get_state()) == ["c"]

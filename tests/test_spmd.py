@@ -16,17 +16,14 @@ from nnx import spmd
 
 
 class Foo(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(nnx.with_logical_partitioning(lambda: jnp.ones((8, 2)), ("row", "col"))())
 
-  def __init__(self):
-    self.w = nnx.Param(
-        nnx.with_logical_partitioning(lambda: jnp.ones((8, 2)), ('row', 'col'))()
-    )
-
-  def __call__(self, x):
-    return x @ self.w
+    def __call__(self, x):
+        return x @ self.w
 
 
-RULES = [('row', 'model'), ('col', 'data')]
+RULES = [("row", "model"), ("col", "data")]
 
 
 # Rules and specs (one device)
@@ -34,122 +31,120 @@ RULES = [('row', 'model'), ('col', 'data')]
 
 
 def test_with_logical_partitioning_records_the_sharding_on_the_param():
-  assert vars(Foo())['w'].sharding == ('row', 'col')
+    assert vars(Foo())["w"].sharding == ("row", "col")
 
 
 def test_with_logical_partitioning_keeps_extra_metadata():
-  init = nnx.with_logical_partitioning(lambda: jnp.ones(3), ('embed',), note='x')
-  assert nnx.Param(init()).note == 'x'
+    init = nnx.with_logical_partitioning(lambda: jnp.ones(3), ("embed",), note="x")
+    assert nnx.Param(init()).note == "x"
 
 
 def test_reading_a_logically_partitioned_param_without_a_mesh_is_a_plain_array():
-  foo = Foo()
-  assert foo.w.shape == (8, 2)
-  assert foo(jnp.ones((1, 8))).shape == (1, 2)
+    foo = Foo()
+    assert foo.w.shape == (8, 2)
+    assert foo(jnp.ones((1, 8))).shape == (1, 2)
 
 
 def test_logically_partitioned_modules_keep_jit_cache_hits():
-  traces = []
+    traces = []
 
-  @nnx.jit
-  def f(model, x):
-    traces.append(1)
-    return model(x)
+    @nnx.jit
+    def f(model, x):
+        traces.append(1)
+        return model(x)
 
-  f(Foo(), jnp.ones((1, 8)))
-  f(Foo(), jnp.ones((1, 8)))
-  assert len(traces) == 1
+    f(Foo(), jnp.ones((1, 8)))
+    f(Foo(), jnp.ones((1, 8)))
+    assert len(traces) == 1
 
 
 def test_get_partition_spec_of_a_train_state():
-  params, moduledef = Foo().partition()
-  state = nnx.TrainState(moduledef, params=params, tx=optax.adam(1e-3))
-  spec = nnx.get_partition_spec(state)
-  assert spec.params['w'] == PartitionSpec('row', 'col')
-  assert spec.opt_state[0].mu['w'] == PartitionSpec('row', 'col')
-  assert spec.opt_state[0].nu['w'] == PartitionSpec('row', 'col')
-  assert spec.opt_state[0].count == PartitionSpec()
+    params, moduledef = Foo().partition()
+    state = nnx.TrainState(moduledef, params=params, tx=optax.adam(1e-3))
+    spec = nnx.get_partition_spec(state)
+    assert spec.params["w"] == PartitionSpec("row", "col")
+    assert spec.opt_state[0].mu["w"] == PartitionSpec("row", "col")
+    assert spec.opt_state[0].nu["w"] == PartitionSpec("row", "col")
+    assert spec.opt_state[0].count == PartitionSpec()
 
 
 def test_get_partition_spec_of_nodes_without_sharding_is_replicated():
-  state = nnx.State({'a': nnx.Param(jnp.ones(2)), 'b': jnp.ones(3), 'c': nnx.Node(1)})
-  spec = nnx.get_partition_spec(state)
-  assert dict(spec) == {'a': PartitionSpec(), 'b': PartitionSpec(), 'c': PartitionSpec()}
+    state = nnx.State({"a": nnx.Param(jnp.ones(2)), "b": jnp.ones(3), "c": nnx.Node(1)})
+    spec = nnx.get_partition_spec(state)
+    assert dict(spec) == {"a": PartitionSpec(), "b": PartitionSpec(), "c": PartitionSpec()}
 
 
 def test_logical_to_mesh_uses_the_active_rules():
-  params, moduledef = Foo().partition()
-  state = nnx.TrainState(moduledef, params=params, tx=optax.adam(1e-3))
-  with nnx.logical_axis_rules(RULES):
-    spec = nnx.logical_to_mesh(nnx.get_partition_spec(state))
-  assert spec.params['w'] == PartitionSpec('model', 'data')
-  assert spec.opt_state[0].mu['w'] == PartitionSpec('model', 'data')
-  assert spec.opt_state[0].nu['w'] == PartitionSpec('model', 'data')
+    params, moduledef = Foo().partition()
+    state = nnx.TrainState(moduledef, params=params, tx=optax.adam(1e-3))
+    with nnx.logical_axis_rules(RULES):
+        spec = nnx.logical_to_mesh(nnx.get_partition_spec(state))
+    assert spec.params["w"] == PartitionSpec("model", "data")
+    assert spec.opt_state[0].mu["w"] == PartitionSpec("model", "data")
+    assert spec.opt_state[0].nu["w"] == PartitionSpec("model", "data")
 
 
 def test_logical_to_mesh_takes_explicit_rules():
-  spec = nnx.logical_to_mesh({'w': PartitionSpec('row', 'col')}, RULES)
-  assert spec['w'] == PartitionSpec('model', 'data')
+    spec = nnx.logical_to_mesh({"w": PartitionSpec("row", "col")}, RULES)
+    assert spec["w"] == PartitionSpec("model", "data")
 
 
 def test_logical_axis_rules_is_restored_after_the_block():
-  with nnx.logical_axis_rules(RULES):
-    with nnx.logical_axis_rules([('row', 'data')]):
-      assert spmd.get_logical_axis_rules() == (('row', 'data'),)
-    assert spmd.get_logical_axis_rules() == tuple(RULES)
-  assert spmd.get_logical_axis_rules() == ()
+    with nnx.logical_axis_rules(RULES):
+        with nnx.logical_axis_rules([("row", "data")]):
+            assert spmd.get_logical_axis_rules() == (("row", "data"),)
+        assert spmd.get_logical_axis_rules() == tuple(RULES)
+    assert spmd.get_logical_axis_rules() == ()
 
 
 def test_logical_to_mesh_axes_leaves_unmatched_names_unsharded():
-  spec = spmd.logical_to_mesh_axes(('batch', 'embed', None), [('batch', 'data')])
-  assert spec == PartitionSpec('data', None, None)
+    spec = spmd.logical_to_mesh_axes(("batch", "embed", None), [("batch", "data")])
+    assert spec == PartitionSpec("data", None, None)
 
 
 def test_logical_to_mesh_axes_uses_each_mesh_axis_once_in_rule_order():
-  rules = [('heads', 'model'), ('mlp', 'model'), ('mlp', 'data')]
-  spec = spmd.logical_to_mesh_axes(('mlp', 'heads'), rules)
-  assert spec == PartitionSpec('data', 'model')
+    rules = [("heads", "model"), ("mlp", "model"), ("mlp", "data")]
+    spec = spmd.logical_to_mesh_axes(("mlp", "heads"), rules)
+    assert spec == PartitionSpec("data", "model")
 
 
 def test_logical_to_mesh_axes_accepts_several_mesh_axes_per_name():
-  spec = spmd.logical_to_mesh_axes(('batch',), [('batch', ('data', 'model'))])
-  assert spec == PartitionSpec(('data', 'model'))
+    spec = spmd.logical_to_mesh_axes(("batch",), [("batch", ("data", "model"))])
+    assert spec == PartitionSpec(("data", "model"))
 
 
 def test_logical_to_mesh_axes_of_none_is_none():
-  assert spmd.logical_to_mesh_axes(None, RULES) is None
+    assert spmd.logical_to_mesh_axes(None, RULES) is None
 
 
 def test_logical_to_mesh_axes_rejects_repeated_names():
-  with pytest.raises(ValueError, match='more than once'):
-    spmd.logical_to_mesh_axes(('row', 'row'), RULES)
+    with pytest.raises(ValueError, match="more than once"):
+        spmd.logical_to_mesh_axes(("row", "row"), RULES)
 
 
 def test_with_logical_constraint_is_a_no_op_without_a_mesh():
-  x = jnp.ones((4, 4))
-  with nnx.logical_axis_rules(RULES):
-    assert nnx.with_logical_constraint(x, ('row', 'col')) is x
+    x = jnp.ones((4, 4))
+    with nnx.logical_axis_rules(RULES):
+        assert nnx.with_logical_constraint(x, ("row", "col")) is x
 
 
 def test_with_logical_constraint_is_a_no_op_without_rules():
-  x = jnp.ones((4, 4))
-  assert nnx.with_logical_constraint(x, ('row', 'col')) is x
+    x = jnp.ones((4, 4))
+    assert nnx.with_logical_constraint(x, ("row", "col")) is x
 
 
 def test_logical_to_mesh_sharding_builds_named_shardings():
-  devices = np.array(jax.devices()[:1]).reshape(1, 1)
-  mesh = jax.sharding.Mesh(devices, ('data', 'model'))
-  shardings = spmd.logical_to_mesh_sharding(
-      {'w': PartitionSpec('row', 'col')}, mesh, RULES
-  )
-  expected = jax.sharding.NamedSharding(mesh, PartitionSpec('model', 'data'))
-  assert shardings['w'] == expected
+    devices = np.array(jax.devices()[:1]).reshape(1, 1)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    shardings = spmd.logical_to_mesh_sharding({"w": PartitionSpec("row", "col")}, mesh, RULES)
+    expected = jax.sharding.NamedSharding(mesh, PartitionSpec("model", "data"))
+    assert shardings["w"] == expected
 
 
 # Several devices (8 simulated CPU devices in a subprocess)
 # ------------------------------------------------------------------------------
 
-_MULTI_DEVICE_SCRIPT = textwrap.dedent('''
+_MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     import json, warnings
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -226,50 +221,53 @@ _MULTI_DEVICE_SCRIPT = textwrap.dedent('''
     results['scan_sharding'] = list(kernel.sharding)
     results['scan_shard_shape'] = shard_shape(kernel.value)
     print('RESULTS' + json.dumps(results))
-''')
+""")
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def multi_device():
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  env['JAX_PLATFORMS'] = 'cpu'
-  proc = subprocess.run(
-      [sys.executable, '-c', _MULTI_DEVICE_SCRIPT],
-      env=env, capture_output=True, text=True, timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = next(l for l in proc.stdout.splitlines() if l.startswith('RESULTS'))
-  return json.loads(line[len('RESULTS'):])
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _MULTI_DEVICE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS"))
+    return json.loads(line[len("RESULTS") :])
 
 
 def test_subprocess_sees_eight_devices(multi_device):
-  assert multi_device['devices'] == 8
+    assert multi_device["devices"] == 8
 
 
 def test_model_created_under_jit_in_with_mesh_is_sharded_by_logical_names(multi_device):
-  # kernel (8, 4): 'row' -> model (4 devices), 'col' -> data (2 devices)
-  assert multi_device['with_mesh'] == [2, 2]
+    # kernel (8, 4): 'row' -> model (4 devices), 'col' -> data (2 devices)
+    assert multi_device["with_mesh"] == [2, 2]
 
 
 def test_model_created_under_jit_in_set_mesh_is_sharded_by_logical_names(multi_device):
-  assert multi_device['set_mesh_auto'] == [2, 2]
+    assert multi_device["set_mesh_auto"] == [2, 2]
 
 
 def test_model_created_under_jit_in_set_mesh_with_explicit_axes_is_sharded(multi_device):
-  assert multi_device['set_mesh_explicit'] == [2, 2]
+    assert multi_device["set_mesh_explicit"] == [2, 2]
 
 
 def test_nnx_jit_takes_in_and_out_shardings_for_the_module_state(multi_device):
-  assert multi_device['jit_in_shardings'] == [2, 2]
-  assert multi_device['jit_out'] == [2, 4]
+    assert multi_device["jit_in_shardings"] == [2, 2]
+    assert multi_device["jit_out"] == [2, 4]
 
 
 def test_with_logical_constraint_shards_inside_jit_in_both_mesh_contexts(multi_device):
-  assert multi_device['constraint_with_mesh'] == [4, 8]
-  assert multi_device['constraint_set_mesh'] == [4, 8]
+    assert multi_device["constraint_with_mesh"] == [4, 8]
+    assert multi_device["constraint_set_mesh"] == [4, 8]
 
 
 def test_scanned_layers_are_sharded_with_the_layers_axis_name(multi_device):
-  assert multi_device['scan_sharding'] == ['layers', 'row', 'col']
-  assert multi_device['scan_shard_shape'] == [4, 2, 4]
+    assert multi_device["scan_sharding"] == ["layers", "row", "col"]
+    assert multi_device["scan_shard_shape"] == [4, 2, 4]

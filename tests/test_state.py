@@ -6,130 +6,131 @@ import nnx
 
 
 def make_state():
-  return nnx.State({'b': nnx.Param(2), 'a/x': nnx.BatchStat(1), 'a/y': np.ones(2), 'c': nnx.Node(3)})
+    return nnx.State({"b": nnx.Param(2), "a/x": nnx.BatchStat(1), "a/y": np.ones(2), "c": nnx.Node(3)})
 
 
 def test_state_is_a_sorted_immutable_mapping():
-  state = make_state()
-  assert list(state) == ['a/x', 'a/y', 'b', 'c']
-  with pytest.raises(AttributeError):
-    state.foo = 1
-  with pytest.raises(TypeError):
-    state['b'] = 1  # type: ignore[index]
+    state = make_state()
+    assert list(state) == ["a/x", "a/y", "b", "c"]
+    with pytest.raises(AttributeError):
+        state.foo = 1
+    with pytest.raises(TypeError):
+        state["b"] = 1  # type: ignore[index]
 
 
 def test_state_key_paths_are_path_strings():
-  state = nnx.State({'enc/w': np.float32(1.0), 'b': np.float32(2.0)})
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  assert paths == ["['b']", "['enc/w']"]
+    state = nnx.State({"enc/w": np.float32(1.0), "b": np.float32(2.0)})
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert paths == ["['b']", "['enc/w']"]
 
 
 def test_state_round_trips_through_tree_map_and_jit():
-  state = make_state()
-  doubled = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s))(state)
-  assert isinstance(doubled, nnx.State) and type(doubled['b']) is nnx.Param
-  assert doubled['b'].value == 4
+    state = make_state()
+    doubled = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s))(state)
+    assert isinstance(doubled, nnx.State) and type(doubled["b"]) is nnx.Param
+    assert doubled["b"].value == 4
 
 
 def test_partition_is_exhaustive_and_ordered_by_filter():
-  params, stats, rest = make_state().partition(nnx.Param, nnx.BatchStat, ...)
-  assert (list(params), list(stats), list(rest)) == (['b'], ['a/x'], ['a/y', 'c'])
-  with pytest.raises(ValueError, match='^Non-exhaustive filters, got a non-empty remainder:'):
-    make_state().partition(nnx.Param, nnx.BatchStat)
+    params, stats, rest = make_state().partition(nnx.Param, nnx.BatchStat, ...)
+    assert (list(params), list(stats), list(rest)) == (["b"], ["a/x"], ["a/y", "c"])
+    with pytest.raises(ValueError, match="^Non-exhaustive filters, got a non-empty remainder:"):
+        make_state().partition(nnx.Param, nnx.BatchStat)
 
 
 def test_first_matching_filter_wins():
-  variables, params = make_state().partition(nnx.Variable, nnx.Param, ...)[:2]
-  assert list(variables) == ['a/x', 'b'] and len(params) == 0
+    variables, params = make_state().partition(nnx.Variable, nnx.Param, ...)[:2]
+    assert list(variables) == ["a/x", "b"] and len(params) == 0
 
 
 def test_filter_drops_unmatched_entries():
-  assert list(make_state().filter(nnx.Param)) == ['b']
-  assert list(make_state().filter(nnx.buffers)) == ['a/y']
+    assert list(make_state().filter(nnx.Param)) == ["b"]
+    assert list(make_state().filter(nnx.buffers)) == ["a/y"]
 
 
 def test_ellipsis_not_last_raises():
-  with pytest.raises(ValueError, match='can only be used as the last filter'):
-    make_state().filter(..., nnx.Param)
+    with pytest.raises(ValueError, match="can only be used as the last filter"):
+        make_state().filter(..., nnx.Param)
 
 
 def test_merge_or_and_sub():
-  a = nnx.State({'x': 1, 'y': 2})
-  b = nnx.State({'y': 3, 'z': 4})
-  assert dict(nnx.State.merge(a, b)) == {'x': 1, 'y': 3, 'z': 4}
-  assert dict(a | b) == {'x': 1, 'y': 3, 'z': 4}
-  assert dict(a - b) == {'x': 1}
+    a = nnx.State({"x": 1, "y": 2})
+    b = nnx.State({"y": 3, "z": 4})
+    assert dict(nnx.State.merge(a, b)) == {"x": 1, "y": 3, "z": 4}
+    assert dict(a | b) == {"x": 1, "y": 3, "z": 4}
+    assert dict(a - b) == {"x": 1}
 
 
 def test_repr_lists_paths():
-  text = repr(make_state())
-  assert text.startswith('State({') and "'a/x': " in text
+    text = repr(make_state())
+    assert text.startswith("State({") and "'a/x': " in text
 
 
 def test_string_is_not_a_filter():
-  with pytest.raises(TypeError):
-    make_state().filter('params')
+    with pytest.raises(TypeError):
+        make_state().filter("params")
 
 
 def test_filter_combinators():
-  state = make_state()
-  assert list(state.filter(nnx.Not(nnx.Variable))) == ['a/y', 'c']
-  backbone_free = nnx.All(nnx.Variable, lambda path, node: not path.startswith('a'))
-  assert list(state.filter(backbone_free)) == ['b']
-  assert list(state.filter((nnx.Param, nnx.BatchStat))) == ['a/x', 'b']
-  assert list(state.filter(None)) == []
-  from nnx.partitioning import Any, Everything, Nothing, OfType
-  assert list(state.filter(Any(nnx.Param, OfType(nnx.Node)))) == ['a/x', 'b', 'c']
-  assert len(state.filter(Everything())) == 4 and len(state.filter(Nothing())) == 0
+    state = make_state()
+    assert list(state.filter(nnx.Not(nnx.Variable))) == ["a/y", "c"]
+    backbone_free = nnx.All(nnx.Variable, lambda path, node: not path.startswith("a"))
+    assert list(state.filter(backbone_free)) == ["b"]
+    assert list(state.filter((nnx.Param, nnx.BatchStat))) == ["a/x", "b"]
+    assert list(state.filter(None)) == []
+    from nnx.partitioning import Any, Everything, Nothing, OfType
+
+    assert list(state.filter(Any(nnx.Param, OfType(nnx.Node)))) == ["a/x", "b", "c"]
+    assert len(state.filter(Everything())) == 4 and len(state.filter(Nothing())) == 0
 
 
 def test_params_outside_the_backbone():
-  m = nnx.Dict(backbone=nnx.Dict(w=nnx.Param(1)), head=nnx.Dict(w=nnx.Param(2)))
-  head = m.filter(nnx.All(nnx.Param, lambda path, node: not path.startswith('backbone')))
-  assert list(head) == ['head/w']
+    m = nnx.Dict(backbone=nnx.Dict(w=nnx.Param(1)), head=nnx.Dict(w=nnx.Param(2)))
+    head = m.filter(nnx.All(nnx.Param, lambda path, node: not path.startswith("backbone")))
+    assert list(head) == ["head/w"]
 
 
 class TestPure:
+    def make(self):
+        return nnx.Dict(
+            a=nnx.Sequence([nnx.Param(1), nnx.Param(2), nnx.Node(3)]), b=nnx.Dict(c=nnx.Param(1), d=nnx.BatchStat(2))
+        )
 
-  def make(self):
-    return nnx.Dict(a=nnx.Sequence([nnx.Param(1), nnx.Param(2), nnx.Node(3)]),
-                    b=nnx.Dict(c=nnx.Param(1), d=nnx.BatchStat(2)))
+    def test_pure_is_a_tuple_and_a_pytree(self):
+        pure = state, moduledef = self.make().partition()
+        assert isinstance(pure, tuple) and isinstance(pure, nnx.Pure)
+        assert isinstance(state, nnx.State) and isinstance(moduledef, nnx.ModuleDef)
+        assert len(jax.tree_util.tree_leaves(pure)) == 5
+        m2 = pure.merge()
+        assert isinstance(m2.a, nnx.Sequence) and len(m2.get_state()) == 5
 
-  def test_pure_is_a_tuple_and_a_pytree(self):
-    pure = state, moduledef = self.make().partition()
-    assert isinstance(pure, tuple) and isinstance(pure, nnx.Pure)
-    assert isinstance(state, nnx.State) and isinstance(moduledef, nnx.ModuleDef)
-    assert len(jax.tree_util.tree_leaves(pure)) == 5
-    m2 = pure.merge()
-    assert isinstance(m2.a, nnx.Sequence) and len(m2.get_state()) == 5
+    def test_filters_and_partition(self):
+        pure = self.make().partition(nnx.Param, ...)
+        assert isinstance(pure.states, tuple)
+        assert len(pure.filter(nnx.Param)) == 3 and len(pure.filter(nnx.BatchStat)) == 1
+        assert isinstance(pure.partition().states, nnx.State)
+        assert isinstance(pure.partition(nnx.BatchStat, ...).states, tuple)
+        assert len(pure.get_state()) == 5
 
-  def test_filters_and_partition(self):
-    pure = self.make().partition(nnx.Param, ...)
-    assert isinstance(pure.states, tuple)
-    assert len(pure.filter(nnx.Param)) == 3 and len(pure.filter(nnx.BatchStat)) == 1
-    assert isinstance(pure.partition().states, nnx.State)
-    assert isinstance(pure.partition(nnx.BatchStat, ...).states, tuple)
-    assert len(pure.get_state()) == 5
+    def test_pop_state(self):
+        pure = self.make().partition()
+        params, rest = pure.pop_state(nnx.Param)
+        assert len(params) == 3 and isinstance(rest, nnx.Pure) and len(rest.states) == 2
+        (params, stats), rest = pure.pop_state(nnx.Param, nnx.BatchStat)
+        assert (len(params), len(stats), len(rest.states)) == (3, 1, 1)
 
-  def test_pop_state(self):
-    pure = self.make().partition()
-    params, rest = pure.pop_state(nnx.Param)
-    assert len(params) == 3 and isinstance(rest, nnx.Pure) and len(rest.states) == 2
-    (params, stats), rest = pure.pop_state(nnx.Param, nnx.BatchStat)
-    assert (len(params), len(stats), len(rest.states)) == (3, 1, 1)
+    def test_apply_call_and_update_state(self):
+        class Inc(nnx.Module):
+            def __init__(self):
+                self.n = nnx.BatchStat(0)
 
-  def test_apply_call_and_update_state(self):
-    class Inc(nnx.Module):
-      def __init__(self):
-        self.n = nnx.BatchStat(0)
+            def __call__(self, x):
+                self.n += 1
+                return x + self.n
 
-      def __call__(self, x):
-        self.n += 1
-        return x + self.n
-
-    pure = Inc().partition()
-    out, updated = pure.apply(1)
-    assert out == 2 and updated.states['n'].value == 1
-    assert pure.call(1) == 2
-    pure2 = pure.update_state(nnx.State({'n': nnx.BatchStat(5)}))
-    assert pure2.merge().n == 5
+        pure = Inc().partition()
+        out, updated = pure.apply(1)
+        assert out == 2 and updated.states["n"].value == 1
+        assert pure.call(1) == 2
+        pure2 = pure.update_state(nnx.State({"n": nnx.BatchStat(5)}))
+        assert pure2.merge().n == 5

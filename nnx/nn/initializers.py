@@ -45,39 +45,39 @@ Dtype = tp.Any
 
 
 def zeros() -> Initializer:
-  """Returns an initializer that fills arrays with zeros.
+    """Returns an initializer that fills arrays with zeros.
 
-  Example::
+    Example::
 
-    >>> import jax
-    >>> from nnx.nn import initializers
-    >>> initializers.zeros()(jax.random.key(0), (2,))
-    Array([0., 0.], dtype=float32)
-  """
+      >>> import jax
+      >>> from nnx.nn import initializers
+      >>> initializers.zeros()(jax.random.key(0), (2,))
+      Array([0., 0.], dtype=float32)
+    """
 
-  def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
-    del key
-    return jnp.zeros(shape, dtype)
+    def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
+        del key
+        return jnp.zeros(shape, dtype)
 
-  return init
+    return init
 
 
 def ones() -> Initializer:
-  """Returns an initializer that fills arrays with ones.
+    """Returns an initializer that fills arrays with ones.
 
-  Example::
+    Example::
 
-    >>> import jax
-    >>> from nnx.nn import initializers
-    >>> initializers.ones()(jax.random.key(0), (2,))
-    Array([1., 1.], dtype=float32)
-  """
+      >>> import jax
+      >>> from nnx.nn import initializers
+      >>> initializers.ones()(jax.random.key(0), (2,))
+      Array([1., 1.], dtype=float32)
+    """
 
-  def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
-    del key
-    return jnp.ones(shape, dtype)
+    def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
+        del key
+        return jnp.ones(shape, dtype)
 
-  return init
+    return init
 
 
 # Aliases under the names flax.linen uses.
@@ -85,26 +85,26 @@ zeros_init = zeros
 ones_init = ones
 
 __all__ = [
-  "Initializer",
-  "constant",
-  "delta_orthogonal",
-  "glorot_normal",
-  "glorot_uniform",
-  "he_normal",
-  "he_uniform",
-  "kaiming_normal",
-  "kaiming_uniform",
-  "lecun_normal",
-  "lecun_uniform",
-  "normal",
-  "ones",
-  "ones_init",
-  "orthogonal",
-  "truncated_normal",
-  "uniform",
-  "variance_scaling",
-  "xavier_normal",
-  "xavier_uniform",
-  "zeros",
-  "zeros_init",
+    "Initializer",
+    "constant",
+    "delta_orthogonal",
+    "glorot_normal",
+    "glorot_uniform",
+    "he_normal",
+    "he_uniform",
+    "kaiming_normal",
+    "kaiming_uniform",
+    "lecun_normal",
+    "lecun_uniform",
+    "normal",
+    "ones",
+    "ones_init",
+    "orthogonal",
+    "truncated_normal",
+    "uniform",
+    "variance_scaling",
+    "xavier_normal",
+    "xavier_uniform",
+    "zeros",
+    "zeros_init",
 ]
