@@ -31,7 +31,7 @@ from nnx import nodes, reprlib
 A = tp.TypeVar("A")
 B = tp.TypeVar("B")
 F = tp.TypeVar("F", bound=tp.Callable[..., tp.Any])
-Sharding = tp.Tuple[tp.Optional[str], ...]
+Sharding = tuple[str | None, ...]
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ class Container(tp.Generic[A], reprlib.Representable, metaclass=_ContainerMeta):
 
     value: A
 
-    def __init__(self, value: tp.Union[A, ContainerMetadata[A]], **metadata: tp.Any):
+    def __init__(self, value: A | ContainerMetadata[A], **metadata: tp.Any):
         if isinstance(value, ContainerMetadata):
             metadata = {**metadata, **value.metadata}
             value = value.value
@@ -235,12 +235,12 @@ class Variable(Node[A]):
         counts = model.filter(Count)
     """
 
-    sharding: tp.Optional[Sharding]
+    sharding: Sharding | None
 
     def __init__(
         self,
-        value: tp.Union[A, ContainerMetadata[A]],
-        sharding: tp.Optional[Sharding] = None,
+        value: A | ContainerMetadata[A],
+        sharding: Sharding | None = None,
         **metadata: tp.Any,
     ):
         super().__init__(value, sharding=sharding, **metadata)

@@ -30,10 +30,10 @@ import numpy as np
 from nnx import errors, tracers
 
 KeyArray = jax.Array
-Counts = tp.Tuple[int, ...]
+Counts = tuple[int, ...]
 
 
-def _stable_hash(data: tp.Union[Counts, str]) -> int:
+def _stable_hash(data: Counts | str) -> int:
     """A uint32 hash of ``data`` that is identical in every process and run."""
     if isinstance(data, str):
         text = data
@@ -73,8 +73,8 @@ class ContextDef:
 
     def __init__(
         self,
-        rng_counts: tp.Tuple[tp.Tuple[str, Counts], ...],
-        flags: tp.Tuple[tp.Tuple[str, bool], ...],
+        rng_counts: tuple[tuple[str, Counts], ...],
+        flags: tuple[tuple[str, bool], ...],
     ):
         self._rng_counts = rng_counts
         self._flags = flags
@@ -97,14 +97,14 @@ class ContextDef:
         return Context(rngs, dict(self._flags))
 
 
-class PureContext(tp.Tuple[tp.Dict[str, KeyArray], ContextDef]):
+class PureContext(tuple[dict[str, KeyArray], ContextDef]):
     """A partitioned Context: a pytree tuple ``(keys, contextdef)``."""
 
-    def __new__(cls, keys: tp.Dict[str, KeyArray], contextdef: ContextDef):
+    def __new__(cls, keys: dict[str, KeyArray], contextdef: ContextDef):
         return tuple.__new__(cls, (keys, contextdef))
 
     @property
-    def keys(self) -> tp.Dict[str, KeyArray]:
+    def keys(self) -> dict[str, KeyArray]:
         return self[0]
 
     @property
@@ -158,7 +158,7 @@ class Context:
     def has_flag(self, name: str) -> bool:
         return name in self._flags
 
-    def get_flag(self, name: str) -> tp.Optional[bool]:
+    def get_flag(self, name: str) -> bool | None:
         """The flag's value, or ``None`` when it is not set."""
         return self._flags.get(name)
 
@@ -191,10 +191,10 @@ def _to_stream(name: str, value: tp.Any) -> RngStream:
 
 
 def context(
-    params: tp.Union[int, KeyArray, RngStream, None] = None,
+    params: int | KeyArray | RngStream | None = None,
     *,
-    flags: tp.Optional[tp.Mapping[str, bool]] = None,
-    **rngs: tp.Union[int, KeyArray, RngStream],
+    flags: tp.Mapping[str, bool] | None = None,
+    **rngs: int | KeyArray | RngStream,
 ) -> Context:
     """Creates a :class:`Context`.
 
@@ -222,8 +222,8 @@ else:
     ellipsis = tp.Any
 
 RngPredicate = tp.Callable[[str], bool]
-RngFilterLiteral = tp.Union[str, RngPredicate, ellipsis, None]
-RngFilter = tp.Union[RngFilterLiteral, tp.Sequence[RngFilterLiteral], tp.Mapping[RngFilterLiteral, bool]]
+RngFilterLiteral = tp.Union[str, RngPredicate, ellipsis, None]  # noqa: UP007 (a runtime alias)
+RngFilter = tp.Union[RngFilterLiteral, tp.Sequence[RngFilterLiteral], tp.Mapping[RngFilterLiteral, bool]]  # noqa: UP007 (a runtime alias)
 
 
 def to_rng_predicate(filter: RngFilter) -> RngPredicate:

@@ -32,9 +32,9 @@ def field(
     default_factory: tp.Any = dataclasses.MISSING,
     init: bool = True,
     repr: bool = True,
-    hash: tp.Optional[bool] = None,
+    hash: bool | None = None,
     compare: bool = True,
-    metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None,
+    metadata: tp.Mapping[str, tp.Any] | None = None,
 ) -> tp.Any:
     """A ``dataclasses.field``; the value is kept as it is."""
     return dataclasses.field(
@@ -52,7 +52,7 @@ def _container_field(container_fn, metadata, **kwargs) -> tp.Any:
     return field(metadata={**(metadata or {}), _CONTAINER_FN: container_fn}, **kwargs)
 
 
-def static_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwargs) -> tp.Any:
+def static_field(*, metadata: tp.Mapping[str, tp.Any] | None = None, **kwargs) -> tp.Any:
     """A field that is static structure, never state, even when it holds an array.
 
     Wrapped into ``nnx.Static`` after ``__init__``: it lives in the ModuleDef (or
@@ -61,15 +61,15 @@ def static_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwa
     return _container_field(containers.Static, {**(metadata or {}), "static": True}, **kwargs)
 
 
-def node_field(*, metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None, **kwargs) -> tp.Any:
+def node_field(*, metadata: tp.Mapping[str, tp.Any] | None = None, **kwargs) -> tp.Any:
     """A field wrapped into ``nnx.Node`` after ``__init__``."""
     return _container_field(containers.Node, metadata, **kwargs)
 
 
 def param_field(
-    sharding: tp.Optional[containers.Sharding] = None,
+    sharding: containers.Sharding | None = None,
     *,
-    metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None,
+    metadata: tp.Mapping[str, tp.Any] | None = None,
     **kwargs,
 ) -> tp.Any:
     """A field wrapped into ``nnx.Param`` after ``__init__``."""
@@ -78,9 +78,9 @@ def param_field(
 
 def var_field(
     variable_type: type[containers.Variable[tp.Any]],
-    sharding: tp.Optional[containers.Sharding] = None,
+    sharding: containers.Sharding | None = None,
     *,
-    metadata: tp.Optional[tp.Mapping[str, tp.Any]] = None,
+    metadata: tp.Mapping[str, tp.Any] | None = None,
     **kwargs,
 ) -> tp.Any:
     """A field wrapped into ``variable_type`` (with ``sharding``) after ``__init__``."""
@@ -141,7 +141,7 @@ def dataclass(cls: T, /) -> T: ...
 def dataclass(*, frozen: bool = False, **kwargs: tp.Any) -> tp.Callable[[T], T]: ...
 
 
-def dataclass(cls: tp.Optional[T] = None, /, *, frozen: bool = False, **kwargs: tp.Any):
+def dataclass(cls: T | None = None, /, *, frozen: bool = False, **kwargs: tp.Any):
     """``dataclasses.dataclass`` for Modules and Pytrees.
 
     Modules keep identity equality and hashing (``eq=False``) and nnx's repr.

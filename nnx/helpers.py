@@ -14,7 +14,7 @@ import optax
 
 from nnx import pytreelib
 from nnx.contextlib import Context
-from nnx.module import ApplyCaller, Module, ModuleDef, Pure, _MODULE_STATE, _dict
+from nnx.module import _MODULE_STATE, ApplyCaller, Module, ModuleDef, Pure, _dict
 from nnx.state import State
 
 A = tp.TypeVar("A")
@@ -111,7 +111,7 @@ class Sequence(Module, tp.Generic[A]):
     def __iter__(self) -> tp.Iterator[A]:
         return (getattr(self, str(i)) for i in range(len(self)))
 
-    def __call__(self, *args: tp.Any, ctx: tp.Optional[Context] = None, **kwargs: tp.Any) -> tp.Any:
+    def __call__(self, *args: tp.Any, ctx: Context | None = None, **kwargs: tp.Any) -> tp.Any:
         output: tp.Any = None
         for i, f in enumerate(self):
             if not callable(f):
@@ -149,7 +149,7 @@ class TrainState(pytreelib.Pytree, tp.Generic[M]):
         *,
         params: State,
         tx: optax.GradientTransformation,
-        step: tp.Union[int, tp.Any] = 0,
+        step: int | tp.Any = 0,
         **extra: tp.Any,
     ):
         self.moduledef = moduledef
@@ -164,9 +164,7 @@ class TrainState(pytreelib.Pytree, tp.Generic[M]):
 
         def __getattr__(self, name: str) -> tp.Any: ...
 
-    def apply(
-        self, state: tp.Union[State, str], *states: tp.Union[State, str]
-    ) -> ApplyCaller[tuple[tp.Any, Pure[State, M]]]:
+    def apply(self, state: State | str, *states: State | str) -> ApplyCaller[tuple[tp.Any, Pure[State, M]]]:
         """Runs the model functionally on the named (or given) states."""
         resolved = [getattr(self, s) if isinstance(s, str) else s for s in (state, *states)]
         return self.moduledef.apply(*resolved)

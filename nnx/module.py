@@ -146,11 +146,11 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
         """The static structure of the Module."""
         return _graph_flatten(self)[1]
 
-    def filter(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
+    def filter(self, *filters: Filter) -> State | tuple[State, ...]:
         """Like ``partition`` but returns only the states and drops unmatched nodes."""
         return self.get_state().filter(*filters)
 
-    def pop_state(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
+    def pop_state(self, *filters: Filter) -> State | tuple[State, ...]:
         """Removes the nodes matching ``filters`` from the Module and returns them."""
         if not filters:
             raise TypeError("pop_state needs at least one filter")
@@ -293,7 +293,7 @@ class ModuleDef(tp.Generic[M], reprlib.Representable):
         self._type = type
         self._index = index
         self._attributes = attributes
-        self._hash: tp.Optional[int] = None
+        self._hash: int | None = None
 
     @property
     def type(self) -> type[M]:
@@ -334,7 +334,7 @@ class ModuleDef(tp.Generic[M], reprlib.Representable):
             else:
                 yield reprlib.Attr(name, payload)
 
-    def merge(self, state: tp.Union[State, tp.Sequence[State]], *states: State) -> M:
+    def merge(self, state: State | tp.Sequence[State], *states: State) -> M:
         """Builds new Modules from ``states``, preserving sharing and cycles."""
         if not states and isinstance(state, State):
             mapping = state._mapping
@@ -344,9 +344,7 @@ class ModuleDef(tp.Generic[M], reprlib.Representable):
                 mapping.update(s._mapping)
         return _graph_unflatten(self, mapping)
 
-    def apply(
-        self, state: tp.Union[State, tp.Sequence[State]], *states: State
-    ) -> "ApplyCaller[tuple[tp.Any, Pure[State, M]]]":
+    def apply(self, state: State | tp.Sequence[State], *states: State) -> "ApplyCaller[tuple[tp.Any, Pure[State, M]]]":
         """Calls a Module built from ``states`` and returns ``(out, Pure)``.
 
         Example::
@@ -438,7 +436,7 @@ def _graph_unflatten(moduledef: ModuleDef[M], mapping: tp.Mapping[Path, tp.Any])
 
 # --- Pure and apply --------------------------------------------------------
 
-S = tp.TypeVar("S", bound=tp.Union[State, tuple[State, ...]])
+S = tp.TypeVar("S", bound=State | tuple[State, ...])
 
 
 class ApplyCaller(tp.Generic[A]):
@@ -468,7 +466,7 @@ class ApplyCaller(tp.Generic[A]):
         return self._finish(out, module)
 
 
-class Pure(tp.Tuple[S, ModuleDef[M]]):
+class Pure(tuple[S, ModuleDef[M]]):
     """A partitioned Module: the pytree tuple ``(states, moduledef)``.
 
     ``states`` is a ``State`` or a tuple of them; only they are leaves, the
@@ -505,7 +503,7 @@ class Pure(tp.Tuple[S, ModuleDef[M]]):
         states = _as_state_tuple(self.states)
         return states[0] if len(states) == 1 else State.merge(*states)
 
-    def filter(self, *filters: Filter) -> tp.Union[State, tuple[State, ...]]:
+    def filter(self, *filters: Filter) -> State | tuple[State, ...]:
         return self.get_state().filter(*filters)
 
     def partition(self, *filters: Filter) -> "Pure[tp.Any, M]":

@@ -31,8 +31,8 @@ else:
 
 Path = str
 Predicate = tp.Callable[[Path, tp.Any], bool]
-FilterLiteral = tp.Union[type, ellipsis, None, Predicate]
-Filter = tp.Union[FilterLiteral, tp.Sequence["Filter"]]
+FilterLiteral = tp.Union[type, ellipsis, None, Predicate]  # noqa: UP007 (a runtime alias)
+Filter = tp.Union[FilterLiteral, tp.Sequence["Filter"]]  # noqa: UP007 (a runtime alias)
 
 
 def to_predicate(filter: Filter) -> Predicate:
@@ -59,7 +59,7 @@ def to_predicate(filter: Filter) -> Predicate:
 class OfType:
     """Matches values that are instances of ``type``."""
 
-    type: tp.Union[type, tuple[type, ...]]
+    type: type | tuple[type, ...]
 
     def __call__(self, path: Path, value: tp.Any) -> bool:
         return isinstance(value, self.type)

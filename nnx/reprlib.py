@@ -25,7 +25,7 @@ import typing as tp
 class Object:
     """Header of a repr: the type name and the brackets around its attributes."""
 
-    type: tp.Union[str, type]
+    type: str | type
     start: str = "("
     end: str = ")"
     value_sep: str = "="
@@ -57,7 +57,7 @@ _printing = _Printing()
 class Representable:
     __slots__ = ()
 
-    def __nnx_repr__(self) -> tp.Iterator[tp.Union[Object, Attr]]:
+    def __nnx_repr__(self) -> tp.Iterator[Object | Attr]:
         raise NotImplementedError
 
     def __repr__(self) -> str:

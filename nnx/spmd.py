@@ -41,10 +41,10 @@ from nnx import containers
 PARTITION_NAME = "partition_name"
 """Key of ``metadata_params`` (``nnx.Scan``) naming the scanned axis."""
 
-LogicalName = tp.Optional[str]
+LogicalName = tp.Optional[str]  # noqa: UP045 (a runtime alias)
 LogicalNames = tp.Sequence[LogicalName]
-MeshAxes = tp.Union[None, str, tp.Tuple[str, ...]]
-LogicalRules = tp.Sequence[tp.Tuple[str, MeshAxes]]
+MeshAxes = tp.Union[None, str, tuple[str, ...]]  # noqa: UP007 (a runtime alias)
+LogicalRules = tp.Sequence[tuple[str, MeshAxes]]
 A = tp.TypeVar("A")
 F = tp.TypeVar("F", bound=tp.Callable[..., tp.Any])
 
@@ -61,7 +61,7 @@ class _RulesState(threading.local):
 _rules_state = _RulesState()
 
 
-def _freeze_rules(rules: tp.Optional[LogicalRules]) -> tuple:
+def _freeze_rules(rules: LogicalRules | None) -> tuple:
     if rules is None:
         return ()
     if isinstance(rules, (str, tp.Mapping)) or not isinstance(rules, tp.Iterable):
@@ -104,7 +104,7 @@ def logical_axis_rules(rules: LogicalRules) -> tp.Iterator[None]:
         _rules_state.rules = previous
 
 
-def _resolve_rules(rules: tp.Optional[LogicalRules]) -> tuple:
+def _resolve_rules(rules: LogicalRules | None) -> tuple:
     return _rules_state.rules if rules is None else _freeze_rules(rules)
 
 
@@ -158,9 +158,7 @@ def _assign_axes(names: LogicalNames, rules: tuple) -> list[tp.Any]:
     return result
 
 
-def logical_to_mesh_axes(
-    names: tp.Optional[LogicalNames], rules: tp.Optional[LogicalRules] = None
-) -> tp.Optional[PartitionSpec]:
+def logical_to_mesh_axes(names: LogicalNames | None, rules: LogicalRules | None = None) -> PartitionSpec | None:
     """The mesh ``PartitionSpec`` for one array's logical axis names.
 
     Rules are tried in order; a rule applies when its logical name is one of
@@ -182,7 +180,7 @@ def _is_logical_spec(x: tp.Any) -> bool:
     return isinstance(x, PartitionSpec) or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
 
 
-def logical_to_mesh(tree: A, rules: tp.Optional[LogicalRules] = None) -> A:
+def logical_to_mesh(tree: A, rules: LogicalRules | None = None) -> A:
     """Maps every logical ``PartitionSpec`` in ``tree`` to a mesh one.
 
     Usually applied to the result of :func:`get_partition_spec`::
@@ -198,7 +196,7 @@ def logical_to_mesh(tree: A, rules: tp.Optional[LogicalRules] = None) -> A:
     )
 
 
-def logical_to_mesh_sharding(tree: A, mesh: Mesh, rules: tp.Optional[LogicalRules] = None) -> A:
+def logical_to_mesh_sharding(tree: A, mesh: Mesh, rules: LogicalRules | None = None) -> A:
     """Like :func:`logical_to_mesh`, but gives ``NamedSharding``s on ``mesh``."""
     frozen = _resolve_rules(rules)
     return jax.tree.map(
@@ -244,7 +242,7 @@ class RulesFallback(enum.Enum):
     NO_CONSTRAINT = "no_constraint"
 
 
-def _legacy_mesh() -> tp.Optional[Mesh]:
+def _legacy_mesh() -> Mesh | None:
     """The mesh of a ``with mesh:`` block (JAX's older resource env), if any."""
     try:
         from jax._src import mesh as mesh_lib
@@ -292,8 +290,8 @@ def _constrain(x: tp.Any, spec: PartitionSpec, mesh: tp.Any) -> tp.Any:
 def with_logical_constraint(
     x: A,
     logical_spec: tp.Any,
-    rules: tp.Optional[LogicalRules] = None,
-    mesh: tp.Optional[Mesh] = None,
+    rules: LogicalRules | None = None,
+    mesh: Mesh | None = None,
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
 ) -> A:
     """``jax.lax.with_sharding_constraint`` with logical axis names.
@@ -347,8 +345,8 @@ class _LogicalUnbox:
     equal across calls and ``jax.jit`` keeps its cache.
     """
 
-    mesh: tp.Optional[Mesh] = None
-    rules: tp.Optional[tuple] = None
+    mesh: Mesh | None = None
+    rules: tuple | None = None
 
     def __call__(self, container: containers.Container[A]) -> A:
         sharding = vars(container).get("sharding")
@@ -360,8 +358,8 @@ class _LogicalUnbox:
 def with_logical_partitioning(
     initializer: F,
     sharding: LogicalNames,
-    mesh: tp.Optional[Mesh] = None,
-    rules: tp.Optional[LogicalRules] = None,
+    mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
     **metadata: tp.Any,
 ) -> F:
     """Wraps ``initializer`` so its result is laid out by logical axis names.

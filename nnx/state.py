@@ -29,7 +29,7 @@ class State(tp.Mapping[Path, Node], reprlib.Representable):
 
     def __init__(
         self,
-        mapping: tp.Union[tp.Mapping[Path, Node], tp.Iterable[tuple[Path, Node]]] = (),
+        mapping: tp.Mapping[Path, Node] | tp.Iterable[tuple[Path, Node]] = (),
         /,
     ):
         items = mapping.items() if isinstance(mapping, tp.Mapping) else mapping

@@ -183,7 +183,7 @@ class _Flat:
         self.leaves = leaves
         self.slots = self._slots(module, state, leaves)
 
-    def _slots(self, module: Module, state: State, leaves: list) -> tp.Optional[list]:
+    def _slots(self, module: Module, state: State, leaves: list) -> list | None:
         """Where each leaf lives, or None if some node does not hold exactly one.
 
         ``slots[i] = (attributes, copy, name, container type, metadata)`` for
@@ -339,7 +339,7 @@ class _Jitted:
         return f"nnx.jit({getattr(self._fun, '__qualname__', self._fun)!r})"
 
 
-def _shift_argnums(argnums: tp.Union[int, tp.Sequence[int], None]) -> tuple[int, ...]:
+def _shift_argnums(argnums: int | tp.Sequence[int] | None) -> tuple[int, ...]:
     """Maps argument indices of ``f(module, *args)`` onto ``pure(state, moduledef, *args)``."""
     if argnums is None:
         return ()
@@ -356,20 +356,20 @@ def _shift_argnums(argnums: tp.Union[int, tp.Sequence[int], None]) -> tuple[int,
 
 
 def jit(
-    fun: tp.Optional[F] = None,
+    fun: F | None = None,
     *,
     stateful: bool = True,
     in_shardings: tp.Any = _UNSPECIFIED,
     out_shardings: tp.Any = _UNSPECIFIED,
-    static_argnums: tp.Union[int, tp.Sequence[int], None] = None,
-    static_argnames: tp.Union[str, tp.Iterable[str], None] = None,
-    donate_argnums: tp.Union[int, tp.Sequence[int], None] = None,
-    donate_argnames: tp.Union[str, tp.Iterable[str], None] = None,
+    static_argnums: int | tp.Sequence[int] | None = None,
+    static_argnames: str | tp.Iterable[str] | None = None,
+    donate_argnums: int | tp.Sequence[int] | None = None,
+    donate_argnames: str | tp.Iterable[str] | None = None,
     keep_unused: bool = False,
-    device: tp.Optional[jax.Device] = None,
-    backend: tp.Optional[str] = None,
+    device: jax.Device | None = None,
+    backend: str | None = None,
     inline: bool = False,
-    compiler_options: tp.Optional[dict[str, tp.Any]] = None,
+    compiler_options: dict[str, tp.Any] | None = None,
 ) -> F:
     """``jax.jit`` for functions whose first argument is a Module.
 
@@ -436,7 +436,7 @@ def jit(
 
 
 def grad(
-    fun: tp.Optional[tp.Callable[..., tp.Any]] = None,
+    fun: tp.Callable[..., tp.Any] | None = None,
     wrt: Filter = containers.Param,
     *,
     stateful: bool = True,
@@ -584,7 +584,7 @@ def _adopt(target: Module, source: Module) -> None:
 # ------------------------------------------------------------------------------
 
 
-def _check_scan_length(variable_axes: tp.Mapping[Filter, int], length: tp.Optional[int]) -> None:
+def _check_scan_length(variable_axes: tp.Mapping[Filter, int], length: int | None) -> None:
     if variable_axes and length is None:
         raise ValueError(
             "Cannot use variable_axes without specifying a length: pass "
@@ -600,10 +600,10 @@ class _ScanOptions:
     split_rngs: contextlib.RngFilter
     in_axes: tp.Any
     out_axes: tp.Any
-    length: tp.Optional[int]
+    length: int | None
     reverse: bool
     unroll: int
-    data_transform: tp.Optional[tp.Callable[..., tp.Any]]
+    data_transform: tp.Callable[..., tp.Any] | None
     metadata_params: tp.Mapping[str, tp.Any]
 
     def __post_init__(self):
@@ -653,7 +653,7 @@ def _scan_init(
         split, broadcast, contextdef = _split_keys(ctx.partition(), options.split_rngs, options.length)
     else:
         split, broadcast, contextdef = {}, {}, None
-    moduledef: tp.Optional[ModuleDef[M]] = None
+    moduledef: ModuleDef[M] | None = None
 
     def init_one(split_keys, broadcast_keys):
         nonlocal moduledef
@@ -841,10 +841,10 @@ class Scan(Module, tp.Generic[M], metaclass=_LiftedMeta):
         split_rngs: contextlib.RngFilter = None,
         in_axes: tp.Any = 0,
         out_axes: tp.Any = 0,
-        length: tp.Optional[int] = None,
+        length: int | None = None,
         reverse: bool = False,
         unroll: int = 1,
-        data_transform: tp.Optional[tp.Callable[..., tp.Any]] = None,
+        data_transform: tp.Callable[..., tp.Any] | None = None,
         metadata_params: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     ):
         self.module_constructor = module_constructor
@@ -867,7 +867,7 @@ class Scan(Module, tp.Generic[M], metaclass=_LiftedMeta):
     def _check_options(
         *,
         variable_axes: tp.Mapping[Filter, int] = MappingProxyType({}),
-        length: tp.Optional[int] = None,
+        length: int | None = None,
         **options: tp.Any,
     ) -> None:
         _check_scan_length(variable_axes, length)
@@ -895,7 +895,7 @@ class Scan(Module, tp.Generic[M], metaclass=_LiftedMeta):
 
 
 def scan(
-    f: tp.Optional[F] = None,
+    f: F | None = None,
     *,
     variable_axes: tp.Mapping[Filter, int] = MappingProxyType({}),
     variable_broadcast: Filter = None,
@@ -903,12 +903,12 @@ def scan(
     split_rngs: contextlib.RngFilter = None,
     in_axes: tp.Any = 0,
     out_axes: tp.Any = 0,
-    length: tp.Optional[int] = None,
+    length: int | None = None,
     reverse: bool = False,
     unroll: int = 1,
-    data_transform: tp.Optional[tp.Callable[..., tp.Any]] = None,
+    data_transform: tp.Callable[..., tp.Any] | None = None,
     metadata_params: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-    is_init: tp.Optional[bool] = None,
+    is_init: bool | None = None,
 ) -> F:
     """Decorator form of :class:`Scan`, for a Module's methods.
 
@@ -984,10 +984,10 @@ def scan(
 class _RematOptions:
     prevent_cse: bool
     static_argnums: tuple[int, ...]
-    policy: tp.Optional[tp.Callable[..., bool]]
+    policy: tp.Callable[..., bool] | None
 
 
-def _as_argnums(argnums: tp.Union[int, tp.Sequence[int]]) -> tuple[int, ...]:
+def _as_argnums(argnums: int | tp.Sequence[int]) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
@@ -1049,8 +1049,8 @@ class Remat(Module, tp.Generic[M], metaclass=_LiftedMeta):
         module_init_kwargs: dict[str, tp.Any],
         *,
         prevent_cse: bool = True,
-        static_argnums: tp.Union[int, tp.Sequence[int]] = (),
-        policy: tp.Optional[tp.Callable[..., bool]] = None,
+        static_argnums: int | tp.Sequence[int] = (),
+        policy: tp.Callable[..., bool] | None = None,
     ):
         self.module_constructor = module_constructor
         self.options = _RematOptions(prevent_cse, _as_argnums(static_argnums), policy)
@@ -1076,12 +1076,12 @@ class Remat(Module, tp.Generic[M], metaclass=_LiftedMeta):
 
 
 def remat(
-    f: tp.Optional[F] = None,
+    f: F | None = None,
     *,
     prevent_cse: bool = True,
-    static_argnums: tp.Union[int, tp.Sequence[int]] = (),
-    policy: tp.Optional[tp.Callable[..., bool]] = None,
-    is_init: tp.Optional[bool] = None,
+    static_argnums: int | tp.Sequence[int] = (),
+    policy: tp.Callable[..., bool] | None = None,
+    is_init: bool | None = None,
 ) -> F:
     """Decorator form of :class:`Remat` for a Module's methods.
 

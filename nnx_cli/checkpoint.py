@@ -72,7 +72,8 @@ class Checkpointer:
 
     def _unreadable(self, step: int, what: str, error: Exception) -> UserError:
         return UserError(
-            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: {first_line(error)}); it may be damaged: "
+            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: "
+            f"{first_line(error)}); it may be damaged: "
             f"pick another step, or move that step directory away to fall back to the previous checkpoint"
         )
 

@@ -21,14 +21,14 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import yaml
 
 from nnx_cli.errors import UserError, did_you_mean
-
 
 # --------------------------------------------------------------------------- schema
 
@@ -187,7 +187,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         parts = key.split(".")
         _check_override_path(parts, item)
         node = raw
-        for i, part in enumerate(parts[:-1]):
+        for part in parts[:-1]:
             child = node.get(part)
             if child is None:
                 child = node[part] = {}

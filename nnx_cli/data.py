@@ -25,8 +25,9 @@ import io
 import queue
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -245,14 +246,16 @@ def _decode_images(ds: Any, key: str) -> np.ndarray:
         shapes = {p.shape for p in pixels}
         if len(shapes) > 1:
             raise UserError(
-                f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes ({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first"
+                f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes "
+                f"({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first"
             )
         array = np.stack(pixels)
     else:
         array = np.asarray(ds.with_format("numpy")[key][:])
     if array.ndim < 2 or not np.issubdtype(array.dtype, np.number):
         raise UserError(
-            f"config key 'data.image_key': column {key!r} holds {array.dtype} values of shape {array.shape[1:]}, not images"
+            f"config key 'data.image_key': column {key!r} holds {array.dtype} values of shape {array.shape[1:]}, not "
+            "images"
         )
     if array.ndim == 3:  # [N, H, W] greyscale
         array = array[..., None]
@@ -274,7 +277,8 @@ class Batches:
     def __init__(self, split: Split, batch_size: int, seed: int):
         if batch_size > len(split):
             raise UserError(
-                f"config key 'train.batch_size' ({batch_size}) is larger than the training split ({len(split)} examples)"
+                f"config key 'train.batch_size' ({batch_size}) is larger than the training split ({len(split)} "
+                "examples)"
             )
         self.arrays = split.arrays()
         self.size = len(split)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import difflib
 import functools
 import sys
-from typing import Any, Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -27,10 +26,10 @@ def evaluate(
     target: Path = typer.Argument(
         ..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False
     ),
-    overrides: Optional[list[str]] = typer.Argument(
+    overrides: list[str] | None = typer.Argument(
         None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.source=/data/mnist.", show_default=False
     ),
-    step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the latest)."),
+    step: int | None = typer.Option(None, help="Checkpoint step (default: the latest)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Evaluate a trained checkpoint and print its metrics."""
@@ -73,7 +72,8 @@ def evaluate(
         from rich.console import Console
 
         report.stderr_console().print(
-            f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} examples",
+            f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} "
+            "examples",
             markup=False,
             highlight=False,
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -33,13 +33,11 @@ def inspect_state(
     target: Path = typer.Argument(
         ..., metavar="TARGET", help="Config YAML, or a work dir / checkpoint dir.", show_default=False
     ),
-    overrides: Optional[list[str]] = typer.Argument(
+    overrides: list[str] | None = typer.Argument(
         None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. sharding.mesh.model=2.", show_default=False
     ),
-    filter_type: Optional[str] = typer.Option(
-        None, "--filter", help="Keep one Variable type, e.g. Param or BatchStat."
-    ),
-    depth: Optional[int] = typer.Option(None, min=1, help="Group paths to this many levels."),
+    filter_type: str | None = typer.Option(None, "--filter", help="Keep one Variable type, e.g. Param or BatchStat."),
+    depth: int | None = typer.Option(None, min=1, help="Group paths to this many levels."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
@@ -59,7 +57,8 @@ def inspect_state(
         types = sorted({e["type"] for e in entries})
         if filter_type not in types:
             raise UserError(
-                f"--filter {filter_type!r}: the model has no {filter_type!r} entries{did_you_mean(filter_type, types)}; types: {', '.join(types)}"
+                f"--filter {filter_type!r}: the model has no {filter_type!r} "
+                f"entries{did_you_mean(filter_type, types)}; types: {', '.join(types)}"
             )
         entries = [e for e in entries if e["type"] == filter_type]
     summary = summarize(entries)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import importlib
 import inspect as _pyinspect
+import itertools
 import math
 import typing
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,7 @@ def _hidden_axes(count: int) -> list[str]:
 def _mlp(sizes: Sequence[int], axes: Sequence[str], ctx: nnx.Context) -> nnx.Sequence:
     """Linear layers `sizes[0] -> sizes[1] -> ...`; layer i has axes `(axes[i], axes[i + 1])`."""
     return nnx.Sequence(
-        [_linear(a, b, (axes[i], axes[i + 1]), ctx) for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
+        [_linear(a, b, (axes[i], axes[i + 1]), ctx) for i, (a, b) in enumerate(itertools.pairwise(sizes))]
     )
 
 
@@ -233,7 +235,8 @@ class CNNClassifier(_Classifier):
             channels, height, width = f, height // 2, width // 2
         if height < 1 or width < 1:
             raise UserError(
-                f"model 'cnn_classifier': {len(features)} pooling stages shrink a {input_shape[0]}x{input_shape[1]} image to nothing; use fewer model.features"
+                f"model 'cnn_classifier': {len(features)} pooling stages shrink a {input_shape[0]}x{input_shape[1]} "
+                "image to nothing; use fewer model.features"
             )
         self.convs = nnx.Sequence(convs)
         self.norms = nnx.Sequence(norms)
@@ -295,7 +298,8 @@ def resolve_options(cfg: ModelConfig) -> dict[str, Any]:
         if key not in params:
             known = [*params, "name", "input_shape", "num_classes"]
             raise UserError(
-                f"unknown config key 'model.{key}' for model {cfg.name!r}{did_you_mean(key, known, 'model.')}; options: {', '.join(params) or 'none'} "
+                f"unknown config key 'model.{key}' for model {cfg.name!r}{did_you_mean(key, known, 'model.')}; "
+                f"options: {', '.join(params) or 'none'} "
                 f"(to switch models on the command line, replace the whole section: model={{name: {cfg.name}}})"
             )
     hints = _type_hints(cls.__init__)
@@ -332,11 +336,13 @@ def check_data(cfg: ModelConfig, cls: type, spec: DataSpec, has_labels: bool, la
     """The loaded data fits the model: the configured input shape, labels for a classifier."""
     if cfg.input_shape is not None and tuple(cfg.input_shape) != tuple(spec.input_shape):
         raise UserError(
-            f"config key 'model.input_shape' {list(cfg.input_shape)} does not match the data's inputs {list(spec.input_shape)}; set it to null to take the data's"
+            f"config key 'model.input_shape' {list(cfg.input_shape)} does not match the data's inputs "
+            f"{list(spec.input_shape)}; set it to null to take the data's"
         )
     if getattr(cls, "needs_labels", False) and not has_labels:
         raise UserError(
-            f"model {cfg.name!r} needs labels, but the dataset has no column {label_key!r}; set data.label_key to its label column"
+            f"model {cfg.name!r} needs labels, but the dataset has no column {label_key!r}; set data.label_key to "
+            "its label column"
         )
 
 

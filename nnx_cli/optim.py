@@ -17,7 +17,8 @@ total number of steps.
 from __future__ import annotations
 
 import inspect as _pyinspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optax
 
@@ -69,7 +70,7 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.Grad
         dict(cfg.options),
         "optimizer.",
         f"optax.{cfg.name}",
-        exclude={"learning_rate"},
+        exclude=frozenset({"learning_rate"}),
         fixed=("name", "learning_rate", "clip_grad_norm"),
     )
     try:
@@ -100,7 +101,8 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
     fn = getattr(optax, f"{name.removesuffix('_schedule')}_schedule", None)
     if fn is None:
         raise UserError(
-            f"config key 'optimizer.learning_rate.name': unknown optax schedule {name!r}{did_you_mean(name, schedule_names())}"
+            "config key 'optimizer.learning_rate.name': unknown optax schedule "
+            f"{name!r}{did_you_mean(name, schedule_names())}"
         )
     params = _signature(fn).parameters
     filled = (
@@ -123,7 +125,12 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
 
 
 def _check_kwargs(
-    fn: Callable, kwargs: dict[str, Any], prefix: str, what: str, exclude: set[str] = set(), fixed: tuple[str, ...] = ()
+    fn: Callable,
+    kwargs: dict[str, Any],
+    prefix: str,
+    what: str,
+    exclude: frozenset[str] = frozenset(),
+    fixed: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     params = {
         n: p

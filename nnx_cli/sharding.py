@@ -81,7 +81,8 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
             if size % _ways(mesh, axes):
                 raise UserError(
                     f"{entry} {list(leaf.shape)} cannot be split as {sharding.spec} over the mesh {dict(mesh.shape)}: "
-                    f"{size} is not divisible by {_ways(mesh, axes)}; change sharding.mesh, or map {name!r} to null in sharding.rules"
+                    f"{size} is not divisible by {_ways(mesh, axes)}; change sharding.mesh, or map {name!r} to null "
+                    "in sharding.rules"
                 )
     return shardings
 
@@ -130,12 +131,16 @@ class BatchLayout:
 def batch_layout(
     mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size"
 ) -> BatchLayout:
-    """The layout of batches of `batch_size` rows (config key `key`): split along the mesh axes of the logical `batch` axis."""
+    """The layout of batches of `batch_size` rows (config key `key`).
+
+    Rows are split along the mesh axes of the logical `batch` axis.
+    """
     spec = PartitionSpec(*nnx.spmd.logical_to_mesh_axes(("batch",), rules))
     ways = _ways(mesh, spec[0])
     if batch_size % ways:
         raise UserError(
-            f"config key {key!r} ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh {dict(mesh.shape)}"
+            f"config key {key!r} ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh "
+            f"{dict(mesh.shape)}"
         )
     sharding = NamedSharding(mesh, spec)
     return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))
@@ -157,8 +162,8 @@ def _process_rows(sharding: NamedSharding, batch_size: int) -> slice:
     for a, b in spans[1:]:
         if a != stop:
             raise UserError(
-                f"the mesh {dict(sharding.mesh.shape)} gives process {jax.process_index()} batch rows that are not contiguous; "
-                f"order sharding.mesh with the batch (data) axis first"
+                f"the mesh {dict(sharding.mesh.shape)} gives process {jax.process_index()} batch rows that are not "
+                "contiguous; order sharding.mesh with the batch (data) axis first"
             )
         stop = b
     return slice(start, stop)

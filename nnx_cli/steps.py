@@ -13,7 +13,8 @@ run draws exactly the keys an uninterrupted one would.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,8 @@ def check_step(
         jax.eval_shape(lambda s: tx.update(s["params"], s["opt_state"], s["params"]), abstract)
     except Exception as e:
         raise UserError(
-            f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: {first_line(e)}"
+            f"config section 'optimizer': the optimizer cannot update the parameters: {type(e).__name__}: "
+            f"{first_line(e)}"
         ) from None
     return list(metrics)
 

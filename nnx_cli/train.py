@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import typer
@@ -33,29 +33,30 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @report_errors
 def train(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file.", show_default=False),
-    overrides: Optional[list[str]] = typer.Argument(
+    overrides: list[str] | None = typer.Argument(
         None,
         metavar="[KEY=VALUE]...",
         help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.",
         show_default=False,
     ),
-    workdir: Optional[Path] = typer.Option(
+    workdir: Path | None = typer.Option(
         None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."
     ),
     resume: bool = typer.Option(
         True,
         "--resume/--no-resume",
-        help="Continue from the latest checkpoint in the work dir; --no-resume deletes the old checkpoints, metrics and images first.",
+        help="Continue from the latest checkpoint in the work dir; "
+        "--no-resume deletes the old checkpoints, metrics and images first.",
     ),
-    coordinator: Optional[str] = typer.Option(
+    coordinator: str | None = typer.Option(
         None,
         envvar="JAX_COORDINATOR_ADDRESS",
         help="Multi-process: HOST:PORT where process 0 runs the jax.distributed coordinator.",
     ),
-    num_processes: Optional[int] = typer.Option(
+    num_processes: int | None = typer.Option(
         None, envvar="JAX_NUM_PROCESSES", help="Multi-process: number of processes."
     ),
-    process_id: Optional[int] = typer.Option(
+    process_id: int | None = typer.Option(
         None, envvar="JAX_PROCESS_ID", help="Multi-process: this process's index, 0 to N-1."
     ),
 ) -> None:
@@ -90,7 +91,7 @@ class _Signals:
         self.signal: int | None = None
         self.in_loop = False
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> _Signals:
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
@@ -346,7 +347,8 @@ def _init_distributed(coordinator: str | None, num_processes: int | None, proces
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
         raise UserError(
-            f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N ({num_processes})"
+            f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N "
+            f"({num_processes})"
         )
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
 
 from nnx_cli.config import Config, load_config
 from nnx_cli.errors import UserError
-
 
 _LAYOUT = {"checkpoints": "a directory", "images": "a directory", "metrics.jsonl": "a file", "config.yaml": "a file"}
 
@@ -46,7 +46,7 @@ def lock_workdir(workdir: Path) -> IO:
     The lock lives as long as the returned file stays open, and the operating
     system drops it when the process ends, however it ends.
     """
-    f = open(workdir / ".lock", "a+")
+    f = open(workdir / ".lock", "a+")  # noqa: SIM115 (held open: the lock lasts as long as the file)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -54,7 +54,8 @@ def lock_workdir(workdir: Path) -> IO:
         holder = f.read().strip() or "unknown"
         f.close()
         raise UserError(
-            f"work dir {str(workdir)!r} is in use by another nnx-train (pid {holder}); wait for it to finish or pass another --workdir"
+            f"work dir {str(workdir)!r} is in use by another nnx-train (pid {holder}); wait for it to finish or pass "
+            "another --workdir"
         ) from None
     f.seek(0)
     f.truncate()
@@ -87,7 +88,8 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     elif path.name.isdigit() and (path / "state").is_dir():
         if step is not None and step != int(path.name):
             raise UserError(
-                f"--step {step} contradicts the step dir {str(path)!r}; pass the work dir with --step, or the step dir alone"
+                f"--step {step} contradicts the step dir {str(path)!r}; pass the work dir with --step, or the step "
+                "dir alone"
             )
         checkpoints, step = path.parent, int(path.name)
     else:
@@ -95,7 +97,8 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     steps = Checkpointer(checkpoints, read_only=True).all_steps() if checkpoints.is_dir() else []
     if not steps:
         raise UserError(
-            f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has checkpoints/"
+            f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has "
+            "checkpoints/"
         )
     if step is None:
         step = steps[-1]
@@ -107,6 +110,7 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     config = workdir / "config.yaml"
     if not config.is_file():
         raise UserError(
-            f"{str(config)!r} is missing: nnx-eval and nnx-inspect rebuild the model from the config nnx-train saved there"
+            f"{str(config)!r} is missing: nnx-eval and nnx-inspect rebuild the model from the config nnx-train saved "
+            "there"
         )
     return Run(workdir, checkpoints, step, load_config(config, overrides))

@@ -43,12 +43,17 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
 
 
 def cli(
-    name: str, *args: str, cwd: Path, timeout: float = 120, devices: int | None = None, extra_env: dict[str, str] = {}
+    name: str,
+    *args: str,
+    cwd: Path,
+    timeout: float = 120,
+    devices: int | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / name), *map(str, args)],
         cwd=cwd,
-        env=env(cwd, devices, **extra_env),
+        env=env(cwd, devices, **(extra_env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,

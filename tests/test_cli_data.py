@@ -26,7 +26,7 @@ def test_digits_has_train_and_test_splits_of_8x8_images():
     train = load_split(DataConfig(), "train")
     test = load_split(DataConfig(), "test")
     assert train.images.shape[1:] == (8, 8, 1) and len(train) + len(test) == 1797
-    assert train.images.dtype == np.float32 and 0.0 <= train.images.min() and train.images.max() <= 1.0
+    assert train.images.dtype == np.float32 and train.images.min() >= 0.0 and train.images.max() <= 1.0
     assert train.num_classes == 10
 
 

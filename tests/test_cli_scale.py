@@ -16,8 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from cli_support import ROOT, assert_user_error, cli, final_state, free_port, start, wait_for_checkpoint
+
 from nnx_cli.checkpoint import Checkpointer
 
 CONFIG = ROOT / "configs" / "digits_vae.yaml"

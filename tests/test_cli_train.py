@@ -17,8 +17,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from cli_support import assert_user_error, cli, final_state, start, wait_for_checkpoint
+
 from nnx_cli.checkpoint import Checkpointer
 
 STEPS = 240
@@ -175,7 +175,8 @@ def test_inspect_maps_logical_axes_to_the_mesh(project: Path):
 def test_cnn_classifier_with_a_schedule_checkpoints_its_batch_statistics(project: Path):
     (project / "cnn.yaml").write_text(
         "model: {name: cnn_classifier, features: [8]}\n"
-        "optimizer: {name: adamw, learning_rate: {name: warmup_cosine_decay, init_value: 0.0, peak_value: 1.0e-3, warmup_steps: 10}}\n"
+        "optimizer: {name: adamw, learning_rate: "
+        "{name: warmup_cosine_decay, init_value: 0.0, peak_value: 1.0e-3, warmup_steps: 10}}\n"
         "train: {batch_size: 750, epochs: 20, log_every: 10, eval_every: 40}\n"
     )
     result = cli("nnx-train", "cnn.yaml", "--workdir", "cnn", cwd=project)

@@ -237,7 +237,7 @@ def multi_device():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS"))
+    line = next(row for row in proc.stdout.splitlines() if row.startswith("RESULTS"))
     return json.loads(line[len("RESULTS") :])
 
 

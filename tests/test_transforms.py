@@ -548,7 +548,10 @@ def test_scan_metadata_params_add_the_layers_axis_outside_and_remove_it_inside()
         length=4,
         metadata_params={nnx.PARTITION_NAME: "layers"},
     )(ctx=nnx.context(0))
-    outside = lambda: s.get_state()["scan_module/linear/kernel"].sharding
+
+    def outside():
+        return s.get_state()["scan_module/linear/kernel"].sharding
+
     assert outside() == ("layers", "din", "dout")
     s(jnp.ones((1, 3)), None)
     assert seen == [("din", "dout")]

@@ -21,9 +21,9 @@ from nnx.nn import dtypes, initializers
 Array = jax.Array
 Dtype = tp.Any
 Shape = tp.Sequence[int]
-PrecisionLike = tp.Union[None, str, lax.Precision, tuple[str, str], tuple[lax.Precision, lax.Precision]]
-PaddingLike = tp.Union[str, int, Sequence[tp.Union[int, tuple[int, int]]]]
-LaxPadding = tp.Union[str, Sequence[tuple[int, int]]]
+PrecisionLike = tp.Union[None, str, lax.Precision, tuple[str, str], tuple[lax.Precision, lax.Precision]]  # noqa: UP007 (a runtime alias)
+PaddingLike = tp.Union[str, int, Sequence[int | tuple[int, int]]]  # noqa: UP007 (a runtime alias)
+LaxPadding = tp.Union[str, Sequence[tuple[int, int]]]  # noqa: UP007 (a runtime alias)
 DotGeneralT = tp.Callable[..., Array]
 
 default_kernel_init = initializers.lecun_normal()

@@ -21,7 +21,7 @@ from nnx.nn import dtypes, initializers
 
 Array = jax.Array
 Dtype = tp.Any
-Axes = tp.Union[int, tp.Sequence[int]]
+Axes = tp.Union[int, tp.Sequence[int]]  # noqa: UP007 (a runtime alias)
 
 
 def _canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import typing as tp
 from collections.abc import Sequence
 
 import jax
