@@ -24,6 +24,7 @@ import optax
 
 from nnx_cli.config import OptimizerConfig
 from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.registry import bind_options, signature
 
 
 def optimizer_names() -> list[str]:
@@ -33,7 +34,7 @@ def optimizer_names() -> list[str]:
         fn = getattr(optax, name)
         if name.startswith(("_", "scale_by")) or not _pyinspect.isfunction(fn) or name.endswith("schedule"):
             continue
-        params = list(_signature(fn).parameters)
+        params = list(signature(fn).parameters)
         if params and params[0] == "learning_rate":
             names.append(name)
     return names
@@ -65,12 +66,12 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.Grad
         )
     fn = getattr(optax, cfg.name)
     learning_rate = build_schedule(cfg.learning_rate, total_steps)
-    kwargs = _check_kwargs(
+    kwargs = bind_options(
         fn,
-        dict(cfg.options),
-        "optimizer.",
-        f"optax.{cfg.name}",
-        exclude=frozenset({"learning_rate"}),
+        cfg.options,
+        prefix="optimizer.",
+        what=f"optax.{cfg.name}",
+        skip=("learning_rate",),
         fixed=("name", "learning_rate", "clip_grad_norm"),
     )
     try:
@@ -104,7 +105,7 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
             "config key 'optimizer.learning_rate.name': unknown optax schedule "
             f"{name!r}{did_you_mean(name, schedule_names())}"
         )
-    params = _signature(fn).parameters
+    params = signature(fn).parameters
     filled = (
         "decay_steps" in params
         and "decay_steps" not in spec
@@ -112,7 +113,7 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
     )
     if filled:
         spec["decay_steps"] = total_steps
-    kwargs = _check_kwargs(fn, spec, "optimizer.learning_rate.", f"optax.{fn.__name__}", fixed=("name",))
+    kwargs = bind_options(fn, spec, prefix="optimizer.learning_rate.", what=f"optax.{fn.__name__}", fixed=("name",))
     if total_steps is None:
         return optax.constant_schedule(0.0)
     try:
@@ -122,34 +123,3 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
         raise UserError(
             f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}"
         ) from None
-
-
-def _check_kwargs(
-    fn: Callable,
-    kwargs: dict[str, Any],
-    prefix: str,
-    what: str,
-    exclude: frozenset[str] = frozenset(),
-    fixed: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    params = {
-        n: p
-        for n, p in _signature(fn).parameters.items()
-        if n not in exclude and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    }
-    for key in kwargs:
-        if key not in params:
-            raise UserError(
-                f"unknown config key {prefix + key!r} for {what}{did_you_mean(key, [*params, *fixed], prefix)}"
-            )
-    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs]
-    if missing:
-        raise UserError(f"config key {prefix + missing[0]!r} is required by {what}")
-    return kwargs
-
-
-def _signature(fn: Callable) -> _pyinspect.Signature:
-    try:
-        return _pyinspect.signature(fn)
-    except (TypeError, ValueError):
-        return _pyinspect.Signature()
