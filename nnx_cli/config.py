@@ -51,13 +51,21 @@ class DataConfig:
     image_key: str = "image"
     label_key: str | None = "label"
     binarize: float | None = None  # threshold on [0, 1] pixels; null keeps grey levels
+    text_key: str | None = None  # the column of documents; setting it makes this a text dataset
+    tokenizer: str = "bytes"  # bytes, a Hugging Face tokenizer's Hub id, or a tokenizer.json
+    seq_len: int = 256  # tokens per training window (text)
+    workers: int | None = None  # input-pipeline worker processes; null: the machine's cores, 0: none
+    cache_dir: str | None = None  # decoded / tokenized caches; null: under the `datasets` cache
+    on_device: bool | str = "auto"  # keep the training split on the devices: auto, true or false
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adam"  # any optax optimizer by name
+    name: str | None = "adam"  # any optax optimizer by name, or package.module:make; null with `chain`
     learning_rate: float | dict[str, Any] = 1e-3  # or {name: <optax schedule>, ...}
     clip_grad_norm: float | None = None
+    weight_decay_mask: str = "all"  # all, or kernels: decay parameters of two or more dimensions only
+    chain: list[dict[str, Any]] | None = None  # optax pieces [{name: scale_by_adam, b2: 0.99}, ...]
     options: dict[str, Any] = field(default_factory=dict)  # optax keywords
 
     open_section = True
@@ -71,12 +79,18 @@ class TrainConfig:
     log_every: int = 100
     eval_every: int = 1000
     eval_batch_size: int | None = None  # null: batch_size
+    eval_max_batches: int | None = None  # null: the whole eval split
+    steps_per_dispatch: int | str = "auto"  # optimizer steps per jitted call
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    deterministic: bool = False  # GPU: deterministic kernels, for exact resumption
+    profile: list[int] | None = None  # [start_step, num_steps]: a JAX profiler trace into the work dir
+    sample_prompts: list[str] | None = None  # language models: prompts sampled at each eval
 
 
 @dataclass
 class ShardingConfig:
     mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
-    rules: list[list[Any]] = field(default_factory=lambda: [["batch", "data"], ["hidden", "model"]])
+    rules: list[list[Any]] | None = None  # null: the model's default rules
 
 
 @dataclass
@@ -84,6 +98,13 @@ class CheckpointConfig:
     every_steps: int = 1000
     keep: int = 3
     async_: bool = field(default=True, metadata={"key": "async"})
+    init_from: str | None = None  # a work dir or step dir: start from its parameters (fine-tuning)
+    keep_best: dict[str, str] | None = None  # {metric: nelbo, mode: min}: also keep the best eval
+
+
+@dataclass
+class LoggingConfig:
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "console"])  # also tensorboard, wandb, pkg.mod:Class
 
 
 @dataclass
@@ -96,6 +117,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # --------------------------------------------------------------------------- YAML
@@ -438,8 +460,40 @@ def _check_values(cfg: Config) -> None:
     positive("train.epochs", t.epochs, allow_none=True)
     if t.steps is None and t.epochs is None:
         raise UserError("config keys 'train.steps' and 'train.epochs' are both null: set one of them")
+    positive("train.eval_max_batches", t.eval_max_batches, allow_none=True)
+    positive("train.grad_accum_steps", t.grad_accum_steps)
+    if t.batch_size % t.grad_accum_steps:
+        raise UserError(
+            f"config key 'train.batch_size' ({t.batch_size}) must be divisible by train.grad_accum_steps "
+            f"({t.grad_accum_steps}): each optimizer step averages that many equal micro-batches"
+        )
+    if t.steps_per_dispatch != "auto" and (isinstance(t.steps_per_dispatch, str) or t.steps_per_dispatch < 1):
+        raise UserError(
+            "config key 'train.steps_per_dispatch' must be auto or a positive integer, "
+            f"got {_show(t.steps_per_dispatch)}"
+        )
+    if t.profile is not None and (len(t.profile) != 2 or t.profile[0] < 0 or t.profile[1] < 1):
+        raise UserError(
+            f"config key 'train.profile' must be [start_step, num_steps] with num_steps >= 1, or null; got {t.profile}"
+        )
     positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
     positive("checkpoint.keep", cfg.checkpoint.keep)
+    best = cfg.checkpoint.keep_best
+    if best is not None and (set(best) != {"metric", "mode"} or best["mode"] not in ("min", "max")):
+        raise UserError(
+            f"config key 'checkpoint.keep_best' must be {{metric: <eval metric>, mode: min or max}} or null, got {best}"
+        )
+    d = cfg.data
+    positive("data.seq_len", d.seq_len)
+    if d.workers is not None and d.workers < 0:
+        raise UserError(f"config key 'data.workers' must be 0 (no worker processes) or more, or null, got {d.workers}")
+    if d.on_device not in ("auto", True, False):
+        raise UserError(f"config key 'data.on_device' must be auto, true or false, got {_show(d.on_device)}")
+    if cfg.optimizer.weight_decay_mask not in ("all", "kernels"):
+        raise UserError(
+            "config key 'optimizer.weight_decay_mask' must be all or kernels, "
+            f"got {_show(cfg.optimizer.weight_decay_mask)}"
+        )
     if cfg.data.binarize is not None and not 0.0 <= cfg.data.binarize <= 1.0:
         raise UserError(f"config key 'data.binarize' must be a threshold in [0, 1] or null, got {cfg.data.binarize}")
     if cfg.model.input_shape is not None and (not cfg.model.input_shape or min(cfg.model.input_shape) < 1):
@@ -451,7 +505,7 @@ def _check_values(cfg: Config) -> None:
             )
     if sum(1 for size in cfg.sharding.mesh.values() if size == -1) > 1:
         raise UserError("config key 'sharding.mesh': at most one axis may be -1")
-    for i, rule in enumerate(cfg.sharding.rules):
+    for i, rule in enumerate(cfg.sharding.rules or []):
         targets = rule[1] if len(rule) == 2 and isinstance(rule[1], list) else [rule[1]] if len(rule) == 2 else None
         if (
             len(rule) != 2

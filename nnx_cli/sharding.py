@@ -28,10 +28,13 @@ import nnx
 from nnx_cli.config import ShardingConfig, TrainConfig
 from nnx_cli.errors import UserError
 
+DEFAULT_RULES = [["batch", "data"], ["hidden", "model"]]  # a model class may declare its own `default_rules`
+
 
 def axis_rules(cfg: ShardingConfig) -> list[tuple[str, Any]]:
-    """`sharding.rules` as `(logical_axis, mesh_axis_or_axes_or_None)` pairs."""
-    return [(rule[0], tuple(rule[1]) if isinstance(rule[1], list) else rule[1]) for rule in cfg.rules]
+    """`sharding.rules` (null: :data:`DEFAULT_RULES`) as `(logical_axis, mesh_axis_or_axes_or_None)` pairs."""
+    rules = cfg.rules if cfg.rules is not None else DEFAULT_RULES
+    return [(rule[0], tuple(rule[1]) if isinstance(rule[1], list) else rule[1]) for rule in rules]
 
 
 def mesh_shape(cfg: ShardingConfig, device_count: int) -> dict[str, int]:

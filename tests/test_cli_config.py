@@ -80,7 +80,7 @@ def test_wrong_type_inside_a_mapping_names_the_inner_key():
 
 
 def test_nested_list_types_read_as_english():
-    with pytest.raises(UserError, match=r"'sharding\.rules' must be a list of lists, got 5"):
+    with pytest.raises(UserError, match=r"'sharding\.rules' must be a list of lists or null, got 5"):
         load_config(None, ["sharding.rules=5"])
 
 
