@@ -1,0 +1,108 @@
+"""An on-disk cache of arrays: built once, committed atomically, memory-mapped by every later run.
+
+Decoded images and tokenized text are kept as `.npy` files in one directory
+per (source, split, options, source fingerprint). A directory is built under
+an exclusive file lock into a private temporary directory, then renamed into
+place, so a concurrent run waits for it and an interrupted build leaves
+nothing that looks finished::
+
+    entry = get_or_build(cache_root(cfg.cache_dir), "mnist-train", {"source": ..., "fingerprint": ...}, build)
+    images = entry.array("images")      # np.memmap, read-only: pages come from disk as they are used
+
+`build(directory)` writes the arrays into `directory` (with
+`np.lib.format.open_memmap` for arrays larger than memory) and returns a
+JSON-able dict that is kept as the entry's `meta`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nnx_cli.errors import UserError
+
+VERSION = 1  # bump when the layout of an entry changes: old entries are then simply not found
+_META = "meta.json"
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """`data.cache_dir`, else `nnx/` under the `datasets` cache (`HF_DATASETS_CACHE`, `HF_HOME/datasets`, ...)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser() / "nnx"
+    hf_home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(hf_home).expanduser() / "datasets" / "nnx"
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A short stable hash of `parts` (JSON-able): what makes two cache entries the same."""
+    text = json.dumps({"version": VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Entry:
+    """A committed cache directory: its arrays (memory-mapped) and its `meta`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.meta: dict[str, Any] = json.loads((path / _META).read_text())
+
+    def array(self, name: str) -> np.ndarray:
+        return np.load(self.path / f"{name}.npy", mmap_mode="r")
+
+    def has(self, name: str) -> bool:
+        return (self.path / f"{name}.npy").is_file()
+
+
+def get_or_build(root: Path, name: str, parts: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Entry:
+    """The entry `root/<name>-<key of parts>`, built by `build` the first time it is asked for."""
+    final = root / f"{name}-{cache_key(parts)}"
+    if (final / _META).is_file():
+        return Entry(final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the data cache {str(root)!r} ({e.strerror or e}); set data.cache_dir") from None
+    with _locked(root / f"{final.name}.lock"):
+        if (final / _META).is_file():  # another process built it while this one waited
+            return Entry(final)
+        for stale in root.glob(f"{final.name}.partial-*"):  # left by a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = root / f"{final.name}.partial-{os.getpid()}"
+        partial.mkdir()
+        try:
+            meta = build(partial)
+            (partial / _META).write_text(json.dumps({"parts": parts, **meta}, default=str))
+            _fsync_tree(partial)
+            os.rename(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    return Entry(final)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits while another process builds the same entry
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush the entry's files before the rename commits it (a power cut never leaves a torn entry)."""
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
