@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.config import Config, DataConfig
+from nnx_cli.data.base import DataSpec
 from nnx_cli.errors import UserError, did_you_mean
 
 DIGITS = "sklearn:digits"
@@ -45,14 +46,6 @@ _KNOWN = {
     "kmnist": ((28, 28, 1), 10),
 }
 _FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """What a model needs to know about its inputs."""
-
-    input_shape: tuple[int, ...]
-    num_classes: int | None
 
 
 @dataclasses.dataclass
