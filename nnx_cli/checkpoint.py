@@ -1,4 +1,10 @@
-"""Orbax checkpoints of a run's train state, in `<workdir>/checkpoints/<step>/`.
+"""Orbax checkpoints of a run, in `<workdir>/checkpoints/<step>/`, as named items.
+
+A step holds `state` (the train state: params, optimizer state, step, other
+collections), `loop` (what exact resumption needs beyond it: the running
+metric sums since the last log) and `manifest` (JSON: the format and the
+items written). Readers restore the items they know and find; an item added
+later is simply absent from older checkpoints, which keep restoring.
 
 Any pytree of arrays can be saved; on disk it is a nested mapping named after
 the tree's key paths (`params/encoder/linear1/kernel`,
@@ -8,8 +14,9 @@ carrying shardings where the arrays should land) and returns the same tree
 structure::
 
     ckpt = Checkpointer(workdir / "checkpoints", keep=3)
-    ckpt.save(step, state)                   # asynchronous: returns once the arrays are copied
+    ckpt.save(step, state, loop=sums)        # asynchronous: returns once the arrays are copied
     state = ckpt.restore(ckpt.latest_step(), jax.eval_shape(init))
+    sums = ckpt.restore_item(step, "loop", abstract_sums)   # None for a checkpoint without it
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import orbax.checkpoint as ocp
 from nnx_cli.errors import UserError, first_line
 
 _ITEM = "state"
+LOOP = "loop"
+MANIFEST = "manifest"
+FORMAT = 2  # 1: `state` only (before named items)
 
 
 class Checkpointer:
@@ -38,9 +48,12 @@ class Checkpointer:
             read_only=read_only,
         )
         self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers={_ITEM: ocp.StandardCheckpointHandler()}
-        )
+        handlers = {
+            _ITEM: ocp.StandardCheckpointHandler(),
+            LOOP: ocp.StandardCheckpointHandler(),
+            MANIFEST: ocp.JsonCheckpointHandler(),
+        }
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -48,11 +61,29 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any) -> None:
-        """Save `state` at `step` (asynchronously if configured); the caller decides when."""
-        self.manager.save(
-            step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(to_named_tree(state))}), force=True
-        )
+    def save(self, step: int, state: Any, *, loop: Any = None) -> None:
+        """Save `state` (and the `loop` item) at `step`, asynchronously if configured; the caller decides when."""
+        items = {_ITEM: ocp.args.StandardSave(to_named_tree(state))}
+        if loop is not None:
+            items[LOOP] = ocp.args.StandardSave(to_named_tree(loop))
+        manifest = {"format": FORMAT, "step": step, "items": sorted([*items, MANIFEST])}
+        items[MANIFEST] = ocp.args.JsonSave(manifest)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def items(self, step: int) -> set[str]:
+        """The items the checkpoint at `step` holds (`{"state"}` for one written before named items)."""
+        return {p.name for p in (self.directory / str(step)).iterdir() if p.is_dir()}
+
+    def restore_item(self, step: int, item: str, target: Any) -> Any:
+        """Restore one item other than the train state into `target`'s structure; None when the checkpoint lacks it."""
+        if item not in self.items(step):
+            return None
+        abstract = to_named_tree(jax.tree.map(_as_abstract, target))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)}))
+        except Exception as e:
+            raise self._unreadable(step, "restored", e) from None
+        return from_named_tree(restored[item], target)
 
     def restore(self, step: int, target: Any) -> Any:
         """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`.

@@ -61,7 +61,7 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str | None = "adam"  # any optax optimizer by name, or package.module:make; null with `chain`
+    name: str | None = None  # any optax optimizer by name, or package.module:make; null: adam, or the chain
     learning_rate: float | dict[str, Any] = 1e-3  # or {name: <optax schedule>, ...}
     clip_grad_norm: float | None = None
     weight_decay_mask: str = "all"  # all, or kernels: decay parameters of two or more dimensions only

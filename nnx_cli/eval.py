@@ -9,13 +9,12 @@ evals during training. `--json` prints exactly one JSON object on stdout:
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 import typer
 
-from nnx_cli.errors import UserError, report_errors, run_app
+from nnx_cli.errors import report_errors, run_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -33,38 +32,17 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Evaluate a trained checkpoint and print its metrics."""
-    import jax
-
-    from nnx_cli import checkpoint, data, models, optim, report, sharding, steps
+    from nnx_cli import checkpoint, hooks, report, sharding
+    from nnx_cli.experiment import setup
     from nnx_cli.workdir import open_run
 
     run = open_run(target, overrides or [], step)
-    cfg = run.cfg
-    if not cfg.data.eval_split:
-        raise UserError(
-            "config key 'data.eval_split' is null: there is no split to evaluate; pass data.eval_split=<split>"
-        )
-    eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split")
-
-    build = models.model_factory(cfg.model, data.spec_from_config(cfg) or eval_split.spec)
-    tx = optim.build_optimizer(cfg.optimizer, total_steps=None)  # the state's structure is all a restore needs
-    moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
-    mesh = sharding.make_mesh(cfg.sharding)
-    rules = sharding.axis_rules(cfg.sharding)
-    state_shardings = sharding.state_shardings(abstract, mesh, rules)
-    target_state = sharding.with_shardings(abstract, state_shardings)
+    exp = setup(run.cfg, data="eval")
     ckpt = checkpoint.Checkpointer(run.checkpoints, read_only=True)
-    state = ckpt.restore(run.step, target_state)
+    state = ckpt.restore(run.step, exp.restore_target())
     ckpt.close()
-
-    layout = sharding.eval_batch_layout(mesh, rules, cfg.train)
-    eval_step = jax.jit(
-        functools.partial(steps.eval_step, moduledef, cfg.seed),
-        in_shardings=(state_shardings, layout.sharding, sharding.replicated(mesh)),
-        out_shardings=sharding.replicated(mesh),
-    )
-    batches = (layout.place(b) for b in data.eval_batches(eval_split, layout.size, layout.rows))
-    metrics = steps.evaluate(eval_step, state, batches, len(eval_split))
+    layout = sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
+    metrics = hooks.evaluator(exp, layout, sharding.replicated(exp.mesh))(state)
 
     if as_json:
         print(json.dumps({"step": run.step, "metrics": report.json_metrics(metrics)}))
@@ -72,8 +50,8 @@ def evaluate(
         from rich.console import Console
 
         report.stderr_console().print(
-            f"{run.checkpoints / str(run.step)} on {cfg.data.source} [{cfg.data.eval_split}], {len(eval_split)} "
-            "examples",
+            f"{run.checkpoints / str(run.step)} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], "
+            f"{len(exp.eval)} examples",
             markup=False,
             highlight=False,
         )

@@ -41,8 +41,8 @@ def inspect_state(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
-    from nnx_cli import optim
     from nnx_cli.config import load_config
+    from nnx_cli.experiment import setup
 
     if target.is_dir():
         from nnx_cli.workdir import open_run
@@ -51,8 +51,8 @@ def inspect_state(
         cfg, title = run.cfg, f"{run.checkpoints / str(run.step)}"
     else:
         cfg, title = load_config(target, overrides or []), str(target)
-    optim.build_optimizer(cfg.optimizer, total_steps=cfg.train.steps)  # the whole config is checked, not only the model
-    entries = state_entries(cfg)
+    exp = setup(cfg, data=None, place=False)  # the whole config is checked, not only the model
+    entries = state_entries(exp.abstract["params"] | exp.abstract["rest"], exp.rules)
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
         if filter_type not in types:
@@ -68,22 +68,10 @@ def inspect_state(
         _print_tables(title, cfg.model.name, entries, summary, depth)
 
 
-def state_entries(cfg: Any) -> list[dict[str, Any]]:
-    """One record per State entry of the model `cfg` describes, from shapes alone."""
-    import jax
-
+def state_entries(abstract: Any, rules: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """One record per entry of an abstract `State`: type, shape, dtype, size, bytes, logical and mesh axes."""
     import nnx
-    from nnx_cli import data, models, sharding
 
-    spec = data.spec_from_config(cfg)
-    if spec is None:
-        raise UserError(
-            f"cannot tell the input shape of data.source {cfg.data.source!r} without reading it: "
-            f"set model.input_shape (e.g. model.input_shape=[28,28,1]) and, for classifiers, model.num_classes"
-        )
-    build = models.model_factory(cfg.model, spec)
-    abstract = jax.eval_shape(lambda: build(nnx.context(cfg.seed)).get_state())
-    rules = sharding.axis_rules(cfg.sharding)
     entries = []
     for path, variable in abstract.items():
         value = getattr(variable, "value", variable)

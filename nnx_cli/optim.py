@@ -1,30 +1,49 @@
-"""Optax optimizers and learning-rate schedules by name.
+"""The `optimizer` section: an optax alias, your own factory, or a chain of optax pieces.
 
-The `optimizer` section names any optax optimizer (a function of
-`learning_rate`); its other keys are that function's keywords::
+Three ways to say what updates the parameters, each checked against the
+signatures it calls before anything runs::
 
-    optimizer:
+    optimizer:                      # 1. any optax optimizer by name; other keys are its keywords
       name: adamw
-      weight_decay: 1.0e-4
+      weight_decay: 0.1
+      weight_decay_mask: kernels    # decay only parameters of two or more dimensions
       learning_rate: {name: warmup_cosine_decay, init_value: 0.0, peak_value: 1.0e-3, warmup_steps: 100}
       clip_grad_norm: 1.0
 
-A schedule is any optax schedule, named with or without its `_schedule`
-suffix; a `decay_steps` it requires but the config leaves out is the run's
-total number of steps.
+    optimizer:                      # 2. your own factory, imported from the current directory
+      name: my_optim:make           # make(learning_rate, **keywords) -> optax.GradientTransformation
+      momentum: 0.9
+
+    optimizer:                      # 3. a chain of optax pieces, as optax's own aliases are built
+      learning_rate: 3.0e-4
+      chain:
+        - {name: clip_by_global_norm, max_norm: 1.0}
+        - {name: scale_by_adam, b2: 0.99}
+        - {name: add_decayed_weights, weight_decay: 0.1}
+        - {name: scale_by_learning_rate}   # takes optimizer.learning_rate
+
+A piece or factory with a `learning_rate` parameter the config leaves out
+gets `optimizer.learning_rate`. A schedule is any optax schedule, named with
+or without its `_schedule` suffix; a `decay_steps` it requires but the
+config leaves out is the run's total number of steps.
 """
 
 from __future__ import annotations
 
-import inspect as _pyinspect
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
 
 from nnx_cli.config import OptimizerConfig
 from nnx_cli.errors import UserError, did_you_mean
-from nnx_cli.registry import bind_options, signature
+from nnx_cli.registry import Registry, bind_options, signature
+
+Schedule = float | Callable[[Any], Any]
+DEFAULT = "adam"
+_FIXED = ("name", "learning_rate", "clip_grad_norm", "weight_decay_mask", "chain")
 
 
 def optimizer_names() -> list[str]:
@@ -32,12 +51,27 @@ def optimizer_names() -> list[str]:
     names = []
     for name in dir(optax):
         fn = getattr(optax, name)
-        if name.startswith(("_", "scale_by")) or not _pyinspect.isfunction(fn) or name.endswith("schedule"):
+        if name.startswith(("_", "scale_by")) or not inspect.isfunction(fn) or name.endswith("schedule"):
             continue
         params = list(signature(fn).parameters)
         if params and params[0] == "learning_rate":
             names.append(name)
     return names
+
+
+def _check_factory(obj: Any, name: str) -> None:
+    if not callable(obj):
+        raise UserError(
+            f"config key 'optimizer.name': {name!r} is not callable; expected a function returning an optax "
+            "GradientTransformation"
+        )
+
+
+OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry(
+    "optax optimizer", "optimizer.name", check=_check_factory
+)
+for _name in optimizer_names():
+    OPTIMIZERS.register(_name, getattr(optax, _name))
 
 
 def schedule_names() -> list[str]:
@@ -50,42 +84,108 @@ def schedule_names() -> list[str]:
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.GradientTransformation:
-    """The optax transformation the `optimizer` section describes.
+    """The optax transformation the `optimizer` section describes (see :func:`build`)."""
+    return build(cfg, total_steps)[0]
+
+
+def build(cfg: OptimizerConfig, total_steps: int | None) -> tuple[optax.GradientTransformation, Schedule]:
+    """The optimizer and its learning rate (a constant or a schedule of the step), for logging.
 
     With `total_steps=None` (run length unknown: checking a config, or
     restoring a checkpoint for eval) everything is validated and a schedule
     is replaced by a placeholder of the same kind, so the optimizer state has
     the structure of the real one.
 
-    >>> tx = build_optimizer(OptimizerConfig(name="sgd", learning_rate=0.1, options={"momentum": 0.9}), 100)
+    >>> tx, lr = build(OptimizerConfig(name="sgd", learning_rate=0.1, options={"momentum": 0.9}), 100)
     """
-    names = optimizer_names()
-    if cfg.name not in names:
-        raise UserError(
-            f"config key 'optimizer.name': unknown optax optimizer {cfg.name!r}{did_you_mean(cfg.name, names)}"
-        )
-    fn = getattr(optax, cfg.name)
     learning_rate = build_schedule(cfg.learning_rate, total_steps)
-    kwargs = bind_options(
-        fn,
-        cfg.options,
-        prefix="optimizer.",
-        what=f"optax.{cfg.name}",
-        skip=("learning_rate",),
-        fixed=("name", "learning_rate", "clip_grad_norm"),
-    )
-    try:
-        tx = fn(learning_rate=learning_rate, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"config section 'optimizer': optax.{cfg.name} rejected its arguments: {e}") from None
+    mask = _kernels_only if cfg.weight_decay_mask == "kernels" else None
+    if cfg.chain is not None:
+        if cfg.name is not None:
+            raise UserError(
+                f"config keys 'optimizer.name' ({cfg.name!r}) and 'optimizer.chain' are both set: the chain is the "
+                "whole optimizer, so set optimizer.name to null (or drop the chain)"
+            )
+        if cfg.options:
+            key = next(iter(cfg.options))
+            raise UserError(
+                f"config key 'optimizer.{key}' does not apply to a chain: give it to the chain piece it belongs to"
+            )
+        tx = optax.chain(*(_piece(p, i, learning_rate, mask) for i, p in enumerate(cfg.chain)))
+    else:
+        name = resolved_name(cfg)
+        tx = _call(OPTIMIZERS.get(name), dict(cfg.options), learning_rate, mask, "optimizer.", _describe(name))
     if cfg.clip_grad_norm is not None:
         if cfg.clip_grad_norm <= 0:
             raise UserError(f"config key 'optimizer.clip_grad_norm' must be positive or null, got {cfg.clip_grad_norm}")
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), tx)
+    return tx, learning_rate
+
+
+def resolved_name(cfg: OptimizerConfig) -> str | None:
+    """`optimizer.name`, where null means adam unless a chain is given."""
+    return cfg.name if cfg.name is not None or cfg.chain is not None else DEFAULT
+
+
+def _describe(name: str) -> str:
+    return name if ":" in name else f"optax.{name}"
+
+
+def _call(
+    fn: Callable, options: dict[str, Any], learning_rate: Schedule, mask: Callable | None, prefix: str, what: str
+) -> optax.GradientTransformation:
+    """Call an optimizer factory or chain piece with its config keywords, the learning rate and the decay mask."""
+    params = signature(fn).parameters
+    kwargs = bind_options(fn, options, prefix=prefix, what=what, skip=("learning_rate",), fixed=_FIXED)
+    if "learning_rate" in params:
+        kwargs["learning_rate"] = learning_rate
+    if mask is not None:
+        if "mask" not in params:
+            raise UserError(
+                f"config key 'optimizer.weight_decay_mask' is kernels, but {what} takes no weight-decay mask; "
+                "use an optimizer with weight decay (adamw, lion, ...) or add_decayed_weights in optimizer.chain"
+            )
+        kwargs.setdefault("mask", mask)
+    try:
+        tx = fn(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"config section {prefix.rstrip('.')!r}: {what} rejected its arguments: {e}") from None
+    if not isinstance(tx, optax.GradientTransformation):
+        raise UserError(
+            f"config section {prefix.rstrip('.')!r}: {what} returned {type(tx).__name__}, not an optax "
+            "GradientTransformation"
+        )
     return tx
 
 
-def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> float | Callable[[Any], Any]:
+def _piece(
+    spec: dict[str, Any], index: int, learning_rate: Schedule, mask: Callable | None
+) -> optax.GradientTransformation:
+    """One `optimizer.chain` entry: `{name: <optax function or package.module:fn>, **keywords}`."""
+    key = f"optimizer.chain[{index}]"
+    options = dict(spec)
+    name = options.pop("name", None)
+    if not isinstance(name, str):
+        raise UserError(
+            f"config key {key!r} needs a 'name': an optax function such as scale_by_adam, or package.module:fn"
+        )
+    if ":" in name:
+        fn = Registry("chain piece", f"{key}.name", check=_check_factory).get(name)
+    else:
+        fn = getattr(optax, name, None)
+        if not callable(fn) or name.startswith("_"):
+            pieces = [n for n in dir(optax) if not n.startswith("_") and callable(getattr(optax, n))]
+            raise UserError(f"config key '{key}.name': unknown optax function {name!r}{did_you_mean(name, pieces)}")
+    takes_mask = "mask" in signature(fn).parameters and name.endswith("add_decayed_weights")
+    return _call(fn, options, learning_rate, mask if takes_mask else None, f"{key}.", _describe(name))
+
+
+def _kernels_only(params: Any) -> Any:
+    """The `kernels` weight-decay mask: True for parameters of two or more dimensions (not biases, norms)."""
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Schedule:
     """A constant learning rate, or the optax schedule `{name: ..., **kwargs}` describes.
 
     `total_steps=None` checks the schedule and returns a placeholder schedule.
@@ -109,7 +209,7 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
     filled = (
         "decay_steps" in params
         and "decay_steps" not in spec
-        and params["decay_steps"].default is _pyinspect.Parameter.empty
+        and params["decay_steps"].default is inspect.Parameter.empty
     )
     if filled:
         spec["decay_steps"] = total_steps
@@ -123,3 +223,8 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> flo
         raise UserError(
             f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}"
         ) from None
+
+
+def learning_rate_at(schedule: Schedule, step: int) -> float:
+    """The learning rate of update number `step` (0-based), as a Python float."""
+    return float(schedule(step)) if callable(schedule) else float(schedule)

@@ -121,12 +121,20 @@ class BatchLayout:
     size: int
     rows: slice
 
-    def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Put this process's rows of a batch (`batch[k]` has `rows` rows) on its devices, as global arrays."""
+    @property
+    def stacked_sharding(self) -> NamedSharding:
+        """Several batches stacked along a new leading axis (one dispatch's worth): that axis is not split."""
+        return NamedSharding(self.sharding.mesh, PartitionSpec(None, *self.sharding.spec))
+
+    def place(self, batch: dict[str, np.ndarray], stacked: bool = False) -> dict[str, jax.Array]:
+        """Put this process's rows of a batch (`batch[k]` has `rows` rows; with `stacked`, `[n, rows, ...]`) on
+        its devices, as global arrays."""
+        sharding = self.stacked_sharding if stacked else self.sharding
         if jax.process_count() == 1:
-            return jax.device_put(batch, self.sharding)
+            return jax.device_put(batch, sharding)
+        lead = 1 if stacked else 0
         return {
-            k: jax.make_array_from_process_local_data(self.sharding, v, (self.size, *v.shape[1:]))
+            k: jax.make_array_from_process_local_data(sharding, v, (*v.shape[:lead], self.size, *v.shape[lead + 1 :]))
             for k, v in batch.items()
         }
 

@@ -45,9 +45,11 @@ def _context(seed: int, stream: int, index: jax.Array, training: bool) -> nnx.Co
 
 
 def empty_sums(metric_names: list[str]) -> dict[str, Any]:
-    """The train-metric accumulator between two log lines."""
+    """The train-metric accumulator between two log lines: metric sums, the gradient norm's sum, a step count,
+    and the first step whose loss was not finite (-1: none)."""
     return {
         "metrics": {k: jnp.zeros((), jnp.float32) for k in metric_names},
+        "grad_norm": jnp.zeros((), jnp.float32),
         "count": jnp.zeros((), jnp.int32),
         "bad_step": jnp.full((), -1, jnp.int32),
     }
@@ -81,10 +83,40 @@ def train_step(
     params = optax.apply_updates(state["params"], updates)
     sums = {
         "metrics": {k: sums["metrics"][k] + means[k] for k in sums["metrics"]},
+        "grad_norm": sums["grad_norm"] + optax.global_norm(grads),
         "count": sums["count"] + 1,
         "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
     }
     return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums, loss
+
+
+def train_dispatch(
+    moduledef: nnx.ModuleDef,
+    tx: optax.GradientTransformation,
+    loss_metric: str,
+    seed: int,
+    prepare: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
+    read: Callable[[Any, jax.Array], dict[str, jax.Array]] | None,
+    state: TrainState,
+    sums: dict[str, Any],
+    xs: Any,
+    stored: Any = None,
+) -> tuple[TrainState, dict[str, Any], jax.Array]:
+    """`k` optimizer steps in one `lax.scan`: the unit the loop dispatches.
+
+    `xs` holds, stacked along a leading axis of length `k`, either the stored
+    rows of `k` batches (host-fed) or, with `read` and `stored` (the split on
+    the devices), their example keys; `prepare` turns stored rows into model
+    inputs. On CPU the result is bit-identical to `k` single steps.
+    """
+
+    def body(carry: tuple[TrainState, dict[str, Any]], x: Any) -> tuple[tuple[TrainState, dict[str, Any]], jax.Array]:
+        batch = prepare(read(stored, x) if read is not None else x)
+        state, sums, loss = train_step(moduledef, tx, loss_metric, seed, *carry, batch)
+        return (state, sums), loss
+
+    (state, sums), losses = jax.lax.scan(body, (state, sums), xs)
+    return state, sums, losses[-1]
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -133,18 +165,29 @@ def check_step(
 
 
 def eval_step(
-    moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array], index: jax.Array
+    moduledef: nnx.ModuleDef,
+    seed: int,
+    prepare: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    index: jax.Array,
 ) -> dict[str, jax.Array]:
     """Sums of the per-example metrics over the rows `batch["mask"]` marks as real."""
     ctx = _context(seed, _EVAL, index, training=False)
-    metrics, _ = moduledef.apply(state["params"], state["rest"]).metrics(batch, ctx)
+    metrics, _ = moduledef.apply(state["params"], state["rest"]).metrics(prepare(batch), ctx)
     return {k: jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}
 
 
-def images_step(moduledef: nnx.ModuleDef, seed: int, state: TrainState, batch: dict[str, jax.Array]) -> jax.Array:
+def images_step(
+    moduledef: nnx.ModuleDef,
+    seed: int,
+    prepare: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
+    state: TrainState,
+    batch: dict[str, jax.Array],
+) -> jax.Array:
     """The model's `images` (reconstructions, samples) for a PNG grid."""
     ctx = _context(seed, _IMAGES, jnp.zeros((), jnp.int32), training=False)
-    images, _ = moduledef.apply(state["params"], state["rest"]).images(batch, ctx)
+    images, _ = moduledef.apply(state["params"], state["rest"]).images(prepare(batch), ctx)
     return images
 
 
@@ -154,7 +197,7 @@ def evaluate(
     batches: Any,
     count: int,
 ) -> dict[str, float]:
-    """Average the jitted `eval_step` sums over all eval batches: per-example means."""
+    """Average the jitted `eval_step` sums over the eval batches: per-example means over `count` real rows."""
     totals: dict[str, jax.Array] | None = None
     for i, batch in enumerate(batches):
         sums = run_eval(state, batch, jnp.asarray(i, jnp.int32))

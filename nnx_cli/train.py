@@ -1,30 +1,34 @@
 """`nnx-train CONFIG [KEY=VALUE ...]`: train a model from a YAML config.
 
-The run, top to bottom in `run`: config -> data -> model + optimizer -> mesh
-and placed state (fresh or restored) -> jitted steps -> loop with logs,
-evals and checkpoints -> final checkpoint. Writes config.yaml,
-checkpoints/<step>/, metrics.jsonl and images/<step>.png into the work dir.
+The recipe, top to bottom in :func:`run`::
+
+    exp = setup(cfg)                          # 1. the config resolved: model, optimizer, data, mesh, shardings
+    session = open_session(exp, workdir)      # 2. the work dir: locked, a checkpoint restored or a fresh state
+    loop, feed, dispatch, hooks = prepare(exp, session)   # 3. the loop's state, inputs, jitted steps, hooks
+    loop.run(...)                             # 4. for each dispatch: k train steps, then the hooks due
+    session.close()                           # 5. clean up
+
+Writes config.yaml, run.json, checkpoints/<step>/, metrics.jsonl and
+images/<step>.png into the work dir.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
-import os
+import dataclasses
+import math
 import shutil
 import signal
-import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-import numpy as np
 import typer
 
+from nnx_cli import distributed as _distributed
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
-from nnx_cli.errors import EXIT_INTERRUPTED, RunError, UserError, first_line, report_errors, run_app
+from nnx_cli.distributed import Signals
+from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
 
-_MAX_IN_FLIGHT = 2  # steps dispatched ahead of the one being computed
-_STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM this often (in steps)
+_STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM about this often (in steps)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -61,7 +65,7 @@ def train(
     ),
 ) -> None:
     """Train the model a config describes, writing checkpoints and metrics to the work dir."""
-    with _Signals() as signals:
+    with Signals() as signals:
         cfg = load_config(config, overrides or [])
         workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
         raise SystemExit(
@@ -73,66 +77,13 @@ def main() -> None:
     run_app(app)
 
 
-class _Signals:
-    """What SIGINT and SIGTERM do during a run.
-
-    Until the training loop starts nothing would be lost, so a signal ends the
-    process at once (exit 130). In the loop the first signal asks to stop
-    after the current step, which writes a checkpoint; a second one ends the
-    process at once (the last committed checkpoint stays intact: Orbax commits
-    by renaming a finished directory).
-
-    In a multi-process run every process must stop after the same step (a
-    process that ran one step more would wait forever in its collectives), so
-    the processes compare flags every `_STOP_VOTE_EVERY` steps.
-    """
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self.in_loop = False
-
-    def __enter__(self) -> _Signals:
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if not self.in_loop or self.signal is not None:
-            _exit_now(signum)
-        self.signal = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def agreed(self, step: int) -> bool:
-        """Whether to stop after `step`; the same answer on every process."""
-        import jax
-
-        if jax.process_count() == 1:
-            return self.signal is not None
-        if step % _STOP_VOTE_EVERY:
-            return False
-        from jax.experimental import multihost_utils
-
-        votes = multihost_utils.process_allgather(np.int32(self.signal or 0))
-        self.signal = self.signal or int(votes.max()) or None
-        return self.signal is not None
-
-
-def _exit_now(signum: int) -> None:
-    """Leave without unwinding: raising into JAX's compiler or Orbax's threads can crash the interpreter."""
-    sys.stdout.flush()
-    print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
-
-
 def run(
     cfg: Config,
     workdir: Path,
     *,
     resume: bool = True,
     distributed: tuple = (None, None, None),
-    signals: _Signals | None = None,
+    signals: Signals | None = None,
 ) -> int:
     """Train; return the exit status (0, or 130 when interrupted). Raises UserError / RunError.
 
@@ -142,242 +93,162 @@ def run(
     import jax
 
     import nnx
-    from nnx_cli import checkpoint, data, models, optim, report, sharding, steps
-    from nnx_cli.workdir import check_workdir, lock_workdir
+    from nnx_cli import loop as loops
+    from nnx_cli.experiment import setup
+    from nnx_cli.workdir import check_workdir
 
-    signals = signals or _Signals()
-    _init_distributed(*distributed)
-    is_main = jax.process_index() == 0
-    console = report.stderr_console(quiet=not is_main)
-
-    # 0. Names in the config and the work dir are checked before any data is read (or downloaded).
-    model_cls = models.model_class(cfg.model.name)
-    cfg.model.options = models.resolve_options(cfg.model)  # checked, defaults filled in: the saved config is complete
-    optim.build_optimizer(cfg.optimizer, total_steps=cfg.train.steps)
-    check_workdir(workdir)
-
-    # 1. Data, decoded once into arrays.
-    train_split = data.load_split(cfg.data, cfg.data.train_split, "data.train_split")
-    eval_split = data.load_split(cfg.data, cfg.data.eval_split, "data.eval_split") if cfg.data.eval_split else None
-    models.check_data(cfg.model, model_cls, train_split.spec, train_split.labels is not None, cfg.data.label_key)
-    batches = data.Batches(train_split, cfg.train.batch_size, cfg.seed)
-    total_steps = cfg.train.steps or cfg.train.epochs * batches.steps_per_epoch
-
-    # 2. Model and optimizer, built abstractly and traced through one train step (nothing allocated).
-    build = models.model_factory(cfg.model, train_split.spec)
-    cfg.model.input_shape = cfg.model.input_shape or list(train_split.spec.input_shape)
-    if cfg.model.num_classes is None:
-        cfg.model.num_classes = train_split.spec.num_classes
-    tx = optim.build_optimizer(cfg.optimizer, total_steps)
-    moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
-    names = steps.check_step(moduledef, tx, cfg.model.name, abstract, jax.eval_shape(lambda: batches.get(0)))
-
-    # 3. One mesh; the state's shardings come from the parameters' logical axes.
-    mesh = sharding.make_mesh(cfg.sharding)
-    rules = sharding.axis_rules(cfg.sharding)
-    state_shardings = sharding.state_shardings(abstract, mesh, rules)
-    scalar = sharding.replicated(mesh)
-    train_layout = sharding.batch_layout(mesh, rules, cfg.train.batch_size)
-    eval_layout = sharding.eval_batch_layout(mesh, rules, cfg.train)
-    target = sharding.with_shardings(abstract, state_shardings)
-
-    # 4. The work dir: one run at a time; a checkpoint to resume must fit the config; only then is anything written.
-    ckpt_dir = workdir / "checkpoints"
-    lock = lock_workdir(workdir) if is_main else None  # held until this function returns
-    start = None
-    if resume:  # the latest checkpoint, restored straight into its shardings (a mismatch is a UserError)
-        ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
-        start = ckpt.latest_step()
-        if start is not None:
-            state = ckpt.restore(start, target)
-            console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
-    elif is_main:
-        for old in (ckpt_dir, workdir / "images"):
-            shutil.rmtree(old, ignore_errors=True)
-        (workdir / "metrics.jsonl").unlink(missing_ok=True)
-    _barrier("nnx-train: work dir ready")
-    if not resume:
-        ckpt = checkpoint.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_=cfg.checkpoint.async_)
-    if is_main:
-        dump_yaml(to_dict(cfg), workdir / "config.yaml")
-
-    # 5. Or a fresh state, created on the devices in its shardings.
-    if start is None:
-        start = 0
-        state = jax.jit(lambda: steps.init_state(build, tx, cfg.seed)[1], out_shardings=state_shardings)()
-    if start >= total_steps:
-        console.print(f"nothing to do: the work dir is already at step {start} of {total_steps}", highlight=False)
-        ckpt.close()
-        return 0
-
-    # 6. The jitted steps over pure state; the state keeps its shardings from step to step.
-    loss_metric = model_cls.loss_metric
-    train_step = jax.jit(
-        functools.partial(steps.train_step, moduledef, tx, loss_metric, cfg.seed),
-        in_shardings=(state_shardings, scalar, train_layout.sharding),
-        out_shardings=(state_shardings, scalar, scalar),
-        donate_argnums=(0, 1),
-    )
-    eval_step = jax.jit(
-        functools.partial(steps.eval_step, moduledef, cfg.seed),
-        in_shardings=(state_shardings, eval_layout.sharding, scalar),
-        out_shardings=scalar,
-    )
-    has_images = hasattr(model_cls, "images") and len(train_split.spec.input_shape) == 3
-    images_step = (
-        jax.jit(functools.partial(steps.images_step, moduledef, cfg.seed), out_shardings=scalar) if has_images else None
-    )
-
-    log = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start) if is_main else None
-    progress = report.Progress(console, start, total_steps, loss_metric)
-
-    def run_eval(step: int) -> None:
-        """Every process computes (the arrays span all of them); process 0 writes."""
-        if eval_split is None:
-            return
-        placed = (eval_layout.place(b) for b in data.eval_batches(eval_split, eval_layout.size, eval_layout.rows))
-        metrics = steps.evaluate(eval_step, state, placed, len(eval_split))
-        images = None
-        if images_step is not None:
-            first = eval_layout.place(next(data.eval_batches(eval_split, eval_layout.size, eval_layout.rows)))
-            images = jax.device_get(images_step(state, first))
-        if log is not None:
-            log.write(step, "eval", metrics)
-            progress.print(report.metrics_table(f"eval at step {step}", metrics))
-            if images is not None:
-                report.write_image_grid(images, workdir / "images" / f"{step}.png")
-
-    params_finite = jax.jit(steps.all_finite)
-
-    def check_finite(sums: dict[str, Any], step: int, *, params: bool = False) -> None:
-        """Stop the run (RunError) once a loss, or with `params` the parameters, are not finite."""
-        bad = int(sums["bad_step"])
-        if bad >= 0:
-            what = f"the loss became non-finite at step {bad + 1}"
-        elif params and not bool(params_finite(state["params"])):
-            what = f"the parameters are non-finite at step {step}"
-        else:
-            return
-        ckpt.wait()
-        last = ckpt.latest_step()
-        kept = (
-            f"the last good checkpoint is {ckpt_dir / str(last)}" if last is not None else "no checkpoint was written"
-        )
-        raise RunError(f"{what} (training stopped at step {step}); {kept}")
-
-    # 7. The loop. Batch i of epoch e comes from (seed, e); keys from (seed, step).
-    sums = steps.empty_sums(names)
-    step = saved = start
-    stopped = None
-    signals.in_loop = True
+    signals = signals or Signals()
+    _distributed.init(*distributed)
+    check_workdir(workdir)  # before any data is read or downloaded
+    exp = setup(cfg, data="train")
+    session = open_session(exp, workdir, resume)
     try:
-        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-            feed = data.prefetch(
-                lambda s: train_layout.place(batches.get(s, train_layout.rows)), range(start, total_steps)
-            )
-            in_flight: collections.deque = collections.deque()
-            for batch in feed:
-                state, sums, loss = train_step(state, sums, batch)
-                step += 1
-                progress.tick(step)
-                in_flight.append(loss)
-                if (
-                    len(in_flight) > _MAX_IN_FLIGHT
-                ):  # bound async dispatch: keeps collectives on few CPU cores from starving
-                    in_flight.popleft().block_until_ready()
-                if step % cfg.train.log_every == 0 or step == total_steps:
-                    host = jax.device_get(sums)
-                    check_finite(host, step)
-                    metrics = {k: v / max(int(host["count"]), 1) for k, v in host["metrics"].items()}
-                    progress.log(step, metrics)
-                    if log is not None:
-                        log.write(step, "train", metrics)
-                    sums = steps.empty_sums(names)
-                if step % cfg.checkpoint.every_steps == 0 and step != total_steps:
-                    check_finite(jax.device_get(sums), step, params=True)
-                    ckpt.save(step, state)
-                    saved = step
-                if step % cfg.train.eval_every == 0 and step != total_steps:
-                    check_finite(jax.device_get(sums), step, params=True)
-                    run_eval(step)
-                if signals.agreed(step):
-                    stopped = signals.signal
-                    break
-            feed.close()
-            check_finite(jax.device_get(sums), step, params=True)
-            if step != saved:
-                ckpt.save(step, state)
-            ckpt.wait()
-            if stopped is None:
-                run_eval(step)
+        if session.start >= exp.total_steps:
+            session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
+            return 0
+        loop, feed, dispatch, hooks = prepare(exp, session, signals)
+        signals.in_loop = True
+        with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules):
+            loops.run(loop, feed, dispatch, hooks)
     finally:
-        progress.close()
-        ckpt.close()
-        if lock is not None:
-            lock.close()
-    if stopped is not None:
-        console.print(
-            f"interrupted by {signal.Signals(stopped).name}: checkpoint written at {ckpt_dir / str(step)}",
-            highlight=False,
-        )
+        session.close()
+    where = session.workdir / "checkpoints" / str(loop.step)
+    if loop.stop_signal is not None:
+        session.say(f"interrupted by {signal.Signals(loop.stop_signal).name}: checkpoint written at {where}")
         return EXIT_INTERRUPTED
-    console.print(f"done: {step} steps, checkpoint {ckpt_dir / str(step)}", highlight=False)
+    session.say(f"done: {loop.step} steps, checkpoint {where}")
     return 0
 
 
-def _init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
-    """Join a multi-process run through `jax.distributed.initialize`.
+@dataclasses.dataclass
+class Session:
+    """A run's hold on its work dir: the lock, the checkpointer, the loggers, and where training starts."""
 
-    Either from the flags (or `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-    `JAX_PROCESS_ID`), where JAX fills in what a cluster manager it knows
-    provides; or, with no flags, inside a SLURM or Open MPI job of more than
-    one task, entirely from that job's environment. Otherwise a single process.
-    """
+    workdir: Path
+    checkpointer: Any
+    lock: IO | None
+    console: Any
+    loggers: list[Any]
+    start: int
+    state: Any
+    sums: Any
+
+    def say(self, message: str) -> None:
+        self.console.print(message, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+        self.checkpointer.close()
+        if self.lock is not None:
+            self.lock.close()
+
+
+def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
+    """Lock the work dir, then resume from its latest checkpoint (which must fit the config) or start afresh;
+    only then write the resolved config and run.json."""
+    from nnx_cli import report, steps
+    from nnx_cli.checkpoint import LOOP, Checkpointer
+    from nnx_cli.workdir import lock_workdir, write_run_info
+
+    is_main = _distributed.is_main()
+    console = report.stderr_console(quiet=not is_main)
+    ckpt_dir = workdir / "checkpoints"
+    lock = lock_workdir(workdir) if is_main else None  # held until the session closes
+    if not resume and is_main:
+        for old in (ckpt_dir, workdir / "images"):
+            shutil.rmtree(old, ignore_errors=True)
+        (workdir / "metrics.jsonl").unlink(missing_ok=True)
+    _distributed.barrier("nnx-train: work dir ready")
+    keep = exp.cfg.checkpoint
+    checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)
+    start = checkpointer.latest_step() if resume else None
+    sums = steps.empty_sums(exp.metric_names)
+    if start is not None:
+        state = checkpointer.restore(start, exp.restore_target())
+        sums = checkpointer.restore_item(start, LOOP, _replicated(exp, sums)) or sums
+        console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
+    else:
+        start, state = 0, exp.init_state()
+    if is_main:
+        dump_yaml(to_dict(exp.cfg), workdir / "config.yaml")
+        write_run_info(workdir, exp)
+    loggers = _loggers(exp, workdir, start, console) if is_main else []
+    return Session(workdir, checkpointer, lock, console, loggers, start, state, sums)
+
+
+def _replicated(exp: Any, tree: Any) -> Any:
     import jax
 
-    if coordinator is None and num_processes is None and process_id is None:
-        if _cluster_tasks() > 1:
-            jax.distributed.initialize()
-        return
-    if coordinator is not None and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
-        raise UserError(
-            f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)"
-        )
-    if num_processes is not None and num_processes < 1:
-        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
-    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
-        raise UserError(
-            f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N "
-            f"({num_processes})"
-        )
-    try:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
-    except ValueError as e:  # JAX found no cluster manager to fill in what is missing
-        raise UserError(
-            f"cannot start a multi-process run ({e}): pass all of --coordinator HOST:PORT, --num-processes N and "
-            f"--process-id I, or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
-        ) from None
-    except Exception as e:  # the coordinator could not be reached, or not every process joined in time
-        raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
+    scalar = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=scalar), tree)
 
 
-def _cluster_tasks() -> int:
-    """Processes in the SLURM or Open MPI job this process belongs to (1 outside one)."""
-    for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):  # set for each task that srun / mpirun starts
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
-def _barrier(name: str) -> None:
-    """Wait until every process reaches this point (nothing to wait for in a single-process run)."""
+def prepare(exp: Any, session: Session, signals: Signals) -> tuple[Any, Any, Any, list[Any]]:
+    """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run."""
     import jax
 
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    from nnx_cli import hooks, sharding
+    from nnx_cli import loop as loops
+    from nnx_cli.experiment import count_params
 
-        multihost_utils.sync_global_devices(name)
+    cfg, t = exp.cfg, exp.cfg.train
+    intervals = {
+        "train.log_every": t.log_every,
+        "train.eval_every": t.eval_every,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+    }
+    k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract))
+    layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
+    scalar = sharding.replicated(exp.mesh)
+    feed = loops.host_feed(exp.train, layout, session.start, exp.total_steps, k, t.batch_size)
+    dispatch = loops.compile_dispatch(exp, layout)
+    guard = hooks.Guard(session.checkpointer, session.workdir / "checkpoints")
+    tokens = cfg.data.seq_len if exp.spec.tokenizer else 0
+    log = hooks.LogMetrics(t.log_every, session.loggers, guard, batch_size=t.batch_size, tokens_per_example=tokens)
+    chosen = [log, hooks.Checkpoint(cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start)]
+    if exp.eval is not None:
+        eval_layout = sharding.eval_batch_layout(exp.mesh, exp.rules, t)
+        chosen.append(hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard))
+        if exp.has_images:
+            images = session.workdir / "images" if session.lock is not None else None
+            chosen.append(hooks.ImageGrid(t.eval_every, hooks.image_maker(exp, eval_layout, scalar), images, guard))
+    if t.profile is not None:
+        chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
+    vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)
+    chosen.append(hooks.StopVote(vote, signals))
+    loop = loops.Loop(exp, session.state, session.sums, step=session.start, total=exp.total_steps)
+    return loop, feed, dispatch, chosen
+
+
+def _loggers(exp: Any, workdir: Path, start: int, console: Any) -> list[Any]:
+    """Interim: metrics.jsonl and the console, until the logger registry lands."""
+    from nnx_cli import report
+
+    class _Console:
+        def __init__(self) -> None:
+            self.progress = report.Progress(console, start, exp.total_steps, exp.loss_metric)
+
+        def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+            if split == "train":
+                self.progress.log(step, metrics)
+            else:
+                self.progress.print(report.metrics_table(f"eval at step {step}", metrics))
+
+        def close(self) -> None:
+            self.progress.close()
+
+    class _Jsonl:
+        def __init__(self) -> None:
+            self.log_file = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start)
+
+        def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+            self.log_file.write(step, split, metrics)
+
+        def close(self) -> None:
+            pass
+
+    return [_Jsonl(), _Console()]
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from nnx_cli.config import Config, load_config
 from nnx_cli.errors import UserError
@@ -113,4 +114,75 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
             f"{str(config)!r} is missing: nnx-eval and nnx-inspect rebuild the model from the config nnx-train saved "
             "there"
         )
+    from nnx_cli.registry import add_import_paths
+
+    add_import_paths(read_run_info(workdir).get("import_paths", {}))  # the run's own plug-ins, wherever we are
     return Run(workdir, checkpoints, step, load_config(config, overrides))
+
+
+def write_run_info(workdir: Path, exp: Any) -> None:
+    """`<workdir>/run.json`: what ran, where and with which versions (rewritten by each `nnx-train` of the work
+    dir): package versions, devices, process count, the command line, git commits, plug-in import paths."""
+    import importlib.metadata
+    import platform
+    import sys
+
+    import jax
+
+    from nnx_cli.registry import import_paths
+
+    versions = {}
+    for package in ("nnx", "jax", "jaxlib", "optax", "orbax-checkpoint", "datasets", "grain", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    devices = jax.devices()
+    info = {
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "python": platform.python_version(),
+        "packages": versions,
+        "platform": devices[0].platform,
+        "devices": [getattr(d, "device_kind", str(d)) for d in devices],
+        "process_count": jax.process_count(),
+        "mesh": dict(exp.mesh.shape),
+        "git": {"nnx": _git_commit(Path(__file__).resolve().parent), "cwd": _git_commit(Path.cwd())},
+        "import_paths": import_paths(),
+    }
+    _write_json(workdir / "run.json", info)
+
+
+def _git_commit(directory: Path) -> str | None:
+    """The commit of the git checkout `directory` is in, `+dirty` when it has changes; None outside one."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "") if commit else None
+
+
+def read_run_info(workdir: Path) -> dict[str, Any]:
+    """`run.json` of a work dir ({} for one written before it existed)."""
+    path = workdir / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    partial.replace(path)

@@ -350,3 +350,56 @@ def prefetch(produce: Callable[[int], Any], steps: range, size: int = 2) -> Iter
             yield item
     finally:
         stop.set()
+
+
+# --------------------------------------------------------------------------- the loop's interface (data.base)
+
+
+def train_split(cfg: Config) -> ArraySplit:
+    """The training split of `cfg.data`, addressed by `(cfg.seed, epoch)`."""
+    return ArraySplit(load_split(cfg.data, cfg.data.train_split, "data.train_split"), cfg.seed)
+
+
+def eval_split(cfg: Config) -> ArraySplit:
+    """The evaluation split of `cfg.data`, read in order."""
+    return ArraySplit(load_split(cfg.data, cfg.data.eval_split, "data.eval_split"), cfg.seed)
+
+
+class ArraySplit:
+    """A split held in memory as model-ready arrays, as a `data.base.TrainSplit` and `EvalSplit`."""
+
+    def __init__(self, split: Split, seed: int):
+        self.split = split
+        self.seed = seed
+        self.spec = split.spec
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        if batch_size > len(self.split):
+            raise UserError(
+                f"config key 'train.batch_size' ({batch_size}) is larger than the training split "
+                f"({len(self.split)} examples)"
+            )
+        return len(self.split) // batch_size
+
+    def epoch_keys(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, epoch)).permutation(len(self.split))
+
+    def read(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[keys] for k, v in self.split.arrays().items()}
+
+    def stored(self) -> dict[str, np.ndarray]:
+        return self.split.arrays()
+
+    def read_on_device(self, stored: dict[str, Any], keys: Any) -> dict[str, Any]:
+        import jax.numpy as jnp
+
+        return {k: jnp.take(v, keys, axis=0) for k, v in stored.items()}
+
+    def prepare(self, rows: dict[str, Any]) -> dict[str, Any]:
+        return rows
+
+    def eval_batches(self, batch_size: int, rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
+        return eval_batches(self.split, batch_size, rows)

@@ -1,0 +1,129 @@
+"""Several processes as one run: joining `jax.distributed`, barriers, and agreeing on when to stop.
+
+A run of N processes (one per host, or one per GPU under SLURM) is the same
+program on every process: each feeds its own rows of every global batch, and
+every process must run exactly the same steps, or a collective waits forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import numpy as np
+
+from nnx_cli.errors import EXIT_INTERRUPTED, UserError, first_line
+
+
+def init(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join a multi-process run through `jax.distributed.initialize`.
+
+    Either from the flags (or `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+    `JAX_PROCESS_ID`), where JAX fills in what a cluster manager it knows
+    provides; or, with no flags, inside a SLURM or Open MPI job of more than
+    one task, entirely from that job's environment. Otherwise a single process.
+    """
+    import jax
+
+    if coordinator is None and num_processes is None and process_id is None:
+        if cluster_tasks() > 1:
+            jax.distributed.initialize()
+        return
+    if coordinator is not None and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
+        raise UserError(
+            f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)"
+        )
+    if num_processes is not None and num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1, got {num_processes}")
+    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
+        raise UserError(
+            f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N "
+            f"({num_processes})"
+        )
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    except ValueError as e:  # JAX found no cluster manager to fill in what is missing
+        raise UserError(
+            f"cannot start a multi-process run ({e}): pass all of --coordinator HOST:PORT, --num-processes N and "
+            f"--process-id I, or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+        ) from None
+    except Exception as e:  # the coordinator could not be reached, or not every process joined in time
+        raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
+
+
+def cluster_tasks() -> int:
+    """Processes in the SLURM or Open MPI job this process belongs to (1 outside one)."""
+    for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):  # set for each task that srun / mpirun starts
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (nothing to wait for in a single-process run)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def is_main() -> bool:
+    """Whether this is process 0, the one that writes logs, metrics and images."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+class Signals:
+    """What SIGINT and SIGTERM do during a run.
+
+    Until the training loop starts nothing would be lost, so a signal ends the
+    process at once (exit 130). In the loop the first signal asks to stop
+    after the current dispatch, which writes a checkpoint; a second one ends
+    the process at once (the last committed checkpoint stays intact: Orbax
+    commits by renaming a finished directory).
+
+    In a multi-process run every process must stop after the same step, so
+    the processes compare flags (:meth:`agreed`) at fixed steps.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self.in_loop = False
+
+    def __enter__(self) -> Signals:
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.in_loop or self.signal is not None:
+            exit_now(signum)
+        self.signal = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def agreed(self) -> bool:
+        """Whether to stop now; the same answer on every process (call it at the same steps on all of them)."""
+        import jax
+
+        if jax.process_count() == 1:
+            return self.signal is not None
+        from jax.experimental import multihost_utils
+
+        votes = multihost_utils.process_allgather(np.int32(self.signal or 0))
+        self.signal = self.signal or int(votes.max()) or None
+        return self.signal is not None
+
+
+def exit_now(signum: int) -> None:
+    """Leave without unwinding: raising into JAX's compiler or Orbax's threads can crash the interpreter."""
+    sys.stdout.flush()
+    print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)

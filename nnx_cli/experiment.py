@@ -1,0 +1,179 @@
+"""One setup, shared: a config resolved once into everything a run needs.
+
+`nnx-train`, `nnx-eval`, `nnx-inspect` and `nnx-generate` all start here::
+
+    exp = setup(cfg, data="train")     # or "eval", or None (shapes from the config alone)
+    exp.model_cls, exp.spec, exp.tx, exp.total_steps
+    exp.moduledef, exp.abstract        # the train state's structure, shapes and dtypes (nothing allocated)
+    exp.mesh, exp.rules, exp.shardings # where every array lives
+    state = exp.init_state()           # a fresh state, created on the devices in its shardings
+
+Each `_setup_*` step resolves one part of the config and writes back what it
+resolved (model options and their defaults, the input shape, the class
+count, the optimizer name, the sharding rules), so the config saved with a
+run is complete. Everything a config can get wrong is found here, before a
+work dir is touched: the model and optimizer are traced through one train
+step on shapes alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import nnx
+from nnx_cli import data, models, optim, sharding, steps
+from nnx_cli.config import Config
+from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
+from nnx_cli.errors import UserError
+
+
+@dataclasses.dataclass
+class Experiment:
+    """What a config resolves to. See the module docstring."""
+
+    cfg: Config
+    model_cls: type
+    spec: DataSpec
+    train: TrainSplit | None  # with data="train"
+    eval: EvalSplit | None  # with data="train" or "eval", when the config has an eval split
+    total_steps: int | None  # None without training data
+    tx: optax.GradientTransformation
+    schedule: optim.Schedule
+    moduledef: nnx.ModuleDef
+    abstract: steps.TrainState
+    metric_names: list[str]
+    mesh: jax.sharding.Mesh
+    rules: list[tuple[str, Any]]
+    shardings: Any
+    build: Callable[[nnx.Context], nnx.Module]
+
+    @property
+    def loss_metric(self) -> str:
+        return self.model_cls.loss_metric
+
+    @property
+    def has_images(self) -> bool:
+        return hasattr(self.model_cls, "images") and len(self.spec.input_shape) == 3
+
+    def restore_target(self) -> Any:
+        """The abstract train state carrying its shardings: where a checkpoint is restored to."""
+        return sharding.with_shardings(self.abstract, self.shardings)
+
+    def init_state(self) -> steps.TrainState:
+        """A fresh train state, created directly on the devices in its shardings."""
+        return jax.jit(lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1], out_shardings=self.shardings)()
+
+    def steps_per_epoch(self) -> int:
+        assert self.train is not None
+        return self.train.steps_per_epoch(self.cfg.train.batch_size)
+
+
+def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Experiment:
+    """Resolve `cfg` once. `data`: "train" (train and eval splits), "eval" (eval split) or None (no data read).
+    `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
+    model_cls = _setup_model(cfg)
+    optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
+    train, evals, spec = _setup_data(cfg, data)
+    _fill_model_shapes(cfg, model_cls, spec, train)
+    total_steps = _total_steps(cfg, train)
+    tx, schedule = _setup_optimizer(cfg, total_steps)
+    build = models.model_factory(cfg.model, spec)
+    moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
+    metric_names = _check_step(cfg, moduledef, tx, abstract, train or evals) if data is not None else []
+    rules = sharding.axis_rules(cfg.sharding)
+    mesh = sharding.make_mesh(cfg.sharding) if place else None
+    shardings = sharding.state_shardings(abstract, mesh, rules) if place else None
+    return Experiment(
+        cfg,
+        model_cls,
+        spec,
+        train,
+        evals,
+        total_steps,
+        tx,
+        schedule,
+        moduledef,
+        abstract,
+        metric_names,
+        mesh,
+        rules,
+        shardings,
+        build,
+    )
+
+
+def _setup_model(cfg: Config) -> type:
+    """The model class, its options checked against the constructor and completed with its defaults."""
+    model_cls = models.model_class(cfg.model.name)
+    cfg.model.options = models.resolve_options(cfg.model)
+    return model_cls
+
+
+def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, EvalSplit | None, DataSpec]:
+    """The splits `which` asks for, and the data spec (from the config alone when no data is read)."""
+    if which is None:
+        spec = data.spec_from_config(cfg)
+        if spec is None:
+            raise UserError(
+                f"cannot tell the input shape of data.source {cfg.data.source!r} without reading it: "
+                "set model.input_shape (e.g. model.input_shape=[28,28,1]) and, for classifiers, model.num_classes"
+            )
+        return None, None, spec
+    train = data.train_split(cfg) if which == "train" else None
+    if which == "eval" and not cfg.data.eval_split:
+        raise UserError(
+            "config key 'data.eval_split' is null: there is no split to evaluate; pass data.eval_split=<split>"
+        )
+    evals = data.eval_split(cfg) if cfg.data.eval_split else None
+    spec = (train or evals).spec  # type: ignore[union-attr]
+    if which == "eval":
+        spec = data.spec_from_config(cfg) or spec  # the saved input shape: the model as it was trained
+    return train, evals, spec
+
+
+def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: TrainSplit | None) -> None:
+    """Check the data fits the model, then record its input shape and class count in the config."""
+    if train is not None:
+        models.check_data(cfg.model, model_cls, spec, "label" in train.stored(), cfg.data.label_key)
+    cfg.model.input_shape = cfg.model.input_shape or list(spec.input_shape)
+    if cfg.model.num_classes is None:
+        cfg.model.num_classes = spec.num_classes
+    if cfg.sharding.rules is None:
+        cfg.sharding.rules = [list(r) for r in getattr(model_cls, "default_rules", sharding.DEFAULT_RULES)]
+
+
+def _total_steps(cfg: Config, train: TrainSplit | None) -> int | None:
+    if train is None:
+        return None
+    if cfg.train.steps:
+        return cfg.train.steps
+    return cfg.train.epochs * train.steps_per_epoch(cfg.train.batch_size)  # type: ignore[operator]
+
+
+def _setup_optimizer(cfg: Config, total_steps: int | None) -> tuple[optax.GradientTransformation, optim.Schedule]:
+    tx, schedule = optim.build(cfg.optimizer, total_steps)
+    cfg.optimizer.name = optim.resolved_name(cfg.optimizer)
+    return tx, schedule
+
+
+def _check_step(cfg: Config, moduledef: nnx.ModuleDef, tx: Any, abstract: Any, split: Any) -> list[str]:
+    """Trace one train step on shapes alone (a batch of the data's shapes); return the metric names."""
+    if isinstance(split, TrainSplit):
+        rows = split.read(split.epoch_keys(0)[:1])
+    else:
+        rows = {k: v for k, v in next(split.eval_batches(1)).items() if k != "mask"}
+    size = cfg.train.batch_size // cfg.train.grad_accum_steps
+    stored = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items()}
+    return steps.check_step(moduledef, tx, cfg.model.name, abstract, jax.eval_shape(split.prepare, stored))
+
+
+def count_params(abstract: Any) -> int:
+    """Parameters in the abstract train state."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract["params"]))

@@ -1,0 +1,230 @@
+"""What the training loop does between dispatches: each a small hook with an interval (`nnx_cli.loop.Hook`).
+
+- :class:`LogMetrics`   every `train.log_every`: mean train metrics, learning rate, gradient norm, speed -> loggers
+- :class:`Checkpoint`   every `checkpoint.every_steps`, and at the end: the state and the loop's sums -> Orbax
+- :class:`Evaluate`     every `train.eval_every`, and at the end: eval metrics -> loggers
+- :class:`ImageGrid`    with each eval, for image models: a PNG of inputs, reconstructions and samples
+- :class:`StopVote`     every dispatch (every ~10 steps across processes): Ctrl-C / SIGTERM ends the run
+- :class:`Profile`      `train.profile`: a JAX profiler trace of a few steps into the work dir
+
+Before a checkpoint or an eval, :class:`Guard` makes sure the loss and the
+parameters are finite (a `RunError` naming the step and the last good
+checkpoint otherwise), so only finite states are saved or evaluated.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from nnx_cli import optim, steps
+from nnx_cli.errors import RunError
+from nnx_cli.loop import Loop
+
+
+class Guard:
+    """Stops the run once the loss, or the parameters, are not finite; names the last good checkpoint."""
+
+    def __init__(self, checkpointer: Any, directory: Path):
+        self.checkpointer = checkpointer
+        self.directory = directory  # the checkpoints dir as the user named it
+        self._params_finite = jax.jit(steps.all_finite)
+        self._checked: tuple[int, bool] | None = None
+
+    def check(self, loop: Loop, *, params: bool = True) -> None:
+        if self._checked is not None and self._checked[0] == loop.step and (self._checked[1] or not params):
+            return  # already checked at this step (a checkpoint and an eval at the same step)
+        bad = int(jax.device_get(loop.sums["bad_step"]))
+        if bad >= 0:
+            self.fail(f"the loss became non-finite at step {bad + 1}", loop.step)
+        if params and not bool(self._params_finite(loop.state["params"])):
+            self.fail(f"the parameters are non-finite at step {loop.step}", loop.step)
+        self._checked = (loop.step, params)
+
+    def fail(self, what: str, step: int) -> None:
+        self.checkpointer.wait()
+        last = self.checkpointer.latest_step()
+        where = self.directory
+        kept = f"the last good checkpoint is {where / str(last)}" if last is not None else "no checkpoint was written"
+        raise RunError(f"{what} (training stopped at step {step}); {kept}")
+
+
+class LogMetrics:
+    """Mean train metrics since the last log, with the learning rate, gradient norm and speed."""
+
+    def __init__(
+        self, every: int, loggers: Sequence[Any], guard: Guard, *, batch_size: int, tokens_per_example: int = 0
+    ):
+        self.every = every
+        self.loggers = loggers
+        self.guard = guard
+        self.batch_size = batch_size
+        self.tokens_per_example = tokens_per_example
+        self._last: tuple[int, float] | None = None
+
+    def __call__(self, loop: Loop) -> None:
+        host = jax.device_get(loop.sums)
+        count = int(host["count"])
+        if count == 0:
+            return
+        if int(host["bad_step"]) >= 0:
+            self.guard.fail(f"the loss became non-finite at step {int(host['bad_step']) + 1}", loop.step)
+        metrics = {k: float(v) / count for k, v in host["metrics"].items()}
+        metrics["learning_rate"] = optim.learning_rate_at(loop.exp.schedule, loop.step - 1)
+        metrics["grad_norm"] = float(host["grad_norm"]) / count
+        now = time.perf_counter()
+        last_step, last_time = self._last or (loop.start, now)
+        if loop.step > last_step and now > last_time:
+            rate = (loop.step - last_step) / (now - last_time)
+            metrics["steps_per_s"] = rate
+            metrics["examples_per_s"] = rate * self.batch_size
+            if self.tokens_per_example:
+                metrics["tokens_per_s"] = rate * self.batch_size * self.tokens_per_example
+        self._last = (loop.step, now)
+        for logger in self.loggers:
+            logger.log(loop.step, "train", metrics)
+        loop.sums = steps.empty_sums(loop.exp.metric_names)
+
+    def start(self, step: int) -> None:
+        """Start the clock for steps/s (after the first dispatch compiled, to measure steps, not compiling)."""
+        self._last = (step, time.perf_counter())
+
+    def end(self, loop: Loop) -> None:
+        self(loop)
+
+
+class Checkpoint:
+    """Saves the train state and the loop's running sums every `every` steps, and at the end."""
+
+    def __init__(self, every: int, checkpointer: Any, guard: Guard, saved: int | None = None):
+        self.every = every
+        self.checkpointer = checkpointer
+        self.guard = guard
+        self.saved = saved
+
+    def __call__(self, loop: Loop) -> None:
+        self.guard.check(loop)
+        self.checkpointer.save(loop.step, loop.state, loop=loop.sums)
+        self.saved = loop.step
+
+    def end(self, loop: Loop) -> None:
+        self.guard.check(loop)
+        if loop.step != self.saved:
+            self(loop)
+        self.checkpointer.wait()
+
+
+class Evaluate:
+    """Eval metrics over the eval split every `every` steps and at the end (not after a signal stopped the run)."""
+
+    def __init__(self, every: int, evaluator: Any, loggers: Sequence[Any], guard: Guard):
+        self.every = every
+        self.evaluator = evaluator
+        self.loggers = loggers
+        self.guard = guard
+        self.done: int | None = None
+
+    def __call__(self, loop: Loop) -> None:
+        self.guard.check(loop)
+        metrics = self.evaluator(loop.state)
+        for logger in self.loggers:
+            logger.log(loop.step, "eval", metrics)
+        self.done = loop.step
+
+    def end(self, loop: Loop) -> None:
+        if loop.stop_signal is None and self.done != loop.step:
+            self(loop)
+
+
+class ImageGrid:
+    """A PNG grid of the model's `images` (inputs, reconstructions, samples) with each eval."""
+
+    def __init__(self, every: int, make_images: Any, directory: Path | None, guard: Guard):
+        self.every = every
+        self.make_images = make_images
+        self.directory = directory  # None on every process but the first
+        self.guard = guard
+        self.done: int | None = None
+
+    def __call__(self, loop: Loop) -> None:
+        from nnx_cli.report import write_image_grid
+
+        self.guard.check(loop)
+        images = self.make_images(loop.state)  # every process computes (the arrays span all of them)
+        if self.directory is not None:
+            write_image_grid(images, self.directory / f"{loop.step}.png")
+        self.done = loop.step
+
+    def end(self, loop: Loop) -> None:
+        if loop.stop_signal is None and self.done != loop.step:
+            self(loop)
+
+
+class StopVote:
+    """Ends the run after the current dispatch once Ctrl-C or SIGTERM arrived (agreed by every process)."""
+
+    def __init__(self, every: int, signals: Any):
+        self.every = every
+        self.signals = signals
+
+    def __call__(self, loop: Loop) -> None:
+        if self.signals.agreed():
+            loop.stop_signal = self.signals.signal
+
+    def end(self, loop: Loop) -> None:
+        pass
+
+
+class Profile:
+    """`train.profile: [start, n]`: a JAX profiler trace of steps `start` to `start + n` into `directory`."""
+
+    def __init__(self, every: int, start: int, steps: int, directory: Path):
+        self.every = every
+        self.first, self.last = start, start + steps
+        self.directory = directory
+        self.active = False
+
+    def __call__(self, loop: Loop) -> None:
+        if not self.active and self.first <= loop.step < self.last:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+        elif self.active and loop.step >= self.last:
+            self.end(loop)
+
+    def end(self, loop: Loop) -> None:
+        if self.active:
+            jax.block_until_ready(loop.state)
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
+    """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches)."""
+    fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare)
+    eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar), out_shardings=scalar)
+    limit = exp.cfg.train.eval_max_batches
+    count = len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
+
+    def run(state: steps.TrainState) -> dict[str, float]:
+        batches = itertools.islice(exp.eval.eval_batches(layout.size, layout.rows), limit)
+        return steps.evaluate(eval_step, state, map(layout.place, batches), count)
+
+    return run
+
+
+def image_maker(exp: Any, layout: Any, scalar: Any) -> Any:
+    """`state -> images` of the first eval batch, as a numpy array on every process."""
+    fn = functools.partial(steps.images_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare)
+    images_step = jax.jit(fn, out_shardings=scalar)
+
+    def run(state: steps.TrainState) -> Any:
+        first = layout.place(next(exp.eval.eval_batches(layout.size, layout.rows)))
+        return jax.device_get(images_step(state, first))
+
+    return run
