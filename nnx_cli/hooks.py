@@ -66,20 +66,29 @@ class LogMetrics:
         self.guard = guard
         self.batch_size = batch_size
         self.tokens_per_example = tokens_per_example
-        self._last: tuple[int, float] | None = None
+        self._last: tuple[int, float] | None = None  # (step, time) of the last log
+        self._created = time.perf_counter()  # the first interval (compiling included) starts here
 
     def __call__(self, loop: Loop) -> None:
+        if self._report(loop):
+            loop.sums = steps.empty_sums(loop.exp.metric_names)
+
+    def end(self, loop: Loop) -> None:
+        """The steps since the last log; the sums stay (the final checkpoint keeps them for a resumed run)."""
+        self._report(loop)
+
+    def _report(self, loop: Loop) -> bool:
         host = jax.device_get(loop.sums)
         count = int(host["count"])
         if count == 0:
-            return
+            return False
         if int(host["bad_step"]) >= 0:
             self.guard.fail(f"the loss became non-finite at step {int(host['bad_step']) + 1}", loop.step)
         metrics = {k: float(v) / count for k, v in host["metrics"].items()}
         metrics["learning_rate"] = optim.learning_rate_at(loop.exp.schedule, loop.step - 1)
         metrics["grad_norm"] = float(host["grad_norm"]) / count
         now = time.perf_counter()
-        last_step, last_time = self._last or (loop.start, now)
+        last_step, last_time = self._last or (loop.start, self._created)
         if loop.step > last_step and now > last_time:
             rate = (loop.step - last_step) / (now - last_time)
             metrics["steps_per_s"] = rate
@@ -89,14 +98,7 @@ class LogMetrics:
         self._last = (loop.step, now)
         for logger in self.loggers:
             logger.log(loop.step, "train", metrics)
-        loop.sums = steps.empty_sums(loop.exp.metric_names)
-
-    def start(self, step: int) -> None:
-        """Start the clock for steps/s (after the first dispatch compiled, to measure steps, not compiling)."""
-        self._last = (step, time.perf_counter())
-
-    def end(self, loop: Loop) -> None:
-        self(loop)
+        return True
 
 
 class Checkpoint:

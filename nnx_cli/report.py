@@ -30,12 +30,19 @@ def stderr_console(quiet: bool = False) -> Console:
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON object per train log or eval."""
+    """`metrics.jsonl`: one JSON object per train log or eval.
 
-    def __init__(self, path: str | Path, resume_step: int):
+    On resume from step `resume_step` the file is cut back to what an
+    uninterrupted run would have written by then: records past that step go,
+    and so do the end-of-run records at that step that fall off their
+    interval (`intervals`: split -> steps between records), such as the last
+    train log of a run stopped between two logs.
+    """
+
+    def __init__(self, path: str | Path, resume_step: int, intervals: Mapping[str, int] | None = None):
         self.path = Path(path)
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+            kept = [line for line in self.path.read_text().splitlines() if _kept(line, resume_step, intervals or {})]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
@@ -44,16 +51,20 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+def _kept(line: str, resume_step: int, intervals: Mapping[str, int]) -> bool:
+    try:
+        record = json.loads(line)
+        step, split = record["step"], record["split"]
+    except (ValueError, KeyError, TypeError):
+        return False  # a torn last line from a killed run
+    if step < resume_step:
+        return True
+    return step == resume_step and step % intervals.get(split, 1) == 0
+
+
 def json_metrics(metrics: Mapping[str, float]) -> dict[str, float | None]:
     """Metrics as strict JSON numbers: a NaN or infinity becomes null."""
     return {k: float(v) if math.isfinite(v) else None for k, v in metrics.items()}
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf  # a torn last line from a killed run: drop it
 
 
 def format_metrics(metrics: Mapping[str, float]) -> str:

@@ -83,7 +83,7 @@ def train_step(
     params = optax.apply_updates(state["params"], updates)
     sums = {
         "metrics": {k: sums["metrics"][k] + means[k] for k in sums["metrics"]},
-        "grad_norm": sums["grad_norm"] + optax.global_norm(grads),
+        "grad_norm": sums["grad_norm"] + optax.tree.norm(grads),
         "count": sums["count"] + 1,
         "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
     }

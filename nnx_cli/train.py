@@ -173,8 +173,7 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     if is_main:
         dump_yaml(to_dict(exp.cfg), workdir / "config.yaml")
         write_run_info(workdir, exp)
-    loggers = _loggers(exp, workdir, start, console) if is_main else []
-    return Session(workdir, checkpointer, lock, console, loggers, start, state, sums)
+    return Session(workdir, checkpointer, lock, console, [], start, state, sums)
 
 
 def _replicated(exp: Any, tree: Any) -> Any:
@@ -193,6 +192,8 @@ def prepare(exp: Any, session: Session, signals: Signals) -> tuple[Any, Any, Any
     from nnx_cli.experiment import count_params
 
     cfg, t = exp.cfg, exp.cfg.train
+    if session.lock is not None:  # process 0 reports
+        session.loggers = _loggers(exp, session.workdir, session.start, session.console)
     intervals = {
         "train.log_every": t.log_every,
         "train.eval_every": t.eval_every,
@@ -240,7 +241,8 @@ def _loggers(exp: Any, workdir: Path, start: int, console: Any) -> list[Any]:
 
     class _Jsonl:
         def __init__(self) -> None:
-            self.log_file = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start)
+            intervals = {"train": exp.cfg.train.log_every, "eval": exp.cfg.train.eval_every}
+            self.log_file = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start, intervals=intervals)
 
         def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
             self.log_file.write(step, split, metrics)

@@ -1,0 +1,224 @@
+"""The training loop and its hooks, called directly (no subprocess): dispatch plans, steps per dispatch,
+the jitted steps, the hooks' intervals and the recipe `nnx_cli.train.run` itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnx_cli import hooks, loop, steps, train
+from nnx_cli.checkpoint import Checkpointer
+from nnx_cli.config import load_config
+from nnx_cli.errors import RunError, UserError
+from nnx_cli.experiment import setup
+from nnx_cli.models import VAE
+
+TINY = ["model.hidden_sizes=[32]", "model.latent_size=4", "data.binarize=0.5", "train.batch_size=32"]
+
+
+def tiny(*overrides: str):
+    return load_config(None, [*TINY, *overrides])
+
+
+def final_params(workdir: Path) -> dict:
+    ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+    return ckpt.restore_raw(ckpt.latest_step())["params"]
+
+
+def assert_same(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def model_metrics(workdir: Path) -> list[tuple[int, str, dict]]:
+    """Step, split and the model's own metrics (not timings) of each metrics.jsonl record."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["split"], {k: r["metrics"][k] for k in ("nelbo", "kl", "recon")}) for r in records]
+
+
+class Recorder:
+    """A metric logger that keeps what it is given (a real logger plug-in, not a mock)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, str, dict]] = []
+
+    def log(self, step: int, split: str, metrics: dict) -> None:
+        self.records.append((step, split, dict(metrics)))
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- dispatch plans
+
+
+def test_dispatches_are_k_steps_aligned_to_multiples_of_k():
+    assert list(loop.plan(0, 30, 10)) == [10, 10, 10]
+    assert list(loop.plan(25, 47, 10)) == [1] * 5 + [10] + [1] * 7  # from 25: align to 30, then tail to 47
+    assert list(loop.plan(0, 5, 1)) == [1] * 5
+
+
+def test_an_explicit_steps_per_dispatch_must_divide_every_interval():
+    intervals = {"train.log_every": 100, "train.eval_every": 1000, "checkpoint.every_steps": 250}
+    assert loop.steps_per_dispatch(50, intervals, params=10) == 50
+    with pytest.raises(UserError, match=r"'train\.steps_per_dispatch' \(20\) must divide checkpoint\.every_steps"):
+        loop.steps_per_dispatch(20, intervals, params=10)
+
+
+def test_auto_steps_per_dispatch_divides_the_intervals_and_shrinks_for_big_models():
+    intervals = {"train.log_every": 200, "train.eval_every": 4680, "checkpoint.every_steps": 2340}
+    small = loop.steps_per_dispatch("auto", intervals, params=20_000)
+    assert small == 20  # the greatest common divisor of the intervals
+    assert loop.steps_per_dispatch("auto", intervals, params=5_000_000) == 4  # 20M / 5M = 4 divides 20
+    assert loop.steps_per_dispatch("auto", intervals, params=1_000_000_000) == 1
+
+
+# --------------------------------------------------------------------------- the steps
+
+
+def test_k_steps_in_one_dispatch_equal_k_single_steps_bit_for_bit():
+    exp = setup(tiny("train.steps=20"))
+    layout_rows = exp.train.read(exp.train.epoch_keys(0)[:320])
+    batches = {k: v.reshape(10, 32, *v.shape[1:]) for k, v in layout_rows.items()}
+    dispatch = jax.jit(
+        lambda s, m, xs: steps.train_dispatch(
+            exp.moduledef, exp.tx, exp.loss_metric, 0, exp.train.prepare, None, s, m, xs
+        )
+    )
+    one = (exp.init_state(), steps.empty_sums(exp.metric_names))
+    for i in range(10):
+        one = dispatch(*one, {k: v[i : i + 1] for k, v in batches.items()})[:2]
+    ten = dispatch(exp.init_state(), steps.empty_sums(exp.metric_names), batches)[:2]
+    assert_same(one, ten)
+
+
+def test_eval_step_ignores_padded_rows():
+    exp = setup(tiny("train.steps=1"))
+    state = exp.init_state()
+    batch = next(exp.eval.eval_batches(32))
+    half = dict(batch, mask=np.arange(32) < 16)
+    garbage = dict(half, image=np.where(half["mask"][:, None, None, None], batch["image"], 1e6))
+
+    def sums(b):
+        return steps.eval_step(exp.moduledef, 0, exp.eval.prepare, state, b, jnp.int32(0))
+
+    assert sums(garbage) == sums(half)
+    assert sums(half)["nelbo"] < sums(batch)["nelbo"]
+
+
+class FlatOnly(VAE):
+    """A model whose metrics only work on flat inputs: it cannot run on the digits' [8, 8, 1] images."""
+
+    def metrics(self, batch, ctx):
+        return {"nelbo": batch["image"] @ jnp.ones((64,))}
+
+
+def test_a_model_that_cannot_run_on_the_data_is_a_user_error_before_training():
+    with pytest.raises(
+        UserError, match=r"model 'test_cli_loop:FlatOnly' cannot run on batches of \{'image': \[32, 8, 8, 1\]"
+    ):
+        setup(tiny("model.name=test_cli_loop:FlatOnly", "train.steps=1"))
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def test_log_hook_reports_means_learning_rate_gradient_norm_and_speed():
+    schedule = "{name: linear, init_value: 1.0, end_value: 0.0, transition_steps: 4}"
+    exp = setup(tiny("train.steps=4", f"optimizer.learning_rate={schedule}"))
+    recorder = Recorder()
+    state = exp.init_state()
+    run = loop.Loop(exp, state, steps.empty_sums(exp.metric_names), step=0, total=4)
+    log = hooks.LogMetrics(2, [recorder], hooks.Guard(None, Path("unused")), batch_size=32)
+    batch = exp.train.read(exp.train.epoch_keys(0)[:64])
+    for i in range(2):
+        rows = {k: v[i * 32 : (i + 1) * 32] for k, v in batch.items()}
+        run.state, run.sums, _ = steps.train_step(exp.moduledef, exp.tx, "nelbo", 0, run.state, run.sums, rows)
+        run.step += 1
+    log(run)
+    [(step, split, metrics)] = recorder.records
+    assert (step, split) == (2, "train")
+    assert set(metrics) >= {"nelbo", "recon", "kl", "learning_rate", "grad_norm", "steps_per_s", "examples_per_s"}
+    assert metrics["learning_rate"] == pytest.approx(0.75)  # the rate of update 1 (0-based) of 4, from 1 to 0
+    assert metrics["grad_norm"] > 0 and metrics["examples_per_s"] == pytest.approx(32 * metrics["steps_per_s"])
+    assert int(run.sums["count"]) == 0  # sums restart after each log
+
+
+def test_guard_names_the_step_and_the_last_good_checkpoint(tmp_path: Path):
+    exp = setup(tiny("train.steps=2"))
+    ckpt = Checkpointer(tmp_path / "checkpoints", async_=False)
+    state = exp.init_state()
+    ckpt.save(1, state)
+    sums = dict(steps.empty_sums(exp.metric_names), bad_step=jnp.int32(1))
+    guard = hooks.Guard(ckpt, Path("run", "checkpoints"))
+    message = r"non-finite at step 2 \(training stopped at step 2\); the last good checkpoint is run/checkpoints/1"
+    with pytest.raises(RunError, match=message):
+        guard.check(loop.Loop(exp, state, sums, step=2, total=2))
+    nan_params = jax.tree.map(lambda x: x * jnp.nan, state["params"])
+    with pytest.raises(RunError, match="the parameters are non-finite at step 2"):
+        guard.check(loop.Loop(exp, dict(state, params=nan_params), steps.empty_sums(exp.metric_names), step=2, total=2))
+    ckpt.close()
+
+
+def test_hooks_run_at_their_intervals_and_evals_once_at_the_end(tmp_path: Path):
+    recorder = Recorder()
+    exp = setup(tiny("train.steps=12"))
+
+    class Every:
+        def __init__(self, every: int):
+            self.every, self.calls, self.ended = every, [], False
+
+        def __call__(self, run: loop.Loop) -> None:
+            self.calls.append(run.step)
+
+        def end(self, run: loop.Loop) -> None:
+            self.ended = True
+
+    every3 = Every(3)  # reached only where a dispatch of 2 steps ends on a multiple of 3
+    every4 = Every(4)
+    evaluate = hooks.Evaluate(6, lambda state: {"x": 1.0}, [recorder], hooks.Guard(None, tmp_path))
+    run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=12)
+    feed = ((2, None) for _ in range(6))
+    loop.run(run, feed, lambda state, sums, xs: (state, sums, jnp.zeros(())), [every3, every4, evaluate])
+    assert every4.calls == [4, 8] and every3.calls == [6] and every4.ended
+    assert [r[0] for r in recorder.records] == [6, 12]  # the eval at 12 is the final one, run once
+
+
+# --------------------------------------------------------------------------- the recipe, in process
+
+
+def test_a_run_with_ten_steps_per_dispatch_ends_exactly_where_single_steps_do(tmp_path: Path):
+    common = ["train.steps=40", "train.log_every=10", "train.eval_every=20", "checkpoint.every_steps=20"]
+    assert train.run(tiny(*common, "train.steps_per_dispatch=1"), tmp_path / "one") == 0
+    assert train.run(tiny(*common, "train.steps_per_dispatch=10"), tmp_path / "ten") == 0
+    assert_same(final_params(tmp_path / "one"), final_params(tmp_path / "ten"))
+    assert model_metrics(tmp_path / "ten") == model_metrics(tmp_path / "one")
+
+
+def test_a_resumed_run_logs_the_same_model_metrics_as_an_uninterrupted_one(tmp_path: Path):
+    common = ["train.log_every=10", "train.eval_every=30", "checkpoint.every_steps=5", "train.steps_per_dispatch=5"]
+    assert train.run(tiny(*common, "train.steps=30"), tmp_path / "whole") == 0
+    assert train.run(tiny(*common, "train.steps=15"), tmp_path / "parts") == 0  # stops between two logs
+    assert train.run(tiny(*common, "train.steps=30"), tmp_path / "parts") == 0
+    assert model_metrics(tmp_path / "parts") == model_metrics(tmp_path / "whole")
+
+
+def test_a_finished_run_has_nothing_to_do(tmp_path: Path):
+    assert train.run(tiny("train.steps=5"), tmp_path) == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert train.run(tiny("train.steps=5"), tmp_path) == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_run_json_records_what_ran(tmp_path: Path):
+    assert train.run(tiny("train.steps=2"), tmp_path) == 0
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["packages"]["jax"] == jax.__version__ and info["process_count"] == 1
+    assert info["platform"] == "cpu" and len(info["devices"]) == jax.device_count()
+    assert set(info) >= {"command", "git", "import_paths", "mesh", "python"}
