@@ -18,6 +18,7 @@ from nnx import containers
 from nnx.contextlib import Context
 from nnx.module import Module
 from nnx.nn import dtypes, initializers
+from nnx.nn._options import freeze, resolve_flag
 
 Array = jax.Array
 Dtype = tp.Any
@@ -29,13 +30,6 @@ def _canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:
     if not isinstance(axes, Iterable):
         axes = (axes,)
     return tuple(sorted({axis + rank if axis < 0 else axis for axis in axes}))
-
-
-def _freeze(x: tp.Any) -> tp.Any:
-    """Lists to tuples (recursively), so static attributes are hashable."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(item) for item in x)
-    return x
 
 
 def _abs_sq(x: Array) -> Array:
@@ -200,7 +194,7 @@ class BatchNorm(Module):
         self.bias_init = bias_init
         self.scale_init = scale_init
         self.axis_name = axis_name
-        self.axis_index_groups = _freeze(axis_index_groups)
+        self.axis_index_groups = freeze(axis_index_groups)
 
         self.mean = containers.BatchStat(jnp.zeros((num_features,), jnp.float32))
         self.var = containers.BatchStat(jnp.ones((num_features,), jnp.float32))
@@ -223,17 +217,16 @@ class BatchNorm(Module):
           ctx: optional context whose ``use_running_average`` flag is used when
             neither the argument nor the attribute is set.
         """
-        if use_running_average is None:
-            use_running_average = self.use_running_average
-        if use_running_average is None and ctx is not None:
-            use_running_average = ctx.get_flag("use_running_average")
-        if use_running_average is None:
-            raise ValueError(
-                "BatchNorm needs to know whether to use the running statistics: pass "
-                "`use_running_average=True/False` to the call or to the constructor, "
-                "or pass a context with the flag, e.g. "
-                "`ctx=nnx.context(flags={'use_running_average': False})`."
-            )
+        use_running_average = resolve_flag(
+            "use_running_average",
+            use_running_average,
+            self.use_running_average,
+            ctx,
+            "BatchNorm needs to know whether to use the running statistics: pass "
+            "`use_running_average=True/False` to the call or to the constructor, "
+            "or pass a context with the flag, e.g. "
+            "`ctx=nnx.context(flags={'use_running_average': False})`.",
+        )
 
         feature_axes = _canonicalize_axes(x.ndim, self.axis)
         reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
@@ -322,10 +315,10 @@ class LayerNorm(Module):
         self.use_scale = use_scale
         self.bias_init = bias_init
         self.scale_init = scale_init
-        self.reduction_axes = _freeze(reduction_axes)
-        self.feature_axes = _freeze(feature_axes)
+        self.reduction_axes = freeze(reduction_axes)
+        self.feature_axes = freeze(feature_axes)
         self.axis_name = axis_name
-        self.axis_index_groups = _freeze(axis_index_groups)
+        self.axis_index_groups = freeze(axis_index_groups)
 
         self.scale, self.bias = _feature_params(
             num_features, use_scale, use_bias, scale_init, bias_init, param_dtype, ctx
