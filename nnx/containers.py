@@ -47,10 +47,21 @@ class ContainerMetadata(tp.Generic[A]):
     metadata: tp.Mapping[str, tp.Any]
 
 
-def _incompatible(source: "Container", target: type) -> ValueError:
-    return ValueError(
-        f"input value of type '{type(source).__name__}' is not compatible with return type '{target.__name__}'"
-    )
+def _incompatible(source: "Container", target: type, given: tp.Mapping[str, tp.Any] | None = None) -> ValueError:
+    """``target(source)`` is refused: another container type, or other metadata than ``given``."""
+    mismatch = f"input value of type '{type(source).__name__}' is not compatible with return type '{target.__name__}'"
+    if given is None:
+        fix = (
+            f"a container does not convert to another container type. Pass the plain value instead, "
+            f"e.g. {target.__name__}(x.value) (for a dataclass field, give it a plain value or a {target.__name__})."
+        )
+    else:
+        fix = (
+            f"the container has metadata {_metadata(source)}, the call asks for {dict(given)}. "
+            f"To change metadata use x.replace({', '.join(f'{k}={v!r}' for k, v in given.items())}); "
+            f"to start afresh pass x.value."
+        )
+    return ValueError(f"{mismatch}: {fix}")
 
 
 def _metadata(container: "Container") -> dict[str, tp.Any]:
@@ -73,7 +84,7 @@ class _ContainerMeta(ABCMeta):
             if key not in metadata and not args:
                 explicit[key] = inherited_value
         if explicit != inherited and (metadata or args):
-            raise _incompatible(source, cls)
+            raise _incompatible(source, cls, {k: v for k, v in explicit.items() if k in metadata} or dict(explicit))
         vars(obj).update(explicit)
         return obj
 
@@ -118,14 +129,18 @@ class Container(tp.Generic[A], reprlib.Representable, metaclass=_ContainerMeta):
         attributes = vars(self)
         for key in updates:
             if key not in attributes:
-                raise ValueError(f"Unknown metadata key {key!r}")
+                raise ValueError(
+                    f"Unknown metadata key {key!r}: a {type(self).__name__} has {sorted(attributes)}. replace() "
+                    f"changes existing keys only; to add one build a new container, "
+                    f"{type(self).__name__}(x.value, {key}=..., **other_metadata)."
+                )
         if "value" in updates and isinstance(updates["value"], Container):
             source = updates["value"]
             if not self.is_equivalent(source):
                 raise ValueError(
                     f"Cannot replace value from incompatible container, expected a "
                     f"{type(self).__name__} with metadata {_metadata(self)}, "
-                    f"got {source!r}"
+                    f"got {source!r}. Pass the plain value instead: replace(value=other.value)."
                 )
             updates["value"] = source.value
         new = object.__new__(type(self))

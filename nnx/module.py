@@ -166,7 +166,7 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
     def pop_state(self, *filters: Filter) -> State | tuple[State, ...]:
         """Removes the nodes matching ``filters`` from the Module and returns them."""
         if not filters:
-            raise TypeError("pop_state needs at least one filter")
+            raise TypeError("pop_state needs at least one filter, e.g. pop_state(nnx.Intermediate)")
         states = self.filter(*filters)
         for state in states if isinstance(states, tuple) else (states,):
             for path in state:
@@ -217,13 +217,23 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
             return
         current = attributes[name]
         if not isinstance(current, containers.Variable):
-            raise ValueError(f"Expected '{name}' to be a Variable, got {type(current).__name__}")
+            raise ValueError(
+                f"Expected '{name}' to be a Variable, got {type(current).__name__}: sow appends to a tuple kept in "
+                f"a Variable, and '{name}' is already a plain attribute. Sow under another name, or delete the "
+                f"attribute first (del module.{name})."
+            )
         if type(current) is not variable_type:
             raise ValueError(
-                f"Expected '{name}' to be of type '{variable_type.__name__}', got '{type(current).__name__}'"
+                f"Expected '{name}' to be of type '{variable_type.__name__}', got '{type(current).__name__}': "
+                f"'{name}' already holds a {type(current).__name__}. Sow with {type(current).__name__} to append "
+                f"to it, or sow the {variable_type.__name__} under another name."
             )
         if not isinstance(current.value, tuple):
-            raise ValueError(f"Expected '{name}' to be a tuple, got {type(current.value).__name__}")
+            raise ValueError(
+                f"Expected '{name}' to be a tuple, got {type(current.value).__name__}: '{name}' holds a value that "
+                f"was assigned, not sown. Sow under another name, or reset it to an empty tuple first "
+                f"(module.{name} = ())."
+            )
         setattr(self, name, current.value + (value,))
 
     def for_each(self, module_type: type[M], fn: tp.Callable[[M], None]) -> None:
@@ -253,7 +263,10 @@ def _as_state_tuple(states: tp.Any) -> tuple[State, ...]:
         return tuple(s for item in states for s in _as_state_tuple(item))
     if isinstance(states, tp.Mapping):
         return (State(states),)
-    raise TypeError(f"Expected a State or a tuple of States, got {type(states).__name__}")
+    raise TypeError(
+        f"Expected a State or a tuple of States, got {type(states).__name__}: pass what partition, filter or "
+        "get_state returned (or a Module, or a Pure)."
+    )
 
 
 def _owner(root: Module, path: Path) -> tuple[Module, str]:
@@ -511,7 +524,7 @@ class Pure(tuple[S, ModuleDef[M]]):
     def pop_state(self, *filters: Filter) -> tuple[tp.Any, "Pure[State, M]"]:
         """Returns ``(popped states, Pure of the rest)``."""
         if not filters:
-            raise TypeError("pop_state needs at least one filter")
+            raise TypeError("pop_state needs at least one filter, e.g. pop_state(nnx.Intermediate)")
         state = self.get_state()
         popped = state.filter(*filters)
         removed = State.merge(*popped) if isinstance(popped, tuple) else popped

@@ -52,7 +52,10 @@ def to_predicate(filter: Filter) -> Predicate:
         return filter
     if isinstance(filter, (tuple, list)):
         return Any(*filter)
-    raise TypeError(f"Invalid filter of type {type(filter).__name__!r}: {filter!r}")
+    raise TypeError(
+        f"Invalid filter of type {type(filter).__name__!r}: {filter!r}. A filter is a type (nnx.Param), ..., "
+        "None, a predicate (path, value) -> bool, or a tuple of filters."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

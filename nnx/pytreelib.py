@@ -111,7 +111,10 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
         attributes = _get_attribute(self, "__dict__")
         unknown = set(updates) - set(attributes)
         if unknown:
-            raise ValueError(f"Trying to replace unknown fields {sorted(unknown)} for {type(self).__name__!r}")
+            raise ValueError(
+                f"Trying to replace unknown fields {sorted(unknown)} for {type(self).__name__!r}: its fields are "
+                f"{sorted(attributes)}. replace() changes existing fields only."
+            )
         if dataclasses.is_dataclass(self):
             return dataclasses.replace(self, **updates)
         return _copy_with(self, updates)

@@ -32,6 +32,25 @@ def test_incompatible_container_raises(make):
         make()
 
 
+def test_wrapping_a_container_in_another_type_says_to_pass_its_value():
+    param = nnx.Param(1)
+    with pytest.raises(ValueError, match=r"Pass the plain value instead, e.g. BatchStat\(x.value\)"):
+        nnx.BatchStat(param)
+    assert nnx.BatchStat(param.value).value == 1
+
+
+def test_rewrapping_with_other_metadata_says_to_use_replace():
+    param = nnx.Param(1, sharding=("a",))
+    with pytest.raises(ValueError, match=r"use x.replace\(sharding=\('b',\)\)"):
+        nnx.Param(param, sharding=("b",))
+    assert param.replace(sharding=("b",)).sharding == ("b",)
+
+
+def test_replace_unknown_key_lists_the_known_keys():
+    with pytest.raises(ValueError, match=r"a Param has \['sharding', 'value'\]"):
+        nnx.Param(1).replace(x=1)
+
+
 def test_replace_returns_new_container_of_same_type():
     p = nnx.Param(1, sharding=("a",))
     q = p.replace(value=2)
