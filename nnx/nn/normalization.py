@@ -7,6 +7,7 @@ with the one-pass formula ``var = E[|x|^2] - |E[x]|^2`` (clipped at zero), and
 
 from __future__ import annotations
 
+import math
 import typing as tp
 from collections.abc import Iterable
 
@@ -133,6 +134,9 @@ class BatchNorm(Module):
 
     ``scale`` and ``bias`` are :class:`~nnx.Param`, the running ``mean`` and
     ``var`` are :class:`~nnx.BatchStat`, all of shape ``(num_features,)``.
+    With several feature axes (``axis=(1, 2)``), ``num_features`` is the
+    number of elements they hold together and the four arrays are flat (as
+    in :class:`LayerNorm`; ``flax.linen`` gives them the axes' shape).
 
     Example::
 
@@ -145,10 +149,11 @@ class BatchNorm(Module):
       >>> (state, batch_stats), moduledef = bn.partition(nnx.Param, nnx.BatchStat)
 
     Args:
-      num_features: size of the feature axis ``axis``.
+      num_features: size of the feature axis ``axis`` (the product of the
+        sizes when ``axis`` names several).
       use_running_average: default mode (see above); ``None`` leaves it to the
         call.
-      axis: the feature axis; every other axis is reduced.
+      axis: the feature axis or axes; every other axis is reduced.
       momentum: decay of the running averages.
       epsilon: added to the variance for numerical stability.
       dtype: dtype of the result; ``None`` infers it from input and params.
@@ -169,7 +174,7 @@ class BatchNorm(Module):
         num_features: int,
         *,
         use_running_average: bool | None = None,
-        axis: int = -1,
+        axis: Axes = -1,
         momentum: float = 0.99,
         epsilon: float = 1e-5,
         dtype: Dtype | None = None,
@@ -184,7 +189,7 @@ class BatchNorm(Module):
     ):
         self.num_features = num_features
         self.use_running_average = use_running_average
-        self.axis = axis
+        self.axis = freeze(axis)
         self.momentum = momentum
         self.epsilon = epsilon
         self.dtype = dtype
@@ -230,9 +235,17 @@ class BatchNorm(Module):
 
         feature_axes = _canonicalize_axes(x.ndim, self.axis)
         reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+        feature_shape = tuple(x.shape[i] for i in feature_axes)
+        if math.prod(feature_shape) != self.num_features:
+            raise ValueError(
+                f"BatchNorm(num_features={self.num_features}, axis={self.axis}) got an input of shape {x.shape}, "
+                f"whose feature axes {feature_axes} hold {math.prod(feature_shape)} elements: build the layer "
+                f"with num_features={math.prod(feature_shape)}, or pass the feature axes as axis=."
+            )
 
         if use_running_average:
-            mean, var = self.mean, self.var
+            # The running statistics are flat; the batch's have the feature axes' shape.
+            mean, var = jnp.reshape(self.mean, feature_shape), jnp.reshape(self.var, feature_shape)
         else:
             mean, var = _compute_stats(
                 x,
@@ -242,8 +255,8 @@ class BatchNorm(Module):
                 axis_index_groups=self.axis_index_groups,
             )
             momentum = self.momentum
-            self.mean = momentum * self.mean + (1 - momentum) * mean
-            self.var = momentum * self.var + (1 - momentum) * var
+            self.mean = momentum * self.mean + (1 - momentum) * jnp.reshape(mean, (-1,))
+            self.var = momentum * self.var + (1 - momentum) * jnp.reshape(var, (-1,))
 
         return _normalize(
             x,
