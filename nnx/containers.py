@@ -280,23 +280,31 @@ class Intermediate(Variable[A]):
 class Static(Container[A]):
     """A value carried as static pytree aux data: it has no leaves.
 
-    The value must be hashable to pass through ``jax.jit``.
+    The value (and any metadata a subclass adds) must be hashable to pass
+    through ``jax.jit``. Subclasses are pytrees too, registered when defined.
     """
 
     def __init__(self, value: A):
         super().__init__(value)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _register_static(cls)
+
     def __hash__(self) -> int:
         return hash(self.value)
 
 
-def _static_unflatten(value, _children):
-    static = object.__new__(Static)
-    vars(static)["value"] = value
-    return static
+def _register_static(cls: type[Static[tp.Any]]) -> None:
+    def unflatten(attributes, _children):
+        static = object.__new__(cls)
+        vars(static).update(attributes)
+        return static
+
+    jtu.register_pytree_node(cls, lambda static: ((), tuple(vars(static).items())), unflatten)
 
 
-jtu.register_pytree_node(Static, lambda s: ((), s.value), _static_unflatten)
+_register_static(Static)
 
 
 def with_metadata(initializer: F, **metadata: tp.Any) -> F:

@@ -106,6 +106,24 @@ def test_static_has_no_leaves_and_survives_tree_map():
     assert jax.tree.map(lambda x: x + 1, nnx.Static(2)).value == 2
 
 
+def test_user_defined_static_subclass_is_a_pytree_without_leaves():
+    class Name(nnx.Static):
+        pass
+
+    name = jax.tree.map(lambda x: x + 1, Name("relu"))
+    assert jax.tree_util.tree_leaves(Name("relu")) == []
+    assert type(name) is Name and name.value == "relu"
+
+
+def test_static_subclass_metadata_survives_jit():
+    class Tagged(nnx.Static):
+        def __init__(self, value, tag):
+            nnx.Container.__init__(self, value, tag=tag)
+
+    out = jax.jit(lambda tagged, x: (tagged, x + 1))(Tagged("relu", tag="act"), 1)[0]
+    assert type(out) is Tagged and (out.value, out.tag) == ("relu", "act")
+
+
 def test_static_with_unhashable_array_fails_under_jit():
     f = jax.jit(lambda x: x)
     with pytest.raises((ValueError, TypeError)):
