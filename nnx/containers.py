@@ -26,7 +26,7 @@ from abc import ABCMeta
 
 import jax.tree_util as jtu
 
-from nnx import nodes, reprlib
+from nnx import _flax_serialization, nodes, reprlib
 
 A = tp.TypeVar("A")
 B = tp.TypeVar("B")
@@ -218,6 +218,15 @@ def _node_flatten(node: "NodeBase"):
 _VALUE_KEY = jtu.GetAttrKey("value")
 
 
+def _node_to_state_dict(serialization: tp.Any, node: "NodeBase") -> tp.Any:
+    """A node serializes as its value; type and metadata come from the restore target."""
+    return serialization.to_state_dict(node.value)
+
+
+def _node_from_state_dict(serialization: tp.Any, node: "NodeBase", state: tp.Any) -> "NodeBase":
+    return node._with_value(serialization.from_state_dict(node.value, state))
+
+
 class NodeBase(Container[A]):
     """A container that is a pytree with one child, ``value``.
 
@@ -235,6 +244,7 @@ class NodeBase(Container[A]):
             return node
 
         jtu.register_pytree_with_keys(cls, _node_flatten_with_keys, unflatten, flatten_func=_node_flatten)
+        _flax_serialization.register(cls, _node_to_state_dict, _node_from_state_dict)
 
 
 class Node(NodeBase[A]):
