@@ -28,6 +28,9 @@ Trace safety: the function runs at a new nnx trace level
 inside) can be mutated there; mutating a Module captured from outside
 raises ``TraceContextError`` ("Cannot mutate Module from different trace
 level"). Pass every Module the function changes as an argument.
+
+The implementation lives in ``nnx/_transforms/``, one file per transform;
+import the names from here or from ``nnx``.
 """
 
 from nnx._transforms.grad import grad
