@@ -26,7 +26,7 @@ from abc import ABCMeta
 
 import jax.tree_util as jtu
 
-from nnx import nodes, reprlib
+from nnx import _flax_serialization, nodes, reprlib
 
 A = tp.TypeVar("A")
 B = tp.TypeVar("B")
@@ -47,10 +47,21 @@ class ContainerMetadata(tp.Generic[A]):
     metadata: tp.Mapping[str, tp.Any]
 
 
-def _incompatible(source: "Container", target: type) -> ValueError:
-    return ValueError(
-        f"input value of type '{type(source).__name__}' is not compatible with return type '{target.__name__}'"
-    )
+def _incompatible(source: "Container", target: type, given: tp.Mapping[str, tp.Any] | None = None) -> ValueError:
+    """``target(source)`` is refused: another container type, or other metadata than ``given``."""
+    mismatch = f"input value of type '{type(source).__name__}' is not compatible with return type '{target.__name__}'"
+    if given is None:
+        fix = (
+            f"a container does not convert to another container type. Pass the plain value instead, "
+            f"e.g. {target.__name__}(x.value) (for a dataclass field, give it a plain value or a {target.__name__})."
+        )
+    else:
+        fix = (
+            f"the container has metadata {_metadata(source)}, the call asks for {dict(given)}. "
+            f"To change metadata use x.replace({', '.join(f'{k}={v!r}' for k, v in given.items())}); "
+            f"to start afresh pass x.value."
+        )
+    return ValueError(f"{mismatch}: {fix}")
 
 
 def _metadata(container: "Container") -> dict[str, tp.Any]:
@@ -73,7 +84,7 @@ class _ContainerMeta(ABCMeta):
             if key not in metadata and not args:
                 explicit[key] = inherited_value
         if explicit != inherited and (metadata or args):
-            raise _incompatible(source, cls)
+            raise _incompatible(source, cls, {k: v for k, v in explicit.items() if k in metadata} or dict(explicit))
         vars(obj).update(explicit)
         return obj
 
@@ -118,14 +129,18 @@ class Container(tp.Generic[A], reprlib.Representable, metaclass=_ContainerMeta):
         attributes = vars(self)
         for key in updates:
             if key not in attributes:
-                raise ValueError(f"Unknown metadata key {key!r}")
+                raise ValueError(
+                    f"Unknown metadata key {key!r}: a {type(self).__name__} has {sorted(attributes)}. replace() "
+                    f"changes existing keys only; to add one build a new container, "
+                    f"{type(self).__name__}(x.value, {key}=..., **other_metadata)."
+                )
         if "value" in updates and isinstance(updates["value"], Container):
             source = updates["value"]
             if not self.is_equivalent(source):
                 raise ValueError(
                     f"Cannot replace value from incompatible container, expected a "
                     f"{type(self).__name__} with metadata {_metadata(self)}, "
-                    f"got {source!r}"
+                    f"got {source!r}. Pass the plain value instead: replace(value=other.value)."
                 )
             updates["value"] = source.value
         new = object.__new__(type(self))
@@ -203,6 +218,15 @@ def _node_flatten(node: "NodeBase"):
 _VALUE_KEY = jtu.GetAttrKey("value")
 
 
+def _node_to_state_dict(serialization: tp.Any, node: "NodeBase") -> tp.Any:
+    """A node serializes as its value; type and metadata come from the restore target."""
+    return serialization.to_state_dict(node.value)
+
+
+def _node_from_state_dict(serialization: tp.Any, node: "NodeBase", state: tp.Any) -> "NodeBase":
+    return node._with_value(serialization.from_state_dict(node.value, state))
+
+
 class NodeBase(Container[A]):
     """A container that is a pytree with one child, ``value``.
 
@@ -220,6 +244,7 @@ class NodeBase(Container[A]):
             return node
 
         jtu.register_pytree_with_keys(cls, _node_flatten_with_keys, unflatten, flatten_func=_node_flatten)
+        _flax_serialization.register(cls, _node_to_state_dict, _node_from_state_dict)
 
 
 class Node(NodeBase[A]):
@@ -265,23 +290,31 @@ class Intermediate(Variable[A]):
 class Static(Container[A]):
     """A value carried as static pytree aux data: it has no leaves.
 
-    The value must be hashable to pass through ``jax.jit``.
+    The value (and any metadata a subclass adds) must be hashable to pass
+    through ``jax.jit``. Subclasses are pytrees too, registered when defined.
     """
 
     def __init__(self, value: A):
         super().__init__(value)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _register_static(cls)
+
     def __hash__(self) -> int:
         return hash(self.value)
 
 
-def _static_unflatten(value, _children):
-    static = object.__new__(Static)
-    vars(static)["value"] = value
-    return static
+def _register_static(cls: type[Static[tp.Any]]) -> None:
+    def unflatten(attributes, _children):
+        static = object.__new__(cls)
+        vars(static).update(attributes)
+        return static
+
+    jtu.register_pytree_node(cls, lambda static: ((), tuple(vars(static).items())), unflatten)
 
 
-jtu.register_pytree_node(Static, lambda s: ((), s.value), _static_unflatten)
+_register_static(Static)
 
 
 def with_metadata(initializer: F, **metadata: tp.Any) -> F:

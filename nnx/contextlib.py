@@ -247,4 +247,7 @@ def to_rng_predicate(filter: RngFilter) -> RngPredicate:
     if isinstance(filter, tp.Sequence):
         predicates = tuple(map(to_rng_predicate, filter))
         return lambda name: any(p(name) for p in predicates)
-    raise TypeError(f"Invalid rng filter: {filter!r}")
+    raise TypeError(
+        f"Invalid rng filter: {filter!r}. An rng filter is a stream name ('dropout'), ..., None, a predicate "
+        "name -> bool, a sequence of filters, or a mapping {filter: bool}."
+    )

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import optax
 
 from nnx import pytreelib
+from nnx._call_proxy import CallProxy
 from nnx.contextlib import Context
-from nnx.module import _MODULE_STATE, ApplyCaller, Module, ModuleDef, Pure, _dict
+from nnx.module import _MODULE_STATE, Module, ModuleDef, Pure, _dict
 from nnx.state import State
 
 A = tp.TypeVar("A")
@@ -164,7 +165,7 @@ class TrainState(pytreelib.Pytree, tp.Generic[M]):
 
         def __getattr__(self, name: str) -> tp.Any: ...
 
-    def apply(self, state: State | str, *states: State | str) -> ApplyCaller[tuple[tp.Any, Pure[State, M]]]:
+    def apply(self, state: State | str, *states: State | str) -> CallProxy[tuple[tp.Any, Pure[State, M]]]:
         """Runs the model functionally on the named (or given) states."""
         resolved = [getattr(self, s) if isinstance(s, str) else s for s in (state, *states)]
         return self.moduledef.apply(*resolved)

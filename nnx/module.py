@@ -30,6 +30,7 @@ import jax.tree_util as jtu
 
 from nnx import containers, errors, ids, nodes, partitioning, reprlib, tracers
 from nnx import dataclasses as nnx_dataclasses
+from nnx._call_proxy import CallProxy
 from nnx.state import State
 
 A = tp.TypeVar("A")
@@ -81,16 +82,28 @@ def _check_trace(module: "Module") -> None:
         )
 
 
+def _construct(cls: type[M], args: tuple, kwargs: dict[str, tp.Any], init: tp.Callable[..., None] | None = None) -> M:
+    """What calling a Module class does; ``init`` stands in for ``cls.__init__`` when given.
+
+    The hidden state is attached before ``__init__`` runs, and declared
+    dataclass fields are wrapped into their containers after it.
+    """
+    if cls.__new__ is object.__new__:
+        module = object.__new__(cls)
+    else:
+        module = cls.__new__(cls, *args, **kwargs)
+    _dict(module)[_MODULE_STATE] = ModuleState()
+    if init is None:
+        module.__init__(*args, **kwargs)
+    else:
+        init(module, *args, **kwargs)
+    nnx_dataclasses.wrap_fields(module)
+    return module
+
+
 class ModuleMeta(ABCMeta):
     def __call__(cls, *args, **kwargs):
-        if cls.__new__ is object.__new__:
-            module = object.__new__(cls)
-        else:
-            module = cls.__new__(cls, *args, **kwargs)
-        _dict(module)[_MODULE_STATE] = ModuleState()
-        module.__init__(*args, **kwargs)
-        nnx_dataclasses.wrap_fields(module)
-        return module
+        return _construct(cls, args, kwargs)
 
 
 class Module(reprlib.Representable, metaclass=ModuleMeta):
@@ -153,7 +166,7 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
     def pop_state(self, *filters: Filter) -> State | tuple[State, ...]:
         """Removes the nodes matching ``filters`` from the Module and returns them."""
         if not filters:
-            raise TypeError("pop_state needs at least one filter")
+            raise TypeError("pop_state needs at least one filter, e.g. pop_state(nnx.Intermediate)")
         states = self.filter(*filters)
         for state in states if isinstance(states, tuple) else (states,):
             for path in state:
@@ -184,13 +197,13 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
         return self.partition().merge()
 
     @property
-    def apply(self: M) -> "ApplyCaller[tuple[tp.Any, M]]":
+    def apply(self: M) -> "CallProxy[tuple[tp.Any, M]]":
         """Calls the Module (or one of its methods/submodules) on a clone.
 
         ``out, updated = model.apply(x)`` and ``model.apply.encode(x)`` leave
         ``model`` untouched and return the clone that saw the call.
         """
-        return ApplyCaller(self.clone, lambda out, module: (out, module))
+        return CallProxy(_run_on(self.clone, lambda out, module: (out, module)))
 
     def sow(self, variable_type: type[containers.Variable[tp.Any]], name: str, value: tp.Any) -> None:
         """Appends ``value`` to a tuple kept in a ``variable_type`` attribute.
@@ -204,13 +217,23 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
             return
         current = attributes[name]
         if not isinstance(current, containers.Variable):
-            raise ValueError(f"Expected '{name}' to be a Variable, got {type(current).__name__}")
+            raise ValueError(
+                f"Expected '{name}' to be a Variable, got {type(current).__name__}: sow appends to a tuple kept in "
+                f"a Variable, and '{name}' is already a plain attribute. Sow under another name, or delete the "
+                f"attribute first (del module.{name})."
+            )
         if type(current) is not variable_type:
             raise ValueError(
-                f"Expected '{name}' to be of type '{variable_type.__name__}', got '{type(current).__name__}'"
+                f"Expected '{name}' to be of type '{variable_type.__name__}', got '{type(current).__name__}': "
+                f"'{name}' already holds a {type(current).__name__}. Sow with {type(current).__name__} to append "
+                f"to it, or sow the {variable_type.__name__} under another name."
             )
         if not isinstance(current.value, tuple):
-            raise ValueError(f"Expected '{name}' to be a tuple, got {type(current.value).__name__}")
+            raise ValueError(
+                f"Expected '{name}' to be a tuple, got {type(current.value).__name__}: '{name}' holds a value that "
+                f"was assigned, not sown. Sow under another name, or reset it to an empty tuple first "
+                f"(module.{name} = ())."
+            )
         setattr(self, name, current.value + (value,))
 
     def for_each(self, module_type: type[M], fn: tp.Callable[[M], None]) -> None:
@@ -240,7 +263,10 @@ def _as_state_tuple(states: tp.Any) -> tuple[State, ...]:
         return tuple(s for item in states for s in _as_state_tuple(item))
     if isinstance(states, tp.Mapping):
         return (State(states),)
-    raise TypeError(f"Expected a State or a tuple of States, got {type(states).__name__}")
+    raise TypeError(
+        f"Expected a State or a tuple of States, got {type(states).__name__}: pass what partition, filter or "
+        "get_state returned (or a Module, or a Pure)."
+    )
 
 
 def _owner(root: Module, path: Path) -> tuple[Module, str]:
@@ -344,7 +370,7 @@ class ModuleDef(tp.Generic[M], reprlib.Representable):
                 mapping.update(s._mapping)
         return _graph_unflatten(self, mapping)
 
-    def apply(self, state: State | tp.Sequence[State], *states: State) -> "ApplyCaller[tuple[tp.Any, Pure[State, M]]]":
+    def apply(self, state: State | tp.Sequence[State], *states: State) -> "CallProxy[tuple[tp.Any, Pure[State, M]]]":
         """Calls a Module built from ``states`` and returns ``(out, Pure)``.
 
         Example::
@@ -352,10 +378,7 @@ class ModuleDef(tp.Generic[M], reprlib.Representable):
             y, (state, moduledef) = moduledef.apply(params, counts)(x)
             z, updates = moduledef.apply(state).encoder(x)
         """
-        return ApplyCaller(
-            lambda: self.merge(state, *states),
-            lambda out, module: (out, module.partition()),
-        )
+        return CallProxy(_run_on(lambda: self.merge(state, *states), lambda out, module: (out, module.partition())))
 
 
 def _attribute_kind(value_type: type) -> int:
@@ -439,31 +462,18 @@ def _graph_unflatten(moduledef: ModuleDef[M], mapping: tp.Mapping[Path, tp.Any])
 S = tp.TypeVar("S", bound=State | tuple[State, ...])
 
 
-class ApplyCaller(tp.Generic[A]):
-    """A proxy: call it, or reach a method/submodule with ``.`` or ``[]`` first."""
+def _run_on(make: tp.Callable[[], "Module"], finish: tp.Callable[[tp.Any, tp.Any], A]) -> tp.Callable[..., A]:
+    """A ``CallProxy`` run: calls what the proxy reaches on ``make()``, returns ``finish(out, module)``."""
 
-    __slots__ = ("_make", "_finish", "_accessors")
+    def run(reach, *args, **kwargs):
+        module = make()
+        return finish(reach(module)(*args, **kwargs), module)
 
-    def __init__(self, make, finish, accessors: tuple[tuple[bool, tp.Any], ...] = ()):
-        self._make = make
-        self._finish = finish
-        self._accessors = accessors
+    return run
 
-    def __getattr__(self, name: str) -> "ApplyCaller[A]":
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return ApplyCaller(self._make, self._finish, self._accessors + ((True, name),))
 
-    def __getitem__(self, key: tp.Any) -> "ApplyCaller[A]":
-        return ApplyCaller(self._make, self._finish, self._accessors + ((False, key),))
-
-    def __call__(self, *args, **kwargs) -> A:
-        module = self._make()
-        target: tp.Any = module
-        for is_attribute, key in self._accessors:
-            target = getattr(target, key) if is_attribute else target[key]
-        out = target(*args, **kwargs)
-        return self._finish(out, module)
+# The proxy's earlier name, kept for code that annotates with it.
+ApplyCaller = CallProxy
 
 
 class Pure(tuple[S, ModuleDef[M]]):
@@ -489,14 +499,14 @@ class Pure(tuple[S, ModuleDef[M]]):
         return self.moduledef.merge(self.states)
 
     @property
-    def apply(self) -> ApplyCaller[tuple[tp.Any, "Pure[State, M]"]]:
+    def apply(self) -> CallProxy[tuple[tp.Any, "Pure[State, M]"]]:
         """Calls the merged Module; returns ``(out, updated Pure)``."""
         return self.moduledef.apply(self.states)
 
     @property
-    def call(self) -> ApplyCaller[tp.Any]:
+    def call(self) -> CallProxy[tp.Any]:
         """Calls the merged Module; returns only the output."""
-        return ApplyCaller(self.merge, lambda out, _: out)
+        return CallProxy(_run_on(self.merge, lambda out, _: out))
 
     def get_state(self) -> State:
         """All states merged into one."""
@@ -514,7 +524,7 @@ class Pure(tuple[S, ModuleDef[M]]):
     def pop_state(self, *filters: Filter) -> tuple[tp.Any, "Pure[State, M]"]:
         """Returns ``(popped states, Pure of the rest)``."""
         if not filters:
-            raise TypeError("pop_state needs at least one filter")
+            raise TypeError("pop_state needs at least one filter, e.g. pop_state(nnx.Intermediate)")
         state = self.get_state()
         popped = state.filter(*filters)
         removed = State.merge(*popped) if isinstance(popped, tuple) else popped

@@ -52,7 +52,10 @@ def to_predicate(filter: Filter) -> Predicate:
         return filter
     if isinstance(filter, (tuple, list)):
         return Any(*filter)
-    raise TypeError(f"Invalid filter of type {type(filter).__name__!r}: {filter!r}")
+    raise TypeError(
+        f"Invalid filter of type {type(filter).__name__!r}: {filter!r}. A filter is a type (nnx.Param), ..., "
+        "None, a predicate (path, value) -> bool, or a tuple of filters."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,42 +68,37 @@ class OfType:
         return isinstance(value, self.type)
 
 
-class Any:
+class _Combination:
+    """``Any`` and ``All``: one predicate per filter, joined by ``_join`` (``any`` or ``all``)."""
+
+    _join: tp.ClassVar[tp.Callable[[tp.Iterable[bool]], bool]]
+
+    def __init__(self, *filters: Filter):
+        self.predicates = tuple(map(to_predicate, filters))
+
+    def __call__(self, path: Path, value: tp.Any) -> bool:
+        return type(self)._join(predicate(path, value) for predicate in self.predicates)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}{self.predicates}"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self.predicates == other.predicates
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.predicates))
+
+
+class Any(_Combination):
     """Matches what any of ``filters`` matches."""
 
-    def __init__(self, *filters: Filter):
-        self.predicates = tuple(map(to_predicate, filters))
-
-    def __call__(self, path: Path, value: tp.Any) -> bool:
-        return any(predicate(path, value) for predicate in self.predicates)
-
-    def __repr__(self) -> str:
-        return f"Any{self.predicates}"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Any) and self.predicates == other.predicates
-
-    def __hash__(self) -> int:
-        return hash((Any, self.predicates))
+    _join = builtins.any
 
 
-class All:
+class All(_Combination):
     """Matches what all of ``filters`` match."""
 
-    def __init__(self, *filters: Filter):
-        self.predicates = tuple(map(to_predicate, filters))
-
-    def __call__(self, path: Path, value: tp.Any) -> bool:
-        return all(predicate(path, value) for predicate in self.predicates)
-
-    def __repr__(self) -> str:
-        return f"All{self.predicates}"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, All) and self.predicates == other.predicates
-
-    def __hash__(self) -> int:
-        return hash((All, self.predicates))
+    _join = builtins.all
 
 
 class Not:

@@ -23,15 +23,12 @@ With flax installed, every Pytree round-trips through
 class is defined.
 """
 
-import importlib.abc
-import importlib.util
-import sys
 import typing as tp
 from abc import ABCMeta
 
 import jax.tree_util as jtu
 
-from nnx import containers, nodes, reprlib
+from nnx import _flax_serialization, containers, nodes, reprlib
 from nnx import dataclasses as nnx_dataclasses
 
 A = tp.TypeVar("A")
@@ -61,9 +58,6 @@ class PytreeMeta(ABCMeta):
         return obj
 
 
-_pytree_classes: list[type] = []
-
-
 class Pytree(reprlib.Representable, metaclass=PytreeMeta):
     """Base class for immutable pytrees. See the module docstring."""
 
@@ -78,10 +72,7 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
             lambda aux, children: _unflatten(cls, aux, children),
             flatten_func=_flatten,
         )
-        _pytree_classes.append(cls)
-        serialization = sys.modules.get("flax.serialization")
-        if serialization is not None:
-            _register_flax_serialization(cls, serialization)
+        _flax_serialization.register(cls, _to_state_dict, _from_state_dict)
 
     if not tp.TYPE_CHECKING:
         __getattribute__ = containers.getattribute_unboxed
@@ -111,7 +102,10 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
         attributes = _get_attribute(self, "__dict__")
         unknown = set(updates) - set(attributes)
         if unknown:
-            raise ValueError(f"Trying to replace unknown fields {sorted(unknown)} for {type(self).__name__!r}")
+            raise ValueError(
+                f"Trying to replace unknown fields {sorted(unknown)} for {type(self).__name__!r}: its fields are "
+                f"{sorted(attributes)}. replace() changes existing fields only."
+            )
         if dataclasses.is_dataclass(self):
             return dataclasses.replace(self, **updates)
         return _copy_with(self, updates)
@@ -165,85 +159,29 @@ def _unflatten(cls: type[P], aux, children) -> P:
     return pytree
 
 
-def _register_flax_serialization(cls: type, serialization: tp.Any) -> None:
-    """Registers ``cls`` with the ``flax.serialization`` module given."""
+def _to_state_dict(serialization: tp.Any, pytree: Pytree) -> dict[str, tp.Any]:
+    attributes = _get_attribute(pytree, "__dict__")
+    return {
+        name: serialization.to_state_dict(getattr(pytree, name))
+        for name in sorted(attributes)
+        if nodes.is_node(attributes[name])
+    }
 
-    def to_state_dict(pytree: Pytree) -> dict[str, tp.Any]:
-        attributes = _get_attribute(pytree, "__dict__")
-        return {
-            name: serialization.to_state_dict(getattr(pytree, name))
-            for name in sorted(attributes)
-            if nodes.is_node(attributes[name])
-        }
 
-    def from_state_dict(pytree: Pytree, state: dict[str, tp.Any]) -> Pytree:
-        state = dict(state)
-        attributes = _get_attribute(pytree, "__dict__")
-        updates = {}
-        for name in sorted(attributes):
-            if not nodes.is_node(attributes[name]):
-                continue
-            if name not in state:
-                raise ValueError(
-                    f"Missing field {name!r} in state dict while restoring an instance "
-                    f"of {type(pytree).__name__} at path {serialization.current_path()}"
-                )
-            updates[name] = serialization.from_state_dict(getattr(pytree, name), state.pop(name), name=name)
-        if state:
-            raise ValueError(
-                f"Unknown field(s) {sorted(state)} in state dict while restoring an "
-                f"instance of {type(pytree).__name__} at path "
-                f"{serialization.current_path()}"
-            )
-        return _copy_with(pytree, updates)
-
-    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
+def _from_state_dict(serialization: tp.Any, pytree: Pytree, state: dict[str, tp.Any]) -> Pytree:
+    attributes = _get_attribute(pytree, "__dict__")
+    targets = {name: getattr(pytree, name) for name in sorted(attributes) if nodes.is_node(attributes[name])}
+    owner = f"an instance of {type(pytree).__name__}"
+    return _copy_with(pytree, _flax_serialization.restore_fields(serialization, owner, targets, state))
 
 
 def register_flax_serialization() -> None:
-    """Registers every Pytree class defined so far with ``flax.serialization``.
+    """Registers every Pytree class (and ``State`` and the containers) with ``flax.serialization``.
 
-    Not needed in normal use: classes defined after ``flax.serialization`` is
-    imported register themselves, and importing it later registers the
-    classes defined before (see :class:`_FlaxSerializationHook`).
+    Not needed in normal use: they register themselves when
+    ``flax.serialization`` is imported, before or after they are defined.
     """
-    from flax import serialization
-
-    for cls in _pytree_classes:
-        _register_flax_serialization(cls, serialization)
-
-
-class _FlaxSerializationHook(importlib.abc.MetaPathFinder):
-    """Registers the Pytree classes as soon as ``flax.serialization`` is imported.
-
-    Importing flax with nnx would make ``import nnx`` noticeably slower, so
-    nnx waits for the user to import it: this finder wraps the module's
-    ``exec_module`` to register every Pytree class defined so far (such as
-    ``nnx.TrainState``) right after ``flax.serialization`` has run, then
-    leaves ``sys.meta_path``.
-    """
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "flax.serialization":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-
-        def exec_and_register(module):
-            del loader.exec_module  # back to the class's method (loaders may be shared)
-            loader.exec_module(module)
-            for cls in _pytree_classes:
-                _register_flax_serialization(cls, module)
-
-        loader.exec_module = exec_and_register  # type: ignore[method-assign]
-        return spec
-
-
-if "flax.serialization" not in sys.modules:
-    sys.meta_path.insert(0, _FlaxSerializationHook())
+    _flax_serialization.register_all()
 
 
 nodes.register_node_type(Pytree)

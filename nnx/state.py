@@ -15,7 +15,7 @@ import typing as tp
 
 import jax.tree_util as jtu
 
-from nnx import nodes, partitioning, reprlib
+from nnx import _flax_serialization, nodes, partitioning, reprlib
 
 Path = str
 Node = tp.Any
@@ -156,3 +156,15 @@ def _state_unflatten(paths: tuple[Path, ...], values) -> State:
 
 jtu.register_pytree_with_keys(State, _state_flatten_with_keys, _state_unflatten, flatten_func=_state_flatten)
 nodes.register_node_type(State)
+
+
+def _to_state_dict(serialization: tp.Any, state: State) -> dict[Path, tp.Any]:
+    """A flat dict keyed by path, like the State itself."""
+    return {path: serialization.to_state_dict(value) for path, value in state._mapping.items()}
+
+
+def _from_state_dict(serialization: tp.Any, state: State, state_dict: tp.Mapping[Path, tp.Any]) -> State:
+    return State._from_sorted(_flax_serialization.restore_fields(serialization, "a State", state._mapping, state_dict))
+
+
+_flax_serialization.register(State, _to_state_dict, _from_state_dict)

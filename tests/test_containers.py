@@ -32,6 +32,25 @@ def test_incompatible_container_raises(make):
         make()
 
 
+def test_wrapping_a_container_in_another_type_says_to_pass_its_value():
+    param = nnx.Param(1)
+    with pytest.raises(ValueError, match=r"Pass the plain value instead, e.g. BatchStat\(x.value\)"):
+        nnx.BatchStat(param)
+    assert nnx.BatchStat(param.value).value == 1
+
+
+def test_rewrapping_with_other_metadata_says_to_use_replace():
+    param = nnx.Param(1, sharding=("a",))
+    with pytest.raises(ValueError, match=r"use x.replace\(sharding=\('b',\)\)"):
+        nnx.Param(param, sharding=("b",))
+    assert param.replace(sharding=("b",)).sharding == ("b",)
+
+
+def test_replace_unknown_key_lists_the_known_keys():
+    with pytest.raises(ValueError, match=r"a Param has \['sharding', 'value'\]"):
+        nnx.Param(1).replace(x=1)
+
+
 def test_replace_returns_new_container_of_same_type():
     p = nnx.Param(1, sharding=("a",))
     q = p.replace(value=2)
@@ -85,6 +104,24 @@ def test_user_defined_variable_subclass_is_a_pytree():
 def test_static_has_no_leaves_and_survives_tree_map():
     assert jax.tree_util.tree_leaves(nnx.Static(1)) == []
     assert jax.tree.map(lambda x: x + 1, nnx.Static(2)).value == 2
+
+
+def test_user_defined_static_subclass_is_a_pytree_without_leaves():
+    class Name(nnx.Static):
+        pass
+
+    name = jax.tree.map(lambda x: x + 1, Name("relu"))
+    assert jax.tree_util.tree_leaves(Name("relu")) == []
+    assert type(name) is Name and name.value == "relu"
+
+
+def test_static_subclass_metadata_survives_jit():
+    class Tagged(nnx.Static):
+        def __init__(self, value, tag):
+            nnx.Container.__init__(self, value, tag=tag)
+
+    out = jax.jit(lambda tagged, x: (tagged, x + 1))(Tagged("relu", tag="act"), 1)[0]
+    assert type(out) is Tagged and (out.value, out.tag) == ("relu", "act")
 
 
 def test_static_with_unhashable_array_fails_under_jit():

@@ -85,3 +85,16 @@ def test_uuids_are_unique_and_copies_are_new():
     assert a == a and a != ids.uuid()
     assert copy.copy(a) != a and copy.deepcopy(a) != a
     assert len({a, a}) == 1
+
+
+def test_train_state_round_trips_through_flax_msgpack_bytes():
+    from flax import serialization
+
+    params, moduledef = nnx.Linear(2, 3, ctx=nnx.context(0)).partition(nnx.Param)
+    state = nnx.TrainState(moduledef, params=params, tx=optax.adam(0.1))
+    state = state.apply_gradients(jax.tree.map(jnp.ones_like, params))
+    fresh = nnx.TrainState(moduledef, params=jax.tree.map(jnp.zeros_like, params), tx=optax.adam(0.1))
+    restored = serialization.from_bytes(fresh, serialization.to_bytes(state))
+    assert int(restored.step) == 1
+    assert jnp.array_equal(restored.params["kernel"].value, state.params["kernel"].value)
+    assert jnp.array_equal(restored.opt_state[0].mu["kernel"].value, state.opt_state[0].mu["kernel"].value)

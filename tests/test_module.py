@@ -287,6 +287,29 @@ def test_sow_errors(initial, error):
         m.sow(nnx.Intermediate, "y", 1)
 
 
+def test_sow_onto_a_plain_attribute_says_to_delete_it_or_use_another_name():
+    m = nnx.Dict(y=10)
+    with pytest.raises(ValueError, match=r"Sow under another name, or delete the attribute first \(del module.y\)"):
+        m.sow(nnx.Intermediate, "y", 1)
+
+
+def test_sow_onto_another_variable_type_says_which_type_appends():
+    m = nnx.Dict(y=nnx.Param(()))
+    with pytest.raises(ValueError, match="Sow with Param to append to it"):
+        m.sow(nnx.Intermediate, "y", 1)
+    m.sow(nnx.Param, "y", 1)
+    assert m.y == (1,)
+
+
+def test_sow_onto_an_assigned_value_says_how_to_reset_it():
+    m = nnx.Dict(y=nnx.Intermediate(10))
+    with pytest.raises(ValueError, match=r"reset it to an empty tuple first \(module.y = \(\)\)"):
+        m.sow(nnx.Intermediate, "y", 1)
+    m.y = ()
+    m.sow(nnx.Intermediate, "y", 1)
+    assert m.y == (1,)
+
+
 def test_clone_is_independent():
     m = nnx.Dict(a=nnx.Sequence([nnx.Param(1), nnx.Param(2), 3]), b=nnx.Dict(c=nnx.Param(1)))
     m2 = m.clone()

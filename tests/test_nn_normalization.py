@@ -99,6 +99,45 @@ def test_batchnorm_evaluation_matches_flax_and_keeps_stats():
     np.testing.assert_array_equal(bn.var, var)
 
 
+def test_batchnorm_over_several_feature_axes_matches_flax_in_training():
+    # flax lays parameters and statistics out in the features' shape; nnx flattens them.
+    x = random((4, 3, 5, 2), loc=2.0, scale=3.0)
+    bn = BatchNorm(15, axis=(1, 2), momentum=0.9, ctx=ctx())
+    random_scale_and_bias(bn, 15)
+    variables = {
+        "params": {"scale": bn.scale.reshape(3, 5), "bias": bn.bias.reshape(3, 5)},
+        "batch_stats": {"mean": bn.mean.reshape(3, 5), "var": bn.var.reshape(3, 5)},
+    }
+    expected, updates = linen.BatchNorm(axis=(1, 2), momentum=0.9).apply(
+        variables, x, use_running_average=False, mutable=["batch_stats"]
+    )
+    np.testing.assert_allclose(bn(x, use_running_average=False), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(bn.mean.reshape(3, 5), updates["batch_stats"]["mean"], rtol=1e-6)
+    np.testing.assert_allclose(bn.var.reshape(3, 5), updates["batch_stats"]["var"], rtol=1e-6)
+
+
+def test_batchnorm_over_several_feature_axes_matches_flax_in_evaluation():
+    x = random((4, 3, 5, 2))
+    bn = BatchNorm(15, axis=(1, 2), ctx=ctx())
+    random_scale_and_bias(bn, 15)
+    bn.mean = random((15,), 3)
+    bn.var = random((15,), 4) ** 2
+    variables = {
+        "params": {"scale": bn.scale.reshape(3, 5), "bias": bn.bias.reshape(3, 5)},
+        "batch_stats": {"mean": bn.mean.reshape(3, 5), "var": bn.var.reshape(3, 5)},
+    }
+    expected = linen.BatchNorm(axis=(1, 2), use_running_average=True).apply(variables, x)
+    np.testing.assert_allclose(bn(x, use_running_average=True), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_with_the_wrong_number_of_features_says_which():
+    bn = BatchNorm(15, axis=(1, 2), ctx=ctx())
+    with pytest.raises(
+        ValueError, match=r"feature axes \(1, 2\) hold 12 elements: build the layer with num_features=12"
+    ):
+        bn(jnp.ones((4, 3, 4, 2)), use_running_average=True)
+
+
 def test_batchnorm_training_normalizes_the_batch():
     x = random((8, 3), loc=5.0, scale=2.0)
     y = BatchNorm(3, ctx=ctx())(x, use_running_average=False)

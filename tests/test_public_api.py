@@ -35,6 +35,13 @@ def test_public_module_is_importable(module):
     importlib.import_module(module)
 
 
+@pytest.mark.parametrize("name", ["jit", "grad", "scan", "remat", "Scan", "Remat"])
+def test_transforms_module_exports_each_lifted_transform(name):
+    from nnx import transforms
+
+    assert getattr(transforms, name) is getattr(nnx, name)
+
+
 def test_pure_module_is_an_alias_of_pure():
     assert nnx.PureModule is nnx.Pure
 

@@ -178,6 +178,7 @@ def test_flax_serialization_works_for_classes_defined_before_flax_is_imported():
       from flax import serialization
       assert list(serialization.to_state_dict(Early())) == ['a']
       assert sorted(serialization.to_state_dict(state)) == ['opt_state', 'params', 'step']
+      assert sorted(serialization.to_state_dict(params)) == ['bias', 'kernel']
       restored = serialization.from_state_dict(state, {
           **serialization.to_state_dict(state), 'step': jnp.asarray(7)})
       assert int(restored.step) == 7

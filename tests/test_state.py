@@ -134,3 +134,31 @@ class TestPure:
         assert pure.call(1) == 2
         pure2 = pure.update_state(nnx.State({"n": nnx.BatchStat(5)}))
         assert pure2.merge().n == 5
+
+
+def test_state_round_trips_through_flax_msgpack_bytes():
+    from flax import serialization
+
+    state = nnx.Linear(2, 3, ctx=nnx.context(0)).get_state()
+    target = jax.tree.map(np.zeros_like, state)
+    restored = serialization.from_bytes(target, serialization.to_bytes(state))
+    assert list(restored) == ["bias", "kernel"]
+    assert all(type(restored[path]) is nnx.Param for path in restored)
+    np.testing.assert_array_equal(restored["kernel"].value, state["kernel"].value)
+
+
+def test_state_state_dict_is_flat_and_keyed_by_path():
+    from flax import serialization
+
+    state = nnx.State({"encoder/w": nnx.Param(np.ones(2)), "step": np.int32(3)})
+    state_dict = serialization.to_state_dict(state)
+    assert sorted(state_dict) == ["encoder/w", "step"]
+    np.testing.assert_array_equal(state_dict["encoder/w"], np.ones(2))
+
+
+def test_restoring_a_state_from_a_state_dict_without_one_of_its_paths_raises():
+    from flax import serialization
+
+    state = nnx.State({"a": nnx.Param(1.0), "b": nnx.Param(2.0)})
+    with pytest.raises(ValueError, match="Missing field 'b' in state dict while restoring a State"):
+        serialization.from_state_dict(state, {"a": 3.0})

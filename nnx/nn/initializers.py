@@ -44,6 +44,16 @@ Shape = tp.Sequence[int]
 Dtype = tp.Any
 
 
+def _filled(fill: tp.Callable[[Shape, Dtype], jax.Array]) -> Initializer:
+    """An initializer returning ``fill(shape, dtype)``; the key is not used."""
+
+    def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
+        del key
+        return fill(shape, dtype)
+
+    return init
+
+
 def zeros() -> Initializer:
     """Returns an initializer that fills arrays with zeros.
 
@@ -55,11 +65,7 @@ def zeros() -> Initializer:
       Array([0., 0.], dtype=float32)
     """
 
-    def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
-        del key
-        return jnp.zeros(shape, dtype)
-
-    return init
+    return _filled(jnp.zeros)
 
 
 def ones() -> Initializer:
@@ -73,11 +79,7 @@ def ones() -> Initializer:
       Array([1., 1.], dtype=float32)
     """
 
-    def init(key: jax.Array, shape: Shape, dtype: Dtype = jnp.float32) -> jax.Array:
-        del key
-        return jnp.ones(shape, dtype)
-
-    return init
+    return _filled(jnp.ones)
 
 
 # Aliases under the names flax.linen uses.

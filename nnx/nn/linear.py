@@ -17,6 +17,7 @@ from nnx import containers
 from nnx.contextlib import Context
 from nnx.module import Module
 from nnx.nn import dtypes, initializers
+from nnx.nn._options import freeze
 
 Array = jax.Array
 Dtype = tp.Any
@@ -28,6 +29,28 @@ DotGeneralT = tp.Callable[..., Array]
 
 default_kernel_init = initializers.lecun_normal()
 default_embed_init = initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+
+
+def _kernel_and_bias(
+    kernel_init: initializers.Initializer,
+    bias_init: initializers.Initializer,
+    kernel_shape: Shape,
+    use_bias: bool,
+    param_dtype: Dtype,
+    ctx: Context,
+) -> tuple[containers.Param, containers.Param]:
+    """``Param(kernel)`` and ``Param(bias)`` of shape ``kernel_shape[-1:]``, or ``Param(None)`` without bias."""
+    kernel = containers.Param(kernel_init(ctx.make_rng("params"), tuple(kernel_shape), param_dtype))
+    if not use_bias:
+        return kernel, containers.Param(None)
+    return kernel, containers.Param(bias_init(ctx.make_rng("params"), tuple(kernel_shape[-1:]), param_dtype))
+
+
+def _add_bias(y: Array, bias: Array | None) -> Array:
+    """``y + bias`` along the last axis (``y`` itself without bias)."""
+    if bias is None:
+        return y
+    return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
 class Linear(Module):
@@ -95,11 +118,9 @@ class Linear(Module):
         self.bias_init = bias_init
         self.dot_general = dot_general
 
-        self.kernel = containers.Param(kernel_init(ctx.make_rng("params"), (in_features, out_features), param_dtype))
-        if use_bias:
-            self.bias = containers.Param(bias_init(ctx.make_rng("params"), (out_features,), param_dtype))
-        else:
-            self.bias = containers.Param(None)
+        self.kernel, self.bias = _kernel_and_bias(
+            kernel_init, bias_init, (in_features, out_features), use_bias, param_dtype, ctx
+        )
 
     def __call__(self, inputs: Array) -> Array:
         """Applies the linear map to the last axis of ``inputs``."""
@@ -116,8 +137,7 @@ class Linear(Module):
             (((inputs.ndim - 1,), (0,)), ((), ())),
             precision=self.precision,
         )
-        if bias is not None:
-            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        y = _add_bias(y, bias)
         return y
 
 
@@ -156,13 +176,6 @@ def canonicalize_padding(padding: PaddingLike, rank: int) -> LaxPadding:
         f"of {rank} entries (one per spatial axis), each an int or a (low, high) "
         "pair of ints."
     )
-
-
-def _freeze(x: tp.Any) -> tp.Any:
-    """Lists to tuples (recursively), so static attributes are hashable."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(item) for item in x)
-    return x
 
 
 def _as_tuple(x: int | Sequence[int] | None, rank: int) -> tuple[int, ...]:
@@ -260,10 +273,10 @@ class Conv(Module):
         self.in_features = in_features
         self.out_features = out_features
         self.kernel_size = kernel_size
-        self.strides = _freeze(strides)
-        self.padding = _freeze(padding)
-        self.input_dilation = _freeze(input_dilation)
-        self.kernel_dilation = _freeze(kernel_dilation)
+        self.strides = freeze(strides)
+        self.padding = freeze(padding)
+        self.input_dilation = freeze(input_dilation)
+        self.kernel_dilation = freeze(kernel_dilation)
         self.feature_group_count = feature_group_count
         self.use_bias = use_bias
         self.mask = mask
@@ -273,11 +286,7 @@ class Conv(Module):
         self.kernel_init = kernel_init
         self.bias_init = bias_init
 
-        self.kernel = containers.Param(kernel_init(ctx.make_rng("params"), kernel_shape, param_dtype))
-        if use_bias:
-            self.bias = containers.Param(bias_init(ctx.make_rng("params"), (out_features,), param_dtype))
-        else:
-            self.bias = containers.Param(None)
+        self.kernel, self.bias = _kernel_and_bias(kernel_init, bias_init, kernel_shape, use_bias, param_dtype, ctx)
 
     def __call__(self, inputs: Array) -> Array:
         """Convolves ``inputs`` of shape ``(*batch, *spatial, in_features)``."""
@@ -335,8 +344,7 @@ class Conv(Module):
             feature_group_count=self.feature_group_count,
             precision=self.precision,
         )
-        if bias is not None:
-            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        y = _add_bias(y, bias)
 
         if num_batch_axes != 1:
             y = jnp.reshape(y, batch_shape + y.shape[1:])

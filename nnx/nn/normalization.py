@@ -7,6 +7,7 @@ with the one-pass formula ``var = E[|x|^2] - |E[x]|^2`` (clipped at zero), and
 
 from __future__ import annotations
 
+import math
 import typing as tp
 from collections.abc import Iterable
 
@@ -18,6 +19,7 @@ from nnx import containers
 from nnx.contextlib import Context
 from nnx.module import Module
 from nnx.nn import dtypes, initializers
+from nnx.nn._options import freeze, resolve_flag
 
 Array = jax.Array
 Dtype = tp.Any
@@ -29,13 +31,6 @@ def _canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:
     if not isinstance(axes, Iterable):
         axes = (axes,)
     return tuple(sorted({axis + rank if axis < 0 else axis for axis in axes}))
-
-
-def _freeze(x: tp.Any) -> tp.Any:
-    """Lists to tuples (recursively), so static attributes are hashable."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(item) for item in x)
-    return x
 
 
 def _abs_sq(x: Array) -> Array:
@@ -139,6 +134,9 @@ class BatchNorm(Module):
 
     ``scale`` and ``bias`` are :class:`~nnx.Param`, the running ``mean`` and
     ``var`` are :class:`~nnx.BatchStat`, all of shape ``(num_features,)``.
+    With several feature axes (``axis=(1, 2)``), ``num_features`` is the
+    number of elements they hold together and the four arrays are flat (as
+    in :class:`LayerNorm`; ``flax.linen`` gives them the axes' shape).
 
     Example::
 
@@ -151,10 +149,11 @@ class BatchNorm(Module):
       >>> (state, batch_stats), moduledef = bn.partition(nnx.Param, nnx.BatchStat)
 
     Args:
-      num_features: size of the feature axis ``axis``.
+      num_features: size of the feature axis ``axis`` (the product of the
+        sizes when ``axis`` names several).
       use_running_average: default mode (see above); ``None`` leaves it to the
         call.
-      axis: the feature axis; every other axis is reduced.
+      axis: the feature axis or axes; every other axis is reduced.
       momentum: decay of the running averages.
       epsilon: added to the variance for numerical stability.
       dtype: dtype of the result; ``None`` infers it from input and params.
@@ -175,7 +174,7 @@ class BatchNorm(Module):
         num_features: int,
         *,
         use_running_average: bool | None = None,
-        axis: int = -1,
+        axis: Axes = -1,
         momentum: float = 0.99,
         epsilon: float = 1e-5,
         dtype: Dtype | None = None,
@@ -190,7 +189,7 @@ class BatchNorm(Module):
     ):
         self.num_features = num_features
         self.use_running_average = use_running_average
-        self.axis = axis
+        self.axis = freeze(axis)
         self.momentum = momentum
         self.epsilon = epsilon
         self.dtype = dtype
@@ -200,7 +199,7 @@ class BatchNorm(Module):
         self.bias_init = bias_init
         self.scale_init = scale_init
         self.axis_name = axis_name
-        self.axis_index_groups = _freeze(axis_index_groups)
+        self.axis_index_groups = freeze(axis_index_groups)
 
         self.mean = containers.BatchStat(jnp.zeros((num_features,), jnp.float32))
         self.var = containers.BatchStat(jnp.ones((num_features,), jnp.float32))
@@ -223,23 +222,30 @@ class BatchNorm(Module):
           ctx: optional context whose ``use_running_average`` flag is used when
             neither the argument nor the attribute is set.
         """
-        if use_running_average is None:
-            use_running_average = self.use_running_average
-        if use_running_average is None and ctx is not None:
-            use_running_average = ctx.get_flag("use_running_average")
-        if use_running_average is None:
-            raise ValueError(
-                "BatchNorm needs to know whether to use the running statistics: pass "
-                "`use_running_average=True/False` to the call or to the constructor, "
-                "or pass a context with the flag, e.g. "
-                "`ctx=nnx.context(flags={'use_running_average': False})`."
-            )
+        use_running_average = resolve_flag(
+            "use_running_average",
+            use_running_average,
+            self.use_running_average,
+            ctx,
+            "BatchNorm needs to know whether to use the running statistics: pass "
+            "`use_running_average=True/False` to the call or to the constructor, "
+            "or pass a context with the flag, e.g. "
+            "`ctx=nnx.context(flags={'use_running_average': False})`.",
+        )
 
         feature_axes = _canonicalize_axes(x.ndim, self.axis)
         reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+        feature_shape = tuple(x.shape[i] for i in feature_axes)
+        if math.prod(feature_shape) != self.num_features:
+            raise ValueError(
+                f"BatchNorm(num_features={self.num_features}, axis={self.axis}) got an input of shape {x.shape}, "
+                f"whose feature axes {feature_axes} hold {math.prod(feature_shape)} elements: build the layer "
+                f"with num_features={math.prod(feature_shape)}, or pass the feature axes as axis=."
+            )
 
         if use_running_average:
-            mean, var = self.mean, self.var
+            # The running statistics are flat; the batch's have the feature axes' shape.
+            mean, var = jnp.reshape(self.mean, feature_shape), jnp.reshape(self.var, feature_shape)
         else:
             mean, var = _compute_stats(
                 x,
@@ -249,8 +255,8 @@ class BatchNorm(Module):
                 axis_index_groups=self.axis_index_groups,
             )
             momentum = self.momentum
-            self.mean = momentum * self.mean + (1 - momentum) * mean
-            self.var = momentum * self.var + (1 - momentum) * var
+            self.mean = momentum * self.mean + (1 - momentum) * jnp.reshape(mean, (-1,))
+            self.var = momentum * self.var + (1 - momentum) * jnp.reshape(var, (-1,))
 
         return _normalize(
             x,
@@ -322,10 +328,10 @@ class LayerNorm(Module):
         self.use_scale = use_scale
         self.bias_init = bias_init
         self.scale_init = scale_init
-        self.reduction_axes = _freeze(reduction_axes)
-        self.feature_axes = _freeze(feature_axes)
+        self.reduction_axes = freeze(reduction_axes)
+        self.feature_axes = freeze(feature_axes)
         self.axis_name = axis_name
-        self.axis_index_groups = _freeze(axis_index_groups)
+        self.axis_index_groups = freeze(axis_index_groups)
 
         self.scale, self.bias = _feature_params(
             num_features, use_scale, use_bias, scale_init, bias_init, param_dtype, ctx

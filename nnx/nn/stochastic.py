@@ -10,6 +10,7 @@ from jax import lax
 
 from nnx.contextlib import Context
 from nnx.module import Module
+from nnx.nn._options import resolve_flag
 
 Array = jax.Array
 
@@ -69,17 +70,16 @@ class Dropout(Module):
           ctx: context providing the ``dropout`` stream (required in training
             mode) and optionally the ``deterministic`` flag.
         """
-        if deterministic is None:
-            deterministic = self.deterministic
-        if deterministic is None and ctx is not None:
-            deterministic = ctx.get_flag("deterministic")
-        if deterministic is None:
-            raise ValueError(
-                "Dropout needs to know whether it is deterministic: pass "
-                "`deterministic=True/False` to the call or to the constructor, or pass "
-                "a context with the flag, e.g. "
-                "`ctx=nnx.context(dropout=0, flags={'deterministic': False})`."
-            )
+        deterministic = resolve_flag(
+            "deterministic",
+            deterministic,
+            self.deterministic,
+            ctx,
+            "Dropout needs to know whether it is deterministic: pass "
+            "`deterministic=True/False` to the call or to the constructor, or pass "
+            "a context with the flag, e.g. "
+            "`ctx=nnx.context(dropout=0, flags={'deterministic': False})`.",
+        )
 
         if self.rate == 0.0 or deterministic:
             return inputs

@@ -1,0 +1,82 @@
+"""``nnx.grad``: ``jax.grad`` with respect to the nodes a filter selects."""
+
+import functools
+import typing as tp
+
+import jax
+
+from nnx import containers, partitioning, tracers
+from nnx._transforms.lifting import check_module, merge_ctx, partition_ctx
+from nnx.module import Module
+from nnx.state import State
+
+Filter = partitioning.Filter
+
+
+def grad(
+    fun: tp.Callable[..., tp.Any] | None = None,
+    wrt: Filter = containers.Param,
+    *,
+    stateful: bool = True,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+) -> tp.Callable[..., tp.Any]:
+    """``jax.grad`` for functions whose first argument is a Module.
+
+    Differentiates ``fun(module, *args, **kwargs)`` with respect to the nodes
+    that ``wrt`` selects (``nnx.Param`` by default) and returns their
+    gradients as a ``State`` keyed like the module's state, each gradient in
+    the same container type as its node (a plain array node gives a ``Node``)::
+
+        grads = nnx.grad(loss_fn)(model, x, y)
+        grads['linear/kernel']          # Param holding d loss / d kernel
+
+    ``wrt`` is any filter: ``nnx.All(nnx.Param, lambda path, _: not
+    path.startswith('backbone'))`` freezes the backbone. With ``stateful=True``
+    the other state changes made inside (batch statistics, counters) are
+    written back to ``module``. With ``has_aux=True``, ``fun`` returns
+    ``(loss, aux)`` and the call returns ``(grads, aux)``.
+    """
+    if fun is None:
+        return functools.partial(
+            grad,
+            wrt=wrt,
+            stateful=stateful,
+            has_aux=has_aux,
+            holomorphic=holomorphic,
+            allow_int=allow_int,
+        )
+
+    @functools.wraps(fun)
+    def grad_fn(module: Module, *args, **kwargs):
+        check_module("nnx.grad", module)
+        kwargs = partition_ctx(kwargs)
+        state, moduledef = module.partition()
+        diff, rest = state.partition(wrt, ...)
+        boxed = frozenset(path for path, value in diff.items() if not isinstance(value, containers.Container))
+        if boxed:
+            diff = State({path: containers.Node(value) if path in boxed else value for path, value in diff.items()})
+
+        def pure(diff: State, rest: State, *args, **kwargs):
+            if boxed:
+                diff = State({path: value.value if path in boxed else value for path, value in diff.items()})
+            with tracers.nnx_trace():
+                inner = moduledef.merge(diff, rest)
+                out = fun(inner, *args, **merge_ctx(kwargs))
+                loss, aux = out if has_aux else (out, None)
+                updates = (inner.get_state() - diff) if stateful else None
+            return loss, (aux, updates)
+
+        grads, (aux, updates) = jax.grad(
+            pure,
+            argnums=0,
+            has_aux=True,
+            holomorphic=holomorphic,
+            allow_int=allow_int,
+        )(diff, rest, *args, **kwargs)
+        if stateful:
+            module.update_state(updates)
+        return (grads, aux) if has_aux else grads
+
+    return grad_fn

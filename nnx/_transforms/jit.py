@@ -1,0 +1,242 @@
+"""``nnx.jit``: ``jax.jit`` for functions whose first argument is a Module.
+
+The compiled function is pure in ``(leaves, signature, *args)``: the Module's
+state as a flat list of arrays and, as a static argument, its structure. The
+flat state is cached between calls (see :mod:`.state_cache`), and the state
+that comes back is written into the Module's attributes in place.
+"""
+
+import functools
+import typing as tp
+
+import jax
+
+from nnx import tracers
+from nnx._transforms.lifting import check_module, merge_ctx, partition_ctx
+from nnx._transforms.state_cache import FlatState, Signature, StateCache
+from nnx.module import _MODULE_STATE, Module, _check_trace, _dict
+
+F = tp.TypeVar("F", bound=tp.Callable[..., tp.Any])
+
+_UNSPECIFIED = object()
+
+
+def _reconcile(target: Module, fresh: Module) -> None:
+    """Makes ``target`` look like ``fresh``, keeping ``target``'s submodules.
+
+    ``fresh`` was built from what a transform returned (state and structure).
+    Attributes are copied over (new ones added, missing ones deleted);
+    submodules of the same type at the same place are updated in place rather
+    than replaced, so references to them stay valid. Sharing is preserved.
+    """
+    targets: dict[int, Module] = {}  # id(fresh module) -> module standing for it
+    used: set[int] = set()  # ids of existing modules already updated
+
+    def adopt(module: Module) -> None:
+        for _, sub in module.modules():
+            targets.setdefault(id(sub), sub)
+
+    def update(target: Module, fresh: Module) -> None:
+        _check_trace(target)
+        targets[id(fresh)] = target
+        used.add(id(target))
+        attributes, new = _dict(target), _dict(fresh)
+        for name in [n for n in attributes if n not in new]:
+            del attributes[name]
+        for name, value in new.items():
+            if name == _MODULE_STATE:
+                continue
+            if isinstance(value, Module):
+                if id(value) in targets:
+                    attributes[name] = targets[id(value)]
+                    continue
+                current = attributes.get(name)
+                if type(current) is type(value) and id(current) not in used:
+                    update(current, value)
+                else:
+                    adopt(value)
+                    attributes[name] = value
+            else:
+                attributes[name] = value
+
+    update(target, fresh)
+
+
+class _Jitted:
+    """``f(module, *args, **kwargs)`` compiled by ``jax.jit``, state written back.
+
+    JAX compiles once per structure (``Signature``). A call on an unchanged
+    Module does no graph walk: one jitted call on the cached leaves and one
+    pass writing the new leaves back into the Module's attributes.
+    """
+
+    def __init__(self, fun: tp.Callable[..., tp.Any], stateful: bool, jit_kwargs: dict):
+        functools.update_wrapper(self, fun)
+        self._fun = fun
+        self._stateful = stateful
+        self._structured = "in_shardings" in jit_kwargs or "out_shardings" in jit_kwargs
+        pure = functools.partial(_Jitted._pure, self)
+        # Named after the user's function in HLO dumps and profiles (no
+        # __wrapped__: jax.jit must see the pure signature, not the user's).
+        pure.__name__ = getattr(fun, "__name__", "fun")  # type: ignore[attr-defined]
+        self._jitted = jax.jit(pure, **jit_kwargs)
+        self._cache = StateCache()
+
+    def _pure(self, leaves: tp.Any, signature: Signature, *args, **kwargs):
+        # ``leaves`` is the flat list, or the State itself when shardings are
+        # given for it (they are written against the State's structure).
+        state = leaves if self._structured else signature.treedef.unflatten(leaves)
+        with tracers.nnx_trace():
+            module = signature.moduledef.merge(state)
+            out = self._fun(module, *args, **merge_ctx(kwargs))
+            if not self._stateful:
+                return out
+            state, moduledef = module.partition()
+        if self._structured:
+            return out, state
+        new_leaves, treedef = jax.tree.flatten(state)
+        if treedef == signature.treedef and moduledef == signature.moduledef:
+            return out, new_leaves  # same structure: the fast write-back applies
+        # New attributes, submodules or static fields: the structure comes back
+        # too (a ModuleDef has no leaves, so this costs nothing at run time).
+        return out, state, moduledef
+
+    def _state_argument(self, flat: FlatState) -> tp.Any:
+        """What ``_pure`` receives as ``leaves`` for the Module's state."""
+        return flat.signature.treedef.unflatten(flat.leaves) if self._structured else flat.leaves
+
+    def __call__(self, module: Module, *args, **kwargs):
+        if not isinstance(module, Module):
+            check_module("nnx.jit", module)
+        if "ctx" in kwargs:
+            kwargs = partition_ctx(kwargs)
+        flat = self._cache.get(module)
+        if not self._stateful:
+            return self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
+        _check_trace(module)
+        if self._structured:
+            out, new = self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
+            leaves, treedef = jax.tree.flatten(new)
+            if treedef == flat.signature.treedef and flat.slots is not None:
+                flat.write_back(leaves)
+            else:
+                module.update_state(new)
+                self._cache.forget(module)
+            return out
+        result = self._jitted(flat.leaves, flat.signature, *args, **kwargs)
+        if len(result) == 2:
+            out, leaves = result
+            if flat.slots is not None:
+                flat.write_back(leaves)
+                return out
+            module.update_state(flat.signature.treedef.unflatten(leaves))
+        else:
+            out, state, moduledef = result
+            _reconcile(module, moduledef.merge(state))
+        self._cache.forget(module)
+        return out
+
+    def lower(self, module: Module, *args, **kwargs):
+        """``jax.jit(...).lower`` for the given Module and arguments."""
+        flat = FlatState(module)
+        return self._jitted.lower(self._state_argument(flat), flat.signature, *args, **partition_ctx(kwargs))
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"nnx.jit({getattr(self._fun, '__qualname__', self._fun)!r})"
+
+
+def _shift_argnums(argnums: int | tp.Sequence[int] | None) -> tuple[int, ...]:
+    """Maps argument indices of ``f(module, *args)`` onto ``_pure(leaves, signature, *args)``."""
+    if argnums is None:
+        return ()
+    if isinstance(argnums, int):
+        argnums = (argnums,)
+    shifted = []
+    for i in argnums:
+        if i < 0:
+            raise ValueError(
+                f"Negative argnums are not supported by nnx.jit, got {i}; count from the Module, which is argument 0."
+            )
+        shifted.append(0 if i == 0 else i + 1)
+    return tuple(shifted)
+
+
+def jit(
+    fun: F | None = None,
+    *,
+    stateful: bool = True,
+    in_shardings: tp.Any = _UNSPECIFIED,
+    out_shardings: tp.Any = _UNSPECIFIED,
+    static_argnums: int | tp.Sequence[int] | None = None,
+    static_argnames: str | tp.Iterable[str] | None = None,
+    donate_argnums: int | tp.Sequence[int] | None = None,
+    donate_argnames: str | tp.Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: jax.Device | None = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, tp.Any] | None = None,
+) -> F:
+    """``jax.jit`` for functions whose first argument is a Module.
+
+    ``fun(module, *args, **kwargs)`` runs compiled on a copy of ``module``
+    built inside the trace. With ``stateful=True`` every state change made
+    inside (new parameter values, updated batch statistics, new attributes
+    such as sown intermediates) is written back to ``module`` after the call;
+    with ``stateful=False`` the module is left untouched. A ``Context``
+    passed as ``ctx=`` is forked on the way in and rebuilt inside::
+
+        @nnx.jit
+        def forward(model, x, *, ctx):
+          return model(x, ctx=ctx)
+
+        y = forward(model, x, ctx=nnx.context(dropout=0))
+
+    Calls with the same Module structure (same submodules, attributes and
+    static fields) reuse the compiled function. Argument indices
+    (``static_argnums``, ``donate_argnums``) count the Module as argument 0;
+    donating 0 donates the Module's state buffers. For ``in_shardings`` /
+    ``out_shardings``, the Module's entry is a tree of shardings matching its
+    ``State`` (see :func:`nnx.get_partition_spec`); with ``stateful=True`` the
+    output is ``(out, state)``.
+    """
+    if fun is None:
+        return functools.partial(  # type: ignore[return-value]
+            jit,
+            stateful=stateful,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            keep_unused=keep_unused,
+            device=device,
+            backend=backend,
+            inline=inline,
+            compiler_options=compiler_options,
+        )
+    static = _shift_argnums(static_argnums)
+    if 0 in static:
+        raise ValueError("The Module (argument 0) cannot be static in nnx.jit.")
+    jit_kwargs: dict[str, tp.Any] = dict(
+        static_argnums=(1, *static),
+        static_argnames=static_argnames,
+        donate_argnums=_shift_argnums(donate_argnums) or None,
+        donate_argnames=donate_argnames,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        compiler_options=compiler_options,
+    )
+    if in_shardings is not _UNSPECIFIED:
+        jit_kwargs["in_shardings"] = in_shardings
+    if out_shardings is not _UNSPECIFIED:
+        jit_kwargs["out_shardings"] = out_shardings
+    return _Jitted(fun, stateful, jit_kwargs)  # type: ignore[return-value]

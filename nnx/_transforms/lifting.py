@@ -1,0 +1,35 @@
+"""What every lifted transform shares: checking its Module argument, and a
+``ctx=`` Context crossing the transform as pure ``(keys, contextdef)``."""
+
+import typing as tp
+
+from nnx import contextlib
+from nnx.module import Module
+
+
+def check_module(transform: str, module: tp.Any) -> None:
+    """Raises ``TypeError`` unless ``module`` (the first argument of a function given to ``transform``) is a Module."""
+    if not isinstance(module, Module):
+        raise TypeError(
+            f"{transform} expects a Module as the first argument of the "
+            f"transformed function, got {type(module).__name__}. For functions "
+            f"of arrays only, use jax.{transform.split('.')[1]} directly."
+        )
+
+
+def partition_ctx(kwargs: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """Replaces a ``ctx=`` Context by its pure ``(keys, contextdef)`` form."""
+    ctx = kwargs.get("ctx")
+    if isinstance(ctx, contextlib.Context):
+        kwargs = dict(kwargs)
+        kwargs["ctx"] = ctx.partition()
+    return kwargs
+
+
+def merge_ctx(kwargs: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """Inverse of :func:`partition_ctx`, called inside the transform."""
+    ctx = kwargs.get("ctx")
+    if isinstance(ctx, contextlib.PureContext):
+        kwargs = dict(kwargs)
+        kwargs["ctx"] = ctx.merge()
+    return kwargs
