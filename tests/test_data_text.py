@@ -223,9 +223,11 @@ def test_the_stream_is_uint16_unless_the_vocabulary_needs_uint32():
 def test_worker_processes_give_the_stream_one_process_gives(tmp_path, monkeypatch):
     monkeypatch.setattr(text, "_PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(text, "_TASK_BYTES", 64)  # several tasks from a few documents
-    source = write_jsonl(tmp_path / "docs.jsonl", [POEM[i:] for i in range(0, 80, 8)])
-    serial = load_text_splits(config(tmp_path / "serial", source), seed=0).train.tokens
-    parallel_cfg = config(tmp_path / "parallel", source, workers=2)
+    documents = [POEM[i:] for i in range(0, 80, 8)]
+    source = write_jsonl(tmp_path / "docs.jsonl", documents)
+    tokenizer = str(train_bpe(tmp_path / "tokenizer.json", documents))
+    serial = load_text_splits(config(tmp_path / "serial", source, tokenizer=tokenizer), seed=0).train.tokens
+    parallel_cfg = config(tmp_path / "parallel", source, tokenizer=tokenizer, workers=2)
     parallel = load_text_splits(parallel_cfg, seed=0).train.tokens
     assert parallel.tolist() == serial.tolist()
     assert json.loads((stream_entries(tmp_path / "parallel")[0] / "meta.json").read_text())["workers"] == 2

@@ -11,6 +11,14 @@ source (sizes and modification times of local files; `datasets`' own
 fingerprint of a Hub split). Later runs memory-map the stream: nothing is
 read or tokenized again, and a stream larger than memory works.
 
+The stream is written a task (about 4 MiB of text) at a time, so a corpus
+larger than memory tokenizes too; a single document must fit in memory, and
+one longer than a million characters is tokenized in pieces cut after
+newlines. A Hugging Face tokenizer runs on its own threads and, for splits
+over 32 MiB of text with `data.workers` > 0, in that many worker processes;
+`bytes` always runs in this process (about 150 MB/s, faster than workers).
+A terminal shows a progress bar.
+
 Training windows (the keys are window start offsets; see `nnx_cli.data.base`):
 epoch `e` draws an offset `o` in `[0, seq_len]` and then a permutation from
 `np.random.default_rng((seed, e))`, and visits the windows starting at
@@ -363,7 +371,9 @@ def _build_stream(path: Path, ds: Any, tokenizer: BytesTokenizer | HFTokenizer, 
     text_bytes = ds.data.nbytes
     rows_per_task = max(1, int(_TASK_BYTES * len(ds) / max(text_bytes, 1)))
     tasks = [(start, min(start + rows_per_task, len(ds))) for start in range(0, len(ds), rows_per_task)]
-    workers = min(workers, len(tasks)) if text_bytes >= _PARALLEL_MIN_BYTES else 0
+    if isinstance(tokenizer, BytesTokenizer) or text_bytes < _PARALLEL_MIN_BYTES:
+        workers = 0  # bytes run at ~150 MB/s here, faster than worker processes can be started and fed
+    workers = min(workers, len(tasks))
     documents = 0
     with _NpyWriter(path, dtype) as out, _progress(len(ds), f"tokenizing {len(ds):,} documents") as advance:
         for (start, stop), (tokens, count) in zip(tasks, _tokenize_tasks(ds, tokenizer, dtype, tasks, workers)):
