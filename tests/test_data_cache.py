@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nnx_cli.data.cache import cache_key, cache_root, get_or_build
+from nnx_cli.data.cache import cache_key, cache_root, get_or_build, local_fingerprint
 
 
 def _build_slowly(directory: Path) -> dict:
@@ -74,3 +75,14 @@ def test_the_default_root_is_under_the_datasets_cache(monkeypatch, tmp_path: Pat
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     assert cache_root() == tmp_path / "hf" / "datasets" / "nnx"
     assert cache_root("~/elsewhere") == Path("~/elsewhere").expanduser()
+
+
+def test_a_local_fingerprint_changes_when_a_file_is_touched_but_not_for_hidden_files(tmp_path: Path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    before = local_fingerprint(tmp_path)
+    (tmp_path / ".lock").write_text("")
+    assert local_fingerprint(tmp_path) == before
+    stat = (tmp_path / "train.jsonl").stat()
+    os.utime(tmp_path / "train.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert local_fingerprint(tmp_path) != before
+    assert local_fingerprint(tmp_path / "train.jsonl") != local_fingerprint(tmp_path)

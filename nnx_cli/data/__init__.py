@@ -33,6 +33,7 @@ import numpy as np
 
 from nnx_cli.config import Config, DataConfig
 from nnx_cli.data.base import DataSpec
+from nnx_cli.data.cache import local_fingerprint
 from nnx_cli.errors import UserError, did_you_mean
 
 DIGITS = "sklearn:digits"
@@ -45,7 +46,14 @@ _KNOWN = {
     "fashion_mnist": ((28, 28, 1), 10),
     "kmnist": ((28, 28, 1), 10),
 }
-_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+_FILE_BUILDERS = {
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".txt": "text",
+}
 
 
 @dataclasses.dataclass
@@ -147,27 +155,32 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
-_cache: dict[str, Any] = {}
+_cache: dict[str, tuple[str | None, Any]] = {}
 
 
 def _open(source: str) -> Any:
-    """The `datasets` object (a DatasetDict, or a Dataset for save_to_disk of one split)."""
-    if source in _cache:
-        return _cache[source]
+    """The `datasets` object (a DatasetDict, or a Dataset for save_to_disk of one split).
+
+    A `.txt` file, and each file of a directory of `.txt` files, is one row
+    (one document) in a column `text`, not a row per line.
+    """
+    path = Path(source).expanduser()
+    signature = local_fingerprint(path) if path.exists() else None
+    if source in _cache and _cache[source][0] == signature:  # a local source edited since is read again
+        return _cache[source][1]
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported as one UserError below
     if not sys.stderr.isatty():
         datasets.disable_progress_bars()
-    path = Path(source).expanduser()
     try:
         if path.exists():
             if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
                 ds = datasets.load_from_disk(str(path))
             elif path.is_dir():
-                ds = datasets.load_dataset(str(path))
+                ds = datasets.load_dataset(str(path), **_text_options(path))
             elif path.suffix in _FILE_BUILDERS:
-                ds = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path))
+                ds = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path), **_text_options(path))
             else:
                 raise UserError(
                     f"config key 'data.source': cannot read {source!r}; expected a directory or a "
@@ -190,8 +203,15 @@ def _open(source: str) -> Any:
         ) from None
     except Exception as e:  # datasets raises many types for bad inputs; all are the user's data
         raise UserError(f"config key 'data.source': cannot load dataset {source!r}: {type(e).__name__}: {e}") from None
-    _cache[source] = ds
+    _cache[source] = (signature, ds)
     return ds
+
+
+def _text_options(path: Path) -> dict[str, Any]:
+    """`datasets`' options for a `.txt` file or a directory of them: one row per file, not per line."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    suffixes = {p.suffix for p in files if p.suffix in _FILE_BUILDERS}
+    return {"sample_by": "document"} if suffixes == {".txt"} else {}
 
 
 def _from_datasets(cfg: DataConfig, split: str, key: str) -> Split:

@@ -1,0 +1,474 @@
+"""Text datasets for language models: tokenizers, token streams cached on disk, training and eval windows."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nnx_cli.config import DataConfig
+from nnx_cli.data import text
+from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
+from nnx_cli.data.cache import cache_root
+from nnx_cli.data.text import TextEvalSplit, TextTrainSplit, load_text_splits, stream_dtype, text_spec
+from nnx_cli.data.tokenizers import BytesTokenizer, load_tokenizer, tokenizer_vocab_size
+from nnx_cli.errors import UserError
+
+SPEC = DataSpec((4,), 257, "bytes")
+POEM = "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate:\n"
+DOCS = ["ab", "", "cé\nd"]
+
+
+def config(tmp_path: Path, source: Path | str, **options) -> DataConfig:
+    """A text config whose cache lives in the test's own directory."""
+    options = {"text_key": "text", "seq_len": 4, "eval_split": None, "workers": 0, **options}
+    return DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), **options)
+
+
+def write_jsonl(path: Path, documents: list[str], key: str = "text") -> Path:
+    path.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(documents)))
+    return path
+
+
+def byte_stream(documents: list[str]) -> list[int]:
+    """The bytes tokenizer's stream by hand: each document's UTF-8 bytes, then 256."""
+    return [t for d in documents for t in [*d.encode(), 256]]
+
+
+def stream_entries(tmp_path: Path) -> list[Path]:
+    return sorted(p for p in (tmp_path / "cache").glob("tokens-*") if p.is_dir())
+
+
+def train_bpe(path: Path, corpus: list[str], end_of_document: str | None = "<|endoftext|>") -> Path:
+    """A small byte-level BPE tokenizer trained on `corpus`, saved as a tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = [end_of_document] if end_of_document else []
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def test_bytes_tokenizer_round_trips_utf8_text():
+    tokenizer = load_tokenizer("bytes")
+    ids = tokenizer.encode("héllo ✓")
+    assert ids.tolist() == list("héllo ✓".encode())
+    assert tokenizer.decode(ids) == "héllo ✓"
+    assert (tokenizer.vocab_size, tokenizer.eod_id) == (257, 256)
+
+
+def test_bytes_tokenizer_drops_end_of_document_when_decoding():
+    tokenizer = BytesTokenizer()
+    assert tokenizer.decode([104, 105, 256, 33]) == "hi!"
+
+
+def test_bytes_tokenizer_gives_raw_bytes_that_may_end_mid_character():
+    tokenizer = BytesTokenizer()
+    euro = list("€".encode())
+    assert tokenizer.to_bytes(euro[:2]) == "€".encode()[:2]
+    assert tokenizer.decode(euro[:2]) == "\ufffd"
+
+
+def test_a_tokenizer_json_with_an_end_of_text_token_uses_it_as_end_of_document(tmp_path):
+    tokenizer = load_tokenizer(str(train_bpe(tmp_path / "tokenizer.json", [POEM])))
+    assert tokenizer.eod_id == tokenizer._tokenizer.token_to_id("<|endoftext|>")
+    assert tokenizer.vocab_size == tokenizer._tokenizer.get_vocab_size()
+    assert tokenizer.decode(tokenizer.encode(POEM)) == POEM
+
+
+def test_a_tokenizer_json_without_an_end_of_document_token_gets_one_past_its_vocabulary(tmp_path):
+    tokenizer = load_tokenizer(str(train_bpe(tmp_path / "tokenizer.json", [POEM], end_of_document=None)))
+    base = tokenizer._tokenizer.get_vocab_size()
+    assert (tokenizer.eod_id, tokenizer.vocab_size) == (base, base + 1)
+    assert tokenizer.decode([*tokenizer.encode("thee"), tokenizer.eod_id]) == "thee"
+
+
+def test_the_vocabulary_size_needs_no_data(tmp_path):
+    path = train_bpe(tmp_path / "tokenizer.json", [POEM])
+    assert tokenizer_vocab_size("bytes") == 257
+    assert tokenizer_vocab_size(str(path)) == load_tokenizer(str(path)).vocab_size
+    spec = text_spec(DataConfig(source=str(tmp_path / "no-such-corpus.txt"), text_key="text", seq_len=64))
+    assert spec == DataSpec((64,), 257, "bytes")
+
+
+def test_a_missing_tokenizer_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="data.tokenizer.*tokenizer file .*missing.json.* does not exist"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_a_hub_tokenizer_that_cannot_be_fetched_offline_says_how_to_use_a_local_file(tmp_path):
+    script = (
+        "from nnx_cli.data.tokenizers import load_tokenizer\n"
+        "from nnx_cli.errors import UserError\n"
+        "try:\n    load_tokenizer('gpt2')\nexcept UserError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert "cannot load Hub tokenizer 'gpt2'" in done.stdout
+    assert "data.tokenizer=/path/to/tokenizer.json" in done.stdout
+
+
+def test_a_hugging_face_tokenizer_without_the_tokenizers_package_names_the_pip_install(monkeypatch, tmp_path):
+    path = train_bpe(tmp_path / "tokenizer.json", [POEM])
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # what `import tokenizers` sees when it is not installed
+    with pytest.raises(UserError, match="pip install tokenizers"):
+        load_tokenizer(str(path))
+
+
+# --------------------------------------------------------------------------- token streams
+
+
+def test_documents_are_joined_with_end_of_document_after_each(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    tokens = load_text_splits(config(tmp_path, source, seq_len=2), seed=0).train.tokens
+    assert tokens.tolist() == byte_stream(DOCS)
+    assert tokens.dtype == np.uint16
+
+
+def test_a_txt_file_is_one_document(tmp_path):
+    (tmp_path / "poem.txt").write_text(POEM)
+    tokens = load_text_splits(config(tmp_path, tmp_path / "poem.txt"), seed=0).train.tokens
+    assert tokens.tolist() == byte_stream([POEM])
+
+
+def test_a_directory_of_txt_files_is_one_document_per_file(tmp_path):
+    (tmp_path / "works").mkdir()
+    (tmp_path / "works" / "a.txt").write_text("first\nwork\n")
+    (tmp_path / "works" / "b.txt").write_text("second work\n")
+    tokens = load_text_splits(config(tmp_path, tmp_path / "works"), seed=0).train.tokens
+    documents = [BytesTokenizer().decode(d) for d in np.split(tokens, np.flatnonzero(tokens == 256) + 1)[:-1]]
+    assert sorted(documents) == ["first\nwork\n", "second work\n"]
+
+
+def _save_jsonl(path: Path) -> Path:
+    return write_jsonl(path / "docs.jsonl", DOCS)
+
+
+def _save_parquet(path: Path) -> Path:
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(path / "docs.parquet"))
+    return path / "docs.parquet"
+
+
+def _save_parquet_dir(path: Path) -> Path:
+    import datasets
+
+    (path / "corpus").mkdir()
+    datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(path / "corpus" / "train-00000-of-00001.parquet"))
+    return path / "corpus"
+
+
+def _save_to_disk(path: Path) -> Path:
+    import datasets
+
+    splits = {
+        "train": datasets.Dataset.from_dict({"text": DOCS}),
+        "test": datasets.Dataset.from_dict({"text": ["xyz"]}),
+    }
+    datasets.DatasetDict(splits).save_to_disk(str(path / "saved"))
+    return path / "saved"
+
+
+@pytest.mark.parametrize("save", [_save_jsonl, _save_parquet, _save_parquet_dir, _save_to_disk])
+def test_every_kind_of_source_gives_the_same_stream(tmp_path, save):
+    tokens = load_text_splits(config(tmp_path, save(tmp_path), seq_len=2), seed=0).train.tokens
+    assert tokens.tolist() == byte_stream(DOCS)
+
+
+def test_a_tokenizer_json_tokenizes_each_document_then_ends_it(tmp_path):
+    documents = [POEM, "more lovely\n"]
+    path = train_bpe(tmp_path / "tokenizer.json", documents)
+    source = write_jsonl(tmp_path / "docs.jsonl", documents)
+    tokens = load_text_splits(config(tmp_path, source, tokenizer=str(path)), seed=0).train.tokens
+    tokenizer = load_tokenizer(str(path))
+    expected = [t for d in documents for t in [*tokenizer.encode(d).tolist(), tokenizer.eod_id]]
+    assert tokens.tolist() == expected
+
+
+def test_long_documents_are_tokenized_in_pieces_that_tokenize_as_the_whole(tmp_path):
+    document = POEM * 40
+    pieces = list(text._pieces(document, size=300))
+    assert len(pieces) > 1 and "".join(pieces) == document
+    assert all(p.endswith("\n") and not n[0].isspace() for p, n in itertools.pairwise(pieces))
+    tokenizer = load_tokenizer(str(train_bpe(tmp_path / "tokenizer.json", [POEM])))
+    assert np.concatenate(tokenizer.encode_batch(pieces)).tolist() == tokenizer.encode(document).tolist()
+
+
+def test_the_stream_is_uint16_unless_the_vocabulary_needs_uint32():
+    assert stream_dtype(257) == np.uint16 and stream_dtype(65536) == np.uint16
+    assert stream_dtype(65537) == np.uint32
+
+
+def test_worker_processes_give_the_stream_one_process_gives(tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(text, "_TASK_BYTES", 64)  # several tasks from a few documents
+    documents = [POEM[i:] for i in range(0, 80, 8)]
+    source = write_jsonl(tmp_path / "docs.jsonl", documents)
+    tokenizer = str(train_bpe(tmp_path / "tokenizer.json", documents))
+    serial = load_text_splits(config(tmp_path / "serial", source, tokenizer=tokenizer), seed=0).train.tokens
+    parallel_cfg = config(tmp_path / "parallel", source, tokenizer=tokenizer, workers=2)
+    parallel = load_text_splits(parallel_cfg, seed=0).train.tokens
+    assert parallel.tolist() == serial.tolist()
+    assert json.loads((stream_entries(tmp_path / "parallel")[0] / "meta.json").read_text())["workers"] == 2
+
+
+def test_a_text_key_that_is_not_a_column_is_a_user_error_with_a_did_you_mean(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS, key="content")
+    with pytest.raises(UserError, match="data.text_key.*no column 'contnet'.*did you mean 'content'.*columns: content"):
+        load_text_splits(config(tmp_path, source, text_key="contnet"), seed=0)
+
+
+def test_a_column_of_numbers_is_not_text(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    with pytest.raises(UserError, match="column 'id' .* not text"):
+        load_text_splits(config(tmp_path, source, text_key="id"), seed=0)
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def test_a_second_load_reads_neither_the_text_nor_the_tokenizer_again(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", ["tokenized once"])
+    stat = source.stat()
+    first = load_text_splits(config(tmp_path, source), seed=0).train.tokens
+    # Same size and modification time, other words: only a fresh read would see them.
+    write_jsonl(source, ["TOKENIZED ONCE"])
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = load_text_splits(config(tmp_path, source), seed=0).train.tokens
+    assert isinstance(second, np.memmap)
+    assert second.tolist() == first.tolist() == byte_stream(["tokenized once"])
+    assert len(stream_entries(tmp_path)) == 1
+
+
+def test_editing_the_text_builds_a_new_stream(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", ["first version"])
+    load_text_splits(config(tmp_path, source), seed=0)
+    write_jsonl(source, ["second version, longer"])
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    tokens = load_text_splits(config(tmp_path, source), seed=0).train.tokens
+    assert tokens.tolist() == byte_stream(["second version, longer"])
+    assert len(stream_entries(tmp_path)) == 2
+
+
+def test_another_tokenizer_builds_another_stream(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", [POEM])
+    path = train_bpe(tmp_path / "tokenizer.json", [POEM])
+    by_bytes = load_text_splits(config(tmp_path, source), seed=0).train.tokens
+    by_bpe = load_text_splits(config(tmp_path, source, tokenizer=str(path)), seed=0).train.tokens
+    assert len(by_bpe) < len(by_bytes)
+    assert len(stream_entries(tmp_path)) == 2
+
+
+def test_an_edited_tokenizer_json_builds_another_stream(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", [POEM])
+    path = train_bpe(tmp_path / "tokenizer.json", [POEM])
+    first = load_text_splits(config(tmp_path, source, tokenizer=str(path)), seed=0).train.tokens
+    train_bpe(path, ["temperate temperate temperate"])
+    second = load_text_splits(config(tmp_path, source, tokenizer=str(path)), seed=0).train.tokens
+    assert second.tolist() != first.tolist()
+    assert len(stream_entries(tmp_path)) == 2
+
+
+def _load_stream(cfg: DataConfig) -> list[int]:
+    return load_text_splits(cfg, seed=0).train.tokens.tolist()
+
+
+def test_concurrent_loads_build_the_stream_once(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", [POEM] * 50)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        streams = pool.map(_load_stream, [config(tmp_path, source)] * 2)
+    assert streams[0] == streams[1] == byte_stream([POEM] * 50)
+    leftovers = [p.name for p in (tmp_path / "cache").iterdir() if ".partial-" in p.name]
+    assert len(stream_entries(tmp_path)) == 1 and leftovers == []
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def test_a_single_split_source_holds_out_its_last_tenth_for_eval(tmp_path, capsys):
+    (tmp_path / "poem.txt").write_text(POEM * 3)
+    cfg = config(tmp_path, tmp_path / "poem.txt", eval_split="validation")
+    splits = load_text_splits(cfg, seed=0)
+    stream = byte_stream([POEM * 3])
+    cut = len(stream) - len(stream) // 10
+    assert splits.train.tokens.tolist() == stream[:cut]
+    assert splits.eval.tokens.tolist() == stream[cut:]
+    load_text_splits(cfg, seed=0)
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and "held out as 'validation'" in notices[0]
+
+
+def test_training_alone_still_leaves_out_the_held_out_tenth(tmp_path):
+    (tmp_path / "poem.txt").write_text(POEM * 3)
+    cfg = config(tmp_path, tmp_path / "poem.txt", eval_split="validation")
+    train_only = load_text_splits(cfg, seed=0, splits=["train"])
+    both = load_text_splits(cfg, seed=0)
+    assert train_only.eval is None
+    assert train_only.train.tokens.tolist() == both.train.tokens.tolist()
+
+
+def test_an_eval_split_the_source_has_is_its_own_stream(tmp_path):
+    splits = load_text_splits(config(tmp_path, _save_to_disk(tmp_path), seq_len=2, eval_split="test"), seed=0)
+    assert splits.train.tokens.tolist() == byte_stream(DOCS)
+    assert splits.eval.tokens.tolist() == byte_stream(["xyz"])
+
+
+def test_an_eval_split_a_multi_split_source_lacks_is_a_user_error(tmp_path):
+    cfg = config(tmp_path, _save_to_disk(tmp_path), seq_len=2, eval_split="tset")
+    with pytest.raises(UserError, match="data.eval_split.*no split 'tset'.*did you mean 'test'.*data.eval_split=null"):
+        load_text_splits(cfg, seed=0)
+
+
+def test_only_the_splits_asked_for_are_loaded(tmp_path):
+    cfg = config(tmp_path, _save_to_disk(tmp_path), seq_len=2, eval_split="test")
+    splits = load_text_splits(cfg, seed=0, splits=["eval"])
+    assert splits.train is None and splits.eval.tokens.tolist() == byte_stream(["xyz"])
+    assert [p.name.split("-")[2] for p in stream_entries(tmp_path)] == ["test"]
+
+
+def test_a_stream_too_short_for_seq_len_is_a_user_error(tmp_path):
+    (tmp_path / "short.txt").write_text("tiny")
+    with pytest.raises(UserError, match="data.seq_len.*5 tokens.*at least 17"):
+        load_text_splits(config(tmp_path, tmp_path / "short.txt", seq_len=8), seed=0)
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def test_text_splits_give_the_loop_its_interface():
+    tokens = np.arange(50, dtype=np.uint16)
+    assert isinstance(TextTrainSplit(tokens, 4, 0, SPEC), TrainSplit)
+    assert isinstance(TextEvalSplit(tokens, 4, SPEC), EvalSplit)
+
+
+def test_each_epoch_lays_out_its_windows_from_an_offset_in_0_to_seq_len():
+    split = TextTrainSplit(np.arange(103, dtype=np.uint32), seq_len=4, seed=1, spec=SPEC)
+    offsets = set()
+    for epoch in range(60):
+        keys = np.sort(split.epoch_keys(epoch))
+        offset = split.epoch_offset(epoch)
+        assert keys.tolist() == (offset + 4 * np.arange(len(keys))).tolist()
+        offsets.add(offset)
+    assert offsets == {0, 1, 2, 3, 4}
+
+
+def test_every_epoch_has_as_many_windows_as_fit_at_the_largest_offset():
+    for length in (9, 10, 11, 12, 13, 100):
+        split = TextTrainSplit(np.zeros(length, np.uint16), seq_len=4, seed=0, spec=SPEC)
+        fit_at_largest = len(range(4, length - 4, 4))  # starts s with s + 5 <= length
+        assert {len(split.epoch_keys(e)) for e in range(20)} == {fit_at_largest}
+        assert all(split.epoch_keys(e).max() + 5 <= length for e in range(20))
+
+
+def test_every_token_after_the_offset_is_a_target_exactly_once():
+    split = TextTrainSplit(np.arange(41, dtype=np.uint32), seq_len=4, seed=3, spec=SPEC)
+    windows = split.read(split.epoch_keys(0))["tokens"]
+    targets = np.sort(windows[:, 1:].ravel())
+    offset = split.epoch_offset(0)
+    assert targets.tolist() == list(range(offset + 1, offset + 1 + 4 * len(windows)))
+
+
+def test_an_epoch_is_a_permutation_drawn_from_seed_and_epoch():
+    tokens = np.arange(400, dtype=np.uint16)
+    split = TextTrainSplit(tokens, seq_len=4, seed=7, spec=SPEC)
+    assert not np.array_equal(split.epoch_keys(0), split.epoch_keys(1))
+    assert not np.array_equal(split.epoch_keys(0), TextTrainSplit(tokens, 4, 8, SPEC).epoch_keys(0))
+
+
+def test_batch_i_of_epoch_e_is_rebuilt_after_a_restart():
+    tokens = np.arange(400, dtype=np.uint16)
+    before, after = TextTrainSplit(tokens, 4, 7, SPEC), TextTrainSplit(tokens.copy(), 4, 7, SPEC)
+    i, batch_size = 5, 8
+    rebuilt = after.read(after.epoch_keys(3)[i * batch_size : (i + 1) * batch_size])["tokens"]
+    assert (
+        rebuilt.tolist() == before.read(before.epoch_keys(3)[i * batch_size : (i + 1) * batch_size])["tokens"].tolist()
+    )
+
+
+def test_keys_read_exactly_the_stream_slices():
+    tokens = np.random.default_rng(0).integers(0, 257, size=300).astype(np.uint16)
+    split = TextTrainSplit(tokens, seq_len=6, seed=0, spec=SPEC)
+    keys = split.epoch_keys(2)[:10]
+    windows = split.read(keys)["tokens"]
+    assert windows.dtype == np.uint16 and windows.shape == (10, 7)
+    for key, window in zip(keys, windows):
+        assert window.tolist() == tokens[key : key + 7].tolist()
+
+
+def test_read_on_device_agrees_with_read_on_the_host():
+    tokens = np.random.default_rng(1).integers(0, 257, size=300).astype(np.uint16)
+    split = TextTrainSplit(tokens, seq_len=6, seed=0, spec=SPEC)
+    keys = split.epoch_keys(0)[:12]
+    stored = jax.device_put(split.stored())
+    on_device = jax.jit(split.read_on_device)(stored, jax.numpy.asarray(keys))
+    np.testing.assert_array_equal(np.asarray(on_device["tokens"]), split.read(keys)["tokens"])
+
+
+def test_prepare_casts_tokens_to_int32():
+    split = TextTrainSplit(np.arange(50, dtype=np.uint16), seq_len=4, seed=0, spec=SPEC)
+    batch = jax.jit(split.prepare)(jax.device_put(split.read(split.epoch_keys(0)[:2])))
+    assert batch["tokens"].dtype == jax.numpy.int32
+
+
+def test_steps_per_epoch_drop_the_last_partial_batch():
+    split = TextTrainSplit(np.zeros(45, np.uint16), seq_len=4, seed=0, spec=SPEC)  # 10 windows
+    assert len(split) == 10 and split.steps_per_epoch(3) == 3
+
+
+def test_a_batch_larger_than_the_windows_is_a_user_error():
+    split = TextTrainSplit(np.zeros(45, np.uint16), seq_len=4, seed=0, spec=SPEC)
+    with pytest.raises(UserError, match=r"train.batch_size' \(11\).*10 windows"):
+        split.steps_per_epoch(11)
+
+
+def test_eval_windows_cover_the_stream_in_order_from_offset_0():
+    tokens = np.arange(23, dtype=np.uint16)
+    split = TextEvalSplit(tokens, seq_len=4, spec=SPEC)
+    batches = list(split.eval_batches(batch_size=2))
+    windows = np.concatenate([b["tokens"][b["mask"]] for b in batches])
+    assert windows.tolist() == [tokens[s : s + 5].tolist() for s in range(0, 18, 4)]  # 5 windows; 2 tokens left
+    assert [b["mask"].tolist() for b in batches] == [[True, True], [True, True], [True, False]]
+    assert batches[-1]["tokens"].shape == (2, 5)
+
+
+def test_eval_batch_rows_are_each_process_share_of_the_same_batch():
+    split = TextEvalSplit(np.arange(60, dtype=np.uint16), seq_len=4, spec=SPEC)
+    whole = list(split.eval_batches(4))
+    halves = zip(split.eval_batches(4, slice(0, 2)), split.eval_batches(4, slice(2, 4)))
+    for full, (first, second) in zip(whole, halves):
+        for name in ("tokens", "mask"):
+            np.testing.assert_array_equal(np.concatenate([first[name], second[name]]), full[name])
+
+
+def test_the_npy_header_leaves_room_for_any_stream_length(tmp_path):
+    writer = text._NpyWriter(tmp_path / "t.npy", np.dtype(np.uint32))
+    assert len(writer._header(0)) == len(writer._header(2**62))
+
+
+def test_the_default_cache_is_under_the_datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    cfg = DataConfig(source=str(source), text_key="text", seq_len=2, eval_split=None, workers=0)
+    load_text_splits(cfg, seed=0)
+    assert list(cache_root().glob("tokens-docs.jsonl-train-*"))
