@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 from nnx_cli.config import OptimizerConfig
 from nnx_cli.errors import UserError
-from nnx_cli.optim import build_optimizer, build_schedule, optimizer_names
+from nnx_cli.optim import build, build_optimizer, build_schedule, optimizer_names
 
 
 def test_every_common_optax_optimizer_is_available():
@@ -68,3 +69,59 @@ def test_unknown_optimizer_option_suggests_closest():
 def test_unknown_schedule_suggests_closest():
     with pytest.raises(UserError, match=r"unknown optax schedule 'cosine_decya' \(did you mean 'cosine_decay'\?\)"):
         build_schedule({"name": "cosine_decya", "init_value": 1.0}, 10)
+
+
+def test_a_chain_of_optax_pieces_gets_the_sections_learning_rate():
+    chain = [{"name": "scale_by_adam", "b2": 0.99}, {"name": "scale_by_learning_rate"}]
+    tx, lr = build(OptimizerConfig(learning_rate=0.5, chain=chain), 10)
+    reference = optax.chain(optax.scale_by_adam(b2=0.99), optax.scale_by_learning_rate(0.5))
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.asarray([1.0, -2.0, 3.0])}
+    ours, _ = tx.update(grads, tx.init(params), params)
+    theirs, _ = reference.update(grads, reference.init(params), params)
+    assert jnp.array_equal(ours["w"], theirs["w"]) and lr == 0.5
+
+
+def test_a_chain_and_an_optimizer_name_are_exclusive():
+    with pytest.raises(UserError, match=r"'optimizer\.name' \('adam'\) and 'optimizer\.chain' are both set"):
+        build(OptimizerConfig(name="adam", chain=[{"name": "scale_by_adam"}]), 10)
+
+
+def test_a_chain_piece_option_is_checked_against_its_signature():
+    with pytest.raises(UserError, match=r"'optimizer\.chain\[1\]\.b3' for optax\.scale_by_adam"):
+        build(OptimizerConfig(chain=[{"name": "clip", "max_delta": 1.0}, {"name": "scale_by_adam", "b3": 0.9}]), 10)
+    with pytest.raises(UserError, match=r"unknown optax function 'scale_by_adamm' \(did you mean 'scale_by_adam'\?\)"):
+        build(OptimizerConfig(chain=[{"name": "scale_by_adamm"}]), 10)
+
+
+def test_an_optimizer_factory_from_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_optim.py").write_text(
+        "import optax\n\n"
+        "def make(learning_rate, momentum=0.0):\n"
+        "    return optax.sgd(learning_rate, momentum=momentum)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    tx, _ = build(OptimizerConfig(name="my_optim:make", learning_rate=0.5, options={"momentum": 0.9}), 10)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    updates, _ = tx.update({"w": jnp.ones(2)}, state, params)
+    assert jnp.allclose(updates["w"], -0.5 * 1.9)
+    with pytest.raises(UserError, match=r"unknown config key 'optimizer\.nesterov' for my_optim:make"):
+        build(OptimizerConfig(name="my_optim:make", options={"nesterov": True}), 10)
+
+
+def test_weight_decay_mask_kernels_decays_matrices_but_not_biases():
+    import nnx
+
+    params = nnx.Linear(2, 3, ctx=nnx.context(0)).filter(nnx.Param)
+    params = jax.tree.map(jnp.ones_like, params)
+    cfg = OptimizerConfig(name="adamw", learning_rate=0.1, weight_decay_mask="kernels", options={"weight_decay": 0.5})
+    tx, _ = build(cfg, 10)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero, tx.init(params), params)
+    assert jnp.allclose(updates["kernel"].value, -0.1 * 0.5) and jnp.allclose(updates["bias"].value, 0.0)
+
+
+def test_weight_decay_mask_needs_an_optimizer_with_weight_decay():
+    with pytest.raises(UserError, match="optax.adam takes no weight-decay mask"):
+        build(OptimizerConfig(name="adam", weight_decay_mask="kernels"), 10)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.config import Config, DataConfig
-from nnx_cli.data.base import DataSpec
+from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
 from nnx_cli.data.cache import local_fingerprint
 from nnx_cli.errors import UserError, did_you_mean
 
@@ -90,7 +90,12 @@ def known_spec(source: str) -> DataSpec | None:
 
 
 def spec_from_config(cfg: Config) -> DataSpec | None:
-    """The input spec without reading data: `model.input_shape` if set, else a known dataset's."""
+    """The input spec without reading data: a text config's from its tokenizer and `data.seq_len`; else
+    `model.input_shape` if set, or a known dataset's."""
+    from nnx_cli.data import text
+
+    if text.is_text(cfg.data):
+        return text.text_spec(cfg.data, vocab_size=cfg.model.options.get("vocab_size") or cfg.model.num_classes)
     known = known_spec(cfg.data.source)
     if cfg.model.input_shape is None:
         return known
@@ -375,13 +380,21 @@ def prefetch(produce: Callable[[int], Any], steps: range, size: int = 2) -> Iter
 # --------------------------------------------------------------------------- the loop's interface (data.base)
 
 
-def train_split(cfg: Config) -> ArraySplit:
+def train_split(cfg: Config) -> TrainSplit:
     """The training split of `cfg.data`, addressed by `(cfg.seed, epoch)`."""
+    from nnx_cli.data import text
+
+    if text.is_text(cfg.data):
+        return text.load_text_splits(cfg.data, cfg.seed, splits=("train",)).train
     return ArraySplit(load_split(cfg.data, cfg.data.train_split, "data.train_split"), cfg.seed)
 
 
-def eval_split(cfg: Config) -> ArraySplit:
+def eval_split(cfg: Config) -> EvalSplit:
     """The evaluation split of `cfg.data`, read in order."""
+    from nnx_cli.data import text
+
+    if text.is_text(cfg.data):
+        return text.load_text_splits(cfg.data, cfg.seed, splits=("eval",)).eval
     return ArraySplit(load_split(cfg.data, cfg.data.eval_split, "data.eval_split"), cfg.seed)
 
 

@@ -1,0 +1,82 @@
+"""Where arrays live: mesh shapes, state shardings from logical axes, batch layouts (called directly).
+
+Several devices are simulated in a subprocess (`--xla_force_host_platform_device_count=8`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from nnx_cli.config import ShardingConfig
+from nnx_cli.errors import UserError
+from nnx_cli.sharding import DEFAULT_RULES, axis_rules, batch_layout, make_mesh, mesh_shape
+
+
+def test_minus_one_takes_the_remaining_devices():
+    assert mesh_shape(ShardingConfig(mesh={"data": -1, "model": 2}), 8) == {"data": 4, "model": 2}
+
+
+def test_a_mesh_that_does_not_fit_says_which_override_fixes_it():
+    with pytest.raises(
+        UserError, match=r"does not fit the 8 available device\(s\).*sharding\.mesh\.data=-1 sharding\.mesh\.model=1"
+    ):
+        mesh_shape(ShardingConfig(mesh={"data": 3, "model": 2}), 8)
+
+
+def test_null_rules_are_the_default_rules():
+    assert axis_rules(ShardingConfig(rules=None)) == [tuple(r) for r in DEFAULT_RULES]
+    assert axis_rules(ShardingConfig(rules=[["embed", ["data", "model"]]])) == [("embed", ("data", "model"))]
+
+
+def test_one_device_layout_places_whole_batches_and_stacked_dispatches():
+    layout = batch_layout(make_mesh(ShardingConfig()), axis_rules(ShardingConfig()), 4)
+    assert layout.rows == slice(0, 4)
+    placed = layout.place({"x": np.arange(12.0).reshape(3, 4)}, stacked=True)
+    assert placed["x"].shape == (3, 4) and placed["x"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+
+
+_EIGHT_DEVICES = textwrap.dedent(
+    """
+    import jax, numpy as np
+    import nnx
+    from nnx_cli.config import ShardingConfig
+    from nnx_cli.errors import UserError
+    from nnx_cli.sharding import axis_rules, batch_layout, make_mesh, state_shardings
+
+    cfg = ShardingConfig(mesh={"data": 4, "model": 2})
+    mesh, rules = make_mesh(cfg), axis_rules(cfg)
+    layout = batch_layout(mesh, rules, 8)
+    placed = layout.place({"x": np.arange(16.0).reshape(2, 8)}, stacked=True)
+    print("rows", [s.data.shape for s in placed["x"].addressable_shards][:2])
+    try:
+        batch_layout(mesh, rules, 6)
+    except UserError as e:
+        print("batch", e)
+    init = nnx.with_logical_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+    def params(width):
+        return jax.eval_shape(lambda: nnx.Linear(3, width, kernel_init=init, ctx=nnx.context(0)).filter(nnx.Param))
+
+    print("spec", tuple(state_shardings(params(6), mesh, rules)["kernel"].value.spec))
+    odd = params(5)
+    try:
+        state_shardings(odd, mesh, rules)
+    except UserError as e:
+        print("odd", e)
+    """
+)
+
+
+def test_batches_and_parameters_split_over_eight_devices():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["rows"] == "[(2, 2), (2, 2)]"  # each of 4 data shards holds 2 rows of both stacked batches
+    assert "'train.batch_size' (6) must be divisible by the 4 ways" in lines["batch"]
+    assert lines["spec"] == "(None, 'model')"
+    assert "kernel [3, 5] cannot be split" in lines["odd"] and "map 'hidden' to null in sharding.rules" in lines["odd"]

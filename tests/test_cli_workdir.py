@@ -1,0 +1,86 @@
+"""A run's work dir, called directly: checks, the lock, finding a run, run.json, the image grid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nnx_cli import train
+from nnx_cli.config import load_config
+from nnx_cli.errors import UserError
+from nnx_cli.registry import import_paths
+from nnx_cli.report import json_metrics, write_image_grid
+from nnx_cli.workdir import check_workdir, lock_workdir, open_run, read_run_info
+
+TINY = ["model.hidden_sizes=[16]", "model.latent_size=2", "train.batch_size=32", "train.steps=2"]
+
+
+def test_a_file_in_place_of_the_work_dir_is_a_user_error(tmp_path: Path):
+    (tmp_path / "run").write_text("")
+    with pytest.raises(UserError, match="is a file; pass --workdir with a directory"):
+        check_workdir(tmp_path / "run")
+
+
+def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path):
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(UserError, match="checkpoints' should be a directory; move it away"):
+        check_workdir(tmp_path)
+
+
+def test_a_second_lock_on_a_work_dir_fails_naming_the_holder(tmp_path: Path):
+    import os
+
+    held = lock_workdir(tmp_path)
+    try:
+        with pytest.raises(UserError, match=f"in use by another nnx-train \\(pid {os.getpid()}\\)"):
+            lock_workdir(tmp_path)
+    finally:
+        held.close()
+    lock_workdir(tmp_path).close()  # free again once the holder closes it
+
+
+def test_open_run_finds_the_latest_or_the_named_step(tmp_path: Path):
+    cfg = load_config(None, [*TINY, "checkpoint.every_steps=1", "checkpoint.keep=5"])
+    assert train.run(cfg, tmp_path / "run") == 0
+    assert open_run(tmp_path / "run").step == 2
+    assert open_run(tmp_path / "run" / "checkpoints" / "1").step == 1
+    assert open_run(tmp_path / "run", step=1).step == 1
+    with pytest.raises(UserError, match="--step 7: no such checkpoint.*available steps: 1, 2"):
+        open_run(tmp_path / "run", step=7)
+    with pytest.raises(UserError, match="contradicts the step dir"):
+        open_run(tmp_path / "run" / "checkpoints" / "1", step=2)
+
+
+def test_a_dir_without_checkpoints_is_a_user_error(tmp_path: Path):
+    with pytest.raises(UserError, match="no checkpoint found"):
+        open_run(tmp_path)
+
+
+def test_run_json_records_where_plug_ins_were_imported_from(tmp_path: Path, monkeypatch):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "wide_vae.py").write_text("from nnx_cli.models import VAE\n\nclass Wide(VAE):\n    pass\n")
+    monkeypatch.chdir(project)
+    cfg = load_config(None, [*TINY, "model.name=wide_vae:Wide"])
+    assert train.run(cfg, project / "run") == 0
+    assert read_run_info(project / "run")["import_paths"]["wide_vae"] == str(project)
+    assert import_paths()["wide_vae"] == str(project)
+
+
+def test_json_metrics_turn_non_finite_values_into_null():
+    assert (
+        json.dumps(json_metrics({"a": 1.5, "b": float("nan"), "c": float("inf")})) == '{"a": 1.5, "b": null, "c": null}'
+    )
+
+
+def test_image_grid_tiles_images_with_a_border_and_upscales(tmp_path: Path):
+    images = np.zeros((10, 3, 2, 1), np.float32)
+    images[0] = 1.0
+    write_image_grid(images, tmp_path / "grid.png", columns=8, scale=2)
+    grid = np.asarray(Image.open(tmp_path / "grid.png"))
+    assert grid.shape == ((2 * (3 + 1) + 1) * 2, (8 * (2 + 1) + 1) * 2)  # 2 rows of 8, one-pixel borders, x2
+    assert grid[2:8, 2:6].min() == 255 and grid[2:8, 8:12].max() == 0  # first image white, second black
