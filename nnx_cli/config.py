@@ -441,27 +441,42 @@ def _show(value: Any) -> str:
 
 
 def _check_values(cfg: Config) -> None:
-    """Range checks the types cannot express."""
-
-    def positive(path: str, value: int | None, allow_none: bool = False) -> None:
-        if value is None and allow_none:
-            return
-        if value is None or value < 1:
-            raise UserError(f"config key {path!r} must be a positive integer, got {_show(value)}")
-
+    """Range checks the types cannot express, section by section."""
     if not 0 <= cfg.seed < 2**32:
         raise UserError(f"config key 'seed' must be an integer from 0 to 2**32 - 1, got {cfg.seed}")
-    t = cfg.train
-    positive("train.batch_size", t.batch_size)
-    positive("train.log_every", t.log_every)
-    positive("train.eval_every", t.eval_every)
-    positive("train.eval_batch_size", t.eval_batch_size, allow_none=True)
-    positive("train.steps", t.steps, allow_none=True)
-    positive("train.epochs", t.epochs, allow_none=True)
+    _check_train(cfg.train)
+    _check_data(cfg.data)
+    _check_sharding(cfg.sharding)
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    best = cfg.checkpoint.keep_best
+    if best is not None and (set(best) != {"metric", "mode"} or best["mode"] not in ("min", "max")):
+        raise UserError(
+            f"config key 'checkpoint.keep_best' must be {{metric: <eval metric>, mode: min or max}} or null, got {best}"
+        )
+    if cfg.optimizer.weight_decay_mask not in ("all", "kernels"):
+        raise UserError(
+            "config key 'optimizer.weight_decay_mask' must be all or kernels, "
+            f"got {_show(cfg.optimizer.weight_decay_mask)}"
+        )
+    if cfg.model.input_shape is not None and (not cfg.model.input_shape or min(cfg.model.input_shape) < 1):
+        raise UserError(f"config key 'model.input_shape' must be a list of positive sizes, got {cfg.model.input_shape}")
+
+
+def _positive(path: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise UserError(f"config key {path!r} must be a positive integer, got {_show(value)}")
+
+
+def _check_train(t: TrainConfig) -> None:
+    for key in ("batch_size", "log_every", "eval_every", "grad_accum_steps"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("eval_batch_size", "steps", "epochs", "eval_max_batches"):
+        _positive(f"train.{key}", getattr(t, key), allow_none=True)
     if t.steps is None and t.epochs is None:
         raise UserError("config keys 'train.steps' and 'train.epochs' are both null: set one of them")
-    positive("train.eval_max_batches", t.eval_max_batches, allow_none=True)
-    positive("train.grad_accum_steps", t.grad_accum_steps)
     if t.batch_size % t.grad_accum_steps:
         raise UserError(
             f"config key 'train.batch_size' ({t.batch_size}) must be divisible by train.grad_accum_steps "
@@ -476,46 +491,37 @@ def _check_values(cfg: Config) -> None:
         raise UserError(
             f"config key 'train.profile' must be [start_step, num_steps] with num_steps >= 1, or null; got {t.profile}"
         )
-    positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
-    positive("checkpoint.keep", cfg.checkpoint.keep)
-    best = cfg.checkpoint.keep_best
-    if best is not None and (set(best) != {"metric", "mode"} or best["mode"] not in ("min", "max")):
-        raise UserError(
-            f"config key 'checkpoint.keep_best' must be {{metric: <eval metric>, mode: min or max}} or null, got {best}"
-        )
-    d = cfg.data
-    positive("data.seq_len", d.seq_len)
+
+
+def _check_data(d: DataConfig) -> None:
+    _positive("data.seq_len", d.seq_len)
     if d.workers is not None and d.workers < 0:
         raise UserError(f"config key 'data.workers' must be 0 (no worker processes) or more, or null, got {d.workers}")
     if d.on_device not in ("auto", True, False):
         raise UserError(f"config key 'data.on_device' must be auto, true or false, got {_show(d.on_device)}")
-    if cfg.optimizer.weight_decay_mask not in ("all", "kernels"):
-        raise UserError(
-            "config key 'optimizer.weight_decay_mask' must be all or kernels, "
-            f"got {_show(cfg.optimizer.weight_decay_mask)}"
-        )
-    if cfg.data.binarize is not None and not 0.0 <= cfg.data.binarize <= 1.0:
-        raise UserError(f"config key 'data.binarize' must be a threshold in [0, 1] or null, got {cfg.data.binarize}")
-    if cfg.model.input_shape is not None and (not cfg.model.input_shape or min(cfg.model.input_shape) < 1):
-        raise UserError(f"config key 'model.input_shape' must be a list of positive sizes, got {cfg.model.input_shape}")
-    for axis, size in cfg.sharding.mesh.items():
+    if d.binarize is not None and not 0.0 <= d.binarize <= 1.0:
+        raise UserError(f"config key 'data.binarize' must be a threshold in [0, 1] or null, got {d.binarize}")
+
+
+def _check_sharding(s: ShardingConfig) -> None:
+    for axis, size in s.mesh.items():
         if size != -1 and size < 1:
             raise UserError(
                 f"config key 'sharding.mesh.{axis}' must be a positive size or -1 (all remaining devices), got {size}"
             )
-    if sum(1 for size in cfg.sharding.mesh.values() if size == -1) > 1:
+    if sum(1 for size in s.mesh.values() if size == -1) > 1:
         raise UserError("config key 'sharding.mesh': at most one axis may be -1")
-    for i, rule in enumerate(cfg.sharding.rules or []):
+    for i, rule in enumerate(s.rules or []):
         targets = rule[1] if len(rule) == 2 and isinstance(rule[1], list) else [rule[1]] if len(rule) == 2 else None
         if (
             len(rule) != 2
             or not isinstance(rule[0], str)
             or targets is None
-            or not all(a is None or (isinstance(a, str) and a in cfg.sharding.mesh) for a in targets)
+            or not all(a is None or (isinstance(a, str) and a in s.mesh) for a in targets)
         ):
             raise UserError(
                 f"config key 'sharding.rules[{i}]' must be [logical_axis, mesh_axis or null] with a mesh axis "
-                f"from {sorted(cfg.sharding.mesh)}, got {rule!r}"
+                f"from {sorted(s.mesh)}, got {rule!r}"
             )
 
 

@@ -112,6 +112,10 @@ def _axis(axis: Any) -> Any:
     return list(axis) if isinstance(axis, tuple) else axis
 
 
+_COLUMNS = [("path", "left"), ("type", "left"), ("shape", "left"), ("dtype", "left"), ("size", "right"),
+            ("bytes", "right"), ("sharding", "left"), ("mesh", "left")]  # fmt: skip
+
+
 def _print_tables(
     title: str, model: str, entries: list[dict[str, Any]], summary: dict[str, Any], depth: int | None
 ) -> None:
@@ -120,56 +124,10 @@ def _print_tables(
 
     console = Console() if Console().is_terminal else Console(width=200)
     table = Table(title=f"{title}: model {model!r}", title_justify="left")
-    for column, justify in [
-        ("path", "left"),
-        ("type", "left"),
-        ("shape", "left"),
-        ("dtype", "left"),
-        ("size", "right"),
-        ("bytes", "right"),
-        ("sharding", "left"),
-        ("mesh", "left"),
-    ]:
+    for column, justify in _COLUMNS:
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    shown: set[str] = set()
-    for e in entries:
-        parts = e["path"].split("/")
-        levels = len(parts) if depth is None else min(len(parts), depth)
-        for level in range(1, levels + (0 if levels == len(parts) else 1)):
-            group = "/".join(parts[:level])
-            if group in shown:
-                continue
-            shown.add(group)  # a subtree header row with its totals
-            members = [m for m in entries if m["path"].startswith(group + "/")]
-            types = ", ".join(sorted({m["type"] for m in members}))
-            table.add_row(
-                "  " * (level - 1) + parts[level - 1] + "/",
-                types,
-                "",
-                "",
-                f"{sum(m['size'] for m in members):,}",
-                _bytes(sum(m["bytes"] for m in members)),
-                "",
-                "",
-            )
-        if levels < len(parts):
-            continue
-        sharding = "(" + ", ".join(str(a) for a in e["sharding"]) + ")" if e["sharding"] else "-"
-        mesh = (
-            "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in e["mesh_axes"]) + ")"
-            if e["mesh_axes"] is not None
-            else "P()"
-        )
-        table.add_row(
-            "  " * (len(parts) - 1) + parts[-1],
-            e["type"],
-            str(tuple(e["shape"])),
-            e["dtype"],
-            f"{e['size']:,}",
-            _bytes(e["bytes"]),
-            sharding,
-            mesh,
-        )
+    for row in _rows(entries, depth):
+        table.add_row(*row)
     console.print(table)
     totals = Table(title="totals", title_justify="left")
     for column in ("type", "entries", "size", "bytes"):
@@ -178,6 +136,36 @@ def _print_tables(
         totals.add_row(name, str(t["entries"]), f"{t['size']:,}", _bytes(t["bytes"]))
     totals.add_row("all", str(len(entries)), f"{summary['total_size']:,}", _bytes(summary["total_bytes"]))
     console.print(totals)
+
+
+def _rows(entries: list[dict[str, Any]], depth: int | None) -> list[tuple[str, ...]]:
+    """Table rows: a header row with totals for each subtree (down to `depth` levels), then the entries."""
+    rows, shown = [], set()
+    for e in entries:
+        parts = e["path"].split("/")
+        levels = len(parts) if depth is None else min(len(parts), depth)
+        for level in range(1, levels + (0 if levels == len(parts) else 1)):
+            group = "/".join(parts[:level])
+            if group in shown:
+                continue
+            shown.add(group)
+            members = [m for m in entries if m["path"].startswith(group + "/")]
+            types = ", ".join(sorted({m["type"] for m in members}))
+            size, nbytes = sum(m["size"] for m in members), sum(m["bytes"] for m in members)
+            rows.append(
+                ("  " * (level - 1) + parts[level - 1] + "/", types, "", "", f"{size:,}", _bytes(nbytes), "", "")
+            )
+        if levels < len(parts):
+            continue
+        sharding = "(" + ", ".join(str(a) for a in e["sharding"]) + ")" if e["sharding"] else "-"
+        axes = e["mesh_axes"] or []
+        mesh = "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in axes) + ")"
+        indent = "  " * (len(parts) - 1)
+        shape = str(tuple(e["shape"]))
+        rows.append(
+            (indent + parts[-1], e["type"], shape, e["dtype"], f"{e['size']:,}", _bytes(e["bytes"]), sharding, mesh)
+        )
+    return rows
 
 
 def _bytes(n: int) -> str:
