@@ -32,11 +32,12 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Evaluate a trained checkpoint and print its metrics."""
-    from nnx_cli import checkpoint, hooks, report, sharding
+    from nnx_cli import checkpoint, hooks, report, runtime, sharding
     from nnx_cli.experiment import setup
     from nnx_cli.workdir import open_run
 
     run = open_run(target, overrides or [], step)
+    runtime.configure(deterministic=run.cfg.train.deterministic)
     exp = setup(run.cfg, data="eval")
     ckpt = checkpoint.Checkpointer(run.checkpoints, read_only=True)
     state = ckpt.restore(run.step, exp.restore_target())

@@ -24,6 +24,7 @@ from typing import IO, Any
 import typer
 
 from nnx_cli import distributed as _distributed
+from nnx_cli import runtime
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
@@ -98,6 +99,7 @@ def run(
     from nnx_cli.workdir import check_workdir
 
     signals = signals or Signals()
+    runtime.configure(deterministic=cfg.train.deterministic)
     _distributed.init(*distributed)
     check_workdir(workdir)  # before any data is read or downloaded
     exp = setup(cfg, data="train")

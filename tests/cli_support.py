@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,12 +13,6 @@ from nnx_cli.checkpoint import Checkpointer
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
-
-# One persistent compilation cache for every CLI run of a test session: runs of
-# the same config compile the same programs, and JAX reuses them instead of
-# compiling again (most of a short run's time on two cores).
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="nnx-tests-jax-cache-")
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
 
 
 def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
@@ -32,9 +23,6 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
         "HF_HOME": str(tmp / "hf"),
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
-        "JAX_COMPILATION_CACHE_DIR": _COMPILATION_CACHE,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         **extra,
     }
     if devices is not None:

@@ -1,0 +1,53 @@
+"""JAX's persistent compilation cache under the command-line tools: on by default, in a chosen directory, or off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cli_support import cli
+
+from nnx_cli.runtime import compilation_cache_dir
+
+RUN = ["model.hidden_sizes=[16]", "model.latent_size=2", "train.batch_size=32", "train.steps=4"]
+
+
+def test_the_cache_directory_comes_from_the_environment(monkeypatch, tmp_path: Path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("NNX_COMPILATION_CACHE", str(tmp_path / "here"))
+    assert compilation_cache_dir() == tmp_path / "here"
+    monkeypatch.setenv("NNX_COMPILATION_CACHE", "off")
+    assert compilation_cache_dir() is None
+    monkeypatch.delenv("NNX_COMPILATION_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compilation_cache_dir() == tmp_path / "xdg" / "nnx" / "jax"
+
+
+def test_a_second_run_of_a_config_compiles_nothing_new(tmp_path: Path):
+    (tmp_path / "run.yaml").write_text("{}\n")
+    cache = tmp_path / "cache"
+    first = cli(
+        "nnx-train", "run.yaml", *RUN, "--workdir", "a", cwd=tmp_path, extra_env={"NNX_COMPILATION_CACHE": str(cache)}
+    )
+    assert first.returncode == 0, first.stderr
+    entries = sorted(p.name for p in cache.iterdir())
+    assert len(entries) >= 3  # init, the train dispatch, eval, ... even though each compiles in well under a second
+    second = cli(
+        "nnx-train", "run.yaml", *RUN, "--workdir", "b", cwd=tmp_path, extra_env={"NNX_COMPILATION_CACHE": str(cache)}
+    )
+    assert second.returncode == 0, second.stderr
+    assert sorted(p.name for p in cache.iterdir()) == entries
+
+
+def test_off_writes_no_cache(tmp_path: Path):
+    (tmp_path / "run.yaml").write_text("{}\n")
+    result = cli(
+        "nnx-train",
+        "run.yaml",
+        *RUN,
+        "--workdir",
+        "a",
+        cwd=tmp_path,
+        extra_env={"NNX_COMPILATION_CACHE": "off", "XDG_CACHE_HOME": str(tmp_path / "xdg")},
+    )
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "xdg").exists()
