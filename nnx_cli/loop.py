@@ -155,7 +155,14 @@ def compile_dispatch(exp: Any, layout: Any) -> Any:
     steps in `xs` (at most two: K, and single steps)."""
     scalar = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
     fn = functools.partial(
-        steps.train_dispatch, exp.moduledef, exp.tx, exp.loss_metric, exp.cfg.seed, exp.train.prepare, None
+        steps.train_dispatch,
+        exp.moduledef,
+        exp.tx,
+        exp.loss_metric,
+        exp.cfg.seed,
+        exp.train.prepare,
+        None,
+        accum=exp.cfg.train.grad_accum_steps,
     )
     jitted = jax.jit(
         fn,

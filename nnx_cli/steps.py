@@ -63,22 +63,31 @@ def train_step(
     state: TrainState,
     sums: dict[str, Any],
     batch: dict[str, jax.Array],
+    accum: int = 1,
 ) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
 
+    With `accum > 1` the batch is split into that many micro-batches (rows
+    `i, i + accum, ...` form micro-batch `i`, so each keeps its share of every
+    device's rows) whose gradients are averaged, one at a time: the memory of
+    one micro-batch, the result of the whole batch up to float rounding.
     `sums["bad_step"]` records the first step whose loss was not finite. The
     loss is also returned on its own: a small output the loop can wait on.
     """
     step = state["step"]
 
-    def loss_fn(params: nnx.State) -> tuple[jax.Array, tuple[dict[str, jax.Array], nnx.State]]:
-        ctx = _context(seed, _TRAIN, step, training=True)  # inside: a Context is bound to its trace
-        metrics, (updates, _) = moduledef.apply(params, state["rest"]).metrics(batch, ctx)
+    def loss_fn(params: nnx.State, rest: nnx.State, batch: Any, index: jax.Array) -> tuple[jax.Array, Any]:
+        ctx = _context(seed, _TRAIN, index, training=True)  # inside: a Context is bound to its trace
+        metrics, (updates, _) = moduledef.apply(params, rest).metrics(batch, ctx)
         means = {k: jnp.mean(v) for k, v in metrics.items()}
         _, rest = updates.partition(nnx.Param, ...)
         return means[loss_metric], (means, rest)
 
-    (loss, (means, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if accum == 1:
+        (loss, (means, rest)), grads = grad_fn(state["params"], state["rest"], batch, step)
+    else:
+        loss, means, rest, grads = _accumulate(grad_fn, state, batch, accum)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     sums = {
@@ -88,6 +97,25 @@ def train_step(
         "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
     }
     return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums, loss
+
+
+def _accumulate(grad_fn: Callable, state: TrainState, batch: dict[str, jax.Array], accum: int) -> tuple:
+    """Mean loss, metrics and gradients over `accum` micro-batches, computed one after another in a scan."""
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+    step = state["step"]
+
+    def body(carry: tuple, xs: tuple) -> tuple:
+        rest, total = carry
+        (loss, (means, rest)), grads = grad_fn(state["params"], rest, xs[0], step * accum + xs[1])
+        return (rest, jax.tree.map(jnp.add, total, (loss, means, grads))), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grad_fn, state["params"], state["rest"], first, step)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (loss, (means, _)), grads = zeros
+    (rest, total), _ = jax.lax.scan(body, (state["rest"], (loss, means, grads)), (micro, jnp.arange(accum)))
+    loss, means, grads = jax.tree.map(lambda x: x / accum, total)
+    return loss, means, rest, grads
 
 
 def train_dispatch(
@@ -101,6 +129,7 @@ def train_dispatch(
     sums: dict[str, Any],
     xs: Any,
     stored: Any = None,
+    accum: int = 1,
 ) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """`k` optimizer steps in one `lax.scan`: the unit the loop dispatches.
 
@@ -112,7 +141,7 @@ def train_dispatch(
 
     def body(carry: tuple[TrainState, dict[str, Any]], x: Any) -> tuple[tuple[TrainState, dict[str, Any]], jax.Array]:
         batch = prepare(read(stored, x) if read is not None else x)
-        state, sums, loss = train_step(moduledef, tx, loss_metric, seed, *carry, batch)
+        state, sums, loss = train_step(moduledef, tx, loss_metric, seed, *carry, batch, accum)
         return (state, sums), loss
 
     (state, sums), losses = jax.lax.scan(body, (state, sums), xs)

@@ -222,3 +222,14 @@ def test_run_json_records_what_ran(tmp_path: Path):
     assert info["packages"]["jax"] == jax.__version__ and info["process_count"] == 1
     assert info["platform"] == "cpu" and len(info["devices"]) == jax.device_count()
     assert set(info) >= {"command", "git", "import_paths", "mesh", "python"}
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path):
+    classifier = ["model={name: mlp_classifier, hidden_sizes: [32], dropout: 0.0}", "train.steps=10"]
+    assert train.run(load_config(None, [*classifier, "train.batch_size=64"]), tmp_path / "big") == 0
+    accum = [*classifier, "train.batch_size=64", "train.grad_accum_steps=4"]
+    assert train.run(load_config(None, accum), tmp_path / "micro") == 0
+    big, micro = final_params(tmp_path / "big"), final_params(tmp_path / "micro")
+    for x, y in zip(jax.tree.leaves(big), jax.tree.leaves(micro)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(big), jax.tree.leaves(micro)))  # really split
