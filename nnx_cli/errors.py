@@ -60,8 +60,32 @@ def report_errors(fn: F) -> F:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_INTERRUPTED) from None
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            print(f"error: {out_of_memory_message(e)}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_RUN_FAILED) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA running out of device memory (at compile or at run time)."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def out_of_memory_message(error: BaseException) -> str:
+    """One line: what XLA could not allocate, and the knobs that need less memory."""
+    import re
+
+    found = re.search(r"allocating (\d+) bytes", str(error))
+    needed = f"could not allocate {int(found.group(1)) / 2**30:.1f} GiB" if found else first_line(error)
+    return (
+        f"out of device memory ({needed}); need less per device: lower train.batch_size (train.grad_accum_steps "
+        "keeps the global batch), recompute activations with model.remat=full (language models), or split the "
+        "model over more devices with sharding.mesh"
+    )
 
 
 def run_app(app: Any) -> None:

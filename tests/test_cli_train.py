@@ -420,3 +420,19 @@ def test_eval_on_a_dir_without_checkpoints(project: Path):
 
 def test_inspect_of_an_unknown_dataset_asks_for_the_input_shape(project: Path):
     assert_user_error(cli("nnx-inspect", "run.yaml", "data.source=someone/unknown", cwd=project), "model.input_shape")
+
+
+def test_running_out_of_memory_is_exit_1_naming_the_knobs(project: Path):
+    result = cli(
+        "nnx-train",
+        "run.yaml",
+        "model={name: mlp_classifier, hidden_sizes: [200000, 200000]}",
+        "--workdir",
+        "huge",
+        cwd=project,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: out of device memory (could not allocate 149.0 GiB)")
+    assert "train.batch_size" in message and "model.remat=full" in message and "sharding.mesh" in message
