@@ -47,6 +47,7 @@ the config is resolved::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import inspect
@@ -121,7 +122,7 @@ class LoggerRun:
     - `loss_metric`: the model's loss metric (`nelbo`, `loss`);
     - `console`: where messages go (stderr; quiet on all processes but the first).
 
-    >>> LoggerRun(Path("runs/vae"), {"seed": 0}, start_step=0, total_steps=1000, loss_metric="nelbo")
+    >>> run = LoggerRun(Path("runs/vae"), {"seed": 0}, start_step=0, total_steps=1000, loss_metric="nelbo")
     """
 
     workdir: Path
@@ -185,7 +186,8 @@ def open_loggers(factories: Mapping[str, LoggerFactory], run: LoggerRun) -> Logg
                 )
             opened.append(logger)
     except BaseException:
-        Loggers(opened).close()
+        with contextlib.suppress(Exception):  # the first failure is the one to report
+            Loggers(opened).close()
         raise
     return Loggers(opened)
 
