@@ -4,6 +4,7 @@
 - :class:`Checkpoint`   every `checkpoint.every_steps`, and at the end: the state and the loop's sums -> Orbax
 - :class:`Evaluate`     every `train.eval_every`, and at the end: eval metrics -> loggers
 - :class:`ImageGrid`    with each eval, for image models: a PNG of inputs, reconstructions and samples
+- :class:`Tick`         every dispatch: the live progress bar moves
 - :class:`StopVote`     every dispatch (every ~10 steps across processes): Ctrl-C / SIGTERM ends the run
 - :class:`Profile`      `train.profile`: a JAX profiler trace of a few steps into the work dir
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,7 @@ class Guard:
 class LogMetrics:
     """Mean train metrics since the last log, with the learning rate, gradient norm and speed."""
 
-    def __init__(
-        self, every: int, loggers: Sequence[Any], guard: Guard, *, batch_size: int, tokens_per_example: int = 0
-    ):
+    def __init__(self, every: int, loggers: Any, guard: Guard, *, batch_size: int, tokens_per_example: int = 0):
         self.every = every
         self.loggers = loggers
         self.guard = guard
@@ -96,8 +94,7 @@ class LogMetrics:
             if self.tokens_per_example:
                 metrics["tokens_per_s"] = rate * self.batch_size * self.tokens_per_example
         self._last = (loop.step, now)
-        for logger in self.loggers:
-            logger.log(loop.step, "train", metrics)
+        self.loggers.log(loop.step, "train", metrics)
         return True
 
 
@@ -125,7 +122,7 @@ class Checkpoint:
 class Evaluate:
     """Eval metrics over the eval split every `every` steps and at the end (not after a signal stopped the run)."""
 
-    def __init__(self, every: int, evaluator: Any, loggers: Sequence[Any], guard: Guard):
+    def __init__(self, every: int, evaluator: Any, loggers: Any, guard: Guard):
         self.every = every
         self.evaluator = evaluator
         self.loggers = loggers
@@ -135,8 +132,7 @@ class Evaluate:
     def __call__(self, loop: Loop) -> None:
         self.guard.check(loop)
         metrics = self.evaluator(loop.state)
-        for logger in self.loggers:
-            logger.log(loop.step, "eval", metrics)
+        self.loggers.log(loop.step, "eval", metrics)
         self.done = loop.step
 
     def end(self, loop: Loop) -> None:
@@ -166,6 +162,20 @@ class ImageGrid:
     def end(self, loop: Loop) -> None:
         if loop.stop_signal is None and self.done != loop.step:
             self(loop)
+
+
+class Tick:
+    """Moves the live progress bar after every dispatch (no device sync)."""
+
+    def __init__(self, every: int, loggers: Any):
+        self.every = every
+        self.loggers = loggers
+
+    def __call__(self, loop: Loop) -> None:
+        self.loggers.tick(loop.step)
+
+    def end(self, loop: Loop) -> None:
+        pass
 
 
 class StopVote:

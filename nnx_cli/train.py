@@ -24,7 +24,7 @@ from typing import IO, Any
 import typer
 
 from nnx_cli import distributed as _distributed
-from nnx_cli import runtime
+from nnx_cli import loggers, runtime
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
@@ -103,12 +103,13 @@ def run(
     _distributed.init(*distributed)
     check_workdir(workdir)  # before any data is read or downloaded
     exp = setup(cfg, data="train")
+    factories = loggers.resolve_loggers(cfg.logging.loggers)  # an unknown or uninstalled logger stops us here
     session = open_session(exp, workdir, resume)
     try:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
             return 0
-        loop, feed, dispatch, hooks = prepare(exp, session, signals)
+        loop, feed, dispatch, hooks = prepare(exp, session, signals, factories)
         signals.in_loop = True
         with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules):
             loops.run(loop, feed, dispatch, hooks)
@@ -130,7 +131,7 @@ class Session:
     checkpointer: Any
     lock: IO | None
     console: Any
-    loggers: list[Any]
+    loggers: Any  # nnx_cli.loggers.Loggers: every logger of logging.loggers as one (none on processes > 0)
     start: int
     state: Any
     sums: Any
@@ -139,9 +140,10 @@ class Session:
         self.console.print(message, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
-        for logger in self.loggers:
-            logger.close()
-        self.checkpointer.close()
+        try:
+            self.loggers.close()
+        finally:
+            self.checkpointer.close()
         if self.lock is not None:
             self.lock.close()
 
@@ -175,7 +177,7 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     if is_main:
         dump_yaml(to_dict(exp.cfg), workdir / "config.yaml")
         write_run_info(workdir, exp)
-    return Session(workdir, checkpointer, lock, console, [], start, state, sums)
+    return Session(workdir, checkpointer, lock, console, loggers.Loggers([]), start, state, sums)
 
 
 def _replicated(exp: Any, tree: Any) -> Any:
@@ -185,7 +187,7 @@ def _replicated(exp: Any, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=scalar), tree)
 
 
-def prepare(exp: Any, session: Session, signals: Signals) -> tuple[Any, Any, Any, list[Any]]:
+def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, Any]) -> tuple[Any, Any, Any, list[Any]]:
     """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run."""
     import jax
 
@@ -195,7 +197,10 @@ def prepare(exp: Any, session: Session, signals: Signals) -> tuple[Any, Any, Any
 
     cfg, t = exp.cfg, exp.cfg.train
     if session.lock is not None:  # process 0 reports
-        session.loggers = _loggers(exp, session.workdir, session.start, session.console)
+        run = loggers.LoggerRun(
+            session.workdir, to_dict(cfg), session.start, exp.total_steps, exp.loss_metric, session.console
+        )
+        session.loggers = loggers.open_loggers(factories, run)
     intervals = {
         "train.log_every": t.log_every,
         "train.eval_every": t.eval_every,
@@ -219,40 +224,10 @@ def prepare(exp: Any, session: Session, signals: Signals) -> tuple[Any, Any, Any
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)
+    chosen.append(hooks.Tick(k, session.loggers))
     chosen.append(hooks.StopVote(vote, signals))
     loop = loops.Loop(exp, session.state, session.sums, step=session.start, total=exp.total_steps)
     return loop, feed, dispatch, chosen
-
-
-def _loggers(exp: Any, workdir: Path, start: int, console: Any) -> list[Any]:
-    """Interim: metrics.jsonl and the console, until the logger registry lands."""
-    from nnx_cli import report
-
-    class _Console:
-        def __init__(self) -> None:
-            self.progress = report.Progress(console, start, exp.total_steps, exp.loss_metric)
-
-        def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
-            if split == "train":
-                self.progress.log(step, metrics)
-            else:
-                self.progress.print(report.metrics_table(f"eval at step {step}", metrics))
-
-        def close(self) -> None:
-            self.progress.close()
-
-    class _Jsonl:
-        def __init__(self) -> None:
-            intervals = {"train": exp.cfg.train.log_every, "eval": exp.cfg.train.eval_every}
-            self.log_file = report.MetricsLog(workdir / "metrics.jsonl", resume_step=start, intervals=intervals)
-
-        def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
-            self.log_file.write(step, split, metrics)
-
-        def close(self) -> None:
-            pass
-
-    return [_Jsonl(), _Console()]
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def test_log_hook_reports_means_learning_rate_gradient_norm_and_speed():
     recorder = Recorder()
     state = exp.init_state()
     run = loop.Loop(exp, state, steps.empty_sums(exp.metric_names), step=0, total=4)
-    log = hooks.LogMetrics(2, [recorder], hooks.Guard(None, Path("unused")), batch_size=32)
+    log = hooks.LogMetrics(2, recorder, hooks.Guard(None, Path("unused")), batch_size=32)
     batch = exp.train.read(exp.train.epoch_keys(0)[:64])
     for i in range(2):
         rows = {k: v[i * 32 : (i + 1) * 32] for k, v in batch.items()}
@@ -182,7 +182,7 @@ def test_hooks_run_at_their_intervals_and_evals_once_at_the_end(tmp_path: Path):
 
     every3 = Every(3)  # reached only where a dispatch of 2 steps ends on a multiple of 3
     every4 = Every(4)
-    evaluate = hooks.Evaluate(6, lambda state: {"x": 1.0}, [recorder], hooks.Guard(None, tmp_path))
+    evaluate = hooks.Evaluate(6, lambda state: {"x": 1.0}, recorder, hooks.Guard(None, tmp_path))
     run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=12)
     feed = ((2, None) for _ in range(6))
     loop.run(run, feed, lambda state, sums, xs: (state, sums, jnp.zeros(())), [every3, every4, evaluate])

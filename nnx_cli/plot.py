@@ -1,0 +1,231 @@
+"""`nnx-plot WORKDIR [WORKDIR ...] [--metric M] [--out FILE.png]`: training curves from metrics.jsonl.
+
+Each work dir's train logs are drawn as a line and its evals as markers in
+the same colour; several work dirs are overlaid, each named after its
+directory. The default metric is the model's loss metric (the model named in
+the first work dir's `config.yaml`), else the first metric logged. The image
+goes to `<workdir>/plot.png` for one work dir, `./plot.png` for several, or
+`--out`; its path is printed. Needs matplotlib (`pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from nnx_cli.errors import UserError, did_you_mean, report_errors, run_app
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+
+Records = Sequence[Mapping[str, Any]]
+
+
+@app.command()
+@report_errors
+def plot(
+    workdirs: list[Path] = typer.Argument(
+        ..., metavar="WORKDIR...", help="Work dirs of nnx-train runs (each holds a metrics.jsonl).", show_default=False
+    ),
+    metric: str | None = typer.Option(None, help="Metric to draw (default: the model's loss metric)."),
+    out: Path | None = typer.Option(
+        None, help="Image to write (default: <workdir>/plot.png for one work dir, ./plot.png for several)."
+    ),
+) -> None:
+    """Draw train and eval curves of one metric for one or more runs."""
+    _matplotlib()
+    runs = {name: read_metrics(workdir) for name, workdir in zip(run_names(workdirs), workdirs)}
+    metric = metric or default_metric(workdirs[0], next(iter(runs.values())))
+    available = metric_names(record for records in runs.values() for record in records)
+    if metric not in available:
+        raise UserError(
+            f"--metric {metric!r} is not logged by {_listing(runs)}{did_you_mean(metric, available)}; "
+            f"available: {', '.join(available)}"
+        )
+    out = out or (workdirs[0] / "plot.png" if len(workdirs) == 1 else Path("plot.png"))
+    save_figure(build_figure(runs, metric), out)
+    print(out)
+
+
+def main() -> None:
+    run_app(app)
+
+
+def read_metrics(workdir: Path) -> list[dict[str, Any]]:
+    """The records of `<workdir>/metrics.jsonl` (a torn line from a killed run is skipped).
+
+    >>> read_metrics(Path("runs/vae"))[0]
+    {'step': 100, 'split': 'train', 'metrics': {'nelbo': 98.1, 'recon': 90.2, 'kl': 7.9}, 'time': 1795370000.0}
+    """
+    path = workdir / "metrics.jsonl"
+    if not workdir.is_dir():
+        raise UserError(f"work dir {str(workdir)!r} does not exist; pass the work dir of an nnx-train run")
+    if not path.is_file():
+        raise UserError(
+            f"{str(path)!r} not found: {str(workdir)!r} is not the work dir of an nnx-train run, or its run "
+            "did not list 'jsonl' in logging.loggers"
+        )
+    records = [record for line in path.read_text().splitlines() if (record := _record(line)) is not None]
+    if not records:
+        raise UserError(
+            f"{str(path)!r} holds no metrics yet: its run has not reached its first log (train.log_every steps)"
+        )
+    return records
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict) or "step" not in record:
+        return None
+    return record
+
+
+def run_names(workdirs: Sequence[Path]) -> list[str]:
+    """Legend names: each work dir's name, with as many parent dirs as it takes to tell equal names apart.
+
+    >>> run_names([Path("a/vae"), Path("b/vae"), Path("cnn")])
+    ['a/vae', 'b/vae', 'cnn']
+    """
+    paths = [Path(os.path.abspath(w)) for w in workdirs]
+    unique = list(dict.fromkeys(paths))
+    depth = dict.fromkeys(unique, 1)
+
+    def name(path: Path) -> str:
+        return "/".join(path.parts[-depth[path] :]).lstrip("/") or str(path)
+
+    while True:
+        counts = Counter(name(p) for p in unique)
+        clashing = [p for p in unique if counts[name(p)] > 1 and depth[p] < len(p.parts)]
+        if not clashing:
+            break
+        for p in clashing:
+            depth[p] += 1
+    seen: Counter[Path] = Counter()
+    names = []
+    for p in paths:  # the same work dir given twice
+        seen[p] += 1
+        names.append(name(p) if seen[p] == 1 else f"{name(p)} ({seen[p]})")
+    return names
+
+
+def metric_names(records: Any) -> list[str]:
+    """Metric names in the order they first appear: train metrics first, then eval-only ones."""
+    records = list(records)
+    names: dict[str, None] = {}
+    for split_first in (True, False):
+        for record in records:
+            if (record.get("split") == "train") == split_first:
+                names.update(dict.fromkeys(record["metrics"]))
+    return list(names)
+
+
+def default_metric(workdir: Path, records: Records) -> str:
+    """The model's loss metric when the work dir's `config.yaml` names a model that defines one, else the first."""
+    names = metric_names(records)
+    loss = _loss_metric(workdir / "config.yaml")
+    return loss if loss in names else names[0]
+
+
+def _loss_metric(config_path: Path) -> str | None:
+    try:
+        model_name = yaml.safe_load(config_path.read_text())["model"]["name"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    from nnx_cli.models import MODELS
+
+    try:
+        model = MODELS.get(str(model_name))
+    except UserError:  # a `package.module:Class` that does not import from here: fall back to the first metric
+        return None
+    return getattr(model, "loss_metric", None)
+
+
+def build_figure(runs: Mapping[str, Records], metric: str) -> Any:
+    """A matplotlib Figure of `metric` against step: per run, train as a line and eval as markers.
+
+    >>> figure = build_figure({"vae": read_metrics(Path("runs/vae"))}, "nelbo")
+    >>> [line.get_label() for line in figure.axes[0].get_lines()]
+    ['vae train', 'vae eval']
+    """
+    _matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5), dpi=150, layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    for i, (name, records) in enumerate(runs.items()):
+        color = f"C{i % 10}"
+        steps, values = _series(records, "train", metric)
+        if steps:
+            marker = "." if len(steps) == 1 else None  # one point: a line alone would not show
+            ax.plot(steps, values, color=color, linewidth=1.6, marker=marker, label=f"{name} train")
+        steps, values = _series(records, "eval", metric)
+        if steps:
+            ax.plot(
+                steps,
+                values,
+                color=color,
+                linestyle="none",
+                marker="o",
+                markersize=6,
+                markeredgecolor="black",
+                markeredgewidth=0.6,
+                label=f"{name} eval",
+            )
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title(metric if len(runs) > 1 else f"{metric}: {next(iter(runs))}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small", framealpha=0.9)
+    return figure
+
+
+def _series(records: Records, split: str, metric: str) -> tuple[list[int], list[float]]:
+    """Steps and values of one metric in one split; a null (non-finite) value becomes NaN, a gap in the line."""
+    points = [
+        (record["step"], math.nan if record["metrics"][metric] is None else record["metrics"][metric])
+        for record in records
+        if record.get("split") == split and metric in record["metrics"]
+    ]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def save_figure(figure: Any, out: Path) -> None:
+    """Write `figure` to `out`, in the format its extension names (.png, .svg, .pdf, ...)."""
+    formats = figure.canvas.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        raise UserError(
+            f"--out {str(out)!r}: the extension names the image format; use one of "
+            f"{', '.join('.' + f for f in sorted(formats))} (e.g. plot.png)"
+        )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out)
+    except OSError as e:
+        raise UserError(f"cannot write --out {str(out)!r}: {e.strerror or e}") from None
+
+
+def _listing(runs: Mapping[str, Records]) -> str:
+    return f"run {next(iter(runs))!r}" if len(runs) == 1 else f"any of the runs {', '.join(map(repr, runs))}"
+
+
+def _matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("nnx-plot needs matplotlib: pip install matplotlib") from None
+
+
+if __name__ == "__main__":
+    main()

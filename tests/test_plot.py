@@ -1,0 +1,135 @@
+"""`nnx-plot`: curves from metrics.jsonl files the tests write, drawn by matplotlib into real images."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from cli_support import cli
+from PIL import Image
+
+from nnx_cli.errors import UserError
+from nnx_cli.plot import build_figure, default_metric, plot, read_metrics, run_names, save_figure
+
+
+def _write_metrics(workdir: Path, scale: float = 1.0, steps: int = 100, model: str | None = "vae") -> Path:
+    """A work dir as nnx-train leaves it: train logs every 10 steps, an eval every 50."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(10, steps + 1, 10):
+        train = {"kl": 5.0 + step / 100, "nelbo": scale * (100 + 200 * math.exp(-step / 40)), "learning_rate": 1e-3}
+        lines.append({"step": step, "split": "train", "metrics": train, "time": 1.0 * step})
+        if step % 50 == 0:
+            lines.append({"step": step, "split": "eval", "metrics": {"kl": 6.0, "nelbo": scale * 110}, "time": 1.0})
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if model is not None:
+        (workdir / "config.yaml").write_text(f"seed: 0\nmodel:\n  name: {model}\n")
+    return workdir
+
+
+def _labels(figure) -> list[str]:
+    return [line.get_label() for line in figure.axes[0].get_lines()]
+
+
+def test_two_runs_are_overlaid_with_train_as_lines_and_eval_as_markers(tmp_path: Path):
+    runs = {
+        "small": read_metrics(_write_metrics(tmp_path / "small")),
+        "big": read_metrics(_write_metrics(tmp_path / "big", 0.5)),
+    }
+    figure = build_figure(runs, "nelbo")
+    assert _labels(figure) == ["small train", "small eval", "big train", "big eval"]
+    small_train, small_eval, big_train, _ = figure.axes[0].get_lines()
+    assert small_train.get_linestyle() == "-" and small_eval.get_linestyle() == "None"
+    assert small_eval.get_marker() == "o"
+    assert list(small_train.get_xdata()) == list(range(10, 101, 10)) and list(small_eval.get_xdata()) == [50, 100]
+    assert small_train.get_color() == small_eval.get_color() != big_train.get_color()
+    ax = figure.axes[0]
+    assert ax.get_xlabel() == "step" and ax.get_ylabel() == "nelbo"
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == _labels(figure)
+
+
+def test_nnx_plot_writes_a_png_of_several_runs_into_the_current_directory(tmp_path: Path):
+    _write_metrics(tmp_path / "a" / "vae")
+    _write_metrics(tmp_path / "b" / "vae", scale=0.8)
+    result = cli("nnx-plot", "a/vae", "b/vae", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "plot.png"
+    png = tmp_path / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] >= 800 and image.size[1] >= 500
+
+
+def test_one_run_is_plotted_into_its_work_dir(tmp_path: Path, capsys: pytest.CaptureFixture):
+    workdir = _write_metrics(tmp_path / "run")
+    plot([workdir], metric="kl", out=None)
+    assert capsys.readouterr().out.strip() == str(workdir / "plot.png")
+    assert (workdir / "plot.png").stat().st_size > 10_000
+
+
+def test_out_chooses_the_file_and_its_format(tmp_path: Path, capsys: pytest.CaptureFixture):
+    workdir = _write_metrics(tmp_path / "run")
+    plot([workdir], metric=None, out=tmp_path / "figures" / "curves.svg")
+    assert (tmp_path / "figures" / "curves.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_out_with_an_unknown_extension_is_a_user_error(tmp_path: Path):
+    figure = build_figure({"run": read_metrics(_write_metrics(tmp_path / "run"))}, "nelbo")
+    with pytest.raises(UserError, match=r"--out '.*curves\.pnj': the extension names the image format; use one of"):
+        save_figure(figure, tmp_path / "curves.pnj")
+
+
+def test_runs_with_equal_names_are_told_apart_by_their_parent_dirs(tmp_path: Path):
+    names = run_names([tmp_path / "sweep1" / "vae", tmp_path / "sweep2" / "vae", tmp_path / "cnn"])
+    assert names == ["sweep1/vae", "sweep2/vae", "cnn"]
+
+
+def test_the_same_work_dir_twice_is_numbered(tmp_path: Path):
+    assert run_names([tmp_path / "vae", tmp_path / "vae"]) == ["vae", "vae (2)"]
+
+
+def test_default_metric_is_the_loss_metric_of_the_model_in_config_yaml(tmp_path: Path):
+    workdir = _write_metrics(tmp_path / "run", model="vae")  # kl is logged first; the VAE minimises nelbo
+    assert default_metric(workdir, read_metrics(workdir)) == "nelbo"
+
+
+def test_default_metric_without_a_config_is_the_first_metric_logged(tmp_path: Path):
+    workdir = _write_metrics(tmp_path / "run", model=None)
+    assert default_metric(workdir, read_metrics(workdir)) == "kl"
+
+
+def test_a_metric_typo_exits_2_suggesting_the_closest_and_listing_the_available(tmp_path: Path):
+    _write_metrics(tmp_path / "run")
+    result = cli("nnx-plot", "run", "--metric", "nelbp", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: --metric 'nelbp' is not logged by run 'run' (did you mean 'nelbo'?); "
+        "available: kl, nelbo, learning_rate"
+    )
+
+
+def test_non_finite_values_are_gaps_in_the_curve(tmp_path: Path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    records = [{"step": s, "split": "train", "metrics": {"loss": None if s == 20 else 1.0 / s}} for s in (10, 20, 30)]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (line,) = build_figure({"run": read_metrics(workdir)}, "loss").axes[0].get_lines()
+    assert [math.isnan(y) for y in line.get_ydata()] == [False, True, False]
+
+
+def test_a_work_dir_without_metrics_jsonl_is_a_user_error(tmp_path: Path):
+    with pytest.raises(UserError, match=r"metrics\.jsonl' not found: .* did not list 'jsonl' in logging\.loggers"):
+        read_metrics(tmp_path)
+
+
+def test_an_empty_metrics_jsonl_is_a_user_error(tmp_path: Path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"metrics\.jsonl' holds no metrics yet"):
+        read_metrics(tmp_path)
+
+
+def test_a_missing_work_dir_is_a_user_error(tmp_path: Path):
+    with pytest.raises(UserError, match=r"work dir '.*nowhere' does not exist"):
+        read_metrics(tmp_path / "nowhere")
