@@ -2,7 +2,8 @@
 
 One jitted dispatch runs `k` optimizer steps, so the unit of input is a
 dispatch, not an example. Two ways to feed it, chosen by
-:func:`keep_on_device` from `data.on_device`:
+:func:`keep_on_device` from `data.on_device`
+(`keep_on_device(cfg.data.on_device, split, layout.sharding)`):
 
 - **Host feed** (:func:`host_feed`, :func:`device_feed`): the record of the
   dispatch `(s, k)` holds, stacked `[k, rows, ...]`, this process's rows of
@@ -17,7 +18,8 @@ dispatch, not an example. Two ways to feed it, chosen by
           state, ... = train_steps(state, batch)          # batch["image"]: uint8 [k, B, 28, 28, 1], sharded
 
 - **Device-resident** (:func:`place_stored`, :class:`BatchKeys`): the stored
-  arrays go to the devices once, sharded along the example axis; a dispatch
+  arrays go to the devices once, sharded along the example axis (each device
+  holds its share; XLA gathers a batch from the shards); a dispatch
   then moves only its int32 keys `[k, B]` (the same on every process) and the
   jitted step reads `split.read_on_device(stored, keys[j])`::
 
@@ -236,25 +238,29 @@ def stored_nbytes(split: TrainSplit) -> int:
     return sum(v.nbytes for v in split.stored().values())
 
 
-def keep_on_device(setting: bool | str, split: TrainSplit, devices: Sequence[jax.Device] | None = None) -> bool:
-    """`data.on_device`: true, false, or auto: on the devices when the stored arrays take at most a quarter
-    of the memory the smallest device reports (`memory_stats()["bytes_limit"]`), or at most 1 GiB where a
-    device reports none (CPU).
+def keep_on_device(setting: bool | str, split: TrainSplit, batch_sharding: NamedSharding | None = None) -> bool:
+    """`data.on_device`: true, false, or auto: on the devices when each device's share of the stored arrays
+    takes at most a quarter of the memory it reports (`memory_stats()["bytes_limit"]`), or at most 1 GiB
+    where it reports none (CPU).
 
-    The whole stored split is compared with one device's memory, although each
-    device holds only its shard: a gather from a sharded array may gather
-    the operand whole on a device, and the rest is the model's.
+    A device's share is the split divided by the ways `batch_sharding` (the
+    training batch's) splits the example axis: XLA gathers a batch from each
+    shard where the keys fall and sums the pieces (an all-reduce of one
+    batch), so no device ever holds the whole split.
 
-    >>> keep_on_device("auto", split)          # MNIST, 47 MB of uint8 on a GPU with 80 GB
+    >>> keep_on_device("auto", split, layout.sharding)          # MNIST: 47 MB of uint8
     True
     """
     if isinstance(setting, bool):
         return setting
-    limits = []
-    for device in devices if devices is not None else jax.local_devices():
+    ways = _ways(batch_sharding) if batch_sharding is not None else 1
+    share = -(-stored_nbytes(split) // ways)
+    devices = batch_sharding.mesh.local_devices if batch_sharding is not None else jax.local_devices()
+    for device in devices:
         stats = device.memory_stats() or {}
-        limits.append(stats["bytes_limit"] // 4 if stats.get("bytes_limit") else _CPU_FALLBACK_BYTES)
-    return stored_nbytes(split) <= min(limits)
+        if share > (stats["bytes_limit"] // 4 if stats.get("bytes_limit") else _CPU_FALLBACK_BYTES):
+            return False
+    return True
 
 
 def place_stored(split: TrainSplit, batch_sharding: NamedSharding) -> dict[str, jax.Array]:
