@@ -246,6 +246,14 @@ def test_a_batch_larger_than_the_split_is_a_user_error():
         split.steps_per_epoch(8)
 
 
+def test_rows_of_a_page_or_more_are_read_from_the_cache_file_as_they_are_mapped(tmp_path: Path):
+    png_parquet(tmp_path / "wide.parquet", 30, shape=(64, 64))  # 4096-byte rows: read with pread
+    cfg = DataConfig(source=str(tmp_path / "wide.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    train = image_train_split(cfg, seed=0)
+    keys = train.epoch_keys(1)[:17]
+    np.testing.assert_array_equal(train.read(keys)["image"], np.asarray(train.arrays.image)[keys])
+
+
 def test_read_on_device_gathers_the_rows_read_on_the_host():
     train = image_train_split(DataConfig(), seed=0)
     keys = train.epoch_keys(3)[:64]

@@ -16,11 +16,12 @@ from image_support import png_parquet
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_cli.config import DataConfig
-from nnx_cli.data.images import ImageArrays, ImageTrainSplit, image_train_split
+from nnx_cli.data.images import ImageArrays, ImageEvalSplit, ImageTrainSplit, image_train_split
 from nnx_cli.data.pipeline import (
     BatchKeys,
     device_feed,
     dispatches,
+    eval_feed,
     host_feed,
     keep_on_device,
     place_stored,
@@ -104,6 +105,19 @@ def test_device_resident_reads_give_the_host_batches():
         expected = expected_batch(split, 16, 4 + j)
         np.testing.assert_array_equal(np.asarray(batches["label"][j]), expected["label"])
         np.testing.assert_array_equal(np.asarray(batches["image"][j]), expected["image"] / np.float32(255))
+
+
+def test_eval_feed_places_the_split_in_order_up_to_max_batches():
+    image = np.arange(10 * 4, dtype=np.uint8).reshape(10, 2, 2, 1)
+    split = ImageEvalSplit(ImageArrays(image, np.arange(10, dtype=np.int32), 255.0, 10))
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    layout = batch_layout(mesh, [("batch", "data")], 4, "train.eval_batch_size")
+    placed = list(eval_feed(split, layout))
+    assert [int(b["mask"].sum()) for b in placed] == [4, 4, 2] and isinstance(placed[0]["image"], jax.Array)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(b["image"])[np.asarray(b["mask"])] for b in placed]), image
+    )
+    assert len(list(eval_feed(split, layout, max_batches=2))) == 2
 
 
 _EIGHT_DEVICES = """

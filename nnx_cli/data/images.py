@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import math
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -54,6 +56,7 @@ from nnx_cli.registry import Registry, is_reference
 
 _SCALES = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0, np.dtype(np.float32): 1.0}
 _CHUNK_BYTES = 4 << 20  # decoded pixels per worker task: big enough to amortize the hand-over, small to stay bounded
+_PAGE = 4096  # bytes: training rows at least this long are read with pread, not through the memory map
 _PROGRESS_FROM = 10_000  # images: decodes this long show a progress bar on a terminal
 
 
@@ -166,7 +169,7 @@ class ImageTrainSplit:
         return np.random.default_rng((self.seed, epoch)).permutation(len(self))
 
     def read(self, keys: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: column[keys] for name, column in self.arrays.columns().items()}
+        return {name: _read_rows(column, keys) for name, column in self.arrays.columns().items()}
 
     def stored(self) -> dict[str, np.ndarray]:
         return self.arrays.columns()
@@ -176,6 +179,32 @@ class ImageTrainSplit:
 
     def prepare(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return _prepare(rows, self.arrays.scale, self.binarize)
+
+
+def _read_rows(column: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """`column[keys]`; rows of a page or more of a memory-mapped `.npy` are read with `pread` instead.
+
+    Touching a mapped row maps its neighbours too (the kernel faults pages
+    around), so random rows read through the map would fill the process with
+    several times the file pages they need. Read into a private buffer, rows
+    leave the page cache to the kernel and the process holds only the batch.
+    A row smaller than a page costs less to index than a system call.
+    """
+    row_bytes = column.itemsize * math.prod(column.shape[1:])
+    if not isinstance(column, np.memmap) or column.filename is None or row_bytes < _PAGE:
+        return column[keys]
+    out = np.empty((len(keys), *column.shape[1:]), column.dtype)
+    rows = out.reshape(len(keys), row_bytes // column.itemsize)
+    fd = _read_only(column.filename)
+    for i, key in enumerate(keys.tolist()):
+        os.preadv(fd, [rows[i]], column.offset + key * row_bytes)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _read_only(path: str) -> int:
+    """One read-only descriptor per cache file and process (the process's memory maps hold the file open too)."""
+    return os.open(path, os.O_RDONLY)
 
 
 class ImageEvalSplit:
@@ -393,14 +422,14 @@ def _cached(ds: Any, cfg: DataConfig, split: str, source_id: str) -> ImageArrays
 
 def _build(directory: Path, ds: Any, image_key: str, label_key: str | None, workers: int) -> dict[str, Any]:
     """Write `image.npy` (and `label.npy`) into `directory`; return the entry's meta."""
-    image = _decode_into(directory / "image.npy", ds, image_key, workers)
+    dtype, shape = _decode_into(directory / "image.npy", ds, image_key, workers)
     num_classes = None
     if label_key is not None:
         label = np.asarray(ds.with_format("numpy")[label_key][:]).astype(np.int32)
         np.save(directory / "label.npy", label)
         feature = ds.features[label_key]
         num_classes = getattr(feature, "num_classes", None) or (int(label.max()) + 1 if len(label) else None)
-    return {"scale": _SCALES[image.dtype], "num_classes": num_classes, "shape": list(image.shape)}
+    return {"scale": _SCALES[dtype], "num_classes": num_classes, "shape": list(shape)}
 
 
 class _DecodeChunk:
@@ -460,8 +489,9 @@ def _to_stored(pixels: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
     )
 
 
-def _decode_into(path: Path, ds: Any, key: str, workers: int) -> np.ndarray:
-    """Decode column `key` of `ds` into a new `.npy` file at `path`, in order, a chunk at a time."""
+def _decode_into(path: Path, ds: Any, key: str, workers: int) -> tuple[np.dtype, tuple[int, ...]]:
+    """Decode column `key` of `ds` into a new `.npy` file at `path`, in order, a chunk at a time; return
+    the stored dtype and shape."""
     count = len(ds)
     if count == 0:
         raise UserError(f"config key 'data.image_key': the split has no rows, so column {key!r} holds no images")
@@ -473,7 +503,7 @@ def _decode_into(path: Path, ds: Any, key: str, workers: int) -> np.ndarray:
     shape = first.shape[1:]
     probe.rows = max(1, min(1024, _CHUNK_BYTES // max(first.nbytes, 1)))
     chunks = -(-count // probe.rows)
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(count, *shape))
+    np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(count, *shape)).flush()  # header and size
     shapes: set[tuple[int, ...]] = set()
     with _progress(count, f"decoding {count} images") as advance:
         for index, (pixels, chunk_shapes) in enumerate(map_ordered(probe, chunks, workers if chunks > 1 else 0)):
@@ -481,16 +511,18 @@ def _decode_into(path: Path, ds: Any, key: str, workers: int) -> np.ndarray:
             if pixels is None or len(shapes) > 1:
                 continue  # the error below names every shape met
             pixels = pixels[..., None] if pixels.ndim == 3 else pixels
+            # A map per chunk: written pages leave this process with it (to the page cache, written back from there).
+            out = np.load(path, mmap_mode="r+")
             out[index * probe.rows : index * probe.rows + len(pixels)] = _to_stored(np.asarray(pixels), dtype, key)
+            out.flush()
+            del out
             advance(len(pixels))
     if len(shapes) > 1:
-        del out
         raise UserError(
             f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes "
             f"({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first"
         )
-    out.flush()
-    return out
+    return dtype, (count, *shape)
 
 
 class _NoProgress:

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_cli.data.base import TrainSplit
+from nnx_cli.data.base import EvalSplit, TrainSplit
 
 if TYPE_CHECKING:
     from nnx_cli.sharding import BatchLayout
@@ -221,6 +221,21 @@ def device_feed(
         yield from it
     finally:
         it.close()
+
+
+def eval_feed(split: EvalSplit, layout: BatchLayout, max_batches: int | None = None) -> Iterator[dict[str, jax.Array]]:
+    """The eval split in order (`split.eval_batches`: stored form, padded, with `"mask"`), placed with
+    `layout.place` one batch ahead; at most `max_batches` (`train.eval_max_batches`) batches.
+
+    >>> for batch in eval_feed(eval_split, eval_layout):
+    ...     sums = eval_step(state, eval_split.prepare(batch))   # prepare inside the jitted step
+    """
+    from nnx_cli.data import prefetch
+
+    count = -(-len(split) // layout.size)
+    count = count if max_batches is None else min(count, max_batches)
+    batches = split.eval_batches(layout.size, layout.rows)
+    return prefetch(lambda _: layout.place(next(batches)), range(count), size=1)
 
 
 # --------------------------------------------------------------------------- device-resident
