@@ -7,7 +7,8 @@ float32, 0.5 GB as the uint8 cache. Then runs the pipeline twice in fresh
 processes (decode into the cache, then a cache hit) for 60 steps of batch
 128, sampling the proportional set size (PSS) of the run and all its worker
 processes from this process, and prints each run's time and peak beside the
-dataset's float32 size (today's loader holds that whole).
+dataset's float32 size, and beside today's loader (`load_split` +
+`Batches`, which holds that whole) run the same way.
 
     python benchmarks/large_images.py --out /tmp/large-images [--workers 2] [--steps 60]
     nnx-train configs/mlp_classifier.yaml data.source=/tmp/large-images   # the same data through the trainer
@@ -64,8 +65,9 @@ def _pss(pid: int) -> tuple[int, int]:
     fields = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            name, value = line.split()[:2]
-            fields[name] = int(value) * 1024
+            parts = line.split()
+            if parts[-1] == "kB":
+                fields[parts[0]] = int(parts[1]) * 1024
     return fields["Pss:"], fields["Pss:"] - fields.get("Pss_File:", 0)
 
 
@@ -105,7 +107,19 @@ def run(data: Path, cache: Path, workers: int, steps: int) -> None:
         batch["image"].block_until_ready()
 
 
-def measure(data: Path, cache: Path, workers: int, steps: int) -> tuple[float, int, int]:
+def run_today(data: Path, steps: int) -> None:
+    """The baseline: today's `load_split` (the split decoded whole into float32) and `Batches` + `prefetch`."""
+    import jax
+
+    from nnx_cli import data as today
+    from nnx_cli.config import DataConfig
+
+    batches = today.Batches(today.load_split(DataConfig(source=str(data)), "train"), 128, seed=0)
+    for batch in today.prefetch(lambda s: jax.device_put(batches.get(s)), range(steps)):
+        batch["image"].block_until_ready()
+
+
+def measure(data: Path, cache: Path, workers: int, steps: int, today: bool = False) -> tuple[float, int, int]:
     """(seconds, peak PSS, peak PSS less file-backed pages) of one run in a fresh process, sampled every 50 ms.
 
     File-backed pages (libraries, memory-mapped dataset and cache files) are
@@ -113,7 +127,7 @@ def measure(data: Path, cache: Path, workers: int, steps: int) -> tuple[float, i
     """
     start = time.perf_counter()
     args = [sys.executable, __file__, "--run", "--out", str(data), "--cache", str(cache), "--workers", str(workers)]
-    child = subprocess.Popen([*args, "--steps", str(steps)])
+    child = subprocess.Popen([*args, "--steps", str(steps), *(["--today"] if today else [])])
     peak = peak_anon = 0
     while child.poll() is None:
         total, anon = tree_pss(child.pid)
@@ -130,19 +144,25 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--cache", type=Path, help="the array cache (default: a new temporary directory)")
+    parser.add_argument(
+        "--cache", type=Path, help="the array cache (default: a new temporary directory, so the first run decodes)"
+    )
     parser.add_argument("--run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--today", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run and args.today:
+        return run_today(args.out, args.steps)
     if args.run:
-        run(args.out, args.cache, args.workers, args.steps)
-        return
+        return run(args.out, args.cache, args.workers, args.steps)
     start = time.perf_counter()
     generate(args.out, args.count)
     print(f"dataset: {args.out} ({time.perf_counter() - start:.1f} s to generate or find)")
     float32 = args.count * SIZE * SIZE * 4
-    with tempfile.TemporaryDirectory() as cache:
-        for name in ("first run (decodes into the cache)", "second run (cache hit)"):
-            seconds, peak, anon = measure(args.out, Path(cache), args.workers, args.steps)
+    runs = [("today's load_split + Batches", True), ("first run (decodes into the cache)", False)]
+    runs.append(("second run (cache hit)", False))
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, today in runs:
+            seconds, peak, anon = measure(args.out, args.cache or Path(scratch), args.workers, args.steps, today)
             print(
                 f"{name}: {seconds:6.1f} s, peak PSS {peak / 2**20:5.0f} MiB ({peak / float32:.2f}x the "
                 f"{float32 / 2**20:.0f} MiB float32 dataset), not file-backed {anon / 2**20:5.0f} MiB"

@@ -26,6 +26,7 @@ from nnx_cli.data.pipeline import (
     keep_on_device,
     place_stored,
     stored_nbytes,
+    worker_count,
 )
 from nnx_cli.errors import UserError
 from nnx_cli.sharding import batch_layout
@@ -43,6 +44,10 @@ def expected_batch(split: ImageTrainSplit, batch_size: int, step: int, rows: sli
     """Batch `step` straight from the definition: `split.read(epoch_keys(e)[i*B:(i+1)*B][rows])`."""
     epoch, i = divmod(step, len(split) // batch_size)
     return split.read(split.epoch_keys(epoch)[i * batch_size : (i + 1) * batch_size][rows])
+
+
+def test_workers_default_to_the_cores_and_0_means_none():
+    assert worker_count(None) == os.cpu_count() and worker_count(0) == 0 and worker_count(3) == 3
 
 
 def test_dispatches_run_from_the_start_step_and_end_with_what_is_left():

@@ -61,7 +61,7 @@ def worker_count(workers: int | None) -> int:
     >>> worker_count(0)
     0
     """
-    return os.cpu_count() or 1 if workers is None else workers
+    return (os.cpu_count() or 1) if workers is None else workers
 
 
 def map_ordered(fn: Callable[[Any], T], items: int | Sequence[Any], workers: int, buffer: int = 2) -> Iterator[T]:
