@@ -217,7 +217,7 @@ def test_iterating_the_host_feed_holds_far_less_than_the_float32_dataset(tmp_pat
     decoded dataset as float32 in the main process or a worker.
     """
     png_parquet(tmp_path / "big.parquet", 3000, shape=(96, 96))
-    cfg = DataConfig(source=str(tmp_path / "big.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=2)
+    cfg = DataConfig(source=str(tmp_path / "big.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
     split = image_train_split(cfg, seed=0)
     float32_bytes = split.arrays.image.size * 4
     feed = host_feed(split, 100, dispatches(0, 60, 1), workers=2)
