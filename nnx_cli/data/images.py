@@ -51,7 +51,7 @@ from nnx_cli.config import DataConfig
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, get_or_build
 from nnx_cli.data.pipeline import map_ordered, worker_count
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, did_you_mean
 from nnx_cli.registry import Registry, is_reference
 
 _SCALES = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0, np.dtype(np.float32): 1.0}
@@ -336,8 +336,6 @@ def _dataset_split(ds: Any, source: str, split: str, key: str) -> Any:
     """Split `split` of what `_open` returned, with the same errors as :func:`nnx_cli.data.load_split`."""
     import datasets
 
-    from nnx_cli.errors import did_you_mean
-
     if not isinstance(ds, datasets.DatasetDict):  # save_to_disk of one Dataset: a single split, "train"
         ds = datasets.DatasetDict({"train": ds})
     if split not in ds:
@@ -397,8 +395,6 @@ def _cached(ds: Any, cfg: DataConfig, split: str, source_id: str) -> ImageArrays
     """`ds` decoded into the cache (once per source, split, columns and fingerprint), memory-mapped."""
     columns = list(ds.column_names)
     if cfg.image_key not in columns:
-        from nnx_cli.errors import did_you_mean
-
         raise UserError(
             f"config key 'data.image_key': dataset {cfg.source!r} has no column {cfg.image_key!r}"
             f"{did_you_mean(cfg.image_key, columns)}; columns: {', '.join(columns)}"
