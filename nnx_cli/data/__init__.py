@@ -16,6 +16,11 @@ batch can be rebuilt after a restart::
     split = load_split(cfg.data, "train")
     batches = Batches(split, batch_size=128, seed=0)
     batch = batches.get(step=1234)          # {"image": ..., "label": ...}
+
+The splits of the new training loop (:mod:`nnx_cli.data.base`) replace
+these: images decoded once into a uint8 cache in :mod:`nnx_cli.data.images`,
+whole dispatches fed by Grain or kept on the devices in
+:mod:`nnx_cli.data.pipeline`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,270 @@
+"""Image splits: decoded once into a uint8 cache, scaled inside the step, from any source."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from image_support import png_dataset, png_parquet
+
+from nnx_cli.config import DataConfig
+from nnx_cli.data import Batches, load_split
+from nnx_cli.data.images import (
+    SOURCES,
+    ImageArrays,
+    ImageEvalSplit,
+    ImageTrainSplit,
+    image_eval_split,
+    image_train_split,
+    load_images,
+)
+from nnx_cli.errors import UserError
+
+
+def parquet_config(tmp_path: Path, n: int = 40, **options) -> tuple[DataConfig, np.ndarray]:
+    """A parquet file of `n` 6x5 grey PNGs every level 0..255 appears in, and a config reading it."""
+    pixels = png_parquet(tmp_path / "tiny.parquet", n)
+    options = {"image_key": "img", "label_key": "digit", "cache_dir": str(tmp_path / "cache"), "workers": 0, **options}
+    return DataConfig(source=str(tmp_path / "tiny.parquet"), **options), pixels
+
+
+def entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir() if p.is_dir())
+
+
+def prepared(split: ImageTrainSplit | ImageEvalSplit) -> np.ndarray:
+    return np.asarray(jax.jit(split.prepare)({"image": np.asarray(split.arrays.image)})["image"])
+
+
+def test_a_split_is_stored_as_uint8_memory_mapped_with_its_scale_and_classes(tmp_path: Path):
+    cfg, pixels = parquet_config(tmp_path)
+    arrays = load_images(cfg, "train")
+    assert isinstance(arrays.image, np.memmap) and arrays.image.dtype == np.uint8
+    np.testing.assert_array_equal(arrays.image[..., 0], pixels)
+    assert arrays.label.dtype == np.int32 and arrays.label.tolist() == [i % 3 for i in range(40)]
+    assert (arrays.scale, arrays.num_classes) == (255.0, 3)
+    assert arrays.path.parent == tmp_path / "cache"
+
+
+def test_a_second_load_reads_the_cache_without_decoding(tmp_path: Path, monkeypatch):
+    """The images are PNG files the dataset points to: once they are deleted, only the cache can answer."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, size=(8, 4, 4), dtype=np.uint8)
+    (tmp_path / "pngs").mkdir()
+    for i, p in enumerate(pixels):
+        Image.fromarray(p).save(tmp_path / "pngs" / f"{i}.png")
+    (tmp_path / "png_files.py").write_text(
+        textwrap.dedent(
+            f"""
+            import datasets
+            def load(split):
+                files = [{str(tmp_path / "pngs")!r} + f"/{{i}}.png" for i in range(8)]
+                return datasets.Dataset.from_dict({{"image": files}}).cast_column("image", datasets.Image())
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = DataConfig(source="png_files:load", label_key=None, cache_dir=str(tmp_path / "cache"), workers=0)
+    first = load_images(cfg, "train")
+    for png in (tmp_path / "pngs").iterdir():
+        png.unlink()
+    second = load_images(cfg, "train")
+    assert second.path == first.path and entries(tmp_path / "cache") == [first.path.name]
+    np.testing.assert_array_equal(second.image[..., 0], pixels)
+
+
+def test_another_split_column_or_source_makes_another_cache_entry(tmp_path: Path):
+    import datasets
+
+    train, _ = png_dataset(12, seed=1)
+    test, _ = png_dataset(4, seed=2)
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "saved"))
+    cfg = DataConfig(source=str(tmp_path / "saved"), image_key="img", label_key="digit", cache_dir=str(tmp_path / "c"))
+    paths = {
+        load_images(cfg, "train").path,
+        load_images(cfg, "test").path,
+        load_images(DataConfig(**{**vars(cfg), "label_key": None}), "train").path,
+    }
+    other, _ = parquet_config(tmp_path, cache_dir=str(tmp_path / "c"))
+    paths.add(load_images(other, "train").path)
+    assert len(paths) == 4 and len(entries(tmp_path / "c")) == 4
+    assert load_images(cfg, "test").image.shape == (4, 6, 5, 1)
+
+
+def test_prepare_gives_todays_float32_grey_levels(tmp_path: Path):
+    cfg, _ = parquet_config(tmp_path, n=600)  # 18,000 pixels: every level 0..255 appears
+    assert len(np.unique(load_images(cfg, "train").image)) == 256
+    np.testing.assert_array_equal(prepared(image_train_split(cfg, seed=0)), load_split(cfg, "train").images)
+
+
+def test_prepare_with_binarize_gives_todays_binarized_pixels(tmp_path: Path):
+    cfg, _ = parquet_config(tmp_path, n=600, binarize=0.5)
+    expected = load_split(cfg, "train").images
+    assert set(np.unique(expected)) == {0.0, 1.0}
+    np.testing.assert_array_equal(prepared(image_train_split(cfg, seed=0)), expected)
+
+
+def test_16_bit_images_are_stored_as_uint16_and_scaled_by_65535(tmp_path: Path):
+    png_parquet(tmp_path / "deep.parquet", 10, shape=(4, 4), dtype=np.uint16)
+    cfg = DataConfig(source=str(tmp_path / "deep.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    arrays = load_images(cfg, "train")
+    assert arrays.image.dtype == np.uint16 and arrays.scale == 65535.0
+    np.testing.assert_array_equal(
+        prepared(image_eval_split(DataConfig(**{**vars(cfg), "eval_split": "train"}))), load_split(cfg, "train").images
+    )
+
+
+def test_float_columns_are_stored_as_float32(tmp_path: Path):
+    import datasets
+
+    values = np.random.default_rng(0).random((5, 3, 3))
+    datasets.Dataset.from_dict({"x": values.tolist()}).to_parquet(str(tmp_path / "floats.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "floats.parquet"), image_key="x", cache_dir=str(tmp_path / "c"), workers=0)
+    arrays = load_images(cfg, "train")
+    assert arrays.image.dtype == np.float32 and arrays.scale == 1.0
+    np.testing.assert_array_equal(arrays.image[..., 0], values.astype(np.float32))
+
+
+def test_decoding_in_2_workers_builds_the_same_cache_as_in_process(tmp_path: Path):
+    pixels = png_parquet(tmp_path / "big.parquet", 1000, shape=(96, 96))  # 3 chunks of decoding work
+    caches = []
+    for workers in (0, 2):
+        cfg = DataConfig(source=str(tmp_path / "big.parquet"), image_key="img", cache_dir=str(tmp_path / f"c{workers}"))
+        caches.append(load_images(DataConfig(**{**vars(cfg), "workers": workers}), "train"))
+    np.testing.assert_array_equal(caches[0].image, caches[1].image)
+    np.testing.assert_array_equal(caches[1].image[..., 0], pixels)
+    np.testing.assert_array_equal(caches[0].label, caches[1].label)
+
+
+def test_images_of_several_shapes_are_a_user_error_and_leave_no_entry(tmp_path: Path):
+    import datasets
+    from PIL import Image
+
+    images = [Image.fromarray(np.zeros((8 + i % 2, 8), np.uint8)) for i in range(4)]
+    datasets.Dataset.from_dict({"img": images}).cast_column("img", datasets.Image()).to_parquet(
+        str(tmp_path / "mixed.parquet")
+    )
+    cfg = DataConfig(source=str(tmp_path / "mixed.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    with pytest.raises(UserError, match=r"come in 2 shapes \(\(8, 8\), \(9, 8\)"):
+        load_images(cfg, "train")
+    assert entries(tmp_path / "c") == []
+
+
+def test_todays_source_errors_are_kept(tmp_path: Path):
+    cfg, _ = parquet_config(tmp_path)
+    with pytest.raises(UserError, match="no split 'test'.*available: train.*data.eval_split=null"):
+        load_images(cfg, "test", "data.eval_split")
+    with pytest.raises(UserError, match="data.image_key.*'imgs'.*did you mean 'img'"):
+        load_images(DataConfig(**{**vars(cfg), "image_key": "imgs"}), "train")
+    with pytest.raises(UserError, match="data.source.*does not exist"):
+        load_images(DataConfig(source=str(tmp_path / "missing")), "train")
+
+
+def test_digits_is_a_registered_source_kept_in_memory_in_levels_0_to_16():
+    arrays = load_images(DataConfig(), "train")
+    assert "sklearn:digits" in SOURCES and arrays.path is None
+    assert arrays.image.dtype == np.uint8 and arrays.image.max() == 16 and arrays.scale == 16.0
+    np.testing.assert_array_equal(
+        prepared(image_train_split(DataConfig(), 0)), load_split(DataConfig(), "train").images
+    )
+
+
+def test_a_user_source_beside_the_config_needs_no_pythonpath(tmp_path: Path):
+    """Run from the project directory by a script elsewhere, so only nnx_cli puts the directory on the path."""
+    project, runner = tmp_path / "project", tmp_path / "runner"
+    project.mkdir(), runner.mkdir()
+    (project / "my_source.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np
+            def load(split):
+                n = {"train": 20, "test": 6}[split]
+                return {"image": np.full((n, 4, 4), 200, np.uint8), "label": np.arange(n) % 4}
+            """
+        )
+    )
+    (runner / "run.py").write_text(
+        textwrap.dedent(
+            """
+            from nnx_cli.config import DataConfig
+            from nnx_cli.data.images import load_images
+            arrays = load_images(DataConfig(source="my_source:load"), "test")
+            print(arrays.image.shape, arrays.image.dtype, arrays.scale, arrays.num_classes)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(runner / "run.py")], cwd=project, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(6, 4, 4, 1) uint8 255.0 4"
+
+
+def write_source(tmp_path: Path, name: str, body: str, monkeypatch) -> str:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.chdir(tmp_path)
+    return f"{name}:load"
+
+
+def test_a_user_source_without_the_split_is_a_user_error(tmp_path: Path, monkeypatch):
+    source = write_source(tmp_path, "only_train", "def load(split):\n    return {'train': None}[split]\n", monkeypatch)
+    with pytest.raises(UserError, match="data.eval_split.*'only_train:load' has no split 'test'"):
+        load_images(DataConfig(source=source), "test", "data.eval_split")
+
+
+def test_a_user_source_returning_something_else_is_a_user_error(tmp_path: Path, monkeypatch):
+    source = write_source(tmp_path, "returns_list", "def load(split):\n    return [1, 2]\n", monkeypatch)
+    with pytest.raises(UserError, match="returned a list; expected a datasets.Dataset, a mapping"):
+        load_images(DataConfig(source=source), "train")
+
+
+def test_a_user_source_with_floats_outside_0_1_is_a_user_error(tmp_path: Path, monkeypatch):
+    body = "import numpy as np\ndef load(split):\n    return {'image': np.full((3, 2, 2), 255.0)}\n"
+    source = write_source(tmp_path, "float_pixels", body, monkeypatch)
+    with pytest.raises(UserError, match=r"float images outside \[0, 1\]"):
+        load_images(DataConfig(source=source), "train")
+
+
+def test_epoch_keys_give_todays_batches():
+    split = load_split(DataConfig(), "train")
+    batches = Batches(split, batch_size=100, seed=7)
+    train = image_train_split(DataConfig(), seed=7)
+    for step in (0, 14, 15, 31):  # across epochs (15 steps each)
+        epoch, i = divmod(step, train.steps_per_epoch(100))
+        np.testing.assert_array_equal(train.epoch_keys(epoch)[i * 100 : (i + 1) * 100], batches.indices(step))
+
+
+def test_a_batch_larger_than_the_split_is_a_user_error():
+    split = ImageTrainSplit(ImageArrays(np.zeros((5, 2, 2, 1), np.uint8), None, 255.0, None), seed=0)
+    with pytest.raises(UserError, match=r"train.batch_size' \(8\) is larger than the training split \(5"):
+        split.steps_per_epoch(8)
+
+
+def test_rows_of_a_page_or_more_are_read_from_the_cache_file_as_they_are_mapped(tmp_path: Path):
+    png_parquet(tmp_path / "wide.parquet", 30, shape=(64, 64))  # 4096-byte rows: read with pread
+    cfg = DataConfig(source=str(tmp_path / "wide.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    train = image_train_split(cfg, seed=0)
+    keys = train.epoch_keys(1)[:17]
+    np.testing.assert_array_equal(train.read(keys)["image"], np.asarray(train.arrays.image)[keys])
+
+
+def test_read_on_device_gathers_the_rows_read_on_the_host():
+    train = image_train_split(DataConfig(), seed=0)
+    keys = train.epoch_keys(3)[:64]
+    on_device = jax.jit(train.read_on_device)(jax.device_put(train.stored()), keys.astype(np.int32))
+    for name, rows in train.read(keys).items():
+        np.testing.assert_array_equal(np.asarray(on_device[name]), rows)
+
+
+def test_eval_batches_cover_the_split_once_in_stored_form_with_a_mask():
+    split = image_eval_split(DataConfig())
+    batches = list(split.eval_batches(128))
+    assert [len(b["image"]) for b in batches] == [128, 128, 128] and batches[0]["image"].dtype == np.uint8
+    np.testing.assert_array_equal(np.concatenate([b["image"][b["mask"]] for b in batches]), split.arrays.image)
+    assert np.concatenate([b["label"][b["mask"]] for b in batches]).tolist() == split.arrays.label.tolist()
