@@ -1,6 +1,6 @@
 """MNIST through the image pipeline: decode time, cache hits and host-feed throughput.
 
-Each figure is compared with today's path measured in the same run:
+Each figure is compared with the previous release's path (benchmarks/baseline_loader.py), measured in the same run:
 `load_split` (every PNG decoded into float32 on every run) and `Batches` +
 `prefetch` (one batch per step gathered in a thread).
 
@@ -14,6 +14,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+import baseline_loader
 
 from nnx_cli import data
 from nnx_cli.config import DataConfig
@@ -33,7 +35,7 @@ def fresh_open() -> None:
 
 
 def decode(cfg: DataConfig, workers: int) -> None:
-    baseline = seconds(lambda: data.load_split(cfg, "train"))
+    baseline = seconds(lambda: baseline_loader.load_split(cfg, "train"))
     print(f"today's load_split (float32, in process): {baseline:6.2f} s")
     with tempfile.TemporaryDirectory() as cache:
         for w in (0, workers):
@@ -65,8 +67,8 @@ def throughput(cfg: DataConfig, steps: int, workers: int) -> None:
     with tempfile.TemporaryDirectory() as cache:
         cfg = DataConfig(**{**vars(cfg), "cache_dir": cache, "workers": 0})
         split = image_train_split(cfg, seed=0)
-        old = data.Batches(data.load_split(cfg, "train"), 128, seed=0)
-        _, baseline = rate(data.prefetch(old.get, range(steps)), 1)
+        old = baseline_loader.Batches(baseline_loader.load_split(cfg, "train"), 128, seed=0)
+        _, baseline = rate(baseline_loader.prefetch(old.get, range(steps)), 1)
         print(f"today's Batches + prefetch:       {baseline:8.0f} batches/s (float32)")
         for k in (1, 10):
             for w in (0, workers):

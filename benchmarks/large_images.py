@@ -7,7 +7,7 @@ float32, 0.5 GB as the uint8 cache. Then runs the pipeline twice in fresh
 processes (decode into the cache, then a cache hit) for 60 steps of batch
 128, sampling the proportional set size (PSS) of the run and all its worker
 processes from this process, and prints each run's time and peak beside the
-dataset's float32 size, and beside today's loader (`load_split` +
+dataset's float32 size, and beside the previous release's loader (`baseline_loader.load_split` +
 `Batches`, which holds that whole) run the same way.
 
     python benchmarks/large_images.py --out /tmp/large-images [--workers 2] [--steps 60]
@@ -109,9 +109,9 @@ def run(data: Path, cache: Path, workers: int, steps: int) -> None:
 
 def run_today(data: Path, steps: int) -> None:
     """The baseline: today's `load_split` (the split decoded whole into float32) and `Batches` + `prefetch`."""
+    import baseline_loader as today
     import jax
 
-    from nnx_cli import data as today
     from nnx_cli.config import DataConfig
 
     batches = today.Batches(today.load_split(DataConfig(source=str(data)), "train"), 128, seed=0)

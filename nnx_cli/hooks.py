@@ -16,7 +16,6 @@ checkpoint otherwise), so only finite states are saved or evaluated.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -218,14 +217,15 @@ class Profile:
 
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches)."""
+    from nnx_cli.data import pipeline
+
     fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare)
     eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar), out_shardings=scalar)
     limit = exp.cfg.train.eval_max_batches
     count = len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
 
     def run(state: steps.TrainState) -> dict[str, float]:
-        batches = itertools.islice(exp.eval.eval_batches(layout.size, layout.rows), limit)
-        return steps.evaluate(eval_step, state, map(layout.place, batches), count)
+        return steps.evaluate(eval_step, state, pipeline.eval_feed(exp.eval, layout, limit), count)
 
     return run
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_cli import steps
 from nnx_cli.errors import UserError
@@ -79,16 +80,6 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
     return loop
 
 
-def plan(start: int, total: int, k: int) -> Iterator[int]:
-    """Dispatch lengths from step `start` to `total`: `k` steps each, aligned to multiples of `k`, single
-    steps where the start or the end falls between multiples."""
-    step = start
-    while step < total:
-        n = k if step % k == 0 and step + k <= total else 1
-        yield n
-        step += n
-
-
 def steps_per_dispatch(setting: int | str, intervals: dict[str, int], params: int) -> int:
     """`train.steps_per_dispatch`: an explicit K must divide every interval (exit 2 otherwise); auto is the
     largest divisor of their greatest common divisor that keeps a dispatch small for the model's size."""
@@ -106,68 +97,47 @@ def steps_per_dispatch(setting: int | str, intervals: dict[str, int], params: in
     return max(d for d in range(1, min(g, cap) + 1) if g % d == 0)
 
 
-def host_feed(
-    split: Any, layout: Any, start: int, total: int, k: int, batch_size: int, *, prefetch: int = 2
-) -> Iterator[tuple[int, Any]]:
-    """Dispatch inputs read on the host: this process's rows of `n` batches, stacked and placed on the devices.
+def inputs(exp: Any, layout: Any, plan: list[tuple[int, int]]) -> tuple[Iterator[tuple[int, Any]], Any]:
+    """The dispatch inputs of `plan` (`(k, inputs)` pairs) and the jitted dispatch that takes them.
 
-    Batch `i` of epoch `e` holds the examples `split.epoch_keys(e)[i * B:(i + 1) * B]`.
+    With `data.on_device` (auto: when the stored split fits, see
+    `pipeline.keep_on_device`) the training split is put on the devices once,
+    and each dispatch gets only the int32 keys of its `k` batches; otherwise
+    Grain reads the stored rows of each dispatch in `data.workers` processes
+    and they are placed on the devices two dispatches ahead.
     """
-    from nnx_cli.data import prefetch as _prefetch
+    from nnx_cli.data import pipeline
 
-    per_epoch = split.steps_per_epoch(batch_size)
-    keys = _EpochKeys(split)
-
-    def produce(item: tuple[int, int]) -> tuple[int, Any]:
-        step, n = item
-        rows = [split.read(keys.batch(s, per_epoch, batch_size)[layout.rows]) for s in range(step, step + n)]
-        stacked = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
-        return n, layout.place(stacked, stacked=True)
-
-    return _prefetch(produce, list(_starts(start, total, k)), size=prefetch)
-
-
-def _starts(start: int, total: int, k: int) -> Iterator[tuple[int, int]]:
-    step = start
-    for n in plan(start, total, k):
-        yield step, n
-        step += n
-
-
-class _EpochKeys:
-    """`split.epoch_keys(e)` for the epoch at hand, computed once per epoch."""
-
-    def __init__(self, split: Any):
-        self.split = split
-        self.epoch: int | None = None
-        self.keys: np.ndarray | None = None
-
-    def batch(self, step: int, per_epoch: int, batch_size: int) -> np.ndarray:
-        epoch, i = divmod(step, per_epoch)
-        if epoch != self.epoch:
-            self.epoch, self.keys = epoch, self.split.epoch_keys(epoch)
-        assert self.keys is not None
-        return self.keys[i * batch_size : (i + 1) * batch_size]
-
-
-def compile_dispatch(exp: Any, layout: Any) -> Any:
-    """The jitted dispatch `(state, sums, xs) -> (state, sums, loss)`; it compiles once per distinct number of
-    steps in `xs` (at most two: K, and single steps)."""
-    scalar = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
-    fn = functools.partial(
-        steps.train_dispatch,
-        exp.moduledef,
-        exp.tx,
-        exp.loss_metric,
-        exp.cfg.seed,
-        exp.train.prepare,
-        None,
-        accum=exp.cfg.train.grad_accum_steps,
-    )
+    split, cfg = exp.train, exp.cfg
+    common = (steps.train_dispatch, exp.moduledef, exp.tx, exp.loss_metric, cfg.seed, split.prepare)
+    scalar = NamedSharding(exp.mesh, PartitionSpec())
+    shardings = (exp.shardings, scalar)
+    accum = cfg.train.grad_accum_steps
+    if pipeline.keep_on_device(cfg.data.on_device, split, layout.sharding):
+        stored = pipeline.place_stored(split, layout.sharding)
+        fn = functools.partial(*common, split.read_on_device, accum=accum)
+        jitted = jax.jit(
+            fn,
+            in_shardings=(*shardings, scalar, jax.tree.map(lambda a: a.sharding, stored)),
+            out_shardings=(*shardings, scalar),
+            donate_argnums=(0, 1),
+        )
+        keys = pipeline.BatchKeys(split, layout.size)
+        feed = ((k, _replicated(scalar, keys.dispatch(s, k))) for s, k in plan)
+        return feed, lambda state, sums, xs: jitted(state, sums, xs, stored)
+    fn = functools.partial(*common, None, accum=accum)
     jitted = jax.jit(
         fn,
-        in_shardings=(exp.shardings, scalar, layout.stacked_sharding),
-        out_shardings=(exp.shardings, scalar, scalar),
+        in_shardings=(*shardings, layout.stacked_sharding),
+        out_shardings=(*shardings, scalar),
         donate_argnums=(0, 1),
     )
-    return jitted
+    workers = pipeline.worker_count(cfg.data.workers)
+    return zip((k for _, k in plan), pipeline.device_feed(split, layout, plan, workers=workers)), jitted
+
+
+def _replicated(sharding: NamedSharding, value: np.ndarray) -> jax.Array:
+    """The same host value on every device of every process."""
+    if jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_process_local_data(sharding, value, value.shape)

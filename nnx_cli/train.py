@@ -193,6 +193,7 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
 
     from nnx_cli import hooks, sharding
     from nnx_cli import loop as loops
+    from nnx_cli.data import pipeline
     from nnx_cli.experiment import count_params
 
     cfg, t = exp.cfg, exp.cfg.train
@@ -209,8 +210,7 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
     k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract))
     layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
     scalar = sharding.replicated(exp.mesh)
-    feed = loops.host_feed(exp.train, layout, session.start, exp.total_steps, k, t.batch_size)
-    dispatch = loops.compile_dispatch(exp, layout)
+    feed, dispatch = loops.inputs(exp, layout, pipeline.dispatches(session.start, exp.total_steps, k))
     guard = hooks.Guard(session.checkpointer, session.workdir / "checkpoints")
     tokens = cfg.data.seq_len if exp.spec.tokenizer else 0
     log = hooks.LogMetrics(t.log_every, session.loggers, guard, batch_size=t.batch_size, tokens_per_example=tokens)

@@ -14,7 +14,6 @@ import pytest
 from image_support import png_dataset, png_parquet
 
 from nnx_cli.config import DataConfig
-from nnx_cli.data import Batches, load_split
 from nnx_cli.data.images import (
     SOURCES,
     ImageArrays,
@@ -98,26 +97,31 @@ def test_another_split_column_or_source_makes_another_cache_entry(tmp_path: Path
     assert load_images(cfg, "test").image.shape == (4, 6, 5, 1)
 
 
-def test_prepare_gives_todays_float32_grey_levels(tmp_path: Path):
-    cfg, _ = parquet_config(tmp_path, n=600)  # 18,000 pixels: every level 0..255 appears
+def grey(pixels: np.ndarray, scale: float = 255.0) -> np.ndarray:
+    """The float32 grey levels in [0, 1] that earlier releases decoded into memory: `pixels / scale`."""
+    return (pixels / scale).astype(np.float32)[..., None]
+
+
+def test_prepare_gives_float32_grey_levels_rounded_as_a_float64_division(tmp_path: Path):
+    cfg, pixels = parquet_config(tmp_path, n=600)  # 18,000 pixels: every level 0..255 appears
     assert len(np.unique(load_images(cfg, "train").image)) == 256
-    np.testing.assert_array_equal(prepared(image_train_split(cfg, seed=0)), load_split(cfg, "train").images)
+    np.testing.assert_array_equal(prepared(image_train_split(cfg, seed=0)), grey(pixels))
 
 
-def test_prepare_with_binarize_gives_todays_binarized_pixels(tmp_path: Path):
-    cfg, _ = parquet_config(tmp_path, n=600, binarize=0.5)
-    expected = load_split(cfg, "train").images
+def test_prepare_with_binarize_thresholds_the_grey_levels(tmp_path: Path):
+    cfg, pixels = parquet_config(tmp_path, n=600, binarize=0.5)
+    expected = (grey(pixels) > 0.5).astype(np.float32)
     assert set(np.unique(expected)) == {0.0, 1.0}
     np.testing.assert_array_equal(prepared(image_train_split(cfg, seed=0)), expected)
 
 
 def test_16_bit_images_are_stored_as_uint16_and_scaled_by_65535(tmp_path: Path):
-    png_parquet(tmp_path / "deep.parquet", 10, shape=(4, 4), dtype=np.uint16)
+    pixels = png_parquet(tmp_path / "deep.parquet", 10, shape=(4, 4), dtype=np.uint16)
     cfg = DataConfig(source=str(tmp_path / "deep.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
     arrays = load_images(cfg, "train")
     assert arrays.image.dtype == np.uint16 and arrays.scale == 65535.0
     np.testing.assert_array_equal(
-        prepared(image_eval_split(DataConfig(**{**vars(cfg), "eval_split": "train"}))), load_split(cfg, "train").images
+        prepared(image_eval_split(DataConfig(**{**vars(cfg), "eval_split": "train"}))), grey(pixels, 65535.0)
     )
 
 
@@ -171,9 +175,9 @@ def test_digits_is_a_registered_source_kept_in_memory_in_levels_0_to_16():
     arrays = load_images(DataConfig(), "train")
     assert "sklearn:digits" in SOURCES and arrays.path is None
     assert arrays.image.dtype == np.uint8 and arrays.image.max() == 16 and arrays.scale == 16.0
-    np.testing.assert_array_equal(
-        prepared(image_train_split(DataConfig(), 0)), load_split(DataConfig(), "train").images
-    )
+    from sklearn.datasets import load_digits
+
+    np.testing.assert_array_equal(prepared(image_train_split(DataConfig(), 0)), grey(load_digits().images[:1500], 16.0))
 
 
 def test_a_user_source_beside_the_config_needs_no_pythonpath(tmp_path: Path):
@@ -231,13 +235,14 @@ def test_a_user_source_with_floats_outside_0_1_is_a_user_error(tmp_path: Path, m
         load_images(DataConfig(source=source), "train")
 
 
-def test_epoch_keys_give_todays_batches():
-    split = load_split(DataConfig(), "train")
-    batches = Batches(split, batch_size=100, seed=7)
+def test_each_epoch_is_a_permutation_from_seed_and_epoch():
     train = image_train_split(DataConfig(), seed=7)
-    for step in (0, 14, 15, 31):  # across epochs (15 steps each)
-        epoch, i = divmod(step, train.steps_per_epoch(100))
-        np.testing.assert_array_equal(train.epoch_keys(epoch)[i * 100 : (i + 1) * 100], batches.indices(step))
+    assert train.steps_per_epoch(100) == 15  # 1500 examples: the last partial batch is dropped
+    for epoch in (0, 1, 5):
+        keys = train.epoch_keys(epoch)
+        np.testing.assert_array_equal(keys, np.random.default_rng((7, epoch)).permutation(1500))
+    assert not np.array_equal(train.epoch_keys(0), train.epoch_keys(1))
+    assert not np.array_equal(train.epoch_keys(0), image_train_split(DataConfig(), seed=8).epoch_keys(0))
 
 
 def test_a_batch_larger_than_the_split_is_a_user_error():

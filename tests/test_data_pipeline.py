@@ -50,9 +50,10 @@ def test_workers_default_to_the_cores_and_0_means_none():
     assert worker_count(None) == os.cpu_count() and worker_count(0) == 0 and worker_count(3) == 3
 
 
-def test_dispatches_run_from_the_start_step_and_end_with_what_is_left():
-    assert dispatches(0, 10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert dispatches(7, 9, 10) == [(7, 2)]
+def test_dispatches_are_aligned_to_multiples_of_k_with_single_steps_around():
+    assert dispatches(0, 10, 4) == [(0, 4), (4, 4), (8, 1), (9, 1)]
+    assert dispatches(7, 9, 10) == [(7, 1), (8, 1)]
+    assert dispatches(25, 47, 10) == [(s, 1) for s in range(25, 30)] + [(30, 10)] + [(s, 1) for s in range(40, 47)]
 
 
 @pytest.mark.parametrize(("start", "k", "rows"), [(0, 1, slice(None)), (9, 4, slice(None)), (3, 5, slice(4, 12))])

@@ -37,6 +37,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -113,12 +115,19 @@ def _absl_flags_readable() -> None:
 
 
 def dispatches(start: int, stop: int, steps_per_dispatch: int) -> list[tuple[int, int]]:
-    """`(first_step, num_steps)` of each dispatch from step `start` up to `stop`; the last may be shorter.
+    """`(first_step, num_steps)` of each dispatch from step `start` up to `stop`: `steps_per_dispatch` steps
+    each, aligned to its multiples (where hooks run), and single steps where the start or the end falls
+    between multiples (so at most two shapes compile).
 
-    >>> dispatches(5, 12, 3)
-    [(5, 3), (8, 3), (11, 1)]
+    >>> dispatches(5, 16, 4)
+    [(5, 1), (6, 1), (7, 1), (8, 4), (12, 4)]
     """
-    return [(s, min(steps_per_dispatch, stop - s)) for s in range(start, stop, steps_per_dispatch)]
+    plan, step, k = [], start, steps_per_dispatch
+    while step < stop:
+        n = k if step % k == 0 and step + k <= stop else 1
+        plan.append((step, n))
+        step += n
+    return plan
 
 
 class BatchKeys:
@@ -230,8 +239,6 @@ def eval_feed(split: EvalSplit, layout: BatchLayout, max_batches: int | None = N
     >>> for batch in eval_feed(eval_split, eval_layout):
     ...     sums = eval_step(state, eval_split.prepare(batch))   # prepare inside the jitted step
     """
-    from nnx_cli.data import prefetch
-
     count = -(-len(split) // layout.size)
     count = count if max_batches is None else min(count, max_batches)
     batches = split.eval_batches(layout.size, layout.rows)
@@ -305,3 +312,43 @@ def _padded_rows(column: np.ndarray, padded: int, index: tuple[slice, ...]) -> n
     if stop <= len(column):
         return rows
     return np.concatenate([rows, np.zeros((stop - max(start, len(column)), *rows.shape[1:]), rows.dtype)])
+
+
+def prefetch(produce: Callable[[int], Any], steps: range, size: int = 2) -> Iterator[Any]:
+    """Yield `produce(step)` for each step, computing up to `size` ahead in a thread.
+
+    `produce` typically gathers a batch and puts it on the devices, so the
+    transfer overlaps the running step. Errors in the thread surface here.
+    """
+    out: queue.Queue = queue.Queue(maxsize=size)
+    stop = threading.Event()
+    done = object()
+
+    def work() -> None:
+        try:
+            for step in steps:
+                item = produce(step)
+                while not stop.is_set():
+                    try:
+                        out.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            out.put((done, None))
+        except BaseException as e:  # re-raised in the consumer
+            out.put((done, e))
+
+    thread = threading.Thread(target=work, name="nnx-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = out.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
