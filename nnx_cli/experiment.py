@@ -32,6 +32,7 @@ from nnx_cli import data, models, optim, sharding, steps
 from nnx_cli.config import Config
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
 from nnx_cli.errors import UserError
+from nnx_cli.runtime import PHASES
 
 
 @dataclasses.dataclass
@@ -80,7 +81,8 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
     model_cls = _setup_model(cfg)
     optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
-    train, evals, spec = _setup_data(cfg, data)
+    with PHASES("data"):
+        train, evals, spec = _setup_data(cfg, data)
     _fill_model_shapes(cfg, model_cls, spec, train)
     total_steps = _total_steps(cfg, train)
     tx, schedule = _setup_optimizer(cfg, total_steps)

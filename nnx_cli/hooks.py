@@ -100,6 +100,8 @@ class LogMetrics:
 class Checkpoint:
     """Saves the train state and the loop's running sums every `every` steps, and at the end."""
 
+    phase = "checkpoint"
+
     def __init__(self, every: int, checkpointer: Any, guard: Guard, saved: int | None = None):
         self.every = every
         self.checkpointer = checkpointer
@@ -120,6 +122,8 @@ class Checkpoint:
 
 class Evaluate:
     """Eval metrics over the eval split every `every` steps and at the end (not after a signal stopped the run)."""
+
+    phase = "eval"
 
     def __init__(self, every: int, evaluator: Any, loggers: Any, guard: Guard):
         self.every = every
@@ -142,6 +146,8 @@ class Evaluate:
 class ImageGrid:
     """A PNG grid of the model's `images` (inputs, reconstructions, samples) with each eval."""
 
+    phase = "eval"
+
     def __init__(self, every: int, make_images: Any, directory: Path | None, guard: Guard):
         self.every = every
         self.make_images = make_images
@@ -161,6 +167,26 @@ class ImageGrid:
     def end(self, loop: Loop) -> None:
         if loop.stop_signal is None and self.done != loop.step:
             self(loop)
+
+
+class FirstStep:
+    """Says when the first dispatch finished: how long set-up and the first (compiling) steps took."""
+
+    def __init__(self, every: int, say: Any):
+        self.every = every
+        self.say = say
+        self.done = False
+
+    def __call__(self, loop: Loop) -> None:
+        from nnx_cli.runtime import PHASES
+
+        if not self.done:
+            jax.block_until_ready(loop.sums)
+            self.say(f"step {loop.step} done {PHASES.since_start():.1f} s after start")
+            self.done = True
+
+    def end(self, loop: Loop) -> None:
+        self(loop)
 
 
 class Tick:

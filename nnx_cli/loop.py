@@ -63,6 +63,8 @@ class Hook(Protocol):
 
 def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Sequence[Hook]) -> Loop:
     """Run the dispatches `feed` yields (`(k, inputs)`) through `dispatch`, then the hooks; then `end` them."""
+    from nnx_cli.runtime import PHASES
+
     in_flight: collections.deque = collections.deque()
     for k, xs in feed:
         loop.state, loop.sums, loss = dispatch(loop.state, loop.sums, xs)
@@ -72,11 +74,13 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
             in_flight.popleft().block_until_ready()
         for hook in hooks:
             if loop.step % hook.every == 0 and loop.step < loop.total:
-                hook(loop)
+                with PHASES(getattr(hook, "phase", "train")):
+                    hook(loop)
         if loop.stop_signal is not None:
             break
     for hook in hooks:
-        hook.end(loop)
+        with PHASES(getattr(hook, "phase", "train")):
+            hook.end(loop)
     return loop
 
 

@@ -38,6 +38,7 @@ def configure(*, deterministic: bool = False) -> None:
 
     if deterministic and "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    PHASES.listen_to_compiles()
     directory = compilation_cache_dir()
     if directory is None:
         jax.config.update("jax_enable_compilation_cache", False)
@@ -45,3 +46,107 @@ def configure(*, deterministic: bool = False) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+    "/jax/compilation_cache/cache_retrieval_time_sec",
+)
+
+
+class Phases:
+    """Where a command's time goes: named phases in seconds, plus JAX's own tracing and compiling.
+
+    `with phases("data"): ...` adds the block's wall time to "data";
+    compiling (tracing, lowering, XLA, or loading from the persistent cache)
+    is summed from JAX's monitoring events into "compile", wherever it
+    happens. `started` is when the command's process started, so "import" is
+    the time before the command's code ran.
+    """
+
+    def __init__(self) -> None:
+        import time
+
+        self.seconds: dict[str, float] = {}
+        self.started = _process_start() or time.time()
+        self.compile_before_loop = 0.0  # compiling done before the training loop started
+        self._listening = False
+
+    def listen_to_compiles(self) -> None:
+        import jax
+
+        if not self._listening:
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+            self._listening = True
+
+    def _on_event(self, event: str, duration: float, **kwargs: object) -> None:
+        if event in _COMPILE_EVENTS:
+            self.add("compile", duration)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def __call__(self, name: str) -> _Timed:
+        return _Timed(self, name)
+
+    def since_start(self) -> float:
+        import time
+
+        return time.time() - self.started
+
+
+class _Timed:
+    def __init__(self, phases: Phases, name: str):
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        import time
+
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        import time
+
+        self.phases.add(self.name, time.perf_counter() - self.start)
+
+
+def _process_start() -> float | None:
+    """When this process started, on the `time.time()` clock, from /proc where there is one."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # starttime: clock ticks since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+PHASES = Phases()
+
+
+def timings() -> dict[str, float]:
+    """The phases of this command so far, in seconds: import, data, compile, train, eval, checkpoint, other, total.
+
+    `train` is the loop's time outside evals, checkpoints and the compiling
+    done inside it; `other` is what remains (checking the config, building
+    the model abstractly, placing the state, logging).
+    """
+    s = PHASES.seconds
+    compile_in_loop = s.get("compile", 0.0) - PHASES.compile_before_loop
+    train = s.get("loop", 0.0) - s.get("eval", 0.0) - s.get("checkpoint", 0.0) - compile_in_loop
+    out = {name: s.get(name, 0.0) for name in ("import", "data", "compile")}
+    out.update(train=max(train, 0.0), eval=s.get("eval", 0.0), checkpoint=s.get("checkpoint", 0.0))
+    total = PHASES.since_start()
+    out["other"] = max(total - sum(out.values()), 0.0)
+    out["total"] = total
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def breakdown() -> str:
+    """`timings()` as one line: `2.5 s: import 0.9, data 0.1, compile 0.4, train 0.6, ...`."""
+    t = timings()
+    return f"{t.pop('total'):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items())

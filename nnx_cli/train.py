@@ -28,6 +28,7 @@ from nnx_cli import loggers, runtime
 from nnx_cli.config import Config, dump_yaml, load_config, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
+from nnx_cli.runtime import PHASES
 
 _STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM about this often (in steps)
 
@@ -96,10 +97,11 @@ def run(
     import nnx
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import check_workdir
+    from nnx_cli.workdir import check_workdir, update_run_info
 
     signals = signals or Signals()
     runtime.configure(deterministic=cfg.train.deterministic)
+    PHASES.add("import", PHASES.since_start())
     _distributed.init(*distributed)
     check_workdir(workdir)  # before any data is read or downloaded
     exp = setup(cfg, data="train")
@@ -110,8 +112,10 @@ def run(
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
             return 0
         loop, feed, dispatch, hooks = prepare(exp, session, signals, factories)
+        session.say(f"set-up took {PHASES.since_start():.1f} s; training from step {loop.step} to {loop.total}")
         signals.in_loop = True
-        with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules):
+        PHASES.compile_before_loop = PHASES.seconds.get("compile", 0.0)
+        with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules), PHASES("loop"):
             loops.run(loop, feed, dispatch, hooks)
     finally:
         session.close()
@@ -119,7 +123,9 @@ def run(
     if loop.stop_signal is not None:
         session.say(f"interrupted by {signal.Signals(loop.stop_signal).name}: checkpoint written at {where}")
         return EXIT_INTERRUPTED
-    session.say(f"done: {loop.step} steps, checkpoint {where}")
+    session.say(f"done: {loop.step} steps, checkpoint {where}; {runtime.breakdown()}")
+    if session.lock is not None:
+        update_run_info(workdir, {"timings": runtime.timings()})
     return 0
 
 
@@ -169,8 +175,9 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     start = checkpointer.latest_step() if resume else None
     sums = steps.empty_sums(exp.metric_names)
     if start is not None:
-        state = checkpointer.restore(start, exp.restore_target())
-        sums = checkpointer.restore_item(start, LOOP, _replicated(exp, sums)) or sums
+        with PHASES("checkpoint"):
+            state = checkpointer.restore(start, exp.restore_target())
+            sums = checkpointer.restore_item(start, LOOP, _replicated(exp, sums)) or sums
         console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
     else:
         start, state = 0, exp.init_state()
@@ -224,6 +231,7 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)
+    chosen.append(hooks.FirstStep(k, session.say))
     chosen.append(hooks.Tick(k, session.loggers))
     chosen.append(hooks.StopVote(vote, signals))
     loop = loops.Loop(exp, session.state, session.sums, step=session.start, total=exp.total_steps)

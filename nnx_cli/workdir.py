@@ -173,6 +173,11 @@ def _git_commit(directory: Path) -> str | None:
     return commit + ("+dirty" if dirty else "") if commit else None
 
 
+def update_run_info(workdir: Path, extra: dict[str, Any]) -> None:
+    """Add `extra` (such as the run's timings) to `run.json`."""
+    _write_json(workdir / "run.json", {**read_run_info(workdir), **extra})
+
+
 def read_run_info(workdir: Path) -> dict[str, Any]:
     """`run.json` of a work dir ({} for one written before it existed)."""
     path = workdir / "run.json"
