@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import json
 import os
 import re
@@ -94,10 +95,9 @@ def seal(step_dir: str | Path, *, process: int | None = None, process_count: int
 
     Call it on every process once Orbax has committed the step (the
     :class:`~nnx_cli.checkpoint.Checkpointer` does). `process` and
-    `process_count` default to JAX's.
+    `process_count` default to JAX's. Example::
 
-    >>> seal(Path("runs/digits/checkpoints/400"))
-    PosixPath('runs/digits/checkpoints/400/nnx-checksums.process_0.json')
+        seal("runs/digits/checkpoints/400")  # -> runs/digits/checkpoints/400/nnx-checksums.process_0.json
     """
     if process is None or process_count is None:
         import jax
@@ -123,28 +123,51 @@ def verify(step_dir: str | Path, *, process: int | None = None) -> Verification:
 
     Checks, in this order, each stopping at the first problem: every process's
     checksum file is there and readable; every listed file is there; no file
-    is there that is not listed; sizes; contents. With `process`, only that
-    process's files (each process of a run can check its own share).
+    is there that is not listed; sizes (cheap: a truncated file is found
+    before anything is read); contents. With `process`, only that process's
+    files (each process of a run can check its own share). Example::
 
-    >>> print(verify("runs/digits/checkpoints/400"))
-    runs/digits/checkpoints/400: state/ocdbt.process_0/d/5e1c...: content differs from its checksum (xxh3_128)
+        print(verify("runs/digits/checkpoints/400"))
+        # runs/digits/checkpoints/400: state/ocdbt.process_0/d/5e1c...: content differs from its checksum (xxh3_128)
     """
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
         return Verification(step_dir, Status.DAMAGED, "not a directory")
+    expected = _recorded(step_dir, process)
+    if isinstance(expected, Verification):
+        return expected
+    damaged = functools.partial(Verification, step_dir, Status.DAMAGED)
+    present = {rel for rel in _data_files(step_dir) if process is None or owner(rel) == process}
+    for rel in sorted(expected.keys() - present):
+        return damaged(f"{rel}: missing")
+    for rel in sorted(present - expected.keys()):
+        return damaged(f"{rel}: not in the checksums (added after the step was written)")
+    order = sorted(expected)
+    for rel in order:
+        size, recorded = (step_dir / rel).stat().st_size, expected[rel]["size"]
+        if size != recorded:
+            return damaged(f"{rel}: {size} bytes, but {recorded} when it was written")
+    for rel, (_, digest) in zip(order, _hash_all(step_dir, order)):
+        if digest != expected[rel][ALGORITHM]:
+            return damaged(f"{rel}: content differs from its checksum ({ALGORITHM})")
+    return Verification(step_dir, Status.OK, files=len(order), bytes=sum(expected[rel]["size"] for rel in order))
+
+
+def _recorded(step_dir: Path, process: int | None) -> dict[str, dict] | Verification:
+    """The files the checksum files list ({path: {"size", ALGORITHM}}), or why there is no such list."""
     found = {
-        int(m.group(1)): p
-        for p in step_dir.iterdir()
-        if (m := _CHECKSUMS.fullmatch(p.name)) and (process is None or int(m.group(1)) == process)
+        int(m.group(1)): path
+        for path in step_dir.iterdir()
+        if (m := _CHECKSUMS.fullmatch(path.name)) and (process is None or int(m.group(1)) == process)
     }
-    if not found:
-        if process is not None and any(_CHECKSUMS.fullmatch(p.name) for p in step_dir.iterdir()):
-            return Verification(step_dir, Status.DAMAGED, f"{checksums_file(Path(), process).name}: missing")
+    if not found and (process is None or not any(_CHECKSUMS.fullmatch(p.name) for p in step_dir.iterdir())):
         return Verification(
             step_dir,
             Status.NO_CHECKSUMS,
             "no checksums (written before checkpoints were checksummed, or the run stopped before sealing it)",
         )
+    if not found:
+        return Verification(step_dir, Status.DAMAGED, f"{checksums_file(Path(), process).name}: missing")
     expected: dict[str, dict] = {}
     counts = set()
     for path in sorted(found.values()):
@@ -169,22 +192,7 @@ def verify(step_dir: str | Path, *, process: int | None = None) -> Verification:
                 f"{checksums_file(Path(), missing[0]).name}: missing "
                 f"(only {len(found)} of {count} processes sealed the step)",
             )
-    present = {rel for rel in _data_files(step_dir) if process is None or owner(rel) == process}
-    for rel in sorted(expected.keys() - present):
-        return Verification(step_dir, Status.DAMAGED, f"{rel}: missing")
-    for rel in sorted(present - expected.keys()):
-        return Verification(step_dir, Status.DAMAGED, f"{rel}: not in the checksums (added after the step was written)")
-    order = sorted(expected)
-    for rel in order:
-        size = (step_dir / rel).stat().st_size
-        if size != expected[rel]["size"]:
-            return Verification(
-                step_dir, Status.DAMAGED, f"{rel}: {size} bytes, but {expected[rel]['size']} when it was written"
-            )
-    for rel, (_, digest) in zip(order, _hash_all(step_dir, order)):
-        if digest != expected[rel][ALGORITHM]:
-            return Verification(step_dir, Status.DAMAGED, f"{rel}: content differs from its checksum ({ALGORITHM})")
-    return Verification(step_dir, Status.OK, files=len(order), bytes=sum(expected[r]["size"] for r in order))
+    return expected
 
 
 def steps(directory: str | Path) -> list[int]:
@@ -200,11 +208,10 @@ def newest_intact(directory: str | Path, *, trust_unsealed: bool = True) -> tupl
 
     A step without checksums (written before they existed, or by a run that
     stopped between Orbax's commit and the seal) counts as intact with
-    `trust_unsealed`: Orbax committed it, there is nothing to check it against.
+    `trust_unsealed`: Orbax committed it, there is nothing to check it against. Example::
 
-    >>> step, damaged = newest_intact("runs/digits/checkpoints")
-    >>> step, [str(v) for v in damaged]
-    (400, ['runs/digits/checkpoints/600: state/_sharding: content differs from its checksum (xxh3_128)'])
+        step, damaged = newest_intact("runs/digits/checkpoints")
+        # 400, [Verification(600: "state/_sharding: content differs from its checksum (xxh3_128)")]
     """
     rejected = []
     for step in reversed(steps(directory)):
@@ -218,10 +225,9 @@ def newest_intact(directory: str | Path, *, trust_unsealed: bool = True) -> tupl
 def quarantine(step_dir: str | Path) -> Path:
     """Rename a bad step directory to `<step>.corrupt-<n>` (the first free n), out of Orbax's sight.
 
-    Nothing is overwritten or deleted: the bytes stay for whoever wants to look.
+    Nothing is overwritten or deleted: the bytes stay for whoever wants to look. Example::
 
-    >>> quarantine("runs/digits/checkpoints/600")
-    PosixPath('runs/digits/checkpoints/600.corrupt-1')
+        quarantine("runs/digits/checkpoints/600")  # -> runs/digits/checkpoints/600.corrupt-1
     """
     step_dir = Path(step_dir)
     n = 1
@@ -240,10 +246,9 @@ def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = ()) -> l
     checkpoints are damaged (or unsealed) keeps its older ones. A deleted step is
     first renamed out of Orbax's sight, so a crash mid-delete leaves no
     half-deleted step that looks committed. Returns the deleted steps. Call it
-    on one process; it re-hashes the newest verified step.
+    on one process; it re-hashes the newest verified step. Example::
 
-    >>> prune("runs/digits/checkpoints", keep=2, protect={200})
-    [100, 300]
+        prune("runs/digits/checkpoints", keep=2, protect={200})  # -> [100, 300], of 100..500
     """
     directory = Path(directory)
     for leftover in directory.glob(f"*{_PRUNING}"):  # a delete that a crash interrupted

@@ -186,11 +186,11 @@ class Watchdog:
                 except OSError:  # ECONNRESET, or ETIMEDOUT: keepalive probes went unanswered
                     data, lost = b"", True
                 for message in peer.read(data):
-                    if "hello" in message:
-                        peer.process = int(message["hello"])
+                    if "hello" in message and isinstance(message["hello"], int):
+                        peer.process = message["hello"]
                     elif "done" in message:
                         peer.said = "done"
-                    elif "failed" in message:
+                    elif "failed" in message and peer.process is not None:
                         peer.said = "failed"
                         self._heard_of(peer.process, f"failed: {message['failed']}")
                 if data:
@@ -293,8 +293,15 @@ class _Peer:
         self._buffer = b""
 
     def read(self, data: bytes) -> list[dict]:
+        """The complete messages in what was read so far (anything else on the port is ignored)."""
         *lines, self._buffer = (self._buffer + data).split(b"\n")
-        return [json.loads(line) for line in lines if line]
+        messages = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                message = json.loads(line)
+                if isinstance(message, dict):
+                    messages.append(message)
+        return messages
 
 
 def _send(conn: socket.socket | None, message: dict) -> None:
