@@ -87,7 +87,7 @@ def main() -> None:
     params, opt_state = jax.jit(lambda p: (p, tx.init(p)))(params)
     for e in range(args.epochs):
         perm = np.random.default_rng((args.seed, e)).permutation(len(train)).astype(np.int32)
-        params, opt_state, losses = epoch(params, opt_state, perm, e * steps_per_epoch)
+        params, opt_state, _ = epoch(params, opt_state, perm, e * steps_per_epoch)
     test_nelbo = float(jax.jit(lambda p, x: jnp.mean(nelbo(p, x, jax.random.key(args.seed + 1))))(params, test))
     print(json.dumps({"seconds": round(time.perf_counter() - start, 3), "test_nelbo": round(test_nelbo, 3)}))
 

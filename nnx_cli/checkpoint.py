@@ -17,10 +17,22 @@ structure::
     ckpt.save(step, state, loop=sums)        # asynchronous: returns once the arrays are copied
     state = ckpt.restore(ckpt.latest_step(), jax.eval_shape(init))
     sums = ckpt.restore_item(step, "loop", abstract_sums)   # None for a checkpoint without it
+
+Once Orbax has committed a step, every process records checksums of the files
+it wrote there (`nnx_cli.integrity.seal`, in a background thread), so that
+`integrity.verify` can tell later whether the step is still what was written.
+A write that fails (disk full, permission lost) is a `RunError` naming the
+step directory and the cause, raised by `save`, `wait` or `close`; the
+half-written directory is removed and the checkpoints before it stay intact.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +40,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_cli.errors import UserError, first_line
+from nnx_cli import integrity
+from nnx_cli.errors import RunError, UserError, first_line
 
 _ITEM = "state"
 LOOP = "loop"
@@ -39,7 +52,15 @@ FORMAT = 2  # 1: `state` only (before named items)
 class Checkpointer:
     """A thin wrapper over `ocp.CheckpointManager` that keeps `keep` checkpoints."""
 
-    def __init__(self, directory: str | Path, *, keep: int | None = None, async_: bool = True, read_only: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int | None = None,
+        async_: bool = True,
+        read_only: bool = False,
+        checksums: bool = True,
+    ):
         _quiet_absl()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
@@ -54,6 +75,12 @@ class Checkpointer:
             MANIFEST: ocp.JsonCheckpointHandler(),
         }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._async = async_
+        self._checksums = checksums and not read_only
+        self._sealing: threading.Thread | None = None  # waits for Orbax's commit of `_pending`, then seals it
+        self._pending: int | None = None
+        self._error: tuple[str, BaseException] | None = None  # ("write" or "seal", what went wrong)
+        self._failed = False
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -62,13 +89,27 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: Any, *, loop: Any = None) -> None:
-        """Save `state` (and the `loop` item) at `step`, asynchronously if configured; the caller decides when."""
+        """Save `state` (and the `loop` item) at `step`, asynchronously if configured; the caller decides when.
+
+        First waits for the previous save: a RunError if that one failed.
+        """
+        self._settle()
         items = {_ITEM: ocp.args.StandardSave(to_named_tree(state))}
         if loop is not None:
             items[LOOP] = ocp.args.StandardSave(to_named_tree(loop))
         manifest = {"format": FORMAT, "step": step, "items": sorted([*items, MANIFEST])}
         items[MANIFEST] = ocp.args.JsonSave(manifest)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._write_failed(step, "write", e) from None
+        self._pending = step
+        if self._async:
+            self._sealing = threading.Thread(target=self._commit_and_seal, args=(step,), name="nnx-seal", daemon=True)
+            self._sealing.start()
+        else:
+            self._commit_and_seal(step)
+            self._settle()
 
     def items(self, step: int) -> set[str]:
         """The items the checkpoint at `step` holds (`{"state"}` for one written before named items)."""
@@ -84,6 +125,48 @@ class Checkpointer:
         except Exception as e:
             raise self._unreadable(step, "restored", e) from None
         return from_named_tree(restored[item], target)
+
+    def _commit_and_seal(self, step: int) -> None:
+        stage = "write"
+        try:
+            self.manager.wait_until_finished()
+            stage = "seal"
+            if self._checksums:
+                integrity.seal(self.directory / str(step))
+        except BaseException as e:
+            self._error = (stage, e)
+
+    def _settle(self) -> None:
+        """Wait until the pending save is committed and sealed; a RunError if it failed."""
+        if self._sealing is not None:
+            self._sealing.join()
+            self._sealing = None
+        step, self._pending = self._pending, None
+        if self._error is not None:
+            (stage, error), self._error = self._error, None
+            raise self._write_failed(step, stage, error)
+
+    def _write_failed(self, step: int | None, stage: str, error: BaseException) -> RunError:
+        """The one-line RunError for a failed save; removes what Orbax left of the step."""
+        self._failed = True
+        step_dir = self.directory / str(step)
+        if stage == "write" and jax.process_index() == 0:  # process 0 alone cleans up, as Orbax does
+            for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        cause, code = _cause(error)
+        fix = _FIXES.get(code, "fix the cause")
+        before = [s for s in integrity.steps(self.directory) if step is None or s < step]
+        kept = (
+            f"the checkpoints before it are intact, the latest is {self.directory / str(before[-1])}"
+            if before
+            else "there is no earlier checkpoint"
+        )
+        if stage == "seal":
+            return RunError(
+                f"checkpoint {step_dir} was written but its checksums could not be ({cause}); "
+                f"{fix} and run again to resume"
+            )
+        return RunError(f"cannot write checkpoint {step_dir} ({cause}); {kept}: {fix} and run again to resume")
 
     def restore(self, step: int, target: Any) -> Any:
         """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`.
@@ -155,21 +238,63 @@ class Checkpointer:
         return jax.tree.map(np.asarray, restored)
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are on disk."""
-        self.manager.wait_until_finished()
+        """Block until pending asynchronous saves are on disk and sealed; a RunError if one failed."""
+        self._settle()
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the pending save (a RunError if it failed), then release Orbax's resources."""
+        try:
+            self._settle()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if not self._failed:  # else it is the failure already reported, raised again by Orbax
+                    raise
 
 
 def _quiet_absl() -> None:
-    """Keep Orbax's absl INFO/WARNING chatter (read-only notices, ...) out of the CLI's output."""
+    """Keep Orbax's absl chatter (read-only notices, ...) out of the CLI's output.
+
+    Errors too: Orbax logs a failed background save with its traceback, then
+    raises it again in `wait_until_finished`, where it becomes one RunError line.
+    """
     import logging
 
     from absl import logging as absl_logging
 
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    absl_logging.set_verbosity(absl_logging.FATAL)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+
+
+_FIXES = {
+    errno.ENOSPC: "free space on that disk",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+    errno.EACCES: "make the directory writable",
+    errno.EPERM: "make the directory writable",
+    errno.EROFS: "remount the file system read-write",
+}
+
+
+def _cause(error: BaseException) -> tuple[str, int | None]:
+    """What went wrong, in words, and its errno when there is one.
+
+    Python's own writes raise OSError; TensorStore's (the array data) raise
+    ValueError("... [os_error_code='28']"), sometimes as the cause of another error.
+    """
+    link: BaseException | None = error
+    seen: set[int] = set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno:
+            return os.strerror(link.errno), link.errno
+        match = re.search(r"os_error_code='?(\d+)", str(link))
+        if match:
+            code = int(match.group(1))
+            return os.strerror(code), code
+        link = link.__cause__ or link.__context__
+    return f"{type(error).__name__}: {first_line(error)}", None
 
 
 def to_named_tree(tree: Any) -> dict[str, Any]:
