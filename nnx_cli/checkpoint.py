@@ -28,10 +28,8 @@ half-written directory is removed and the checkpoints before it stay intact.
 
 from __future__ import annotations
 
-import errno
-import os
-import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from nnx_cli import integrity
-from nnx_cli.errors import RunError, UserError, first_line
+from nnx_cli.errors import WRITE_FIXES, RunError, UserError, first_line, write_cause
 
 _ITEM = "state"
 LOOP = "loop"
@@ -49,8 +47,17 @@ MANIFEST = "manifest"
 FORMAT = 2  # 1: `state` only (before named items)
 
 
+class Unreadable(UserError):
+    """A checkpoint that cannot be read or restored: damaged, or not written by nnx-train."""
+
+
 class Checkpointer:
-    """A thin wrapper over `ocp.CheckpointManager` that keeps `keep` checkpoints."""
+    """A wrapper over `ocp.CheckpointManager` that seals each step with checksums and keeps `keep` steps.
+
+    Old steps are removed by `integrity.prune` (on process 0, once the newer
+    step is sealed), never one that no newer verified step replaces, nor
+    those in `protect` (the best step, with `checkpoint.keep_best`).
+    """
 
     def __init__(
         self,
@@ -62,8 +69,9 @@ class Checkpointer:
         checksums: bool = True,
     ):
         _quiet_absl()
+        _hush_closed_event_loops()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None,  # `integrity.prune` removes old steps, only behind a verified newer one
             enable_async_checkpointing=async_,
             create=not read_only,
             read_only=read_only,
@@ -81,12 +89,16 @@ class Checkpointer:
         self._pending: int | None = None
         self._error: tuple[str, BaseException] | None = None  # ("write" or "seal", what went wrong)
         self._failed = False
+        self.keep = keep
+        self.protect: set[int] = set()
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        """The committed steps on disk now (Orbax's own list is cached: it misses pruned and moved steps)."""
+        return integrity.steps(self.directory)
 
     def save(self, step: int, state: Any, *, loop: Any = None) -> None:
         """Save `state` (and the `loop` item) at `step`, asynchronously if configured; the caller decides when.
@@ -133,6 +145,10 @@ class Checkpointer:
             stage = "seal"
             if self._checksums:
                 integrity.seal(self.directory / str(step))
+            if self.keep is not None and jax.process_index() == 0:
+                stage = "prune"
+                trusted = {step} if self._checksums and jax.process_count() == 1 else set()
+                integrity.prune(self.directory, self.keep, protect=set(self.protect), trusted=trusted)
         except BaseException as e:
             self._error = (stage, e)
 
@@ -153,8 +169,8 @@ class Checkpointer:
         if stage == "write" and jax.process_index() == 0:  # process 0 alone cleans up, as Orbax does
             for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(leftover, ignore_errors=True)
-        cause, code = _cause(error)
-        fix = _FIXES.get(code, "fix the cause")
+        cause, code = write_cause(error)
+        fix = WRITE_FIXES.get(code, "fix the cause")
         before = [s for s in integrity.steps(self.directory) if step is None or s < step]
         kept = (
             f"the checkpoints before it are intact, the latest is {self.directory / str(before[-1])}"
@@ -164,6 +180,11 @@ class Checkpointer:
         if stage == "seal":
             return RunError(
                 f"checkpoint {step_dir} was written but its checksums could not be ({cause}); "
+                f"{fix} and run again to resume"
+            )
+        if stage == "prune":
+            return RunError(
+                f"checkpoint {step_dir} was written but removing checkpoints beyond checkpoint.keep failed ({cause}); "
                 f"{fix} and run again to resume"
             )
         return RunError(f"cannot write checkpoint {step_dir} ({cause}); {kept}: {fix} and run again to resume")
@@ -184,12 +205,15 @@ class Checkpointer:
             raise self._unreadable(step, "restored", e) from None
         return from_named_tree(restored, target)
 
-    def _unreadable(self, step: int, what: str, error: Exception) -> UserError:
-        return UserError(
+    def _unreadable(self, step: int, what: str, error: Exception) -> Unreadable:
+        return Unreadable(
             f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: "
-            f"{first_line(error)}); it may be damaged: "
-            f"pick another step, or move that step directory away to fall back to the previous checkpoint"
+            f"{first_line(error)}); it may be damaged"
         )
+
+    def check_matches(self, step: int, target: Any) -> None:
+        """A UserError unless the checkpoint at `step` holds the shapes and dtypes of `target` (from its metadata)."""
+        self._check_matches(step, to_named_tree(jax.tree.map(_as_abstract, target)))
 
     def _check_matches(self, step: int, abstract: dict[str, Any]) -> None:
         def layout(tree: Any) -> dict[str, tuple]:
@@ -253,6 +277,23 @@ class Checkpointer:
                     raise
 
 
+def _hush_closed_event_loops() -> None:
+    """When a write fails, TensorStore's callbacks into Orbax's event loop, which the failure closed, report
+    `RuntimeError: Event loop is closed` as unraisable exceptions, each a traceback on stderr; they say
+    nothing the one-line error does not, so they are dropped (every other unraisable exception still prints)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "hushes_closed_loops", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.hushes_closed_loops = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def _quiet_absl() -> None:
     """Keep Orbax's absl chatter (read-only notices, ...) out of the CLI's output.
 
@@ -265,36 +306,6 @@ def _quiet_absl() -> None:
 
     absl_logging.set_verbosity(absl_logging.FATAL)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-
-
-_FIXES = {
-    errno.ENOSPC: "free space on that disk",
-    errno.EDQUOT: "free space within your disk quota",
-    errno.EFBIG: "raise the file size limit (ulimit -f)",
-    errno.EACCES: "make the directory writable",
-    errno.EPERM: "make the directory writable",
-    errno.EROFS: "remount the file system read-write",
-}
-
-
-def _cause(error: BaseException) -> tuple[str, int | None]:
-    """What went wrong, in words, and its errno when there is one.
-
-    Python's own writes raise OSError; TensorStore's (the array data) raise
-    ValueError("... [os_error_code='28']"), sometimes as the cause of another error.
-    """
-    link: BaseException | None = error
-    seen: set[int] = set()
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if isinstance(link, OSError) and link.errno:
-            return os.strerror(link.errno), link.errno
-        match = re.search(r"os_error_code='?(\d+)", str(link))
-        if match:
-            code = int(match.group(1))
-            return os.strerror(code), code
-        link = link.__cause__ or link.__context__
-    return f"{type(error).__name__}: {first_line(error)}", None
 
 
 def to_named_tree(tree: Any) -> dict[str, Any]:

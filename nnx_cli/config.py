@@ -525,6 +525,37 @@ def _check_sharding(s: ShardingConfig) -> None:
             )
 
 
+def changes(before: dict[str, Any], after: dict[str, Any], ignore: Iterable[str] = ()) -> list[str]:
+    """`"key: old -> new"` for every dotted key whose value differs between two resolved configs.
+
+    >>> changes({"train": {"steps": 400}}, {"train": {"steps": 800}})
+    ['train.steps: 400 -> 800']
+    """
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    out = []
+    for key in sorted(flat_before.keys() | flat_after.keys()):
+        if any(key == skip or key.startswith(skip + ".") for skip in ignore):
+            continue
+        old, new = flat_before.get(key, "(unset)"), flat_after.get(key, "(unset)")
+        if old != new:
+            out.append(f"{key}: {_short(old)} -> {_short(new)}")
+    return out
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _short(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _merge(base: Any, top: Any) -> Any:
     """`top` laid over `base`: mappings merge key by key, anything else replaces."""
     if isinstance(base, dict) and isinstance(top, dict):

@@ -27,9 +27,12 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
     """
     import jax
 
+    from nnx_cli import watchdog
+
     if coordinator is None and num_processes is None and process_id is None:
         if cluster_tasks() > 1:
             jax.distributed.initialize()
+            watchdog.start()
         return
     if coordinator is not None and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
         raise UserError(
@@ -51,6 +54,7 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
         ) from None
     except Exception as e:  # the coordinator could not be reached, or not every process joined in time
         raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
+    watchdog.start()  # a process that fails from here on stops the others within seconds
 
 
 def cluster_tasks() -> int:
@@ -124,6 +128,9 @@ class Signals:
 
 def exit_now(signum: int) -> None:
     """Leave without unwinding: raising into JAX's compiler or Orbax's threads can crash the interpreter."""
+    from nnx_cli import watchdog
+
     sys.stdout.flush()
     print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    watchdog.fail(f"interrupted by {signal.Signals(signum).name}", EXIT_INTERRUPTED, probe=False)
     os._exit(EXIT_INTERRUPTED)

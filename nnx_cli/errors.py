@@ -8,8 +8,12 @@ a non-finite loss) raises :class:`RunError` and exits with status 1.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import functools
+import os
+import re
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -44,6 +48,36 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
+WRITE_FIXES = {  # errno of a failed write -> what to do about it
+    errno.ENOSPC: "free space on that disk",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+    errno.EACCES: "make the directory writable",
+    errno.EPERM: "make the directory writable",
+    errno.EROFS: "remount the file system read-write",
+}
+
+
+def write_cause(error: BaseException) -> tuple[str, int | None]:
+    """What went wrong, in words, and its errno when there is one.
+
+    Python's own writes raise OSError; TensorStore's (the array data) raise
+    ValueError("... [os_error_code='28']"), sometimes as the cause of another error.
+    """
+    link: BaseException | None = error
+    seen: set[int] = set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno:
+            return os.strerror(link.errno), link.errno
+        match = re.search(r"os_error_code='?(\d+)", str(link))
+        if match:
+            code = int(match.group(1))
+            return os.strerror(code), code
+        link = link.__cause__ or link.__context__
+    return f"{type(error).__name__}: {first_line(error)}", None
+
+
 def report_errors(fn: F) -> F:
     """Run an entry point, turning our errors into a message and an exit status."""
 
@@ -60,6 +94,15 @@ def report_errors(fn: F) -> F:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_INTERRUPTED) from None
+        except OSError as e:  # a write into the work dir failed mid-run: disk full, permission lost, ...
+            if e.filename is None or e.errno not in WRITE_FIXES:
+                raise
+            print(
+                f"error: cannot write {e.filename} ({e.strerror}); {WRITE_FIXES[e.errno]}, then run again",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(EXIT_RUN_FAILED) from None
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
@@ -77,8 +120,6 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def out_of_memory_message(error: BaseException) -> str:
     """One line: what XLA could not allocate, and the knobs that need less memory."""
-    import re
-
     found = re.search(r"allocating (\d+) bytes", str(error))
     needed = f"could not allocate {int(found.group(1)) / 2**30:.1f} GiB" if found else first_line(error)
     return (
@@ -90,7 +131,13 @@ def out_of_memory_message(error: BaseException) -> str:
 
 def run_app(app: Any) -> None:
     """Run a Typer app; a usage error (unknown option, bad option value, missing
-    argument) is one `error:` line and exit 2 like every other bad input."""
+    argument) is one `error:` line and exit 2 like every other bad input.
+
+    The command has closed everything it opened (checkpoints, loggers, input
+    workers) by the time it returns, so the process then ends at once
+    (:func:`exit_now`) rather than through the interpreter's slow teardown,
+    where background threads of a failed write can still print tracebacks.
+    """
     from typer import Abort
 
     try:
@@ -103,8 +150,24 @@ def run_app(app: Any) -> None:
     except ClickException as e:
         name = e.ctx.command_path if getattr(e, "ctx", None) is not None else "the command"
         print(f"error: {e.format_message()} (see {name} --help)", file=sys.stderr, flush=True)
-        raise SystemExit(e.exit_code) from None
+        code = e.exit_code
     except Abort:
         print("interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_INTERRUPTED) from None
-    raise SystemExit(code if isinstance(code, int) else 0)
+        code = EXIT_INTERRUPTED
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_RUN_FAILED)
+    exit_now(code if isinstance(code, int) else 0)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` now, output flushed. A multi-process run that ended well (or stopped by
+    agreement) shuts `jax.distributed` down together; after a failure the watchdog has stopped the others."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code in (0, EXIT_INTERRUPTED) and "jax" in sys.modules:
+        from jax._src import distributed
+
+        if distributed.global_state.client is not None:
+            with contextlib.suppress(Exception):  # a peer already gone: nothing left to agree with
+                distributed.global_state.shutdown()
+    os._exit(code)

@@ -29,34 +29,38 @@ def evaluate(
         None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.source=/data/mnist.", show_default=False
     ),
     step: int | None = typer.Option(None, help="Checkpoint step (default: the latest)."),
+    best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Evaluate a trained checkpoint and print its metrics."""
-    from nnx_cli import checkpoint, hooks, report, runtime, sharding
+    from nnx_cli import hooks, report, restore, runtime, sharding
     from nnx_cli.experiment import setup
     from nnx_cli.workdir import open_run
 
-    run = open_run(target, overrides or [], step)
+    run = open_run(target, overrides or [], step, best=best)
     runtime.configure(deterministic=run.cfg.train.deterministic)
     exp = setup(run.cfg, data="eval")
-    ckpt = checkpoint.Checkpointer(run.checkpoints, read_only=True)
-    state = ckpt.restore(run.step, exp.restore_target())
-    ckpt.close()
+    console = report.stderr_console()
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False, soft_wrap=True)
+
+    step, state = restore.from_run(run, lambda ckpt, s: restore.read_state(ckpt, s, exp.restore_target()), say)
     layout = sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
     metrics = hooks.evaluator(exp, layout, sharding.replicated(exp.mesh))(state)
 
     if as_json:
-        print(json.dumps({"step": run.step, "metrics": report.json_metrics(metrics)}))
+        print(json.dumps({"step": step, "metrics": report.json_metrics(metrics)}))
     else:
         from rich.console import Console
 
-        report.stderr_console().print(
-            f"{run.checkpoints / str(run.step)} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], "
+        console.print(
+            f"{run.checkpoints / str(step)} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], "
             f"{len(exp.eval)} examples",
             markup=False,
             highlight=False,
         )
-        Console().print(report.metrics_table(f"eval at step {run.step}", metrics))
+        Console().print(report.metrics_table(f"eval at step {step}", metrics))
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ import nnx
 from nnx_cli import data, models, optim, sharding, steps
 from nnx_cli.config import Config
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, did_you_mean
 from nnx_cli.runtime import PHASES
 
 
@@ -89,6 +89,8 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     build = models.model_factory(cfg.model, spec)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     metric_names = _check_step(cfg, moduledef, tx, abstract, train or evals) if data is not None else []
+    if data == "train":
+        _check_keep_best(cfg, metric_names, spec, evals)
     rules = sharding.axis_rules(cfg.sharding)
     mesh = sharding.make_mesh(cfg.sharding) if place else None
     shardings = sharding.state_shardings(abstract, mesh, rules) if place else None
@@ -174,6 +176,20 @@ def _check_step(cfg: Config, moduledef: nnx.ModuleDef, tx: Any, abstract: Any, s
     size = cfg.train.batch_size // cfg.train.grad_accum_steps
     stored = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items()}
     return steps.check_step(moduledef, tx, cfg.model.name, abstract, jax.eval_shape(split.prepare, stored))
+
+
+def _check_keep_best(cfg: Config, metric_names: list[str], spec: DataSpec, evals: EvalSplit | None) -> None:
+    best = cfg.checkpoint.keep_best
+    if best is None:
+        return
+    if evals is None:
+        raise UserError("config key 'checkpoint.keep_best' needs evals, but data.eval_split is null")
+    known = [*metric_names, *(["perplexity"] if spec.tokenizer is not None else [])]
+    if best["metric"] not in known:
+        raise UserError(
+            f"config key 'checkpoint.keep_best.metric': {best['metric']!r} is not an eval metric of model "
+            f"{cfg.model.name!r}{did_you_mean(best['metric'], known)}; its metrics: {', '.join(known)}"
+        )
 
 
 def count_params(abstract: Any) -> int:

@@ -3,6 +3,7 @@
 - :class:`LogMetrics`   every `train.log_every`: mean train metrics, learning rate, gradient norm, speed -> loggers
 - :class:`Checkpoint`   every `checkpoint.every_steps`, and at the end: the state and the loop's sums -> Orbax
 - :class:`Evaluate`     every `train.eval_every`, and at the end: eval metrics -> loggers
+- :class:`KeepBest`     with each eval, `checkpoint.keep_best`: the best step, kept
 - :class:`ImageGrid`    with each eval, for image models: a PNG of inputs, reconstructions and samples
 - :class:`Tick`         every dispatch: the live progress bar moves
 - :class:`StopVote`     every dispatch (every ~10 steps across processes): Ctrl-C / SIGTERM ends the run
@@ -16,6 +17,7 @@ checkpoint otherwise), so only finite states are saved or evaluated.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -47,8 +49,10 @@ class Guard:
         self._checked = (loop.step, params)
 
     def fail(self, what: str, step: int) -> None:
+        from nnx_cli import integrity
+
         self.checkpointer.wait()
-        last = self.checkpointer.latest_step()
+        last, _ = integrity.newest_intact(self.directory)
         where = self.directory
         kept = f"the last good checkpoint is {where / str(last)}" if last is not None else "no checkpoint was written"
         raise RunError(f"{what} (training stopped at step {step}); {kept}")
@@ -131,15 +135,55 @@ class Evaluate:
         self.loggers = loggers
         self.guard = guard
         self.done: int | None = None
+        self.metrics: dict[str, float] = {}
 
     def __call__(self, loop: Loop) -> None:
         self.guard.check(loop)
-        metrics = self.evaluator(loop.state)
-        self.loggers.log(loop.step, "eval", metrics)
+        self.metrics = self.evaluator(loop.state)
+        self.loggers.log(loop.step, "eval", self.metrics)
         self.done = loop.step
 
     def end(self, loop: Loop) -> None:
         if loop.stop_signal is None and self.done != loop.step:
+            self(loop)
+
+
+class KeepBest:
+    """`checkpoint.keep_best`: after each eval, a better value of the metric makes that step the best one:
+    checkpointed (if it was not), recorded in `checkpoints/best.json`, never removed by the keep-N cleanup."""
+
+    phase = "checkpoint"
+
+    def __init__(self, evaluate: Evaluate, checkpoint: Checkpoint, metric: str, mode: str, start: int):
+        from nnx_cli.workdir import best_record
+
+        self.every = evaluate.every
+        self.evaluate, self.checkpoint = evaluate, checkpoint
+        self.metric, self.mode = metric, mode
+        self.directory = checkpoint.guard.directory
+        record = best_record(self.directory)
+        self.best = record if record and record.get("metric") == metric and record["step"] <= start else None
+        if self.best is not None:
+            checkpoint.checkpointer.protect = {self.best["step"]}
+
+    def __call__(self, loop: Loop) -> None:
+        from nnx_cli.workdir import write_best
+
+        value = self.evaluate.metrics.get(self.metric) if self.evaluate.done == loop.step else None
+        if value is None or (self.best is not None and not self._better(value, self.best["value"])):
+            return
+        if self.checkpoint.saved != loop.step:
+            self.checkpoint(loop)
+        self.best = {"step": loop.step, "metric": self.metric, "mode": self.mode, "value": value}
+        self.checkpoint.checkpointer.protect = {loop.step}
+        if jax.process_index() == 0:
+            write_best(self.directory, self.best)
+
+    def _better(self, value: float, best: float) -> bool:
+        return value < best if self.mode == "min" else value > best
+
+    def end(self, loop: Loop) -> None:
+        if self.evaluate.done == loop.step:
             self(loop)
 
 
@@ -251,7 +295,10 @@ def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     count = len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
 
     def run(state: steps.TrainState) -> dict[str, float]:
-        return steps.evaluate(eval_step, state, pipeline.eval_feed(exp.eval, layout, limit), count)
+        metrics = steps.evaluate(eval_step, state, pipeline.eval_feed(exp.eval, layout, limit), count)
+        if exp.spec.tokenizer is not None and "loss" in metrics:
+            metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # the language models' usual figure
+        return metrics
 
     return run
 

@@ -43,15 +43,21 @@ def inspect_state(
     """Show a model's parameters and state, built abstractly from a config or a run."""
     from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
+    from nnx_cli.report import stderr_console
 
     if target.is_dir():
+        from nnx_cli import restore
         from nnx_cli.workdir import open_run
 
         run = open_run(target, overrides or [])
-        cfg, title = run.cfg, f"{run.checkpoints / str(run.step)}"
+        exp = setup(run.cfg, data=None, place=False)
+        say = stderr_console().print
+        step, _ = restore.from_run(run, lambda ckpt, s: ckpt.check_matches(s, exp.abstract), say)
+        title = f"{run.checkpoints / str(step)}"
     else:
-        cfg, title = load_config(target, overrides or []), str(target)
-    exp = setup(cfg, data=None, place=False)  # the whole config is checked, not only the model
+        title = str(target)
+        exp = setup(load_config(target, overrides or []), data=None, place=False)  # the whole config is checked
+    cfg = exp.cfg
     entries = state_entries(exp.abstract["params"] | exp.abstract["rest"], exp.rules)
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})

@@ -238,7 +238,7 @@ def quarantine(step_dir: str | Path) -> Path:
     return target
 
 
-def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = ()) -> list[int]:
+def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = (), trusted: Iterable[int] = ()) -> list[int]:
     """Delete old steps beyond the newest `keep`, but only those older than a step that verifies.
 
     Steps in `protect` (the best one, with `checkpoint.keep_best`) are never
@@ -246,7 +246,9 @@ def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = ()) -> l
     checkpoints are damaged (or unsealed) keeps its older ones. A deleted step is
     first renamed out of Orbax's sight, so a crash mid-delete leaves no
     half-deleted step that looks committed. Returns the deleted steps. Call it
-    on one process; it re-hashes the newest verified step. Example::
+    on one process. When there is something to delete it re-hashes the newest
+    step that verifies, unless that step is in `trusted` (a step this process
+    sealed moments ago from the files on disk, in a single-process run). Example::
 
         prune("runs/digits/checkpoints", keep=2, protect={200})  # -> [100, 300], of 100..500
     """
@@ -254,10 +256,13 @@ def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = ()) -> l
     for leftover in directory.glob(f"*{_PRUNING}"):  # a delete that a crash interrupted
         shutil.rmtree(leftover, ignore_errors=True)
     all_steps = steps(directory)
-    verified = next((s for s in reversed(all_steps) if verify(directory / str(s)).ok), None)
+    kept = set(all_steps[-keep:] if keep > 0 else []) | set(protect)
+    if not set(all_steps) - kept:
+        return []
+    trusted = set(trusted)
+    verified = next((s for s in reversed(all_steps) if s in trusted or verify(directory / str(s)).ok), None)
     if verified is None:
         return []
-    kept = set(all_steps[-keep:] if keep > 0 else []) | set(protect)
     doomed = [s for s in all_steps if s < verified and s not in kept]
     for step in doomed:
         moved = directory / f"{step}{_PRUNING}"

@@ -78,6 +78,9 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
                     hook(loop)
         if loop.stop_signal is not None:
             break
+    close = getattr(feed, "close", None)
+    if close is not None:
+        close()  # input workers stop before the final hooks run
     for hook in hooks:
         with PHASES(getattr(hook, "phase", "train")):
             hook.end(loop)
@@ -137,7 +140,15 @@ def inputs(exp: Any, layout: Any, plan: list[tuple[int, int]]) -> tuple[Iterator
         donate_argnums=(0, 1),
     )
     workers = pipeline.worker_count(cfg.data.workers)
-    return zip((k for _, k in plan), pipeline.device_feed(split, layout, plan, workers=workers)), jitted
+    return _paired(plan, pipeline.device_feed(split, layout, plan, workers=workers)), jitted
+
+
+def _paired(plan: list[tuple[int, int]], feed: Iterator[Any]) -> Iterator[tuple[int, Any]]:
+    """`(k, inputs)` per dispatch; closing it (the loop does, also when it stops early) stops the workers."""
+    try:
+        yield from zip((k for _, k in plan), feed)
+    finally:
+        feed.close()
 
 
 def _replicated(sharding: NamedSharding, value: np.ndarray) -> jax.Array:

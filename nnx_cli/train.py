@@ -24,8 +24,8 @@ from typing import IO, Any
 import typer
 
 from nnx_cli import distributed as _distributed
-from nnx_cli import loggers, runtime
-from nnx_cli.config import Config, dump_yaml, load_config, to_dict
+from nnx_cli import loggers, runtime, watchdog
+from nnx_cli.config import Config, load_config, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
 from nnx_cli.runtime import PHASES
@@ -92,6 +92,15 @@ def run(
     Everything the config can get wrong is found before the work dir is
     touched: a rejected run never deletes, overwrites or adds anything there.
     """
+    signals = signals or Signals()
+    runtime.configure(deterministic=cfg.train.deterministic)
+    PHASES.add("import", PHASES.since_start())
+    _distributed.init(*distributed)
+    with watchdog.watching():  # several processes: one failing stops the others within seconds
+        return _train(cfg, workdir, resume, signals)
+
+
+def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     import jax
 
     import nnx
@@ -99,10 +108,6 @@ def run(
     from nnx_cli.experiment import setup
     from nnx_cli.workdir import check_workdir, update_run_info
 
-    signals = signals or Signals()
-    runtime.configure(deterministic=cfg.train.deterministic)
-    PHASES.add("import", PHASES.since_start())
-    _distributed.init(*distributed)
     check_workdir(workdir)  # before any data is read or downloaded
     exp = setup(cfg, data="train")
     factories = loggers.resolve_loggers(cfg.logging.loggers)  # an unknown or uninstalled logger stops us here
@@ -155,11 +160,11 @@ class Session:
 
 
 def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
-    """Lock the work dir, then resume from its latest checkpoint (which must fit the config) or start afresh;
-    only then write the resolved config and run.json."""
+    """Lock the work dir, then resume from its newest usable checkpoint (which must fit the config) or start
+    afresh; only then write the resolved config and run.json."""
     from nnx_cli import report, steps
-    from nnx_cli.checkpoint import LOOP, Checkpointer
-    from nnx_cli.workdir import lock_workdir, write_run_info
+    from nnx_cli.checkpoint import Checkpointer
+    from nnx_cli.workdir import lock_workdir, write_config, write_run_info
 
     is_main = _distributed.is_main()
     console = report.stderr_console(quiet=not is_main)
@@ -170,21 +175,53 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
             shutil.rmtree(old, ignore_errors=True)
         (workdir / "metrics.jsonl").unlink(missing_ok=True)
     _distributed.barrier("nnx-train: work dir ready")
+    found = _resume(exp, ckpt_dir, console) if resume else None
     keep = exp.cfg.checkpoint
-    checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)
-    start = checkpointer.latest_step() if resume else None
-    sums = steps.empty_sums(exp.metric_names)
-    if start is not None:
-        with PHASES("checkpoint"):
-            state = checkpointer.restore(start, exp.restore_target())
-            sums = checkpointer.restore_item(start, LOOP, _replicated(exp, sums)) or sums
-        console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False)
+    checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)  # after bad steps moved aside
+    if found is not None:
+        start, (state, sums) = found.step, found.value
+        console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False, soft_wrap=True)
     else:
-        start, state = 0, exp.init_state()
+        start, state, sums = 0, exp.init_state(), steps.empty_sums(exp.metric_names)
     if is_main:
-        dump_yaml(to_dict(exp.cfg), workdir / "config.yaml")
+        write_config(
+            workdir, to_dict(exp.cfg), start, say=lambda line: console.print(line, highlight=False, soft_wrap=True)
+        )
         write_run_info(workdir, exp)
     return Session(workdir, checkpointer, lock, console, loggers.Loggers([]), start, state, sums)
+
+
+def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
+    """The newest usable checkpoint (`restore.Found`), or None for a work dir without checkpoints; unusable
+    newer steps are moved aside; a work dir whose checkpoints are all unusable is a UserError."""
+    from nnx_cli import restore, steps
+    from nnx_cli.checkpoint import LOOP, Checkpointer
+
+    if not ckpt_dir.is_dir():
+        return None
+    reader = Checkpointer(ckpt_dir, read_only=True)
+    empty = _replicated(exp, steps.empty_sums(exp.metric_names))
+
+    def read(step: int) -> tuple[Any, Any]:
+        state = restore.read_state(reader, step, exp.restore_target())
+        return state, reader.restore_item(step, LOOP, empty) or steps.empty_sums(exp.metric_names)
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False, soft_wrap=True)
+
+    try:
+        with PHASES("checkpoint"):
+            found = restore.choose(ckpt_dir, read, say=say)
+    finally:
+        reader.close()
+    if found.rejected and _distributed.is_main():
+        restore.quarantine(ckpt_dir, found.rejected, say)
+    _distributed.barrier("nnx-train: checkpoints checked")
+    if found.step is None and found.rejected:
+        raise restore.no_usable_step(
+            ckpt_dir, found.rejected, "train in a new --workdir, or pass --no-resume to start over (it deletes them)"
+        )
+    return found if found.step is not None else None
 
 
 def _replicated(exp: Any, tree: Any) -> Any:
@@ -221,10 +258,15 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
     guard = hooks.Guard(session.checkpointer, session.workdir / "checkpoints")
     tokens = cfg.data.seq_len if exp.spec.tokenizer else 0
     log = hooks.LogMetrics(t.log_every, session.loggers, guard, batch_size=t.batch_size, tokens_per_example=tokens)
-    chosen = [log, hooks.Checkpoint(cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start)]
+    save = hooks.Checkpoint(cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start)
+    chosen = [log, save]
     if exp.eval is not None:
         eval_layout = sharding.eval_batch_layout(exp.mesh, exp.rules, t)
-        chosen.append(hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard))
+        evaluate = hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard)
+        chosen.append(evaluate)
+        if cfg.checkpoint.keep_best is not None:
+            best = cfg.checkpoint.keep_best
+            chosen.append(hooks.KeepBest(evaluate, save, best["metric"], best["mode"], session.start))
         if exp.has_images:
             images = session.workdir / "images" if session.lock is not None else None
             chosen.append(hooks.ImageGrid(t.eval_every, hooks.image_maker(exp, eval_layout, scalar), images, guard))

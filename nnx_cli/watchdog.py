@@ -345,10 +345,10 @@ def watching() -> Iterator[Watchdog | None]:
             yield dog
 
 
-def fail(message: str, status: int = EXIT_RUN_FAILED) -> None:
+def fail(message: str, status: int = EXIT_RUN_FAILED, *, probe: bool = True) -> None:
     """:meth:`Watchdog.fail` of the started watchdog; nothing in a single-process run."""
     if _current is not None:
-        _current.fail(message, status)
+        _current.fail(message, status, probe=probe)
 
 
 def finish() -> None:

@@ -69,17 +69,22 @@ def lock_workdir(workdir: Path) -> IO:
 class Run:
     workdir: Path
     checkpoints: Path
-    step: int
+    step: int | None  # the step asked for (a step dir, --step, --best); None: the newest usable one
     cfg: Config
 
 
-def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None = None) -> Run:
-    """Resolve a work dir, its `checkpoints/` dir or one step dir to a checkpoint and its config.
+BEST = "best.json"  # in the checkpoints dir: the best step by `checkpoint.keep_best`'s eval metric
 
-    `step` (or the step dir named) picks a checkpoint; by default the latest.
-    Raises UserError when there is no checkpoint or no config to be found.
+
+def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None = None, best: bool = False) -> Run:
+    """Resolve a work dir, its `checkpoints/` dir or one step dir to its checkpoints and its config.
+
+    `step` (or the step dir named, or with `best` the best step kept by
+    `checkpoint.keep_best`) picks a checkpoint; by default the newest usable
+    one is chosen later (`nnx_cli.restore.choose`). Raises UserError when
+    there is no checkpoint or no config to be found.
     """
-    from nnx_cli.checkpoint import Checkpointer
+    from nnx_cli.integrity import steps as list_steps
 
     path = Path(target)
     if not path.exists():
@@ -95,15 +100,15 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         checkpoints, step = path.parent, int(path.name)
     else:
         checkpoints = path
-    steps = Checkpointer(checkpoints, read_only=True).all_steps() if checkpoints.is_dir() else []
+    steps = list_steps(checkpoints) if checkpoints.is_dir() else []
     if not steps:
         raise UserError(
             f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has "
             "checkpoints/"
         )
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if best:
+        step = _best_step(checkpoints, step)
+    if step is not None and step not in steps:
         raise UserError(
             f"--step {step}: no such checkpoint in {str(checkpoints)!r}; available steps: {', '.join(map(str, steps))}"
         )
@@ -118,6 +123,62 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
 
     add_import_paths(read_run_info(workdir).get("import_paths", {}))  # the run's own plug-ins, wherever we are
     return Run(workdir, checkpoints, step, load_config(config, overrides))
+
+
+def _best_step(checkpoints: Path, step: int | None) -> int:
+    if step is not None:
+        raise UserError("--best and --step both pick a checkpoint: pass one of them")
+    try:
+        return int(json.loads((checkpoints / BEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(
+            f"--best: {str(checkpoints)!r} records no best step; train with checkpoint.keep_best="
+            "'{metric: <eval metric>, mode: min}' (or max) to keep one"
+        ) from None
+
+
+def best_record(checkpoints: Path) -> dict[str, Any] | None:
+    """The best step kept by `checkpoint.keep_best` (`{"step", "metric", "mode", "value"}`), or None."""
+    try:
+        return json.loads((checkpoints / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_best(checkpoints: Path, record: dict[str, Any]) -> None:
+    _write_json(checkpoints / BEST, record)
+
+
+# Keys that change how a run goes, not what it computes: a resume that changes them has the same config.
+OPERATIONAL = (
+    "workdir", "data.workers", "data.cache_dir", "data.on_device", "logging.loggers",
+    "train.steps_per_dispatch", "train.profile", "checkpoint.async",
+)  # fmt: skip
+
+
+def write_config(workdir: Path, config: dict[str, Any], step: int, say: Any = print) -> None:
+    """Write the resolved `config.yaml`. Resuming at `step` with a config that differs from the saved one
+    (beyond the operational keys) says what changed and keeps the earlier one as `config.<step>.yaml`."""
+    from nnx_cli.config import changes, dump_yaml, read_yaml
+
+    path = workdir / "config.yaml"
+    if step > 0 and path.is_file():
+        before = read_yaml(path)
+        changed = changes(before, config, ignore=OPERATIONAL)
+        if changed:
+            kept = _free_name(workdir, f"config.{step}", ".yaml")
+            dump_yaml(before, kept)
+            say(f"the config changed since step {step}: {'; '.join(changed)} (the earlier one is kept as {kept})")
+    dump_yaml(config, path)
+
+
+def _free_name(directory: Path, stem: str, suffix: str) -> Path:
+    """`directory/stem+suffix`, or with `-2`, `-3`, ... when that name is taken: nothing is overwritten."""
+    path, n = directory / f"{stem}{suffix}", 1
+    while path.exists():
+        n += 1
+        path = directory / f"{stem}-{n}{suffix}"
+    return path
 
 
 def write_run_info(workdir: Path, exp: Any) -> None:

@@ -37,7 +37,9 @@ def cli(
     timeout: float = 120,
     devices: int | None = None,
     extra_env: dict[str, str] | None = None,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
+    """Run a console script; `file_size_limit` (bytes) makes larger writes fail with EFBIG, like a full disk."""
     return subprocess.run(
         [str(BIN / name), *map(str, args)],
         cwd=cwd,
@@ -45,7 +47,16 @@ def cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=(lambda: _limit_file_size(file_size_limit)) if file_size_limit else None,
     )
+
+
+def _limit_file_size(limit: int) -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited across exec: a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def start(name: str, *args: str, cwd: Path, devices: int | None = None) -> subprocess.Popen:

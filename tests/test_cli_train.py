@@ -335,10 +335,11 @@ def test_usage_errors_are_one_line_too(project: Path):
     assert_user_error(cli("nnx-train", cwd=project), "Missing argument 'CONFIG'")
 
 
-def test_a_damaged_checkpoint_is_a_user_error(reference: Path, project: Path):
+def test_evaluating_a_damaged_step_by_number_is_a_user_error(reference: Path, project: Path):
     shutil.copytree(reference, project / "damaged")
     shutil.rmtree(project / "damaged" / "checkpoints" / str(STEPS) / "state")
-    assert_user_error(cli("nnx-eval", "damaged", cwd=project), f"checkpoints/{STEPS}", "damaged")
+    result = cli("nnx-eval", "damaged", "--step", str(STEPS), cwd=project)
+    assert_user_error(result, f"checkpoints/{STEPS} cannot be used", "missing")
 
 
 def test_missing_config_file(project: Path):

@@ -1,0 +1,236 @@
+"""What survives what: damaged checkpoints, a full disk, a changed config, the best step, as a user meets them.
+
+One small digits run (checkpoints every 20 steps) is trained once; each test
+damages a copy of its work dir and runs the commands on it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_support import assert_user_error, cli, final_state
+
+from nnx_cli import integrity
+
+STEPS = 80
+CONFIG = f"""
+seed: 5
+model: {{name: vae, hidden_sizes: [64], latent_size: 4}}
+data: {{source: "sklearn:digits", binarize: 0.5}}
+optimizer: {{name: adam, learning_rate: 1.0e-3}}
+train: {{batch_size: 64, steps: {STEPS}, log_every: 20, eval_every: 40}}
+checkpoint: {{every_steps: 20, keep: 10}}
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("faults")
+    (root / "run.yaml").write_text(CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(project: Path) -> Path:
+    result = cli("nnx-train", "run.yaml", "--workdir", "ref", cwd=project)
+    assert result.returncode == 0, result.stderr
+    return project / "ref"
+
+
+def copy(reference: Path, name: str) -> Path:
+    target = reference.parent / name
+    shutil.copytree(reference, target)
+    return target
+
+
+def flip(path: Path, offset: int | None = None) -> None:
+    """Flip every bit of a few bytes in the middle of `path`, as a failing disk or a stray write would."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    for i in range(at, min(at + 4, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def data_file(step_dir: Path) -> Path:
+    """The largest array data file Orbax wrote for the train state."""
+    return max((step_dir / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    x, y = final_state(a), final_state(b)
+    assert x["step"] == y["step"]
+    for u, v in zip(jax_leaves(x["params"]), jax_leaves(y["params"])):
+        np.testing.assert_array_equal(u, v)
+
+
+def jax_leaves(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_every_checkpoint_is_sealed_with_checksums(reference: Path):
+    for step in range(20, STEPS + 1, 20):
+        assert integrity.verify(reference / "checkpoints" / str(step)).ok
+
+
+def test_eval_reports_a_flipped_byte_and_falls_back_to_the_step_before(reference: Path, project: Path):
+    run = copy(reference, "flipped_eval")
+    flip(data_file(run / "checkpoints" / "80"))
+    result = cli("nnx-eval", "flipped_eval", "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step"] == 60
+    [line] = [line for line in result.stderr.splitlines() if "cannot be used" in line]
+    assert "flipped_eval/checkpoints/80 cannot be used: state/" in line and "content differs from its checksum" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["20", "40", "60", "80"]
+
+
+def test_eval_of_a_damaged_step_asked_for_by_number_is_exit_2_naming_the_file(reference: Path, project: Path):
+    run = copy(reference, "flipped_step")
+    damaged = data_file(run / "checkpoints" / "80")
+    flip(damaged)
+    result = cli("nnx-eval", "flipped_step", "--step", "80", cwd=project)
+    assert_user_error(result, "checkpoints/80 cannot be used", str(damaged.relative_to(run / "checkpoints" / "80")))
+
+
+def test_a_damaged_sharding_file_falls_back_too(reference: Path, project: Path):
+    run = copy(reference, "sharding")
+    flip(run / "checkpoints" / "80" / "state" / "_sharding", offset=0)
+    result = cli("nnx-eval", "sharding", "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step"] == 60 and "state/_sharding: content differs" in result.stderr
+
+
+def test_train_resumes_from_the_newest_good_step_moves_the_bad_one_aside_and_ends_exactly(
+    reference: Path, project: Path
+):
+    run = copy(reference, "flipped_train")
+    flip(data_file(run / "checkpoints" / "80"))
+    result = cli("nnx-train", "run.yaml", "--workdir", "flipped_train", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from flipped_train/checkpoints/60" in result.stderr
+    assert "moved the unusable checkpoint flipped_train/checkpoints/80 to" in result.stderr
+    assert (run / "checkpoints" / "80.corrupt-1").is_dir()  # kept, never deleted
+    assert integrity.verify(run / "checkpoints" / "80").ok
+    assert_same_params(run, reference)
+
+
+def test_a_step_written_before_checksums_is_used_with_a_warning(reference: Path, project: Path):
+    run = copy(reference, "unsealed")
+    for seal in (run / "checkpoints" / "80").glob("nnx-checksums*"):
+        seal.unlink()
+    result = cli("nnx-eval", "unsealed", "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step"] == 80 and "has no checksums to verify" in result.stderr
+
+
+def test_when_no_step_is_usable_train_stops_with_exit_2_listing_them(reference: Path, project: Path):
+    run = copy(reference, "all_bad")
+    for step in range(20, STEPS + 1, 20):
+        flip(data_file(run / "checkpoints" / str(step)))
+    result = cli("nnx-train", "run.yaml", "train.steps=100", "--workdir", "all_bad", cwd=project)
+    assert result.returncode == 2, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: no usable checkpoint in all_bad/checkpoints (80: ")
+    assert all(f"{step}: state/" in message for step in (20, 40, 60, 80))
+    assert not (run / "checkpoints" / "100").exists()  # it did not silently start over
+
+
+def test_a_resume_with_a_changed_config_says_what_changed_and_keeps_the_earlier_one(reference: Path, project: Path):
+    run = copy(reference, "changed")
+    result = cli(
+        "nnx-train", "run.yaml", "train.steps=100", "optimizer.learning_rate=5e-4", "train.steps_per_dispatch=5",
+        "--workdir", "changed", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "the config changed" in line]
+    assert line.startswith("the config changed since step 80: optimizer.learning_rate: 0.001 -> 0.0005; ")
+    assert "train.steps: 80 -> 100" in line and "steps_per_dispatch" not in line
+    import yaml
+
+    assert yaml.safe_load((run / "config.80.yaml").read_text())["optimizer"]["learning_rate"] == 0.001
+    assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["learning_rate"] == 0.0005
+
+
+def test_an_operational_change_is_not_a_config_change(reference: Path, project: Path):
+    copy(reference, "operational")
+    result = cli(
+        "nnx-train", "run.yaml", "train.steps=100", "data.workers=0", "logging.loggers=[jsonl]",
+        "--workdir", "operational", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "the config changed since step 80: train.steps: 80 -> 100" in result.stderr
+    assert "workers" not in result.stderr and "loggers" not in result.stderr
+
+
+def test_keep_best_keeps_the_best_eval_step_beyond_keep_and_eval_best_uses_it(project: Path):
+    result = cli(
+        "nnx-train", "run.yaml", "checkpoint.keep=1", "checkpoint.keep_best={metric: nelbo, mode: max}",
+        "--workdir", "best", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    evals = [json.loads(line) for line in (project / "best" / "metrics.jsonl").read_text().splitlines()]
+    worst = max((r for r in evals if r["split"] == "eval"), key=lambda r: r["metrics"]["nelbo"])  # mode max
+    record = json.loads((project / "best" / "checkpoints" / "best.json").read_text())
+    assert record["step"] == worst["step"] == 40 and record["value"] == pytest.approx(worst["metrics"]["nelbo"])
+    assert integrity.steps(project / "best" / "checkpoints") == [40, 80]  # keep=1, plus the best
+    report = json.loads(cli("nnx-eval", "best", "--best", "--json", cwd=project).stdout)
+    assert report["step"] == 40 and report["metrics"]["nelbo"] == pytest.approx(worst["metrics"]["nelbo"], rel=1e-6)
+
+
+def test_keep_best_names_an_eval_metric(project: Path):
+    result = cli(
+        "nnx-train", "run.yaml", "checkpoint.keep_best={metric: nlebo, mode: min}", "--workdir", "x", cwd=project
+    )
+    assert_user_error(result, "'checkpoint.keep_best.metric'", "did you mean 'nelbo'")
+
+
+def _small_disk(path: Path) -> bool:
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)]).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_full_disk_is_exit_1_naming_the_directory_and_the_run_resumes_once_there_is_room(
+    reference: Path, project: Path, tmp_path: Path
+):
+    """A real full disk (a 4 MB tmpfs where mounting is allowed), else a file-size limit making writes fail."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = _small_disk(disk)
+    try:
+        first = cli("nnx-train", project / "run.yaml", "train.steps=40", "--workdir", disk / "run", cwd=project)
+        assert first.returncode == 0, first.stderr
+        if mounted:
+            (disk / "filler").write_bytes(b"")
+            with open(disk / "filler", "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                except OSError:
+                    pass
+                f.truncate(f.tell() - (64 << 10))  # room for the config and logs, not for a checkpoint
+        full = cli(
+            "nnx-train", project / "run.yaml", "--workdir", disk / "run", cwd=project,
+            extra_env={"NNX_COMPILATION_CACHE": "off"}, file_size_limit=None if mounted else 64 << 10,
+        )  # fmt: skip
+        assert full.returncode == 1, full.stderr
+        assert "Traceback" not in full.stderr
+        message = full.stderr.strip().splitlines()[-1]
+        cause = "No space left on device" if mounted else "File too large"
+        assert message.startswith(f"error: cannot write checkpoint {disk / 'run' / 'checkpoints' / '60'} ({cause})")
+        assert integrity.verify(disk / "run" / "checkpoints" / "40").ok
+        (disk / "filler").unlink(missing_ok=True)
+        again = cli("nnx-train", project / "run.yaml", "--workdir", disk / "run", cwd=project)
+        assert again.returncode == 0, again.stderr
+        assert_same_params(disk / "run", reference)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], check=True)
