@@ -75,7 +75,9 @@ class Dense(nnx.Module):
     The kernel has shape `in_shape + out_shape` and logical axes
     `in_axes + out_axes` (attention's query kernel is `(embed, heads, kv)`,
     its output kernel `(heads, kv, embed)`); it is drawn from normal(`std`),
-    the bias starts at zero. Computes in `dtype`, parameters stay float32::
+    the bias starts at zero. Computes in `dtype` (the result in `out_dtype`
+    if given, e.g. float32 logits from bfloat16 inputs); parameters stay
+    float32::
 
         query = Dense((384,), (6, 64), ("embed",), ("heads", "kv"), std=0.02, dtype=jnp.float32, ctx=ctx)
         query(jnp.ones((2, 10, 384))).shape   # (2, 10, 6, 64)
@@ -91,20 +93,25 @@ class Dense(nnx.Module):
         std: float,
         dtype: Any,
         use_bias: bool = True,
+        out_dtype: Any = None,
         ctx: nnx.Context,
     ):
         self.in_rank = len(in_shape)
         self.dtype = dtype
+        self.out_dtype = out_dtype
         shape = (*in_shape, *out_shape)
         self.kernel = nnx.Param(_init(std, (*in_axes, *out_axes))(ctx.make_rng("params"), shape, jnp.float32))
-        bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
-        self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32) if use_bias else None)
+        if use_bias:
+            bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
+            self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32))
+        else:
+            self.bias = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.astype(self.dtype)
         contract = tuple(range(x.ndim - self.in_rank, x.ndim)), tuple(range(self.in_rank))
-        y = lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())))
-        return y if self.bias is None else y + self.bias.astype(self.dtype)
+        y = lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())), preferred_element_type=self.out_dtype)
+        return y if self.bias is None else y + self.bias.astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -449,6 +456,7 @@ class TransformerLM(nnx.Module):
                 std=0.02,
                 dtype=compute,
                 use_bias=False,
+                out_dtype=jnp.float32,
                 ctx=ctx,
             )
 
@@ -472,7 +480,11 @@ class TransformerLM(nnx.Module):
     def _logits(self, h: jax.Array) -> jax.Array:
         """Float32 logits over the padded vocabulary, padded ids masked."""
         h = self.final_norm(h)
-        logits = (self.embedding.attend(h) if self.tie_embeddings else self.head(h)).astype(jnp.float32)
+        if self.tie_embeddings:  # `embedding.attend(h)`, accumulated and returned in float32
+            table = self.embedding.embedding.astype(h.dtype)
+            logits = jnp.einsum("...e,ve->...v", h, table, preferred_element_type=jnp.float32)
+        else:
+            logits = self.head(h)
         logits = _constrain(logits, ("batch", "length", "vocab"))
         return jnp.where(jnp.arange(logits.shape[-1]) < self.vocab_size, logits, MASKED_LOGIT)
 
