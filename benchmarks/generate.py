@@ -8,7 +8,7 @@ new tokens per sample, temperature 1.0, at batch 1 and 8:
 * ours: `nnx_cli.decoding.Decoder.generate`, streaming tokens to the host
   as they are drawn;
 * plain: a decode loop written here in plain JAX on the same weights, with
-  the same kind of cache (keys and values `[batch, 256, heads, head_dim]`
+  the same kind of cache (keys and values `[batch, heads, 256, head_dim]`
   per layer, updated in place, donated), reading the tokens back only at
   the end; target: ours >= 0.9x its tokens/s;
 * recompute: no cache, the full forward pass over the sequence so far
@@ -91,7 +91,7 @@ def _layer_norm(x, scale, bias):
 
 def _plain_step(weights, caches, tokens, positions, keys, index):
     x = weights["embedding"][tokens] + weights["positions"][positions]  # [B, E]
-    rows = jnp.arange(tokens.shape[0])
+    rows, heads, at = jnp.arange(tokens.shape[0])[:, None], jnp.arange(HEADS)[None, :], positions[:, None]
     new_caches = []
     for w, (cached_k, cached_v) in zip(weights["layers"], caches):
         h = _layer_norm(x, w["attention_norm/scale"], w["attention_norm/bias"])
@@ -99,11 +99,11 @@ def _plain_step(weights, caches, tokens, positions, keys, index):
             jnp.einsum("be,ehd->bhd", h, w[f"attention/{n}/kernel"]) + w[f"attention/{n}/bias"]
             for n in ("query", "key", "value")
         )
-        cached_k = cached_k.at[rows, positions].set(k)
-        cached_v = cached_v.at[rows, positions].set(v)
-        scores = jnp.einsum("bhd,bthd->bht", q, cached_k) / np.sqrt(q.shape[-1])
+        cached_k = cached_k.at[rows, heads, at].set(k)
+        cached_v = cached_v.at[rows, heads, at].set(v)
+        scores = jnp.einsum("bhd,bhtd->bht", q, cached_k) / np.sqrt(q.shape[-1])
         scores = jnp.where(jnp.arange(SEQ_LEN) <= positions[:, None, None], scores, -jnp.inf)
-        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(scores, -1), cached_v)
+        o = jnp.einsum("bht,bhtd->bhd", jax.nn.softmax(scores, -1), cached_v)
         x = x + jnp.einsum("bhd,hde->be", o, w["attention/out/kernel"]) + w["attention/out/bias"]
         h = _layer_norm(x, w["mlp_norm/scale"], w["mlp_norm/bias"])
         h = jax.nn.gelu(h @ w["mlp/fc/kernel"] + w["mlp/fc/bias"])
@@ -121,7 +121,7 @@ plain_step = jax.jit(_plain_step, donate_argnums=(1,))
 
 def run_plain(weights: dict, batch: int) -> float:
     start = time.perf_counter()
-    shape = (batch, SEQ_LEN, HEADS, WIDTH // HEADS)
+    shape = (batch, HEADS, SEQ_LEN, WIDTH // HEADS)
     caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(LAYERS)]
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(0), jnp.arange(batch, dtype=jnp.uint32))
     tokens, positions, index = jnp.full((batch,), 10, jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.int32(0)

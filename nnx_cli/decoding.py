@@ -148,21 +148,16 @@ def _prefill_impl(cachedef, treedef, leaves, cache, tokens, lengths, keys, sampl
     return first, state.filter(nnx.Cache)
 
 
-def _decode_impl(cachedef, treedef, leaves, cache, tokens, positions, index, keys, sampling, flags):
+def _decode_impl(cachedef, treedef, cache_len, leaves, cache, tokens, positions, index, keys, sampling, flags):
     trace_counts["decode"] += 1
-    at = jnp.minimum(positions, cache_length(cache) - 1)  # rows past the end have stopped; keep them in bounds
+    at = jnp.minimum(positions, cache_len - 1)  # rows past the end have stopped; keep them in bounds
     logits, (state, _) = cachedef.apply(treedef.unflatten(leaves), cache).decode(tokens, at)
     following = _sample(logits, keys, index, *sampling, **dict(flags))
     return following, state.filter(nnx.Cache), positions + 1, index + 1
 
 
 _prefill = jax.jit(_prefill_impl, static_argnums=(0, 1, 8), donate_argnums=(3,))
-_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 9), donate_argnums=(3,))
-
-
-def cache_length(cache: nnx.State) -> int:
-    """The positions a cache holds (axis -3 of its keys `[..., batch, length, heads, head_dim]`)."""
-    return jax.tree.leaves(cache)[0].shape[-3]
+_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2, 10), donate_argnums=(4,))
 
 
 # Generation
@@ -310,7 +305,7 @@ class Generation(Iterator[tuple[int | None, ...]]):
             if t + 1 < max_tokens and any(fed[b] < cache_len for b in running):
                 # Dispatched before this step's tokens are read back, so the device works while the host waits.
                 following, cache, positions, index = _decode(
-                    cachedef, treedef, leaves, cache, drawn, positions, index, keys, sampling, flags
+                    cachedef, treedef, cache_len, leaves, cache, drawn, positions, index, keys, sampling, flags
                 )
             step: list[int | None] = [None] * batch
             for b, token in enumerate(np.asarray(drawn).tolist()):
