@@ -13,7 +13,10 @@ import optax
 import pytest
 
 import nnx
-from nnx_cli.models import MODELS
+from nnx_cli import steps
+from nnx_cli.config import ModelConfig
+from nnx_cli.data import DataSpec
+from nnx_cli.models import MODELS, model_factory
 from nnx_cli.models.transformer_lm import TransformerLM
 
 SEQ_LEN, VOCAB = 16, 257
@@ -149,6 +152,27 @@ def test_bfloat16_computes_in_bfloat16_keeps_float32_params_and_trains_like_floa
     assert hidden.dtype == jnp.bfloat16
     assert math.isfinite(loss16) and loss32 < 0.85 * math.log(16)  # it learned more than the letter frequencies
     assert abs(loss16 - loss32) <= 0.01 * loss32, (loss16, loss32)
+
+
+def test_the_trainers_steps_train_and_evaluate_a_transformer_lm():
+    options = {**SMALL, "tie_embeddings": False, "bits_per_byte": True}
+    build = model_factory(ModelConfig(name="transformer_lm", options=options), DataSpec((SEQ_LEN,), VOCAB, "bytes"))
+    tx = optax.adam(1e-2)
+    moduledef, state = steps.init_state(build, tx, seed=0)
+    batches = _text_batches(31, 8)
+    held_out = {"tokens": batches[-1], "mask": np.ones(8, bool)}
+    names = steps.check_step(moduledef, tx, "transformer_lm", jax.eval_shape(lambda: state), {"tokens": batches[0]})
+    assert sorted(names) == ["accuracy", "bits_per_byte", "loss"]
+    train = jax.jit(functools.partial(steps.train_step, moduledef, tx, "loss", 0))
+    evaluate = jax.jit(functools.partial(steps.eval_step, moduledef, 0))
+    before = evaluate(state, held_out, jnp.int32(0))
+    sums = steps.empty_sums(names)
+    for tokens in batches[:-1]:
+        state, sums, _ = train(state, sums, {"tokens": tokens})
+    after = evaluate(state, held_out, jnp.int32(0))
+    assert int(sums["count"]) == 30 and int(sums["bad_step"]) == -1
+    assert float(after["loss"]) < 0.8 * float(before["loss"])
+    assert float(after["bits_per_byte"]) == pytest.approx(float(after["loss"]) / math.log(2), rel=1e-5)  # all bytes
 
 
 def _padded_ids_dominate(model: TransformerLM) -> TransformerLM:
