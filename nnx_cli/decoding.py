@@ -221,7 +221,7 @@ class Decoder:
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
         lengths = np.array([len(p) for p in prompts], np.int32)
-        root = jax.random.key(seed) if isinstance(seed, int) else seed
+        root = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
         samples = jnp.arange(first_sample, first_sample + len(prompts), dtype=jnp.uint32)
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(root, samples)
         sampling = _sampling_arrays(temperature, top_k, top_p)

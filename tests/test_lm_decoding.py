@@ -135,6 +135,12 @@ def test_the_same_seed_draws_the_same_tokens_and_another_seed_others():
     assert first != other
 
 
+def test_a_seed_may_be_given_as_its_key():
+    as_int = decoder().generate(PROMPTS, max_tokens=6, seed=3).finish().samples
+    assert decoder().generate(PROMPTS, max_tokens=6, seed=jax.random.key(3)).finish().samples == as_int
+    assert decoder().generate(PROMPTS, max_tokens=6, seed=np.int64(3)).finish().samples == as_int
+
+
 def test_a_batch_of_samples_equals_single_runs_with_their_sample_keys():
     options = dict(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=7)
     batched = decoder().generate([PROMPTS[1]] * 4, **options).finish().samples
