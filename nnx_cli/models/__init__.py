@@ -34,6 +34,7 @@ import nnx
 from nnx_cli.config import ModelConfig
 from nnx_cli.errors import UserError
 from nnx_cli.models.classifiers import CNNClassifier, MLPClassifier
+from nnx_cli.models.transformer_lm import TransformerLM
 from nnx_cli.models.vae import VAE
 from nnx_cli.registry import Registry, bind_options
 
@@ -44,6 +45,7 @@ __all__ = [
     "CNNClassifier",
     "MLPClassifier",
     "TrainableModel",
+    "TransformerLM",
     "check_data",
     "model_class",
     "model_factory",
@@ -85,6 +87,7 @@ MODELS: Registry[type] = Registry("model", "model.name", check=_check_model)
 MODELS.register("vae", VAE)
 MODELS.register("mlp_classifier", MLPClassifier)
 MODELS.register("cnn_classifier", CNNClassifier)
+MODELS.register("transformer_lm", TransformerLM)
 REGISTRY = MODELS  # the name earlier releases exported
 
 _NOT_OPTIONS = ("input_shape", "num_classes", "ctx")

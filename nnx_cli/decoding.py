@@ -1,0 +1,390 @@
+"""Drawing text from a language model with a key-value cache.
+
+A prompt goes through one jitted *prefill* (compiled per power-of-two
+prompt-length bucket), then one jitted *decode step* per token, compiled once
+per batch size and cache length and reused for every token. Both are pure
+functions of the parameters (a `State` of `nnx.Param`, as restored from a
+checkpoint) and the cache; the model's `ModuleDef` is their static argument::
+
+    (params, _), moduledef = model.partition(nnx.Param, ...)
+    run = generate(moduledef, params, [list(b"ROMEO:")], max_tokens=200, temperature=0.8, seed=0,
+                   end_of_document=256)
+    text = Utf8Decoder()
+    for tokens in run:                      # one tuple per step: a token per sample (None once it stopped)
+        print(text.decode(tokens[:1]), end="", flush=True)
+    print(text.flush())
+    run.samples, run.stop_reasons, run.truncated
+
+Sampling: `temperature` 0 is greedy (argmax); otherwise logits are divided by
+the temperature, then `top_k` (0: off) keeps the k most likely tokens and
+`top_p` (1.0: off) the smallest set whose probability reaches p. Sample `i`
+draws token `t` with `fold_in(fold_in(key(seed), i), t)`, so a batch of
+samples equals single runs with the same sample indices (`first_sample`).
+
+A sample stops after `max_tokens`, at the `end_of_document` token (not
+included in its tokens), or when its sequence fills the model's context
+(learned positions end at `seq_len`: `stop_reasons[i] == "context"`,
+`truncated[i]` true). The model must offer `init_cache(batch_size, max_len)`,
+`prefill(tokens, lengths)`, `decode(tokens, positions)`, `context_limit` and
+`vocab_size`, as `nnx_cli.models.TransformerLM` does.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nnx
+from nnx_cli.errors import UserError
+
+MIN_BUCKET = 16
+"""The smallest prompt bucket: prompts are right-padded to a power of two at least this long."""
+
+trace_counts: collections.Counter[str] = collections.Counter()
+"""How many times `prefill` and `decode` were traced (compiled): one more per new shape, never one per token."""
+
+_MASKED = -1e30
+
+
+def _bucket(length: int) -> int:
+    return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+
+
+# Sampling
+# ------------------------------------------------------------------------------
+
+
+def _keep_top_k(logits: jax.Array, k: jax.Array) -> jax.Array:
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(descending, jnp.clip(k - 1, 0, logits.shape[-1] - 1)[None, None], axis=-1)
+    return jnp.where(logits >= kth, logits, _MASKED)
+
+
+def _keep_top_p(logits: jax.Array, p: jax.Array) -> jax.Array:
+    descending = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(descending, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the more likely tokens
+    kept = jnp.sum(before < p, axis=-1, keepdims=True)  # at least 1: the first has nothing before it
+    smallest = jnp.take_along_axis(descending, kept - 1, axis=-1)
+    return jnp.where(logits >= smallest, logits, _MASKED)
+
+
+@functools.partial(jax.jit, static_argnames=("greedy", "use_top_k", "use_top_p"))
+def _sample(
+    logits: jax.Array,
+    keys: jax.Array,
+    index: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    *,
+    greedy: bool,
+    use_top_k: bool,
+    use_top_p: bool,
+) -> jax.Array:
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if use_top_k:
+        logits = _keep_top_k(logits, top_k)
+    if use_top_p:
+        logits = _keep_top_p(logits, top_p)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
+    return jax.vmap(jax.random.categorical)(step_keys, logits).astype(jnp.int32)
+
+
+def sample_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    index: int | jax.Array,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> jax.Array:
+    """One token per row of `logits` `[B, V]`; row `b` draws with `fold_in(keys[b], index)`.
+
+    `temperature` 0 is argmax; `top_k` 0 and `top_p` 1.0 turn those filters off::
+
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(4))
+        sample_tokens(logits, keys, 0, temperature=0.8, top_k=40)   # int32 [4]
+    """
+    return _sample(
+        logits, keys, index, *_sampling_arrays(temperature, top_k, top_p), **_sampling_flags(temperature, top_k, top_p)
+    )
+
+
+def _sampling_flags(temperature: float, top_k: int, top_p: float) -> dict[str, bool]:
+    """Which code the sampler compiles; the values themselves are traced, so changing them does not recompile."""
+    return {"greedy": temperature == 0, "use_top_k": top_k > 0, "use_top_p": top_p < 1.0}
+
+
+def _sampling_arrays(temperature: float, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), jnp.float32(top_p)
+
+
+# The jitted prefill and decode step
+# ------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("moduledef", "batch_size", "max_len"))
+def _new_cache(moduledef: nnx.ModuleDef, params: nnx.State, batch_size: int, max_len: int):
+    model = moduledef.merge(params)
+    model.init_cache(batch_size, max_len)
+    (_, cache), cachedef = model.partition(nnx.Param, nnx.Cache)
+    return cache, cachedef
+
+
+def _prefill_impl(cachedef, treedef, leaves, cache, tokens, lengths, keys, sampling, flags):
+    trace_counts["prefill"] += 1
+    logits, (state, _) = cachedef.apply(treedef.unflatten(leaves), cache).prefill(tokens, lengths)
+    first = _sample(logits, keys, jnp.int32(0), *sampling, **dict(flags))
+    return first, state.filter(nnx.Cache)
+
+
+def _decode_impl(cachedef, treedef, cache_len, leaves, cache, tokens, positions, index, keys, sampling, flags):
+    trace_counts["decode"] += 1
+    at = jnp.minimum(positions, cache_len - 1)  # rows past the end have stopped; keep them in bounds
+    logits, (state, _) = cachedef.apply(treedef.unflatten(leaves), cache).decode(tokens, at)
+    following = _sample(logits, keys, index, *sampling, **dict(flags))
+    return following, state.filter(nnx.Cache), positions + 1, index + 1
+
+
+_prefill = jax.jit(_prefill_impl, static_argnums=(0, 1, 8), donate_argnums=(3,))
+_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2, 10), donate_argnums=(4,))
+
+
+# Generation
+# ------------------------------------------------------------------------------
+
+
+class Decoder:
+    """Prefill and decode for one language model; build it once, call :meth:`generate` many times.
+
+    `params` is a `State` of `nnx.Param` (what a checkpoint restores),
+    `moduledef` the model's structure. A scanned model is decoded on
+    per-layer copies of its weights (`unstack_layers`), which is faster
+    (one layer's slice of stacked weights is copied at every step) at the
+    price of that copy's memory::
+
+        decoder = Decoder(moduledef, params)
+        decoder.generate([prompt], max_tokens=100, temperature=0).finish().samples
+    """
+
+    def __init__(self, moduledef: nnx.ModuleDef, params: nnx.State, *, unstack_layers: bool = True):
+        model = moduledef.merge(params)
+        missing = [name for name in ("init_cache", "prefill", "decode", "context_limit") if not hasattr(model, name)]
+        if missing:
+            raise UserError(
+                f"model {type(model).__name__} is not a language model with a key-value cache (it has no "
+                f"{', '.join(missing)}); sampling needs a model such as transformer_lm"
+            )
+        if unstack_layers and hasattr(model, "unstack_layers"):
+            model = model.unstack_layers()
+        self.params, self.moduledef = model.partition(nnx.Param)
+        self.context_limit: int | None = model.context_limit
+        self.vocab_size: int = model.vocab_size
+        self._leaves, self._treedef = jax.tree.flatten(self.params)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | jax.Array = 0,
+        end_of_document: int | None = None,
+        first_sample: int = 0,
+    ) -> Generation:
+        """Starts drawing up to `max_tokens` tokens after each prompt (token ids); iterate the result.
+
+        `seed` is an int or a key; sample `i` (counting from `first_sample`)
+        uses `fold_in(key, i)`.
+        """
+        prompts = [list(p) for p in prompts]
+        self._check(prompts, max_tokens, temperature, top_k, top_p)
+        longest = max(len(p) for p in prompts)
+        if self.context_limit is not None:
+            cache_len = self.context_limit
+        else:
+            cache_len = _bucket(longest + max_tokens - 1)
+        width = min(_bucket(longest), cache_len)
+        tokens = np.zeros((len(prompts), width), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        root = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+        samples = jnp.arange(first_sample, first_sample + len(prompts), dtype=jnp.uint32)
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(root, samples)
+        sampling = _sampling_arrays(temperature, top_k, top_p)
+        flags = tuple(_sampling_flags(temperature, top_k, top_p).items())
+        return Generation(self, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, end_of_document)
+
+    def _check(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+        if not prompts:
+            raise UserError("no prompt to continue: give at least one")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise UserError(f"prompt {i} is empty: give it at least one token")
+            if self.context_limit is not None and len(prompt) > self.context_limit:
+                raise UserError(
+                    f"prompt {i} has {len(prompt)} tokens, more than the model's context of {self.context_limit}; "
+                    "shorten it"
+                )
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise UserError(f"prompt {i} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if max_tokens < 1:
+            raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
+        if temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise UserError(f"top_p must be in (0, 1] (1 turns it off), got {top_p}")
+
+
+class Generation(Iterator[tuple[int | None, ...]]):
+    """The tokens of a :meth:`Decoder.generate` call, drawn as it is iterated.
+
+    Each step yields one entry per sample: the token just drawn, or None
+    for a sample that has stopped. `samples` (token lists, prompts
+    excluded) and `stop_reasons` (`"max_tokens"`, `"end_of_document"` or
+    `"context"`; None while running) fill in as it goes; :meth:`finish`
+    runs it to the end.
+    """
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        cache_len: int,
+        keys: jax.Array,
+        sampling: tuple[jax.Array, ...],
+        flags: tuple[tuple[str, bool], ...],
+        max_tokens: int,
+        end_of_document: int | None,
+    ):
+        self.samples: list[list[int]] = [[] for _ in lengths]
+        self.stop_reasons: list[str | None] = [None for _ in lengths]
+        self._steps = self._run(decoder, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, end_of_document)
+
+    @property
+    def truncated(self) -> list[bool]:
+        """Per sample: whether it stopped because its sequence filled the model's context."""
+        return [reason == "context" for reason in self.stop_reasons]
+
+    def __next__(self) -> tuple[int | None, ...]:
+        return next(self._steps)
+
+    def finish(self) -> Generation:
+        """Draws every remaining token; returns self."""
+        collections.deque(self._steps, maxlen=0)
+        return self
+
+    def _run(self, decoder, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, end_of_document):
+        batch = len(lengths)
+        cache, cachedef = _new_cache(decoder.moduledef, decoder.params, batch, cache_len)
+        leaves, treedef = decoder._leaves, decoder._treedef
+        drawn, cache = _prefill(cachedef, treedef, leaves, cache, tokens, lengths, keys, sampling, flags)
+        positions, index = jnp.asarray(lengths), jnp.int32(1)
+        # `fed[b]`: where sample b's latest token goes if it is fed back; it fits while fed[b] < cache_len.
+        fed = [int(n) for n in lengths]
+        for t in range(max_tokens):
+            running = [b for b in range(batch) if self.stop_reasons[b] is None]
+            following = None
+            if t + 1 < max_tokens and any(fed[b] < cache_len for b in running):
+                # Dispatched before this step's tokens are read back, so the device works while the host waits.
+                following, cache, positions, index = _decode(
+                    cachedef, treedef, cache_len, leaves, cache, drawn, positions, index, keys, sampling, flags
+                )
+            step: list[int | None] = [None] * batch
+            for b, token in enumerate(np.asarray(drawn).tolist()):
+                if self.stop_reasons[b] is not None:
+                    continue
+                if token == end_of_document:
+                    self.stop_reasons[b] = "end_of_document"
+                    continue
+                self.samples[b].append(token)
+                step[b] = token
+                if t + 1 == max_tokens:
+                    self.stop_reasons[b] = "max_tokens"
+                elif fed[b] >= cache_len:
+                    self.stop_reasons[b] = "context"
+                fed[b] += 1
+            if any(token is not None for token in step):
+                yield tuple(step)
+            if following is None or all(reason is not None for reason in self.stop_reasons):
+                break
+            drawn = following
+
+
+def generate(
+    moduledef: nnx.ModuleDef,
+    params: nnx.State,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | jax.Array = 0,
+    end_of_document: int | None = None,
+    first_sample: int = 0,
+) -> Generation:
+    """`Decoder(moduledef, params).generate(prompts, ...)`; see :class:`Decoder` and the module docstring."""
+    return Decoder(moduledef, params).generate(
+        prompts,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        end_of_document=end_of_document,
+        first_sample=first_sample,
+    )
+
+
+# Text
+# ------------------------------------------------------------------------------
+
+
+class Utf8Decoder:
+    """Byte tokens to text as they arrive: the first bytes of an unfinished character wait for the rest.
+
+    Bytes that cannot be UTF-8 become U+FFFD::
+
+        text = Utf8Decoder()
+        text.decode([0xC3])    # ''   (first byte of 'é')
+        text.decode([0xA9])    # 'é'
+        text.flush()           # ''   (what is left at the end, as U+FFFD)
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, tokens: Iterable[int | None]) -> str:
+        """Text completed by `tokens` (byte values; None entries are skipped)."""
+        data = [t for t in tokens if t is not None]
+        if any(not 0 <= t < 256 for t in data):
+            raise ValueError(f"byte tokens are in [0, 256), got {[t for t in data if not 0 <= t < 256][:5]}")
+        return self._decoder.decode(bytes(data))
+
+    def flush(self) -> str:
+        """The held-back bytes of an unfinished character, as U+FFFD; resets for a new text."""
+        return self._decoder.decode(b"", final=True)
+
+
+def decode_bytes(tokens: Iterable[int]) -> str:
+    """Text of a whole list of byte tokens (invalid UTF-8 as U+FFFD)."""
+    text = Utf8Decoder()
+    return text.decode(tokens) + text.flush()

@@ -1,0 +1,262 @@
+"""Decoding with a key-value cache: equal to full passes, seeded sampling, stopping, one compilation, UTF-8 text."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nnx
+from nnx_cli import decoding
+from nnx_cli.decoding import Decoder, Utf8Decoder, decode_bytes, generate, sample_tokens
+from nnx_cli.errors import UserError
+from nnx_cli.models import MLPClassifier
+from nnx_cli.models.transformer_lm import TransformerLM
+
+SEQ_LEN, VOCAB = 32, 257
+SMALL = dict(num_layers=2, num_heads=2, embed_dim=32, dropout=0.0)
+PROMPTS = [[72, 105, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9]]  # different lengths in one batch
+
+
+@functools.cache
+def _model(options: tuple) -> TransformerLM:
+    return TransformerLM((SEQ_LEN,), VOCAB, **dict(options), ctx=nnx.context(0))
+
+
+def params_and_def(**options) -> nnx.Pure:
+    """`(params, moduledef)` of a small model, built once per configuration (building compiles)."""
+    return _model(tuple(sorted({**SMALL, **options}.items()))).partition(nnx.Param)
+
+
+def lively(params: nnx.State) -> nnx.State:
+    """Weights x10: logits spread like a trained model's (std ~10) and greedy tokens vary.
+
+    At its initial scale a tied-embedding model's output is dominated by the input token's own embedding, so
+    greedy decoding repeats the prompt's last token and agreeing with a full pass would prove little.
+    """
+    return jax.tree.map(lambda w: 10.0 * w, params)
+
+
+@functools.cache
+def decoder(**options) -> Decoder:
+    params, moduledef = params_and_def(**options)
+    return Decoder(moduledef, params)
+
+
+def full_pass_argmax(moduledef: nnx.ModuleDef, params: nnx.State, sequence: list[int]) -> np.ndarray:
+    """The argmax after each token of `sequence`, from one forward pass without a cache."""
+    logits = jax.jit(lambda p, t: moduledef.apply(p).logits(t)[0])(params, jnp.asarray([sequence]))
+    return np.asarray(jnp.argmax(logits[0], axis=-1))
+
+
+@pytest.mark.parametrize(
+    "options, unstack",
+    [
+        (dict(scan_layers=True), True),
+        (dict(scan_layers=True), False),  # the cache stacked along `layers`, decoded through nnx.Scan
+        (dict(scan_layers=False), True),
+        (dict(positions="rope", norm="rmsnorm"), True),
+    ],
+    ids=["scanned", "scanned-stacked-cache", "unrolled", "rope"],
+)
+def test_greedy_decoding_equals_the_argmax_of_a_full_forward_pass(options, unstack):
+    params, moduledef = params_and_def(**options)
+    params = lively(params)
+    run = Decoder(moduledef, params, unstack_layers=unstack).generate(PROMPTS, max_tokens=24, temperature=0).finish()
+    for prompt, sample in zip(PROMPTS, run.samples):
+        assert len(set(sample)) > 5
+        predicted = full_pass_argmax(moduledef, params, (prompt + sample)[:SEQ_LEN])[len(prompt) - 1 :]
+        compared = min(len(predicted), len(sample))  # predicted[i] is the argmax for sample[i]
+        assert compared >= 20
+        assert predicted[:compared].tolist() == sample[:compared]
+
+
+def test_bfloat16_cached_logits_agree_with_a_full_pass_to_1_percent_of_their_spread():
+    params, moduledef = params_and_def(dtype="bfloat16")
+    params = lively(params)
+    sequence = jax.random.randint(jax.random.key(3), (2, SEQ_LEN), 0, VOCAB)
+    prompt = 5
+
+    @jax.jit
+    def cached(params, sequence):
+        model = moduledef.merge(params)
+        model.init_cache(2, SEQ_LEN)
+        logits = [model.prefill(sequence[:, :prompt], jnp.full((2,), prompt))]
+        for i in range(prompt, SEQ_LEN):
+            logits.append(model.decode(sequence[:, i], jnp.full((2,), i)))
+        return jnp.stack(logits, axis=1)[..., :VOCAB]
+
+    full = jax.jit(lambda p, t: moduledef.apply(p).logits(t)[0][..., :VOCAB])(params, sequence)[:, prompt - 1 :]
+    assert float(jnp.max(jnp.abs(cached(params, sequence) - full))) <= 0.01 * float(jnp.std(full))
+
+
+_SHARDED = textwrap.dedent("""
+    import json, jax, nnx
+    from nnx_cli.decoding import Decoder
+    from nnx_cli.models.transformer_lm import TransformerLM
+
+    model = TransformerLM((32,), 257, num_layers=2, num_heads=4, embed_dim=64, dropout=0.0, ctx=nnx.context(0))
+    params, moduledef = model.partition(nnx.Param)
+    params = jax.tree.map(lambda w: 10.0 * w, params)
+    prompts = [[72, 105, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    one_device = Decoder(moduledef, params).generate(prompts, max_tokens=12, temperature=0).finish().samples
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as nnx-train's
+    rules = TransformerLM.default_rules
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        layout = nnx.spmd.logical_to_mesh_sharding(nnx.get_partition_spec(params), mesh, rules)
+        sharded = jax.device_put(params, layout)
+        samples = Decoder(moduledef, sharded).generate(prompts, max_tokens=12, temperature=0).finish().samples
+    kernel = sharded["layers/scan_module/mlp/fc/kernel"].value
+    print("RESULTS" + json.dumps({"same": samples == one_device, "shards": len(kernel.sharding.device_set)}))
+""")
+
+
+def test_parameters_sharded_over_a_mesh_by_the_default_rules_decode_like_one_device():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS"))[7:])
+    assert results == {"same": True, "shards": 8}
+
+
+def test_the_same_seed_draws_the_same_tokens_and_another_seed_others():
+    first, again, other = (
+        decoder().generate(PROMPTS, max_tokens=16, temperature=1.0, seed=seed).finish().samples for seed in (0, 0, 1)
+    )
+    assert first == again
+    assert first != other
+
+
+def test_a_seed_may_be_given_as_its_key():
+    as_int = decoder().generate(PROMPTS, max_tokens=6, seed=3).finish().samples
+    assert decoder().generate(PROMPTS, max_tokens=6, seed=jax.random.key(3)).finish().samples == as_int
+    assert decoder().generate(PROMPTS, max_tokens=6, seed=np.int64(3)).finish().samples == as_int
+
+
+def test_a_batch_of_samples_equals_single_runs_with_their_sample_keys():
+    options = dict(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    batched = decoder().generate([PROMPTS[1]] * 4, **options).finish().samples
+    singles = [decoder().generate([PROMPTS[1]], first_sample=i, **options).finish().samples[0] for i in range(4)]
+    assert batched == singles
+    assert len({tuple(s) for s in batched}) > 1  # the samples differ from each other
+
+
+def test_generation_that_fills_the_context_stops_truncated():
+    prompt = list(range(1, 21))
+    run = decoder().generate([prompt], max_tokens=100, temperature=1.0).finish()
+    assert len(prompt) + len(run.samples[0]) == SEQ_LEN + 1  # the last token is drawn from a full context
+    assert run.stop_reasons == ["context"] and run.truncated == [True]
+
+
+def test_rotary_positions_generate_past_the_training_context():
+    run = decoder(positions="rope").generate([list(range(1, 21))], max_tokens=40, temperature=1.0).finish()
+    assert len(run.samples[0]) == 40
+    assert run.stop_reasons == ["max_tokens"] and run.truncated == [False]
+
+
+def test_the_end_of_document_token_stops_a_sample_and_is_left_out():
+    drawn = decoder().generate(PROMPTS[:1], max_tokens=12, seed=5).finish().samples[0]
+    index = next(i for i, token in enumerate(drawn) if i > 0 and token not in drawn[:i])  # its first appearance
+    run = decoder().generate(PROMPTS[:1], max_tokens=12, seed=5, end_of_document=drawn[index]).finish()
+    assert run.samples[0] == drawn[:index]
+    assert run.stop_reasons == ["end_of_document"] and run.truncated == [False]
+
+
+def test_tokens_are_yielded_as_they_are_drawn():
+    run = decoder().generate(PROMPTS, max_tokens=5, temperature=1.0)
+    steps = list(run)
+    assert len(steps) == 5 and all(len(step) == len(PROMPTS) for step in steps)
+    assert [[step[b] for step in steps] for b in range(len(PROMPTS))] == run.samples
+
+
+def test_the_decode_step_compiles_once_for_every_token_and_prompt_in_a_bucket():
+    params, moduledef = params_and_def(num_heads=4)  # a configuration no other test compiles
+    before = dict(decoding.trace_counts)
+    model = Decoder(moduledef, params)
+    first = model.generate([[1, 2, 3]], max_tokens=20, temperature=0.7, seed=0).finish()
+    second = model.generate([[9, 8, 7, 6, 5, 4]], max_tokens=20, temperature=1.3, top_k=5, seed=1).finish()
+    assert len(first.samples[0]) == len(second.samples[0]) == 20
+    assert decoding.trace_counts["decode"] - before.get("decode", 0) == 2  # one per top_k on/off, not per token
+    assert decoding.trace_counts["prefill"] - before.get("prefill", 0) == 2
+    model.generate([[5]], max_tokens=20, temperature=0.5, top_k=3, seed=2).finish()
+    assert decoding.trace_counts["decode"] - before.get("decode", 0) == 2
+
+
+def test_padded_vocabulary_ids_are_never_sampled():
+    params, moduledef = params_and_def()
+    model = moduledef.merge(params).clone()
+    model.final_norm.scale = jnp.zeros_like(model.final_norm.scale)  # every position's output is one vector, c
+    model.final_norm.bias = jnp.ones_like(model.final_norm.bias)
+    model.embedding.embedding = model.embedding.embedding.at[VOCAB:].set(10.0)  # padded logits 10 |c|^2, were they real
+    params, moduledef = model.partition(nnx.Param)
+    for temperature in (0.0, 1.0, 5.0):
+        run = generate(moduledef, params, PROMPTS, max_tokens=8, temperature=temperature).finish()
+        assert all(0 <= token < VOCAB for sample in run.samples for token in sample)
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(512))
+    logits = jnp.broadcast_to(jnp.arange(10.0), (512, 10))
+    top_k = set(np.asarray(sample_tokens(logits, keys, 0, top_k=3)).tolist())
+    assert top_k == {7, 8, 9}
+    probs = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+    top_p = set(np.asarray(sample_tokens(jnp.broadcast_to(probs, (512, 4)), keys, 0, top_p=0.7)).tolist())
+    assert top_p == {0, 1}  # 0.5 < 0.7 needs the second; 0.8 covers it
+    assert set(np.asarray(sample_tokens(logits, keys, 0, temperature=0)).tolist()) == {9}
+
+
+def test_an_empty_prompt_is_a_user_error():
+    with pytest.raises(UserError, match="prompt 1 is empty"):
+        decoder().generate([[1], []], max_tokens=4)
+
+
+def test_a_prompt_longer_than_the_context_is_a_user_error():
+    with pytest.raises(UserError, match=r"prompt 0 has 33 tokens, more than the model's context of 32"):
+        decoder().generate([[1] * 33], max_tokens=4)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_user_error():
+    with pytest.raises(UserError, match=r"outside the vocabulary \[0, 257\): \[300\]"):
+        decoder().generate([[1, 300]], max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(max_tokens=4, top_k=-2), "top_k must be >= 0"),
+        (dict(max_tokens=4, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_bad_sampling_options_are_user_errors(options, message):
+    with pytest.raises(UserError, match=message):
+        decoder().generate(PROMPTS, **options)
+
+
+def test_a_model_without_a_cache_is_a_user_error():
+    params, moduledef = MLPClassifier((4,), 3, ctx=nnx.context(0)).partition(nnx.Param)
+    with pytest.raises(UserError, match="MLPClassifier is not a language model with a key-value cache"):
+        Decoder(moduledef, params)
+
+
+def test_utf8_text_holds_back_an_unfinished_character():
+    text = Utf8Decoder()
+    encoded = list("né😀".encode())
+    assert text.decode(encoded[:2]) == "n"  # 'n' and the first byte of 'é'
+    assert text.decode(encoded[2:4]) == "é"  # and the first of the emoji
+    assert text.decode(encoded[4:6]) == ""
+    assert text.decode([encoded[6], None]) + text.flush() == "😀"
+
+
+def test_utf8_text_replaces_invalid_bytes():
+    assert decode_bytes([0x61, 0xFF, 0x62]) == "a\ufffdb"
+    assert decode_bytes(list("é".encode())[:1]) == "\ufffd"  # cut off at the end

@@ -1,0 +1,307 @@
+"""`transformer_lm`: layouts, remat, bfloat16, the padded vocabulary, logical axes, a 7B config, option checks."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nnx
+from nnx_cli import steps
+from nnx_cli.config import ModelConfig
+from nnx_cli.data import DataSpec
+from nnx_cli.models import MODELS, model_factory
+from nnx_cli.models.transformer_lm import TransformerLM
+
+SEQ_LEN, VOCAB = 16, 257
+SMALL = dict(num_layers=2, num_heads=2, embed_dim=32, dropout=0.0)
+
+
+def evaluation() -> nnx.Context:
+    return nnx.context(flags={"deterministic": True})  # made where it is used: a Context belongs to its trace
+
+
+def build(**options) -> TransformerLM:
+    """A small model; each configuration is built once (building compiles) and cloned for every caller."""
+    return _build(tuple(sorted({**SMALL, **options}.items()))).clone()
+
+
+@functools.cache
+def _build(options: tuple) -> TransformerLM:
+    return TransformerLM((SEQ_LEN,), VOCAB, **dict(options), ctx=nnx.context(0))
+
+
+def windows(batch: int = 4, seed: int = 1) -> dict[str, jax.Array]:
+    return {"tokens": jax.random.randint(jax.random.key(seed), (batch, SEQ_LEN + 1), 0, VOCAB)}
+
+
+@jax.jit
+def _metrics(pure: nnx.Pure, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return pure.call.metrics(batch, evaluation())
+
+
+def metrics(model: TransformerLM, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return _metrics(model.partition(), batch)
+
+
+def test_transformer_lm_is_registered():
+    assert MODELS.get("transformer_lm") is TransformerLM
+
+
+def test_scanned_and_unrolled_layers_give_the_same_loss_for_the_same_weights():
+    scanned, unrolled = build(scan_layers=True), build(scan_layers=False)
+    stacked = scanned.filter(nnx.Param)
+    moved = {}
+    for path, param in stacked.items():
+        if path.startswith("layers/scan_module/"):
+            for i in range(SMALL["num_layers"]):
+                moved[path.replace("scan_module", str(i))] = param.value[i]
+        else:
+            moved[path] = param.value
+    target = unrolled.filter(nnx.Param)
+    assert set(moved) == set(target)  # the same per-block layout
+    assert all(moved[path].shape == target[path].value.shape for path in target)
+    unrolled.update_state(nnx.State({path: p.replace(value=moved[path]) for path, p in target.items()}))
+
+    batch = windows()
+    np.testing.assert_allclose(metrics(scanned, batch)["loss"], metrics(unrolled, batch)["loss"], rtol=1e-6)
+
+
+def test_unstack_layers_gives_the_unrolled_layout_and_the_same_logits():
+    scanned = build(scan_layers=True)
+    unstacked = scanned.unstack_layers()
+    assert unstacked.filter(nnx.Param).keys() == build(scan_layers=False).filter(nnx.Param).keys()
+    tokens = windows()["tokens"][:, :-1]
+    logits = jax.jit(lambda pure, t: pure.call.logits(t))
+    np.testing.assert_allclose(logits(scanned.partition(), tokens), logits(unstacked.partition(), tokens), atol=1e-5)
+
+
+def _loss_and_grads(model: TransformerLM, batch: dict[str, jax.Array]):
+    params, moduledef = model.partition(nnx.Param)
+
+    def loss(params):
+        return jnp.mean(moduledef.apply(params).metrics(batch, evaluation())[0]["loss"])
+
+    step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    return step(params), step.memory_analysis().temp_size_in_bytes
+
+
+def test_remat_changes_memory_not_results():
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (32, SEQ_LEN + 1), 0, VOCAB)}
+    runs = {remat: _loss_and_grads(build(remat=remat), batch) for remat in ("none", "dots", "full")}
+    (loss, grads), memory = runs["none"]
+    for remat in ("dots", "full"):
+        (remat_loss, remat_grads), remat_memory = runs[remat]
+        np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), remat_grads, grads)
+        assert remat_memory < memory, (remat, remat_memory, memory)
+    assert runs["full"][1] < runs["dots"][1]  # dots keeps the matmul results that full recomputes
+
+
+def _text_batches(steps: int, batch: int) -> np.ndarray:
+    """Windows of a first-order Markov text over 16 letters: learnable, but not down to zero loss."""
+    rng = np.random.default_rng(0)
+    transitions = rng.dirichlet(np.full(16, 0.3), size=16)
+    text = [0]
+    for _ in range(20_000):
+        text.append(rng.choice(16, p=transitions[text[-1]]))
+    stream = np.asarray(text, np.int32) + ord("a")
+    starts = rng.integers(0, len(stream) - SEQ_LEN - 1, size=(steps, batch))
+    return stream[starts[..., None] + np.arange(SEQ_LEN + 1)]
+
+
+def _train(dtype: str, batches: np.ndarray) -> tuple[TransformerLM, float]:
+    """Adam over `batches`; returns the model and the mean loss of the last 10 steps."""
+    # Untied embeddings leave the unigram plateau smoothly; tied ones wait a number of steps that small
+    # rounding differences change, which would compare two points of a phase transition.
+    model = build(dtype=dtype, tie_embeddings=False)
+    params, moduledef = model.partition(nnx.Param)
+    tx = optax.adam(1e-2)
+
+    def loss(params, tokens):
+        return jnp.mean(moduledef.apply(params).metrics({"tokens": tokens}, evaluation())[0]["loss"])
+
+    @jax.jit
+    def train(params, batches):
+        def step(carry, tokens):
+            params, opt_state = carry
+            value, grads = jax.value_and_grad(loss)(params, tokens)
+            updates, opt_state = tx.update(grads, opt_state)
+            return (optax.apply_updates(params, updates), opt_state), value
+
+        (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), batches)
+        return params, jnp.mean(losses[-10:])
+
+    params, final = train(params, batches)
+    return moduledef.merge(params), float(final)
+
+
+def test_bfloat16_computes_in_bfloat16_keeps_float32_params_and_trains_like_float32():
+    batches = _text_batches(100, 16)
+    model16, loss16 = _train("bfloat16", batches)
+    _, loss32 = _train("float32", batches)
+    assert all(p.value.dtype == jnp.float32 for p in model16.filter(nnx.Param).values())
+    assert model16.logits(batches[0, :, :-1]).dtype == jnp.float32  # the loss side is float32
+    hidden = jax.eval_shape(lambda: model16.embedding(jnp.zeros((1, 4), jnp.int32)))
+    assert hidden.dtype == jnp.bfloat16
+    assert math.isfinite(loss16) and loss32 < 0.85 * math.log(16)  # it learned more than the letter frequencies
+    assert abs(loss16 - loss32) <= 0.01 * loss32, (loss16, loss32)
+
+
+def test_the_trainers_steps_train_and_evaluate_a_transformer_lm():
+    options = {**SMALL, "tie_embeddings": False, "bits_per_byte": True}
+    build = model_factory(ModelConfig(name="transformer_lm", options=options), DataSpec((SEQ_LEN,), VOCAB, "bytes"))
+    tx = optax.adam(1e-2)
+    moduledef, state = steps.init_state(build, tx, seed=0)
+    batches = _text_batches(31, 8)
+    held_out = {"tokens": batches[-1], "mask": np.ones(8, bool)}
+    names = steps.check_step(moduledef, tx, "transformer_lm", jax.eval_shape(lambda: state), {"tokens": batches[0]})
+    assert sorted(names) == ["accuracy", "bits_per_byte", "loss"]
+    train = jax.jit(functools.partial(steps.train_step, moduledef, tx, "loss", 0))
+    evaluate = jax.jit(functools.partial(steps.eval_step, moduledef, 0))
+    before = evaluate(state, held_out, jnp.int32(0))
+    sums = steps.empty_sums(names)
+    for tokens in batches[:-1]:
+        state, sums, _ = train(state, sums, {"tokens": tokens})
+    after = evaluate(state, held_out, jnp.int32(0))
+    assert int(sums["count"]) == 30 and int(sums["bad_step"]) == -1
+    assert float(after["loss"]) < 0.8 * float(before["loss"])
+    assert float(after["bits_per_byte"]) == pytest.approx(float(after["loss"]) / math.log(2), rel=1e-5)  # all bytes
+
+
+def _padded_ids_dominate(model: TransformerLM) -> TransformerLM:
+    """Make every padded id's logit the largest, were it not masked: h is a constant c, padded rows are 10 c."""
+    direction = jnp.ones((model.embed_dim,))
+    model.final_norm.scale = jnp.zeros_like(model.final_norm.scale)
+    model.final_norm.bias = direction
+    table = model.embedding.embedding
+    model.embedding.embedding = table.at[VOCAB:].set(10.0 * direction)
+    return model
+
+
+def test_the_padded_vocabulary_is_masked_out_of_logits_loss_and_accuracy():
+    model = _padded_ids_dominate(build())
+    assert model.embedding.embedding.shape[0] == 384  # 257 padded to a multiple of 128
+    batch = windows()
+    logits = jax.jit(lambda pure, t: pure.call.logits(t))(model.partition(), batch["tokens"][:, :-1])
+    assert int(jnp.argmax(logits, -1).max()) < VOCAB
+    real = jax.nn.log_softmax(logits[..., :VOCAB], axis=-1)
+    expected = -jnp.mean(jnp.take_along_axis(real, batch["tokens"][:, 1:, None], axis=-1)[..., 0], axis=-1)
+    np.testing.assert_allclose(metrics(model, batch)["loss"], expected, rtol=1e-5)
+
+
+def test_bits_per_byte_counts_byte_targets_only():
+    model = build(bits_per_byte=True)
+    tokens = np.asarray(windows()["tokens"]).copy()
+    tokens[0, 1::3] = 256  # end-of-document targets in the first window
+    tokens[1, 1:] = 256  # a window of nothing else
+    out = metrics(model, {"tokens": jnp.asarray(tokens)})
+    logits = jax.jit(lambda pure, t: pure.call.logits(t))(model.partition(), tokens[:, :-1])
+    nats = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), tokens[:, 1:, None], axis=-1)[..., 0]
+    is_byte = tokens[:, 1:] < 256
+    for row in (0, 2):
+        np.testing.assert_allclose(out["bits_per_byte"][row], nats[row][is_byte[row]].mean() / math.log(2), rtol=1e-5)
+    assert out["bits_per_byte"][1] == 0.0
+    np.testing.assert_allclose(out["loss"], nats.mean(-1), rtol=1e-5)  # the loss counts every target
+
+
+def test_bits_per_byte_is_reported_only_when_asked():
+    assert "bits_per_byte" not in metrics(build(), windows())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(scan_layers=True),
+        dict(scan_layers=False, positions="rope", norm="rmsnorm", tie_embeddings=False),
+    ],
+    ids=["scanned", "unrolled-rope-rmsnorm-untied"],
+)
+def test_every_parameter_has_logical_axes_of_its_rank(options):
+    params = jax.eval_shape(lambda: build(**options).filter(nnx.Param))
+    names = {"vocab", "embed", "heads", "kv", "mlp", "layers", "length"}
+    for path, param in params.items():
+        assert param.sharding is not None and len(param.sharding) == param.value.ndim, (path, param.sharding)
+        assert set(param.sharding) <= names, (path, param.sharding)
+        assert (param.sharding[0] == "layers") == path.startswith("layers/scan_module/"), (path, param.sharding)
+
+
+def test_initialisation_scales_residual_projections_and_zeroes_biases():
+    model = TransformerLM((SEQ_LEN,), VOCAB, num_layers=8, num_heads=2, embed_dim=64, ctx=nnx.context(0))
+    params = model.filter(nnx.Param)
+    std = {path: float(jnp.std(p.value)) for path, p in params.items()}
+    assert std["embedding/embedding"] == pytest.approx(0.02, rel=0.05)
+    assert std["layers/scan_module/mlp/fc/kernel"] == pytest.approx(0.02, rel=0.05)
+    residual = 0.02 / math.sqrt(2 * 8)
+    assert std["layers/scan_module/mlp/proj/kernel"] == pytest.approx(residual, rel=0.05)
+    assert std["layers/scan_module/attention/out/kernel"] == pytest.approx(residual, rel=0.05)
+    assert all(not jnp.any(p.value) for path, p in params.items() if path.endswith("/bias") and "norm" not in path)
+
+
+def test_a_7b_config_builds_under_eval_shape_in_seconds_and_counts_its_flops():
+    layers, width, seq_len, vocab = 32, 4096, 2048, 32000
+    start = time.perf_counter()
+    params, moduledef = jax.eval_shape(
+        lambda: TransformerLM(
+            (seq_len,), vocab, num_layers=layers, num_heads=32, embed_dim=width, ctx=nnx.context(0)
+        ).partition(nnx.Param)
+    )
+    assert time.perf_counter() - start < 30
+    assert all(isinstance(p.value, jax.ShapeDtypeStruct) for p in params.values())  # no parameter memory
+    per_layer = 12 * width**2 + 13 * width  # q, k, v, out and a 4x MLP; their biases and two norms
+    non_embedding = layers * per_layer + 2 * width  # and the final norm
+    total = non_embedding + (vocab + seq_len) * width
+    assert sum(math.prod(p.value.shape) for p in params.values()) == total
+    assert 6.5e9 < total < 7e9
+    model = moduledef.merge(params)
+    assert model.flops_per_token() == 6 * non_embedding + 12 * layers * seq_len * width
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(positions="alibi"), r"model\.positions must be one of learned, rope; got 'alibi'"),
+        (dict(norm="batchnorm"), r"model\.norm must be one of layernorm, rmsnorm"),
+        (dict(remat="some"), r"model\.remat must be one of none, full, dots"),
+        (dict(dtype="float16"), r"model\.dtype must be one of float32, bfloat16"),
+        (dict(embed_dim=30, num_heads=4), r"model\.embed_dim \(30\) must be a multiple of model\.num_heads \(4\)"),
+        (dict(num_layers=0), r"model\.num_layers must hold positive sizes"),
+        (dict(mlp_dim=0), r"model\.mlp_dim must hold positive sizes"),
+        (dict(dropout=1.0), r"model\.dropout is a drop probability in \[0, 1\)"),
+        (dict(attention_dropout=-0.1), r"model\.attention_dropout is a drop probability"),
+        (dict(positions="rope", embed_dim=6, num_heads=2), r"model\.positions rope .* must be even"),
+    ],
+)
+def test_bad_options_name_the_model_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        build(**options)
+
+
+def test_input_shape_must_be_one_window_length():
+    with pytest.raises(ValueError, match=r"input_shape must be \[seq_len\], got \[8, 8, 1\]"):
+        TransformerLM((8, 8, 1), VOCAB, ctx=nnx.context(0))
+
+
+def test_vocab_size_overrides_the_tokenizer_vocabulary():
+    params = jax.eval_shape(lambda: build(vocab_size=1000).filter(nnx.Param))
+    assert params["embedding/embedding"].value.shape == (1024, 32)  # 1000 padded to a multiple of 128
+
+
+def test_dropout_makes_training_forward_passes_random_and_eval_deterministic():
+    model = build(dropout=0.5, attention_dropout=0.5)
+    batch = windows()
+
+    @functools.partial(jax.jit, static_argnames="training")
+    def loss(pure: nnx.Pure, key: jax.Array, training: bool) -> jax.Array:
+        return pure.call.metrics(batch, nnx.context(dropout=key, flags={"deterministic": not training}))["loss"]
+
+    train = [loss(model.partition(), jax.random.key(i), training=True) for i in (0, 1)]
+    assert not np.allclose(train[0], train[1])
+    evals = [loss(model.partition(), jax.random.key(i), training=False) for i in (0, 1)]
+    np.testing.assert_array_equal(evals[0], evals[1])
