@@ -127,6 +127,27 @@ class Checkpointer:
         """The items the checkpoint at `step` holds (`{"state"}` for one written before named items)."""
         return {p.name for p in (self.directory / str(step)).iterdir() if p.is_dir()}
 
+    def restore_params(self, step: int, target: Any) -> Any:
+        """Only the parameters of the checkpoint at `step`, into `target`'s structure and shardings (an
+        abstract `State` of params): no optimizer state is read. A parameter whose shape or dtype differs is
+        a UserError naming it; a damaged step is `Unreadable`."""
+        named = to_named_tree(jax.tree.map(_as_abstract, target))
+        try:
+            saved = self.metadata(step)["params"]
+        except KeyError:
+            raise self._unreadable(step, "read", KeyError("no params")) from None
+        _check_params(self.directory / str(step), saved, named)
+        args = ocp.args.PyTreeRestore(
+            item={"params": named},
+            restore_args={"params": ocp.checkpoint_utils.construct_restore_args(named)},
+            partial_restore=True,
+        )
+        try:
+            restored = ocp.PyTreeCheckpointer().restore(self.directory / str(step) / _ITEM, args=args)
+        except Exception as e:
+            raise self._unreadable(step, "restored", e) from None
+        return from_named_tree(restored["params"], target)
+
     def restore_item(self, step: int, item: str, target: Any) -> Any:
         """Restore one item other than the train state into `target`'s structure; None when the checkpoint lacks it."""
         if item not in self.items(step):
@@ -275,6 +296,27 @@ class Checkpointer:
             except Exception:
                 if not self._failed:  # else it is the failure already reported, raised again by Orbax
                     raise
+
+
+def _check_params(where: Path, saved: Any, wanted: Any) -> None:
+    """The parameters a model wants, against those a checkpoint holds: the first difference, as a UserError."""
+
+    def layout(tree: Any) -> dict[str, tuple]:
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(_names(path)): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+
+    have, want = layout(saved), layout(wanted)
+    if have == want:
+        return
+    changed = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+    if changed:
+        (old_shape, old_dtype), (new_shape, new_dtype) = have[changed[0]], want[changed[0]]
+        what = f"{changed[0]} is {old_dtype}{list(old_shape)} there but {new_dtype}{list(new_shape)} in this model"
+    elif want.keys() - have.keys():
+        what = f"it has no {sorted(want.keys() - have.keys())[0]}"
+    else:
+        what = f"it has {sorted(have.keys() - want.keys())[0]}, which this model does not"
+    raise UserError(f"the parameters of checkpoint {where} do not fit this model: {what}")
 
 
 def _hush_closed_event_loops() -> None:

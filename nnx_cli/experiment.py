@@ -32,6 +32,7 @@ from nnx_cli import data, models, optim, sharding, steps
 from nnx_cli.config import Config
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
 from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.registry import signature
 from nnx_cli.runtime import PHASES
 
 
@@ -114,8 +115,14 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
 
 
 def _setup_model(cfg: Config) -> type:
-    """The model class, its options checked against the constructor and completed with its defaults."""
+    """The model class, its options checked against the constructor and completed with its defaults.
+
+    A model that can report `bits_per_byte` does so for the `bytes` tokenizer unless the config says no.
+    """
     model_cls = models.model_class(cfg.model.name)
+    byte_level = cfg.data.text_key is not None and cfg.data.tokenizer == "bytes"
+    if byte_level and "bits_per_byte" in signature(model_cls).parameters:
+        cfg.model.options.setdefault("bits_per_byte", True)
     cfg.model.options = models.resolve_options(cfg.model)
     return model_cls
 

@@ -4,6 +4,7 @@
 - :class:`Checkpoint`   every `checkpoint.every_steps`, and at the end: the state and the loop's sums -> Orbax
 - :class:`Evaluate`     every `train.eval_every`, and at the end: eval metrics -> loggers
 - :class:`KeepBest`     with each eval, `checkpoint.keep_best`: the best step, kept
+- :class:`Samples`      with each eval, for language models: continuations of fixed prompts
 - :class:`ImageGrid`    with each eval, for image models: a PNG of inputs, reconstructions and samples
 - :class:`Tick`         every dispatch: the live progress bar moves
 - :class:`StopVote`     every dispatch (every ~10 steps across processes): Ctrl-C / SIGTERM ends the run
@@ -97,6 +98,7 @@ class LogMetrics:
             if self.tokens_per_example:
                 metrics["tokens_per_s"] = rate * self.batch_size * self.tokens_per_example
         self._last = (loop.step, now)
+        metrics.update(_device_memory())
         self.loggers.log(loop.step, "train", metrics)
         return True
 
@@ -213,6 +215,43 @@ class ImageGrid:
             self(loop)
 
 
+class Samples:
+    """Language models: continuations of fixed prompts written to `samples/<step>.txt` with each eval, drawn
+    with keys from `(seed, step)`, so a resumed run writes the same samples as an uninterrupted one."""
+
+    phase = "eval"
+
+    def __init__(self, every: int, exp: Any, directory: Path | None, guard: Guard):
+        from nnx_cli.data.tokenizers import load_tokenizer
+        from nnx_cli.generate import eval_prompts
+
+        self.every = every
+        self.exp = exp
+        self.directory = directory  # None on every process but the first
+        self.guard = guard
+        self.prompts = eval_prompts(exp)
+        self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer)
+        self.done: int | None = None
+
+    def __call__(self, loop: Loop) -> None:
+        from nnx_cli.decoding import Decoder
+        from nnx_cli.generate import EVAL_SAMPLE_TOKENS, write_eval_samples
+
+        self.guard.check(loop)
+        decoder = Decoder(self.exp.moduledef, loop.state["params"])
+        key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
+        drawn = decoder.generate(
+            self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, end_of_document=self.tokenizer.eod_id
+        ).finish()
+        if self.directory is not None:
+            write_eval_samples(self.directory / f"{loop.step}.txt", self.prompts, drawn, self.tokenizer)
+        self.done = loop.step
+
+    def end(self, loop: Loop) -> None:
+        if loop.stop_signal is None and self.done != loop.step:
+            self(loop)
+
+
 class FirstStep:
     """Says when the first dispatch finished: how long set-up and the first (compiling) steps took."""
 
@@ -283,6 +322,13 @@ class Profile:
             jax.block_until_ready(loop.state)
             jax.profiler.stop_trace()
             self.active = False
+
+
+def _device_memory() -> dict[str, float]:
+    """`device_memory_gb`: the most memory in use on one of this process's devices, where the platform says."""
+    in_use = [(d.memory_stats() or {}).get("bytes_in_use") for d in jax.local_devices()]
+    known = [b for b in in_use if b is not None]
+    return {"device_memory_gb": max(known) / 2**30} if known else {}
 
 
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:

@@ -27,7 +27,7 @@ from nnx_cli import distributed as _distributed
 from nnx_cli import loggers, runtime, watchdog
 from nnx_cli.config import Config, load_config, to_dict
 from nnx_cli.distributed import Signals
-from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
+from nnx_cli.errors import EXIT_INTERRUPTED, UserError, report_errors, run_app
 from nnx_cli.runtime import PHASES
 
 _STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM about this often (in steps)
@@ -183,6 +183,8 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
         console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False, soft_wrap=True)
     else:
         start, state, sums = 0, exp.init_state(), steps.empty_sums(exp.metric_names)
+        if exp.cfg.checkpoint.init_from is not None:
+            state = dict(state, params=_init_from(exp, exp.cfg.checkpoint.init_from, console))
     if is_main:
         write_config(
             workdir, to_dict(exp.cfg), start, say=lambda line: console.print(line, highlight=False, soft_wrap=True)
@@ -222,6 +224,25 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
             ckpt_dir, found.rejected, "train in a new --workdir, or pass --no-resume to start over (it deletes them)"
         )
     return found if found.step is not None else None
+
+
+def _init_from(exp: Any, source: str, console: Any) -> Any:
+    """`checkpoint.init_from`: the parameters of another run's newest usable step (or the step dir named), for
+    fine-tuning; optimizer state and step start afresh."""
+    from nnx_cli import restore
+    from nnx_cli.workdir import open_run
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False, soft_wrap=True)
+
+    try:
+        run = open_run(source)
+    except UserError as e:
+        raise UserError(f"config key 'checkpoint.init_from': {e}") from None
+    target = exp.restore_target()["params"]
+    step, params = restore.from_run(run, lambda ckpt, s: ckpt.restore_params(s, target), say)
+    say(f"parameters initialised from {run.checkpoints / str(step)}")
+    return params
 
 
 def _replicated(exp: Any, tree: Any) -> Any:
@@ -270,6 +291,9 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
         if exp.has_images:
             images = session.workdir / "images" if session.lock is not None else None
             chosen.append(hooks.ImageGrid(t.eval_every, hooks.image_maker(exp, eval_layout, scalar), images, guard))
+        if exp.spec.tokenizer is not None and hasattr(exp.model_cls, "init_cache"):
+            samples = session.workdir / "samples" if session.lock is not None else None
+            chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)

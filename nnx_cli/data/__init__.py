@@ -21,6 +21,7 @@ once into a token stream; both are memory-mapped by every later run
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ def _open(source: str) -> Any:
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported as one UserError below
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # "Repo card metadata block was not found"
     if not sys.stderr.isatty():
         datasets.disable_progress_bars()
     try:

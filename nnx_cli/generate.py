@@ -1,0 +1,207 @@
+"""`nnx-generate TARGET --prompt TEXT`: continue a prompt with a trained language model.
+
+TARGET is a work dir, its `checkpoints/` dir or one step dir of a
+`transformer_lm` run. The run's config gives the model and the tokenizer;
+only the parameters of its newest usable (or `--step`) checkpoint are
+restored, onto whatever devices exist (a model trained on 8 devices samples
+on 1). Tokens are drawn from a key-value cache, one jitted prefill per
+prompt-length bucket and one jitted decode step reused for every token, and
+appear as they are drawn when stdout is a terminal. `--json` prints one
+object: `{"step", "prompt", "samples", "truncated", "stop_reasons", "tokens_per_s"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from nnx_cli.errors import UserError, report_errors, run_app
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+
+# Samples written at each eval during training (`samples/<step>.txt`).
+EVAL_SAMPLE_TOKENS = 200
+EVAL_PROMPTS = 2
+
+
+@app.command()
+@report_errors
+def generate(
+    target: Path = typer.Argument(
+        ..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False
+    ),
+    overrides: list[str] | None = typer.Argument(
+        None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.tokenizer=...", show_default=False
+    ),
+    prompt: str = typer.Option(..., help="The text to continue.", show_default=False),
+    max_tokens: int = typer.Option(200, help="Tokens to draw at most per sample."),
+    temperature: float = typer.Option(1.0, help="Softmax temperature; 0 is greedy."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
+    top_p: float = typer.Option(1.0, help="Keep the smallest set of tokens whose probability reaches p (1: all)."),
+    seed: int = typer.Option(0, help="Sample i draws with keys from (seed, i): the same seed, the same text."),
+    num_samples: int = typer.Option(1, help="Samples drawn in parallel, as one batch."),
+    step: int | None = typer.Option(None, help="Checkpoint step (default: the newest usable one)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the text."),
+) -> None:
+    """Continue a prompt with a trained language model."""
+    from nnx_cli import runtime
+    from nnx_cli.workdir import open_run
+
+    if not prompt:
+        raise UserError("--prompt is empty: give some text to continue")
+    if num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1, got {num_samples}")
+    run = open_run(target, overrides or [], step)
+    runtime.configure()
+    restored_step, decoder, tokenizer = load(run)
+    prompt_ids = [int(t) for t in tokenizer.encode(prompt)]
+    if not prompt_ids:
+        raise UserError(f"--prompt {prompt!r} encodes to no tokens with the run's tokenizer")
+    options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    drawn = _Timed(decoder.generate([prompt_ids] * num_samples, end_of_document=tokenizer.eod_id, **options))
+    stream = sys.stdout.isatty() and not as_json and num_samples == 1
+    if stream:
+        _stream(drawn, prompt, tokenizer)
+    drawn.finish()
+    texts = [text_of(tokenizer, sample) for sample in drawn.samples]
+    if as_json:
+        speed = drawn.tokens_per_s()
+        print(json.dumps({
+            "step": restored_step, "prompt": prompt, "samples": texts, "truncated": any(drawn.truncated),
+            "stop_reasons": drawn.stop_reasons, "tokens_per_s": round(speed, 1),
+        }))  # fmt: skip
+    elif not stream:
+        for i, text in enumerate(texts):
+            print(("" if num_samples == 1 else f"--- sample {i}\n") + prompt + text, flush=True)
+
+
+class _Timed:
+    """A `decoding.Generation` that times its decode steps: tokens/s after the first token (which includes the
+    prefill and, on a first run, compiling)."""
+
+    def __init__(self, drawn: Any):
+        self.drawn = drawn
+        self.first: float | None = None
+        self.last = 0.0
+        self.steps = 0
+
+    def __iter__(self) -> _Timed:
+        return self
+
+    def __next__(self) -> Any:
+        tokens = next(self.drawn)
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.steps += sum(t is not None for t in tokens)
+        self.last = now
+        return tokens
+
+    def finish(self) -> _Timed:
+        for _ in self:
+            pass
+        return self
+
+    def tokens_per_s(self) -> float:
+        seconds = self.last - (self.first or self.last)
+        return round(self.steps / seconds, 1) if seconds > 0 else 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.drawn, name)
+
+
+def load(run: Any) -> tuple[int, Any, Any]:
+    """The run's newest usable (or requested) step, a `decoding.Decoder` over its parameters on this
+    process's first device, and its tokenizer. A run that is not a language model is a UserError."""
+    import jax
+
+    from nnx_cli import decoding, restore
+    from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.experiment import setup
+    from nnx_cli.report import stderr_console
+
+    if run.cfg.data.text_key is None:
+        raise UserError(
+            f"{str(run.workdir)!r} holds a {run.cfg.model.name!r} model trained on images, not a language model; "
+            "nnx-generate samples from transformer_lm runs"
+        )
+    exp = setup(run.cfg, data=None, place=False)
+    if not hasattr(exp.model_cls, "init_cache"):
+        raise UserError(
+            f"model {run.cfg.model.name!r} has no key-value cache to sample with; nnx-generate needs a language "
+            "model such as transformer_lm"
+        )
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), exp.abstract["params"])
+    console = stderr_console()
+    step, params = restore.from_run(
+        run, lambda ckpt, s: ckpt.restore_params(s, target), lambda m: console.print(m, highlight=False)
+    )
+    return step, decoding.Decoder(exp.moduledef, params), load_tokenizer(run.cfg.data.tokenizer)
+
+
+def text_of(tokenizer: Any, tokens: list[int]) -> str:
+    """Tokens as text; for bytes, invalid UTF-8 shows as U+FFFD."""
+    from nnx_cli import decoding
+
+    if hasattr(tokenizer, "to_bytes"):
+        return decoding.decode_bytes(tokens)
+    return tokenizer.decode(tokens)
+
+
+def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
+    """Print the prompt, then each token of the first sample as it is drawn."""
+    from nnx_cli import decoding
+
+    print(prompt, end="", flush=True)
+    if hasattr(tokenizer, "to_bytes"):
+        text = decoding.Utf8Decoder()
+        for tokens in drawn:
+            print(text.decode(tokens[:1]), end="", flush=True)
+        print(text.flush(), flush=True)
+        return
+    shown = ""
+    for _ in drawn:
+        current = tokenizer.decode(drawn.samples[0])
+        print(current[len(shown) :], end="", flush=True)
+        shown = current
+    print(flush=True)
+
+
+def eval_prompts(exp: Any) -> list[list[int]]:
+    """The prompts of the samples written at each eval: `train.sample_prompts`, encoded; by default the
+    first tokens of the eval split and of its middle."""
+    from nnx_cli.data.tokenizers import load_tokenizer
+
+    if exp.cfg.train.sample_prompts:
+        tokenizer = load_tokenizer(exp.cfg.data.tokenizer)
+        return [[int(t) for t in tokenizer.encode(p)] for p in exp.cfg.train.sample_prompts]
+    stream = exp.eval.stored()["tokens"]
+    length = max(1, min(32, exp.cfg.data.seq_len // 4))
+    starts = [0, len(stream) // 2][:EVAL_PROMPTS]
+    return [[int(t) for t in stream[s : s + length]] for s in starts]
+
+
+def write_eval_samples(path: Path, prompts: list[list[int]], drawn: Any, tokenizer: Any) -> None:
+    """`samples/<step>.txt`: each prompt and its continuation."""
+    blocks = []
+    for i, (prompt, sample) in enumerate(zip(prompts, drawn.samples)):
+        blocks.append(f"--- sample {i}\n{text_of(tokenizer, prompt)}{text_of(tokenizer, sample)}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("\n".join(blocks))
+    partial.replace(path)
+
+
+def main() -> None:
+    run_app(app)
+
+
+if __name__ == "__main__":
+    main()
