@@ -246,9 +246,11 @@ def load_text_splits(cfg: DataConfig, seed: int, splits: Collection[str] = ("tra
 
 
 def _notice(key: tuple[str, str], message: str) -> None:
+    """Say `message` once per process, on process 0 only (every process of a run loads the same data)."""
     if key not in _noticed:
         _noticed.add(key)
-        print(message, file=sys.stderr, flush=True)
+        if jax.process_index() == 0:
+            print(message, file=sys.stderr, flush=True)
 
 
 class _Source:

@@ -1,0 +1,233 @@
+"""Language models from a config, as a user runs them: a text file, `transformer_lm`, samples, `nnx-generate`.
+
+The text is written by the tests (users have no ../shared); one small byte-level
+model is trained once and shared.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from cli_support import assert_user_error, cli, final_state, start, wait_for_checkpoint
+
+from nnx_cli.checkpoint import Checkpointer
+
+STEPS = 300
+CONFIG = f"""
+seed: 2
+model: {{name: transformer_lm, num_layers: 2, num_heads: 4, embed_dim: 64, dropout: 0.0}}
+data: {{source: book.txt, text_key: text, tokenizer: bytes, seq_len: 64, eval_split: validation}}
+optimizer: {{name: adamw, learning_rate: 3.0e-3, weight_decay: 0.1, weight_decay_mask: kernels}}
+train: {{batch_size: 32, steps: {STEPS}, log_every: 50, eval_every: 150, eval_max_batches: 4}}
+checkpoint: {{every_steps: 50, keep: 10}}
+"""
+
+
+def book() -> str:
+    """A small text with structure a model can learn: numbered verses of a few repeated word patterns."""
+    rng = np.random.default_rng(0)
+    words = ["the", "king", "queen", "shall", "speak", "of", "love", "and", "war", "my", "lord", "night", "day"]
+    lines = []
+    for i in range(2500):
+        lines.append(f"{i % 7}. " + " ".join(rng.choice(words, size=rng.integers(4, 9))) + ".")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lm")
+    (root / "book.txt").write_text(book())
+    (root / "lm.yaml").write_text(CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(project: Path) -> Path:
+    result = cli("nnx-train", "lm.yaml", "--workdir", "ref", cwd=project, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return project / "ref"
+
+
+def records(workdir: Path, split: str) -> list[dict]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def test_a_byte_level_model_learns_from_a_text_file(reference: Path):
+    train = records(reference, "train")
+    assert train[-1]["metrics"]["loss"] < 0.6 * train[0]["metrics"]["loss"]
+    assert {"tokens_per_s", "learning_rate", "grad_norm"} <= set(train[-1]["metrics"])
+
+
+def test_the_eval_reports_loss_perplexity_accuracy_and_bits_per_byte(reference: Path):
+    final = records(reference, "eval")[-1]["metrics"]
+    assert set(final) == {"loss", "perplexity", "accuracy", "bits_per_byte"}
+    assert final["perplexity"] == pytest.approx(np.exp(final["loss"]), rel=1e-6)
+    assert 0.0 < final["accuracy"] < 1.0
+
+
+def test_a_lone_text_file_holds_out_its_last_tenth_for_eval(reference: Path, project: Path):
+    from nnx_cli.config import load_config
+    from nnx_cli.data import eval_split, train_split
+
+    cfg = load_config(project / "lm.yaml", [f"data.source={project / 'book.txt'}", f"data.cache_dir={project / 'c'}"])
+    train, held_out = train_split(cfg), eval_split(cfg)
+    total = len(train.stored()["tokens"]) + len(held_out.stored()["tokens"])
+    assert len(held_out.stored()["tokens"]) == total - (total - int(total * 0.1))
+
+
+def test_each_eval_writes_samples_of_fixed_prompts(reference: Path):
+    samples = sorted(p.name for p in (reference / "samples").iterdir())
+    assert samples == ["150.txt", "300.txt"]
+    text = (reference / "samples" / "300.txt").read_text()
+    assert text.startswith("--- sample 0\n") and "--- sample 1\n" in text
+
+
+def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path, project: Path):
+    proc = start("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project)
+    wait_for_checkpoint(project / "killed", 100, [proc])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step() < STEPS
+    result = cli("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project, timeout=300)
+    assert result.returncode == 0, result.stderr
+    a, b = final_state(project / "killed"), final_state(reference)
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert (project / "killed" / "samples" / "300.txt").read_text() == (reference / "samples" / "300.txt").read_text()
+
+
+def test_generate_continues_a_prompt_and_the_seed_fixes_the_text(reference: Path, project: Path):
+    def sample(*extra: str) -> dict:
+        result = cli("nnx-generate", "ref", "--prompt", "3. the", "--max-tokens", "20", "--json", *extra, cwd=project)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    first, again, other = sample("--seed", "1"), sample("--seed", "1"), sample("--seed", "2")
+    assert first["step"] == STEPS and first["prompt"] == "3. the" and first["samples"] == again["samples"]
+    assert first["samples"] != other["samples"] and first["tokens_per_s"] > 0
+    batch = sample("--seed", "1", "--num-samples", "3")
+    assert len(batch["samples"]) == 3 and batch["samples"][0] == first["samples"][0]  # sample 0's keys either way
+
+
+def test_greedy_generation_that_fills_the_context_stops_there_truncated(reference: Path, project: Path):
+    result = cli(
+        "nnx-generate",
+        "ref",
+        "--prompt",
+        "1. my lord",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "500",
+        "--json",
+        cwd=project,
+    )
+    report = json.loads(result.stdout)
+    assert report["truncated"] is True and report["stop_reasons"] == ["context"]
+    assert len(report["prompt"]) + len(report["samples"][0].encode()) == 64 + 1  # seq_len, plus the last drawn
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "x" * 80], "more than the model's context of 64"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--prompt", "hi", "--step", "7"], "--step 7: no such checkpoint"),
+    ],
+)
+def test_generate_rejects_bad_input_with_one_line(reference: Path, project: Path, args: list[str], fragment: str):
+    assert_user_error(cli("nnx-generate", "ref", *args, cwd=project), fragment)
+
+
+def test_generate_of_an_image_model_is_a_user_error(project: Path):
+    (project / "vae.yaml").write_text("model: {name: vae, hidden_sizes: [8], latent_size: 2}\ntrain: {steps: 2}\n")
+    assert cli("nnx-train", "vae.yaml", "--workdir", "vae", cwd=project).returncode == 0
+    assert_user_error(cli("nnx-generate", "vae", "--prompt", "hi", cwd=project), "not a language model")
+
+
+def test_fine_tuning_starts_from_another_runs_parameters(reference: Path, project: Path):
+    result = cli(
+        "nnx-train", "lm.yaml", "train.steps=1", "optimizer.learning_rate=0.0", "checkpoint.init_from=ref",
+        "--workdir", "tuned", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "parameters initialised from ref/checkpoints/300" in result.stderr
+    tuned, ref = final_state(project / "tuned"), final_state(reference)
+    assert tuned["step"] == 1
+    for x, y in zip(jax.tree.leaves(tuned["params"]), jax.tree.leaves(ref["params"])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)  # weight decay * lr 0 = 0
+
+
+def test_fine_tuning_from_a_run_of_another_shape_names_the_parameter(reference: Path, project: Path):
+    result = cli(
+        "nnx-train", "lm.yaml", "model.embed_dim=32", "checkpoint.init_from=ref", "--workdir", "x", cwd=project
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = result.stderr.strip().splitlines()[-1]  # after the notice of the held-out eval split
+    assert message.startswith("error: the parameters of checkpoint ") and "do not fit this model: " in message
+    assert "is float32[384, 64] there but float32[384, 32] in this model" in message
+
+
+def test_inspect_of_a_text_config_reads_no_data_and_shows_the_mesh_split(project: Path):
+    result = cli(
+        "nnx-inspect", "lm.yaml", "data.source=/nowhere/at/all.txt", "sharding.mesh.data=4", "sharding.mesh.model=2",
+        "--json", "--filter", "Param", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    entries = {e["path"]: e for e in json.loads(result.stdout)["entries"]}
+    kernels = [e for path, e in entries.items() if path.endswith("kernel") and "mlp" in e["sharding"]]
+    assert kernels and all(e["sharding"][0] == "layers" for e in kernels)
+    assert {tuple(e["mesh_axes"][1:]) for e in kernels} <= {("data", "model"), ("model", "data")}
+
+
+def test_a_7b_parameter_model_inspects_in_seconds_without_parameter_memory(project: Path):
+    big = ["model.num_layers=32", "model.num_heads=32", "model.embed_dim=4096", "data.seq_len=2048"]
+    result = cli("nnx-inspect", "lm.yaml", *big, "data.source=/nowhere.txt", "--json", cwd=project, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert 6.0e9 < json.loads(result.stdout)["total_params"] < 8.0e9
+
+
+@pytest.fixture(scope="module")
+def on_meshes(project: Path) -> tuple[Path, Path]:
+    """20 steps on 1 device and on 8 (FSDP over data=4 x tensor parallel over model=2): only `sharding` differs."""
+    short = ["train.steps=20", "train.log_every=10", "train.eval_every=20", "checkpoint.every_steps=20"]
+    one = cli("nnx-train", "lm.yaml", *short, "--workdir", "one", cwd=project, timeout=300)
+    assert one.returncode == 0, one.stderr
+    mesh = ["sharding.mesh.data=4", "sharding.mesh.model=2"]
+    eight = cli("nnx-train", "lm.yaml", *short, *mesh, "--workdir", "eight", cwd=project, devices=8, timeout=300)
+    assert eight.returncode == 0, eight.stderr
+    return project / "one", project / "eight"
+
+
+def test_eight_devices_with_fsdp_and_tensor_parallel_train_like_one(on_meshes: tuple[Path, Path]):
+    one, eight = on_meshes
+    for a, b in zip(records(one, "train") + records(one, "eval"), records(eight, "train") + records(eight, "eval")):
+        for name in ("loss", "accuracy"):
+            assert a["metrics"][name] == pytest.approx(b["metrics"][name], rel=1e-4, abs=1e-4)
+
+
+def test_the_eight_device_checkpoint_keeps_kernels_split_over_both_axes(on_meshes: tuple[Path, Path]):
+    _, eight = on_meshes
+    ckpt = Checkpointer(eight / "checkpoints", read_only=True)
+    params = ckpt.metadata(ckpt.latest_step())["params"]
+    specs = {
+        "/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.sharding.partition_spec)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if hasattr(leaf, "sharding") and leaf.sharding is not None
+    }
+    split_both = [name for name, spec in specs.items() if "data" in spec and "model" in spec]
+    assert any("mlp" in name for name in split_both) and any("attention" in name for name in split_both), specs
+
+
+def test_a_model_trained_on_eight_devices_samples_in_one_process(on_meshes: tuple[Path, Path], project: Path):
+    _, eight = on_meshes
+    result = cli("nnx-generate", eight, "--prompt", "2. the", "--max-tokens", "8", "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step"] == 20
