@@ -72,6 +72,10 @@ class Experiment:
         """A fresh train state, created directly on the devices in its shardings."""
         return jax.jit(lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1], out_shardings=self.shardings)()
 
+    def empty_sums(self) -> dict[str, Any]:
+        """The train-metric accumulator, zeroed, on the devices (see `steps.empty_sums`)."""
+        return sharding.put_replicated(steps.empty_sums(self.metric_names), self.mesh)
+
     def steps_per_epoch(self) -> int:
         assert self.train is not None
         return self.train.steps_per_epoch(self.cfg.train.batch_size)

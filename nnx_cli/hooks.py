@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from nnx_cli import optim, steps
 from nnx_cli.errors import RunError
@@ -45,7 +46,8 @@ class Guard:
         bad = int(jax.device_get(loop.sums["bad_step"]))
         if bad >= 0:
             self.fail(f"the loss became non-finite at step {bad + 1}", loop.step)
-        if params and not bool(self._params_finite(loop.state["params"])):
+        finite = loop.finite if loop.finite is not None else self._params_finite(loop.state["params"])
+        if params and not bool(finite):
             self.fail(f"the parameters are non-finite at step {loop.step}", loop.step)
         self._checked = (loop.step, params)
 
@@ -53,7 +55,7 @@ class Guard:
         from nnx_cli import integrity
 
         self.checkpointer.wait()
-        last, _ = integrity.newest_intact(self.directory)
+        last, _ = integrity.newest_intact(self.checkpointer.directory)
         where = self.directory
         kept = f"the last good checkpoint is {where / str(last)}" if last is not None else "no checkpoint was written"
         raise RunError(f"{what} (training stopped at step {step}); {kept}")
@@ -73,7 +75,7 @@ class LogMetrics:
 
     def __call__(self, loop: Loop) -> None:
         if self._report(loop):
-            loop.sums = steps.empty_sums(loop.exp.metric_names)
+            loop.sums = loop.exp.empty_sums()
 
     def end(self, loop: Loop) -> None:
         """The steps since the last log; the sums stay (the final checkpoint keeps them for a resumed run)."""
@@ -333,15 +335,18 @@ def _device_memory() -> dict[str, float]:
 
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches)."""
+    from nnx_cli import sharding
     from nnx_cli.data import pipeline
 
     fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare)
-    eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar), out_shardings=scalar)
+    eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar, scalar), out_shardings=scalar)
     limit = exp.cfg.train.eval_max_batches
     count = len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
 
     def run(state: steps.TrainState) -> dict[str, float]:
-        metrics = steps.evaluate(eval_step, state, pipeline.eval_feed(exp.eval, layout, limit), count)
+        batches = pipeline.eval_feed(exp.eval, layout, limit)
+        zeros = sharding.put_replicated({k: np.zeros((), np.float32) for k in exp.metric_names}, exp.mesh)
+        metrics = steps.evaluate(eval_step, state, batches, count, zeros)
         if exp.spec.tokenizer is not None and "loss" in metrics:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # the language models' usual figure
         return metrics

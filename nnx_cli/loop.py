@@ -24,11 +24,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_cli import steps
 from nnx_cli.errors import UserError
+from nnx_cli.sharding import put_replicated
 
 _MAX_IN_FLIGHT = 2  # dispatches queued ahead of the one being computed
 _AUTO_MAX_STEPS = 100  # auto never puts more steps than this in one dispatch
@@ -46,6 +46,7 @@ class Loop:
     total: int
     start: int = 0
     stop_signal: int | None = None  # set by the stop vote: the run ends after this dispatch
+    finite: Any = None  # whether the parameters were all finite after the last dispatch (a device scalar)
 
     def __post_init__(self) -> None:
         self.start = self.step
@@ -67,9 +68,9 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
 
     in_flight: collections.deque = collections.deque()
     for k, xs in feed:
-        loop.state, loop.sums, loss = dispatch(loop.state, loop.sums, xs)
+        loop.state, loop.sums, loop.finite = dispatch(loop.state, loop.sums, xs)
         loop.step += k
-        in_flight.append(loss)
+        in_flight.append(loop.finite)
         if len(in_flight) > _MAX_IN_FLIGHT:  # bound async dispatch: keeps collectives on few CPU cores from starving
             in_flight.popleft().block_until_ready()
         for hook in hooks:
@@ -87,9 +88,10 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
     return loop
 
 
-def steps_per_dispatch(setting: int | str, intervals: dict[str, int], params: int) -> int:
+def steps_per_dispatch(setting: int | str, intervals: dict[str, int], params: int, total: int = 0) -> int:
     """`train.steps_per_dispatch`: an explicit K must divide every interval (exit 2 otherwise); auto is the
-    largest divisor of their greatest common divisor that keeps a dispatch small for the model's size."""
+    largest divisor of the intervals' (and the run length's) greatest common divisor that keeps a dispatch
+    small for the model's size: at most 100 steps, and at most 20M parameter-steps."""
     if setting != "auto":
         k = int(setting)
         for key, every in intervals.items():
@@ -100,7 +102,7 @@ def steps_per_dispatch(setting: int | str, intervals: dict[str, int], params: in
                 )
         return k
     cap = max(1, min(_AUTO_MAX_STEPS, _AUTO_PARAM_STEPS // max(params, 1)))
-    g = math.gcd(*intervals.values())
+    g = math.gcd(*intervals.values(), total) if total else math.gcd(*intervals.values())
     return max(d for d in range(1, min(g, cap) + 1) if g % d == 0)
 
 
@@ -130,7 +132,7 @@ def inputs(exp: Any, layout: Any, plan: list[tuple[int, int]]) -> tuple[Iterator
             donate_argnums=(0, 1),
         )
         keys = pipeline.BatchKeys(split, layout.size)
-        feed = ((k, _replicated(scalar, keys.dispatch(s, k))) for s, k in plan)
+        feed = ((k, put_replicated(keys.dispatch(s, k), exp.mesh)) for s, k in plan)
         return feed, lambda state, sums, xs: jitted(state, sums, xs, stored)
     fn = functools.partial(*common, None, accum=accum)
     jitted = jax.jit(
@@ -149,10 +151,3 @@ def _paired(plan: list[tuple[int, int]], feed: Iterator[Any]) -> Iterator[tuple[
         yield from zip((k for _, k in plan), feed)
     finally:
         feed.close()
-
-
-def _replicated(sharding: NamedSharding, value: np.ndarray) -> jax.Array:
-    """The same host value on every device of every process."""
-    if jax.process_count() == 1:
-        return jax.device_put(value, sharding)
-    return jax.make_array_from_process_local_data(sharding, value, value.shape)

@@ -48,11 +48,10 @@ def configure(*, deterministic: bool = False) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-_COMPILE_EVENTS = (
+_COMPILE_EVENTS = (  # tracing, lowering, and XLA compiling or loading from the persistent cache
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
-    "/jax/compilation_cache/cache_retrieval_time_sec",
 )
 
 
@@ -71,7 +70,6 @@ class Phases:
 
         self.seconds: dict[str, float] = {}
         self.started = _process_start() or time.time()
-        self.compile_before_loop = 0.0  # compiling done before the training loop started
         self._listening = False
 
     def listen_to_compiles(self) -> None:
@@ -98,6 +96,8 @@ class Phases:
 
 
 class _Timed:
+    """A block's wall time, less the compiling done inside it (which goes to "compile")."""
+
     def __init__(self, phases: Phases, name: str):
         self.phases, self.name = phases, name
 
@@ -105,11 +105,13 @@ class _Timed:
         import time
 
         self.start = time.perf_counter()
+        self.compiled = self.phases.seconds.get("compile", 0.0)
 
     def __exit__(self, *exc: object) -> None:
         import time
 
-        self.phases.add(self.name, time.perf_counter() - self.start)
+        compiled = self.phases.seconds.get("compile", 0.0) - self.compiled
+        self.phases.add(self.name, time.perf_counter() - self.start - compiled)
 
 
 def _process_start() -> float | None:
@@ -131,13 +133,12 @@ PHASES = Phases()
 def timings() -> dict[str, float]:
     """The phases of this command so far, in seconds: import, data, compile, train, eval, checkpoint, other, total.
 
-    `train` is the loop's time outside evals, checkpoints and the compiling
-    done inside it; `other` is what remains (checking the config, building
+    Each phase is net of the compiling done in it: `train` is the loop's
+    time outside evals, checkpoints and compiling; `other` is what remains (checking the config, building
     the model abstractly, placing the state, logging).
     """
     s = PHASES.seconds
-    compile_in_loop = s.get("compile", 0.0) - PHASES.compile_before_loop
-    train = s.get("loop", 0.0) - s.get("eval", 0.0) - s.get("checkpoint", 0.0) - compile_in_loop
+    train = s.get("loop", 0.0) - s.get("eval", 0.0) - s.get("checkpoint", 0.0)  # each net of its compiling
     out = {name: s.get(name, 0.0) for name in ("import", "data", "compile")}
     out.update(train=max(train, 0.0), eval=s.get("eval", 0.0), checkpoint=s.get("checkpoint", 0.0))
     total = PHASES.since_start()

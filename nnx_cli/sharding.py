@@ -107,6 +107,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def put_replicated(tree: Any, mesh: Mesh) -> Any:
+    """Host values (the same on every process) as arrays copied on every device of `mesh`.
+
+    Jitted functions then always get device arrays: a numpy argument would
+    make them trace and lower a second time.
+    """
+    sharding = replicated(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x)), tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
     """How a global batch of `size` rows lies on the mesh, and which rows this process feeds.

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import nnx
@@ -47,11 +48,11 @@ def _context(seed: int, stream: int, index: jax.Array, training: bool) -> nnx.Co
 def empty_sums(metric_names: list[str]) -> dict[str, Any]:
     """The train-metric accumulator between two log lines: metric sums, the gradient norm's sum, a step count,
     and the first step whose loss was not finite (-1: none)."""
-    return {
-        "metrics": {k: jnp.zeros((), jnp.float32) for k in metric_names},
-        "grad_norm": jnp.zeros((), jnp.float32),
-        "count": jnp.zeros((), jnp.int32),
-        "bad_step": jnp.full((), -1, jnp.int32),
+    return {  # numpy: the first dispatch takes them to the devices (no computation of their own to compile)
+        "metrics": {k: np.zeros((), np.float32) for k in metric_names},
+        "grad_norm": np.zeros((), np.float32),
+        "count": np.zeros((), np.int32),
+        "bad_step": np.full((), -1, np.int32),
     }
 
 
@@ -131,7 +132,8 @@ def train_dispatch(
     stored: Any = None,
     accum: int = 1,
 ) -> tuple[TrainState, dict[str, Any], jax.Array]:
-    """`k` optimizer steps in one `lax.scan`: the unit the loop dispatches.
+    """`k` optimizer steps in one `lax.scan`: the unit the loop dispatches; also returns whether the new
+    parameters are all finite (one pass over them per dispatch, fused into the same program).
 
     `xs` holds, stacked along a leading axis of length `k`, either the stored
     rows of `k` batches (host-fed) or, with `read` and `stored` (the split on
@@ -144,8 +146,8 @@ def train_dispatch(
         state, sums, loss = train_step(moduledef, tx, loss_metric, seed, *carry, batch, accum)
         return (state, sums), loss
 
-    (state, sums), losses = jax.lax.scan(body, (state, sums), xs)
-    return state, sums, losses[-1]
+    (state, sums), _ = jax.lax.scan(body, (state, sums), xs)
+    return state, sums, all_finite(state["params"])
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -200,11 +202,12 @@ def eval_step(
     state: TrainState,
     batch: dict[str, jax.Array],
     index: jax.Array,
+    totals: dict[str, jax.Array],
 ) -> dict[str, jax.Array]:
-    """Sums of the per-example metrics over the rows `batch["mask"]` marks as real."""
+    """`totals` plus the sums of the per-example metrics over the rows `batch["mask"]` marks as real."""
     ctx = _context(seed, _EVAL, index, training=False)
     metrics, _ = moduledef.apply(state["params"], state["rest"]).metrics(prepare(batch), ctx)
-    return {k: jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}
+    return {k: totals[k] + jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}
 
 
 def images_step(
@@ -221,15 +224,11 @@ def images_step(
 
 
 def evaluate(
-    run_eval: Callable[[TrainState, dict[str, jax.Array], jax.Array], dict[str, jax.Array]],
-    state: TrainState,
-    batches: Any,
-    count: int,
+    run_eval: Callable[..., dict[str, jax.Array]], state: TrainState, batches: Any, count: int, zeros: Any
 ) -> dict[str, float]:
-    """Average the jitted `eval_step` sums over the eval batches: per-example means over `count` real rows."""
-    totals: dict[str, jax.Array] | None = None
+    """Average the jitted `eval_step` sums over the eval batches (starting from `zeros`, one per metric):
+    per-example means over `count` real rows."""
+    totals = zeros
     for i, batch in enumerate(batches):
-        sums = run_eval(state, batch, jnp.asarray(i, jnp.int32))
-        totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
-    assert totals is not None, "empty eval split"
+        totals = run_eval(state, batch, np.int32(i), totals)
     return {k: float(v) / count for k, v in jax.device_get(totals).items()}

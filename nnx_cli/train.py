@@ -119,7 +119,6 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         loop, feed, dispatch, hooks = prepare(exp, session, signals, factories)
         session.say(f"set-up took {PHASES.since_start():.1f} s; training from step {loop.step} to {loop.total}")
         signals.in_loop = True
-        PHASES.compile_before_loop = PHASES.seconds.get("compile", 0.0)
         with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules), PHASES("loop"):
             loops.run(loop, feed, dispatch, hooks)
     finally:
@@ -162,7 +161,7 @@ class Session:
 def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     """Lock the work dir, then resume from its newest usable checkpoint (which must fit the config) or start
     afresh; only then write the resolved config and run.json."""
-    from nnx_cli import report, steps
+    from nnx_cli import report
     from nnx_cli.checkpoint import Checkpointer
     from nnx_cli.workdir import lock_workdir, write_config, write_run_info
 
@@ -182,7 +181,7 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
         start, (state, sums) = found.step, found.value
         console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False, soft_wrap=True)
     else:
-        start, state, sums = 0, exp.init_state(), steps.empty_sums(exp.metric_names)
+        start, state, sums = 0, exp.init_state(), exp.empty_sums()
         if exp.cfg.checkpoint.init_from is not None:
             state = dict(state, params=_init_from(exp, exp.cfg.checkpoint.init_from, console))
     if is_main:
@@ -206,7 +205,7 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
 
     def read(step: int) -> tuple[Any, Any]:
         state = restore.read_state(reader, step, exp.restore_target())
-        return state, reader.restore_item(step, LOOP, empty) or steps.empty_sums(exp.metric_names)
+        return state, reader.restore_item(step, LOOP, empty) or exp.empty_sums()
 
     def say(message: str) -> None:
         console.print(message, highlight=False, soft_wrap=True)
@@ -272,7 +271,7 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
         "train.eval_every": t.eval_every,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
     }
-    k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract))
+    k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
     layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
     scalar = sharding.replicated(exp.mesh)
     feed, dispatch = loops.inputs(exp, layout, pipeline.dispatches(session.start, exp.total_steps, k))

@@ -100,7 +100,8 @@ def test_eval_step_ignores_padded_rows():
     garbage = dict(half, image=np.where(half["mask"][:, None, None, None], batch["image"], 16 - batch["image"]))
 
     def sums(b):
-        return steps.eval_step(exp.moduledef, 0, exp.eval.prepare, state, b, jnp.int32(0))
+        zeros = {k: np.float32(0.0) for k in exp.metric_names}
+        return steps.eval_step(exp.moduledef, 0, exp.eval.prepare, state, b, jnp.int32(0), zeros)
 
     assert sums(garbage) == sums(half)
     assert sums(half)["nelbo"] < sums(batch)["nelbo"]
@@ -179,7 +180,7 @@ def test_hooks_run_at_their_intervals_and_evals_once_at_the_end(tmp_path: Path):
     evaluate = hooks.Evaluate(6, lambda state: {"x": 1.0}, recorder, hooks.Guard(None, tmp_path))
     run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=12)
     feed = ((2, None) for _ in range(6))
-    loop.run(run, feed, lambda state, sums, xs: (state, sums, jnp.zeros(())), [every3, every4, evaluate])
+    loop.run(run, feed, lambda state, sums, xs: (state, sums, jnp.ones((), bool)), [every3, every4, evaluate])
     assert every4.calls == [4, 8] and every3.calls == [6] and every4.ended
     assert [r[0] for r in recorder.records] == [6, 12]  # the eval at 12 is the final one, run once
 

@@ -144,23 +144,52 @@ def test_inspect_config_is_abstract_and_its_sizes_add_up(project: Path):
     assert report["total_bytes"] == sum(t["bytes"] for t in report["by_type"].values())
 
 
-def test_model_can_be_any_importable_class(project: Path):
-    (project / "my_models.py").write_text(
-        "import nnx\nfrom nnx_cli.models import MLPClassifier\n\n"
-        "class Wide(MLPClassifier):\n"
-        "    def __init__(self, input_shape, num_classes=None, *, width: int = 8, ctx: nnx.Context):\n"
-        "        super().__init__(input_shape, num_classes, hidden_sizes=[width, width], ctx=ctx)\n"
-    )
+PLUGINS = """
+import json
+import optax
+import nnx
+from nnx_cli.models import MLPClassifier
+
+
+class Wide(MLPClassifier):
+    def __init__(self, input_shape, num_classes=None, *, width: int = 8, ctx: nnx.Context):
+        super().__init__(input_shape, num_classes, hidden_sizes=[width, width], ctx=ctx)
+
+
+def make(learning_rate, momentum=0.0):
+    return optax.sgd(learning_rate, momentum=momentum)
+
+
+class Recorder:
+    def __init__(self, run):
+        self.path = run.workdir / "recorded.jsonl"
+
+    def log(self, step, split, metrics):
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "split": split, **metrics}) + "\\n")
+
+    def close(self):
+        pass
+"""
+
+
+def test_a_model_optimizer_and_logger_from_the_current_directory_need_no_pythonpath(project: Path, tmp_path: Path):
+    (project / "plugins.py").write_text(PLUGINS)
     result = cli(
-        "nnx-inspect",
-        "run.yaml",
-        "model={name: 'my_models:Wide', width: 5}",
-        "--json",
-        cwd=project,
-        extra_env={"PYTHONPATH": str(project)},
-    )
+        "nnx-train", "run.yaml", "model={name: 'plugins:Wide', width: 5}", "train.steps=40",
+        "optimizer={name: 'plugins:make', learning_rate: 0.05, momentum: 0.9}",
+        "logging.loggers=[jsonl, plugins:Recorder]", "--workdir", "plugged", cwd=project,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    shapes = {e["path"]: e["shape"] for e in json.loads(result.stdout)["entries"]}
+    recorded = [json.loads(line) for line in (project / "plugged" / "recorded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recorded if r["split"] == "train"] == [20, 40] and "accuracy" in recorded[-1]
+    elsewhere = tmp_path / "elsewhere"  # the run's own plug-ins are found from run.json, not the current directory
+    elsewhere.mkdir()
+    evaluated = cli("nnx-eval", project / "plugged", "--json", cwd=elsewhere)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["step"] == 40
+    inspected = cli("nnx-inspect", project / "plugged", "--json", cwd=elsewhere)
+    shapes = {e["path"]: e["shape"] for e in json.loads(inspected.stdout)["entries"]}
     assert shapes["hidden/1/kernel"] == [5, 5] and shapes["head/kernel"] == [5, 10]
 
 

@@ -43,10 +43,14 @@ def test_a_second_lock_on_a_work_dir_fails_naming_the_holder(tmp_path: Path):
     lock_workdir(tmp_path).close()  # free again once the holder closes it
 
 
-def test_open_run_finds_the_latest_or_the_named_step(tmp_path: Path):
+def test_open_run_leaves_the_choice_of_step_to_restore_unless_one_is_named(tmp_path: Path):
+    from nnx_cli import restore
+
     cfg = load_config(None, [*TINY, "checkpoint.every_steps=1", "checkpoint.keep=5"])
     assert train.run(cfg, tmp_path / "run") == 0
-    assert open_run(tmp_path / "run").step == 2
+    run = open_run(tmp_path / "run")
+    assert run.step is None
+    assert restore.from_run(run, lambda checkpointer, step: step, print) == (2, 2)  # the newest usable one
     assert open_run(tmp_path / "run" / "checkpoints" / "1").step == 1
     assert open_run(tmp_path / "run", step=1).step == 1
     with pytest.raises(UserError, match="--step 7: no such checkpoint.*available steps: 1, 2"):

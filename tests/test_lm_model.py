@@ -164,12 +164,13 @@ def test_the_trainers_steps_train_and_evaluate_a_transformer_lm():
     names = steps.check_step(moduledef, tx, "transformer_lm", jax.eval_shape(lambda: state), {"tokens": batches[0]})
     assert sorted(names) == ["accuracy", "bits_per_byte", "loss"]
     train = jax.jit(functools.partial(steps.train_step, moduledef, tx, "loss", 0))
-    evaluate = jax.jit(functools.partial(steps.eval_step, moduledef, 0))
-    before = evaluate(state, held_out, jnp.int32(0))
+    zeros = {k: np.float32(0.0) for k in names}
+    evaluate = jax.jit(functools.partial(steps.eval_step, moduledef, 0, lambda rows: rows))
+    before = evaluate(state, held_out, jnp.int32(0), zeros)
     sums = steps.empty_sums(names)
     for tokens in batches[:-1]:
         state, sums, _ = train(state, sums, {"tokens": tokens})
-    after = evaluate(state, held_out, jnp.int32(0))
+    after = evaluate(state, held_out, jnp.int32(0), zeros)
     assert int(sums["count"]) == 30 and int(sums["bad_step"]) == -1
     assert float(after["loss"]) < 0.8 * float(before["loss"])
     assert float(after["bits_per_byte"]) == pytest.approx(float(after["loss"]) / math.log(2), rel=1e-5)  # all bytes
