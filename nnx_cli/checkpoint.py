@@ -36,7 +36,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from nnx_cli import integrity
 from nnx_cli.errors import WRITE_FIXES, RunError, UserError, first_line, write_cause
@@ -45,6 +44,19 @@ _ITEM = "state"
 LOOP = "loop"
 MANIFEST = "manifest"
 FORMAT = 2  # 1: `state` only (before named items)
+
+
+class _Orbax:
+    """`orbax.checkpoint`, imported when first used: a fresh run imports it while its first steps run (see
+    `nnx_cli.runtime.preload`), not before them."""
+
+    def __getattr__(self, name: str) -> Any:
+        import orbax.checkpoint
+
+        return getattr(orbax.checkpoint, name)
+
+
+ocp = _Orbax()
 
 
 class Unreadable(UserError):
@@ -70,19 +82,11 @@ class Checkpointer:
     ):
         _quiet_absl()
         _hush_closed_event_loops()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None,  # `integrity.prune` removes old steps, only behind a verified newer one
-            enable_async_checkpointing=async_,
-            create=not read_only,
-            read_only=read_only,
-        )
         self.directory = Path(directory).absolute()
-        handlers = {
-            _ITEM: ocp.StandardCheckpointHandler(),
-            LOOP: ocp.StandardCheckpointHandler(),
-            MANIFEST: ocp.JsonCheckpointHandler(),
-        }
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        if not read_only:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._read_only = read_only
+        self._manager: Any = None
         self._async = async_
         self._checksums = checksums and not read_only
         self._sealing: threading.Thread | None = None  # waits for Orbax's commit of `_pending`, then seals it
@@ -91,6 +95,24 @@ class Checkpointer:
         self._failed = False
         self.keep = keep
         self.protect: set[int] = set()
+
+    @property
+    def manager(self) -> Any:
+        """Orbax's `CheckpointManager` of the directory, made (and Orbax imported) on first use."""
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None,  # `integrity.prune` removes old steps, only behind a verified newer one
+                enable_async_checkpointing=self._async,
+                create=not self._read_only,
+                read_only=self._read_only,
+            )
+            handlers = {
+                _ITEM: ocp.StandardCheckpointHandler(),
+                LOOP: ocp.StandardCheckpointHandler(),
+                MANIFEST: ocp.JsonCheckpointHandler(),
+            }
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        return self._manager
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -292,7 +314,8 @@ class Checkpointer:
             self._settle()
         finally:
             try:
-                self.manager.close()
+                if self._manager is not None:
+                    self._manager.close()
             except Exception:
                 if not self._failed:  # else it is the failure already reported, raised again by Orbax
                     raise

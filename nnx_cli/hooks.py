@@ -255,7 +255,7 @@ class Samples:
 
 
 class FirstStep:
-    """Says when the first dispatch finished: how long set-up and the first (compiling) steps took."""
+    """Says when the first dispatch was compiled and sent to the devices (no wait for it to finish)."""
 
     def __init__(self, every: int, say: Any):
         self.every = every
@@ -266,8 +266,9 @@ class FirstStep:
         from nnx_cli.runtime import PHASES
 
         if not self.done:
-            jax.block_until_ready(loop.sums)
-            self.say(f"step {loop.step} done {PHASES.since_start():.1f} s after start")
+            self.say(
+                f"steps {loop.start + 1}-{loop.step} compiled and running, {PHASES.since_start():.1f} s after start"
+            )
             self.done = True
 
     def end(self, loop: Loop) -> None:

@@ -49,18 +49,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import inspect
 import json
 import math
 import os
 import re
-import secrets
 import socket
-import string
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -474,6 +469,9 @@ def _wandb_mode(wandb: ModuleType) -> tuple[str, str]:
 
 def _reachable(url: str, timeout: float = 3.0) -> bool:
     """Whether a TCP connection to `url`'s host (or the proxy that serves it) opens within `timeout`."""
+    import urllib.parse
+    import urllib.request
+
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     proxy = urllib.request.getproxies().get(parts.scheme)
@@ -488,6 +486,9 @@ def _reachable(url: str, timeout: float = 3.0) -> bool:
 
 
 def _new_run_id() -> str:
+    import secrets
+    import string
+
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
@@ -510,6 +511,8 @@ def _write_state(path: Path, state: Mapping[str, Any]) -> None:
 
 def _check_requirement(requirement: str, what: str) -> None:
     """`name` or `name>=version` is installed, or a UserError saying what to pip install."""
+    import importlib.metadata
+
     name, _, minimum = (part.strip() for part in requirement.partition(">="))
     try:
         installed = importlib.metadata.version(name)

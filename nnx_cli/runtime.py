@@ -28,6 +28,19 @@ def compilation_cache_dir() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "nnx" / "jax"
 
 
+def preload(*modules: str) -> None:
+    """Import `modules` in a background thread: a module needed later loads while the main thread waits on
+    the devices (an import of it in the main thread meanwhile waits for this one, it is not repeated)."""
+    import importlib
+    import threading
+
+    def load() -> None:
+        for name in modules:
+            importlib.import_module(name)
+
+    threading.Thread(target=load, name="nnx-preload", daemon=True).start()
+
+
 def configure(*, deterministic: bool = False) -> None:
     """Set up JAX for a command: the compilation cache, and with `deterministic` XLA's deterministic GPU ops.
 

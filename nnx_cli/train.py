@@ -119,6 +119,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         loop, feed, dispatch, hooks = prepare(exp, session, signals, factories)
         session.say(f"set-up took {PHASES.since_start():.1f} s; training from step {loop.step} to {loop.total}")
         signals.in_loop = True
+        runtime.preload("orbax.checkpoint")  # imports while the first steps run (the main thread mostly waits)
         with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules), PHASES("loop"):
             loops.run(loop, feed, dispatch, hooks)
     finally:
