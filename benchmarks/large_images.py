@@ -8,10 +8,11 @@ processes (decode into the cache, then a cache hit) for 60 steps of batch
 128, sampling the proportional set size (PSS) of the run and all its worker
 processes from this process, and prints each run's time and peak beside the
 dataset's float32 size, and beside the previous release's loader (`baseline_loader.load_split` +
-`Batches`, which holds that whole) run the same way.
+`Batches`, which holds that whole) run the same way. Then the same twice
+through `nnx-train` itself: `mlp_classifier` for 60 steps, first run (decode
+into a new cache) and second run (cache hit), every setting at its default.
 
     python benchmarks/large_images.py --out /tmp/large-images [--workers 2] [--steps 60]
-    nnx-train configs/mlp_classifier.yaml data.source=/tmp/large-images   # the same data through the trainer
 """
 
 from __future__ import annotations
@@ -119,15 +120,32 @@ def run_today(data: Path, steps: int) -> None:
         batch["image"].block_until_ready()
 
 
-def measure(data: Path, cache: Path, workers: int, steps: int, today: bool = False) -> tuple[float, int, int]:
+def trainer_command(data: Path, cache: Path, workers: int, steps: int, workdir: Path) -> list[str]:
+    """`nnx-train` of `mlp_classifier` on the dataset for `steps` steps of batch 128, as a user runs it."""
+    overrides = [
+        "model={name: mlp_classifier, hidden_sizes: [256]}", f"data.source={data}", f"data.cache_dir={cache}",
+        f"data.workers={workers}", f"train.steps={steps}", "train.batch_size=128", "train.log_every=20",
+        f"train.eval_every={steps}", "train.eval_max_batches=2", f"checkpoint.every_steps={steps}",
+    ]  # fmt: skip
+    config = workdir.parent / "large.yaml"
+    config.write_text("{}\n")  # every key at its default but the overrides
+    nnx_train = Path(sys.executable).parent / "nnx-train"
+    return [str(nnx_train), str(config), *overrides, "--workdir", str(workdir), "--no-resume"]
+
+
+def measure(
+    data: Path, cache: Path, workers: int, steps: int, today: bool = False, trainer: Path | None = None
+) -> tuple[float, int, int]:
     """(seconds, peak PSS, peak PSS less file-backed pages) of one run in a fresh process, sampled every 50 ms.
 
     File-backed pages (libraries, memory-mapped dataset and cache files) are
     page cache the kernel can drop under pressure; the rest cannot be.
+    With `trainer` (a work dir), the run is `nnx-train` itself.
     """
     start = time.perf_counter()
     args = [sys.executable, __file__, "--run", "--out", str(data), "--cache", str(cache), "--workers", str(workers)]
-    child = subprocess.Popen([*args, "--steps", str(steps), *(["--today"] if today else [])])
+    args += ["--steps", str(steps), *(["--today"] if today else [])]
+    child = subprocess.Popen(trainer_command(data, cache, workers, steps, trainer) if trainer else args)
     peak = peak_anon = 0
     while child.poll() is None:
         total, anon = tree_pss(child.pid)
@@ -158,11 +176,14 @@ def main() -> None:
     generate(args.out, args.count)
     print(f"dataset: {args.out} ({time.perf_counter() - start:.1f} s to generate or find)")
     float32 = args.count * SIZE * SIZE * 4
-    runs = [("today's load_split + Batches", True), ("first run (decodes into the cache)", False)]
-    runs.append(("second run (cache hit)", False))
+    runs = [("previous release's load_split + Batches", True, False)]
+    runs += [("pipeline, first run (decodes into the cache)", False, False), ("pipeline, second run", False, False)]
+    runs += [("nnx-train, first run (decodes)", False, True), ("nnx-train, second run (cache hit)", False, True)]
     with tempfile.TemporaryDirectory() as scratch:
-        for name, today in runs:
-            seconds, peak, anon = measure(args.out, args.cache or Path(scratch), args.workers, args.steps, today)
+        for name, today, trainer in runs:
+            cache = args.cache or Path(scratch) / ("trainer-cache" if trainer else "cache")
+            workdir = Path(scratch) / "run" if trainer else None
+            seconds, peak, anon = measure(args.out, cache, args.workers, args.steps, today, workdir)
             print(
                 f"{name}: {seconds:6.1f} s, peak PSS {peak / 2**20:5.0f} MiB ({peak / float32:.2f}x the "
                 f"{float32 / 2**20:.0f} MiB float32 dataset), not file-backed {anon / 2**20:5.0f} MiB"

@@ -5,21 +5,24 @@ Bernoulli decoder), same optimizer (Adam 1e-3), batch 128 and epochs; wall
 time is measured around each whole process (imports, decoding, compiling,
 training, evaluating; for nnx-train also its evals, checkpoints and PNGs).
 Prints both test negative ELBOs and the time ratio, and checks the targets:
-nnx-train's test nELBO <= 85.5 nats and time <= 1.15x the plain script.
+nnx-train's test nELBO <= 85.5 nats and time <= 1.02x the plain script,
+which feeds one batch from the host per step (nnx-train keeps MNIST on the
+devices, runs several steps per dispatch and decodes the PNGs only once,
+into its cache, where the plain script decodes them on every run).
 
 The machines this runs on drift in speed by 10-20% over minutes, so the runs
-alternate in ABBA order (plain, nnx-train, nnx-train, plain for the default
-two rounds) and the ratio is of the summed times: a linear drift then costs
-both sides the same.
+come in pairs in ABBA order (plain, nnx-train, then nnx-train, plain, ...)
+and the target is on the median of the pairs' ratios.
 
-    python benchmarks/mnist_vae.py                      # 30 epochs, 2 rounds, ../shared/data/mnist
-    python benchmarks/mnist_vae.py --epochs 2 --rounds 1 --no-check  # a quick smoke run
+    python benchmarks/mnist_vae.py                      # 30 epochs, 3 pairs, ../shared/data/mnist
+    python benchmarks/mnist_vae.py --epochs 2 --pairs 1 --no-check  # a quick smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MAX_NELBO = 85.5
-MAX_TIME_RATIO = 1.15
+MAX_TIME_RATIO = 1.02
 
 
 def timed(cmd: list[str]) -> tuple[float, str]:
@@ -45,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="../shared/data/mnist", help="data.source, relative to the repo root")
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating in ABBA order")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (plain, nnx-train), in ABBA order")
     parser.add_argument(
         "--no-check", dest="check", action="store_false", help="print figures without enforcing the targets"
     )
@@ -77,33 +80,32 @@ def main() -> None:
         return seconds, evals[-1]["metrics"]["nelbo"], evals[-1]["step"]
 
     plain_times, nnx_times = [], []
-    for round_ in range(args.rounds):
-        for side in ("plain", "nnx") if round_ % 2 == 0 else ("nnx", "plain"):
+    for pair in range(args.pairs):
+        for side in ("plain", "nnx") if pair % 2 == 0 else ("nnx", "plain"):
             if side == "plain":
                 seconds, plain_nelbo = plain_run()
                 plain_times.append(seconds)
             else:
                 seconds, nnx_nelbo, steps = nnx_run()
                 nnx_times.append(seconds)
-            print(f"round {round_ + 1}: {side:5} {seconds:6.1f} s", flush=True)
-    plain_seconds, nnx_seconds = sum(plain_times) / len(plain_times), sum(nnx_times) / len(nnx_times)
-
-    ratio = nnx_seconds / plain_seconds
+            print(f"pair {pair + 1}: {side:5} {seconds:6.1f} s", flush=True)
+    ratios = [n / p for n, p in zip(nnx_times, plain_times)]
+    ratio = statistics.median(ratios)
     print(f"MNIST VAE 784-512-32, Adam 1e-3, batch 128, {args.epochs} epochs ({steps} steps), data {args.source}")
-    print(f"{'':12} {'wall s':>8} {'test nELBO':>11}   (mean wall time of {args.rounds} run(s) each)")
-    print(f"{'plain JAX':12} {plain_seconds:8.1f} {plain_nelbo:11.2f}")
-    print(f"{'nnx-train':12} {nnx_seconds:8.1f} {nnx_nelbo:11.2f}")
-    print(f"time ratio nnx-train / plain: {ratio:.3f} (target <= {MAX_TIME_RATIO}); test nELBO target <= {MAX_NELBO}")
+    print(f"{'':12} {'median s':>9} {'test nELBO':>11}   ({args.pairs} pair(s), ABBA)")
+    print(f"{'plain JAX':12} {statistics.median(plain_times):9.1f} {plain_nelbo:11.2f}")
+    print(f"{'nnx-train':12} {statistics.median(nnx_times):9.1f} {nnx_nelbo:11.2f}")
+    print(f"pair ratios: {', '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"median ratio nnx-train / plain: {ratio:.3f} (target <= {MAX_TIME_RATIO}); test nELBO target <= {MAX_NELBO}")
     print(
         json.dumps(
             {
                 "epochs": args.epochs,
-                "rounds": args.rounds,
+                "pairs": args.pairs,
                 "plain_runs": plain_times,
                 "nnx_runs": nnx_times,
-                "plain_seconds": plain_seconds,
+                "ratios": ratios,
                 "plain_nelbo": plain_nelbo,
-                "nnx_seconds": nnx_seconds,
                 "nnx_nelbo": nnx_nelbo,
                 "time_ratio": ratio,
             }

@@ -466,3 +466,23 @@ def test_running_out_of_memory_is_exit_1_naming_the_knobs(project: Path):
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: out of device memory (could not allocate 149.0 GiB)")
     assert "train.batch_size" in message and "model.remat=full" in message and "sharding.mesh" in message
+
+
+def test_the_readmes_plugin_example_trains(tmp_path: Path):
+    """examples/plugins.py, copied into a project directory, used exactly as the README shows."""
+    shutil.copy(Path(__file__).resolve().parent.parent / "examples" / "plugins.py", tmp_path / "plugins.py")
+    (tmp_path / "cfg.yaml").write_text("train: {steps: 60, batch_size: 64, log_every: 20, eval_every: 60}\n")
+    result = cli(
+        "nnx-train", "cfg.yaml", "model.name=plugins:Wide", "model.width=128", "data.source=plugins:stripes",
+        "optimizer.name=plugins:sgd_nesterov", "optimizer.learning_rate=0.05",
+        "logging.loggers=[jsonl, plugins:Printer]", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    printed = [line.split() for line in result.stdout.splitlines()]
+    assert [(int(step), split) for step, split, _ in printed] == [
+        (20, "train"),
+        (40, "train"),
+        (60, "train"),
+        (60, "eval"),
+    ]
+    assert float(printed[-1][2]) < 0.1  # the stripes are easy to tell apart
