@@ -170,15 +170,23 @@ def _recorded(step_dir: Path, process: int | None) -> dict[str, dict] | Verifica
         return Verification(step_dir, Status.DAMAGED, f"{checksums_file(Path(), process).name}: missing")
     expected: dict[str, dict] = {}
     counts = set()
-    for path in sorted(found.values()):
+    for number, path in sorted(found.items()):
         try:
             record = json.loads(path.read_bytes())
+            # every field is checked: a checksum file changed anywhere must not vouch for the step
+            if record.get("format") != _FORMAT:
+                raise ValueError(f"format {record.get('format')!r}, expected {_FORMAT}")
             if record.get("algorithm") != ALGORITHM:
                 raise ValueError(f"algorithm {record.get('algorithm')!r}, expected {ALGORITHM!r}")
-            counts.add(int(record["process_count"]))
+            if record.get("process") != number:
+                raise ValueError(f"process {record.get('process')!r}, but the file is named for process {number}")
+            count = int(record["process_count"])
+            if not number < count:
+                raise ValueError(f"process_count {count}, but the file is named for process {number}")
+            counts.add(count)
             for rel, entry in record["files"].items():
                 expected[rel] = {"size": int(entry["size"]), ALGORITHM: str(entry[ALGORITHM])}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, OverflowError, KeyError, TypeError, AttributeError) as e:
             return Verification(step_dir, Status.DAMAGED, f"{path.name}: unreadable ({type(e).__name__}: {e})")
     if process is None:
         count, *others = sorted(counts)

@@ -126,6 +126,41 @@ def test_unreadable_checksums_are_reported(step_dir: Path):
     assert integrity.verify(step_dir).problem.startswith("nnx-checksums.process_0.json: unreadable (")
 
 
+def rewrite_checksums(step_dir: Path, old: str, new: str) -> None:
+    """Change the checksum file's text in place, as a flipped byte there would."""
+    path = integrity.checksums_file(step_dir, 0)
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_checksums_of_another_format_are_unreadable(step_dir: Path):
+    rewrite_checksums(step_dir, '"format": 1', '"format": 7')
+    assert integrity.verify(step_dir).problem == (
+        "nnx-checksums.process_0.json: unreadable (ValueError: format 7, expected 1)"
+    )
+
+
+def test_checksums_naming_another_process_than_their_file_are_unreadable(step_dir: Path):
+    rewrite_checksums(step_dir, '"process": 0', '"process": 4')
+    assert integrity.verify(step_dir).problem == (
+        "nnx-checksums.process_0.json: unreadable (ValueError: process 4, but the file is named for process 0)"
+    )
+
+
+def test_checksums_counting_fewer_processes_than_the_one_that_wrote_them_are_unreadable(step_dir: Path):
+    rewrite_checksums(step_dir, '"process_count": 1', '"process_count": 0')
+    assert integrity.verify(step_dir).problem == (
+        "nnx-checksums.process_0.json: unreadable (ValueError: process_count 0, but the file is named for process 0)"
+    )
+
+
+def test_a_recorded_size_too_large_for_a_number_is_unreadable_not_a_crash(step_dir: Path):
+    size = integrity.checksums_file(step_dir, 0).read_text().split('"size": ')[1].split(",")[0]
+    rewrite_checksums(step_dir, f'"size": {size},', f'"size": 9e{"9" * len(size)},')  # float("9e999") is inf
+    assert integrity.verify(step_dir).problem.startswith("nnx-checksums.process_0.json: unreadable (OverflowError: ")
+
+
 def test_files_belong_to_the_process_named_in_their_path():
     assert integrity.owner("state/ocdbt.process_3/d/1f2e") == 3
     assert integrity.owner("state/array_metadatas/process_1") == 1
