@@ -249,9 +249,12 @@ class Checkpointer:
         return from_named_tree(restored, target)
 
     def _unreadable(self, step: int, what: str, error: Exception) -> Unreadable:
+        detail = first_line(error).split(" [tensorstore_spec")[0]  # TensorStore appends kilobytes of its spec
+        if len(detail) > 300:
+            detail = detail[:297] + "..."
         return Unreadable(
-            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: "
-            f"{first_line(error)}); it may be damaged"
+            f"checkpoint {self.directory / str(step)} cannot be {what} ({type(error).__name__}: {detail}); "
+            "it may be damaged"
         )
 
     def check_matches(self, step: int, target: Any) -> None:
