@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import queue
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,7 @@ import numpy as np
 from nnx_cli.config import DataConfig
 from nnx_cli.data import _DIGITS_TRAIN, DIGITS, _digits_arrays, _open
 from nnx_cli.data.base import DataSpec
+from nnx_cli.data.pipeline import prefetch  # noqa: F401 (the same prefetch thread as then, for the benchmarks)
 from nnx_cli.errors import UserError, did_you_mean
 
 
@@ -183,43 +182,3 @@ def eval_batches(split: Split, batch_size: int, rows: slice = slice(None)) -> It
         }
         batch["mask"] = np.arange(batch_size) < stop - start
         yield {k: v[rows] for k, v in batch.items()}
-
-
-def prefetch(produce: Callable[[int], Any], steps: range, size: int = 2) -> Iterator[Any]:
-    """Yield `produce(step)` for each step, computing up to `size` ahead in a thread.
-
-    `produce` typically gathers a batch and puts it on the devices, so the
-    transfer overlaps the running step. Errors in the thread surface here.
-    """
-    out: queue.Queue = queue.Queue(maxsize=size)
-    stop = threading.Event()
-    done = object()
-
-    def work() -> None:
-        try:
-            for step in steps:
-                item = produce(step)
-                while not stop.is_set():
-                    try:
-                        out.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            out.put((done, None))
-        except BaseException as e:  # re-raised in the consumer
-            out.put((done, e))
-
-    thread = threading.Thread(target=work, name="nnx-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = out.get()
-            if error is not None:
-                raise error
-            if item is done:
-                return
-            yield item
-    finally:
-        stop.set()
