@@ -93,9 +93,8 @@ def main() -> None:
                     times[who] = nnx_train(args.config, args.overrides, tmp_path / "run", cache)[0]
             ratios.append(times["nnx"] / times["plain"])
             print(f"pair {i + 1}: plain {times['plain']:.2f} s, nnx-train {times['nnx']:.2f} s: {ratios[-1]:.2f}x")
-        print(
-            f"median ratio nnx-train / {baseline}: {statistics.median(ratios):.2f}x over {args.pairs} pairs (target 1.5x)"
-        )
+        median = statistics.median(ratios)
+        print(f"median ratio nnx-train / {baseline}: {median:.2f}x over {args.pairs} pairs (target 1.5x)")
 
 
 if __name__ == "__main__":
