@@ -147,6 +147,8 @@ def main() -> None:
     plain_untokenized = plain_seconds - sum(r.phases["data"] for r in plain)
     nnx_seconds = sum(r.seconds for r in nnx)
     ratio, ratio_untokenized = nnx_seconds / plain_seconds, nnx_seconds / plain_untokenized
+    pair_ratios = [n.seconds / p.seconds for n, p in zip(nnx, plain)]  # run i of each side: the same pair
+    train_ratio = sum(r.phases["train"] for r in nnx) / sum(r.phases["train"] for r in plain)
     plain_loss = sum(r.val_loss for r in plain) / len(plain)
     nnx_loss = sum(r.val_loss for r in nnx) / len(nnx)
     difference = nnx_loss - plain_loss
@@ -159,6 +161,10 @@ def main() -> None:
         f"time ratio nnx-train / plain: {ratio:.3f} (target <= {MAX_TIME_RATIO}); against the plain script "
         f"without its tokenizing: {ratio_untokenized:.3f}"
     )
+    print(
+        f"per pair: {', '.join(f'{r:.3f}' for r in pair_ratios)}; training steps alone (train phases): "
+        f"{train_ratio:.3f}"
+    )
     print(f"val loss difference nnx-train - plain: {difference:+.4f} (target within {MAX_LOSS_DIFFERENCE})")
     figures = {
         "steps": args.steps,
@@ -170,6 +176,8 @@ def main() -> None:
         "val_loss_difference": difference,
         "time_ratio": ratio,
         "time_ratio_without_tokenizing": ratio_untokenized,
+        "pair_ratios": pair_ratios,
+        "train_phase_ratio": train_ratio,
         "nnx_phases": {p: sum(r.phases[p] for r in nnx) / len(nnx) for p in PHASES},
         "plain_phases": {p: sum(r.phases[p] for r in plain) / len(plain) for p in plain[0].phases},
         "load_average": load,
