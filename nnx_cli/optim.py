@@ -181,8 +181,18 @@ def _piece(
 
 
 def _kernels_only(params: Any) -> Any:
-    """The `kernels` weight-decay mask: True for parameters of two or more dimensions (not biases, norms)."""
-    return jax.tree.map(lambda x: x.ndim >= 2, params)
+    """The `kernels` weight-decay mask: True for weight matrices and embeddings, False for biases and norm
+    scales. A parameter counts as a matrix with two or more dimensions besides the `layers` axis that stacks
+    scanned layers, unless it is named `bias` or `scale` (an attention bias is `(heads, head_dim)`)."""
+
+    def decays(path: tuple, node: Any) -> Any:
+        value = getattr(node, "value", node)
+        stacked = "layers" in (getattr(node, "sharding", None) or ())
+        name = str(getattr(path[-1], "key", path[-1])).rsplit("/", 1)[-1]
+        mask = name not in ("bias", "scale") and value.ndim - stacked >= 2
+        return node.replace(value=mask) if hasattr(node, "replace") else mask
+
+    return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: hasattr(x, "value"))
 
 
 def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Schedule:

@@ -1,15 +1,16 @@
 """`nnx-train CONFIG [KEY=VALUE ...]`: train a model from a YAML config.
 
-The recipe, top to bottom in :func:`run`::
+The recipe, top to bottom in :func:`_train`::
 
-    exp = setup(cfg)                          # 1. the config resolved: model, optimizer, data, mesh, shardings
-    session = open_session(exp, workdir)      # 2. the work dir: locked, a checkpoint restored or a fresh state
-    loop, feed, dispatch, hooks = prepare(exp, session)   # 3. the loop's state, inputs, jitted steps, hooks
-    loop.run(...)                             # 4. for each dispatch: k train steps, then the hooks due
-    session.close()                           # 5. clean up
+    exp = setup(cfg)                                 # 1. model, optimizer, data, mesh, shardings: resolved, checked
+    session = open_session(exp, workdir, resume)     # 2. the work dir locked; a checkpoint restored or a fresh state
+    loop, feed, dispatch, hooks = prepare(exp, ...)  # 3. the loop's state, its inputs, the jitted steps, the hooks
+    loops.run(loop, feed, dispatch, hooks)           # 4. per dispatch: k train steps, then the hooks that are due
+    session.close()                                  # 5. loggers and checkpoints closed, the lock released
 
-Writes config.yaml, run.json, checkpoints/<step>/, metrics.jsonl and
-images/<step>.png into the work dir.
+Writes config.yaml, run.json, checkpoints/<step>/, metrics.jsonl,
+images/<step>.png (image models) and samples/<step>.txt (language models)
+into the work dir.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def run(
 
 
 def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
+    """The recipe (see the module docstring); returns the exit status."""
     import jax
 
     import nnx

@@ -125,3 +125,19 @@ def test_weight_decay_mask_kernels_decays_matrices_but_not_biases():
 def test_weight_decay_mask_needs_an_optimizer_with_weight_decay():
     with pytest.raises(UserError, match="optax.adam takes no weight-decay mask"):
         build(OptimizerConfig(name="adam", weight_decay_mask="kernels"), 10)
+
+
+def test_weight_decay_mask_kernels_leaves_stacked_biases_and_norms_alone():
+    import nnx
+    from nnx_cli.config import ModelConfig
+    from nnx_cli.data.base import DataSpec
+    from nnx_cli.models import model_factory
+    from nnx_cli.optim import _kernels_only
+
+    options = {"num_layers": 2, "num_heads": 2, "embed_dim": 32}
+    build = model_factory(ModelConfig(name="transformer_lm", options=options), DataSpec((16,), 257, "bytes"))
+    params = jax.eval_shape(lambda: build(nnx.context(0)).filter(nnx.Param))
+    decayed = {path for path, node in _kernels_only(params).items() if node.value}
+    assert "layers/scan_module/mlp/fc/kernel" in decayed and "embedding/embedding" in decayed
+    assert "layers/scan_module/attention/query/bias" not in decayed  # (layers, heads, kv): a bias all the same
+    assert "layers/scan_module/mlp_norm/scale" not in decayed and "final_norm/bias" not in decayed
