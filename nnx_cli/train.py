@@ -176,8 +176,10 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
         for old in (ckpt_dir, workdir / "images"):
             shutil.rmtree(old, ignore_errors=True)
         (workdir / "metrics.jsonl").unlink(missing_ok=True)
+    # Decided before the barrier: once past it, another process's Checkpointer may create the directory.
+    has_checkpoints = resume and ckpt_dir.is_dir()
     _distributed.barrier("nnx-train: work dir ready")
-    found = _resume(exp, ckpt_dir, console) if resume else None
+    found = _resume(exp, ckpt_dir, console) if has_checkpoints else None
     keep = exp.cfg.checkpoint
     checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)  # after bad steps moved aside
     if found is not None:
@@ -196,13 +198,11 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
 
 
 def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
-    """The newest usable checkpoint (`restore.Found`), or None for a work dir without checkpoints; unusable
+    """The newest usable checkpoint (`restore.Found`) in an existing `ckpt_dir`, or None when it has none; unusable
     newer steps are moved aside; a work dir whose checkpoints are all unusable is a UserError."""
     from nnx_cli import restore, steps
     from nnx_cli.checkpoint import LOOP, Checkpointer
 
-    if not ckpt_dir.is_dir():
-        return None
     reader = Checkpointer(ckpt_dir, read_only=True)
     empty = _replicated(exp, steps.empty_sums(exp.metric_names))
 
