@@ -1,7 +1,8 @@
 """Language models on CPU: `nnx-train configs/tiny_lm.yaml` against the plain JAX + optax script `plain_lm.py`.
 
 Both sides train the same byte-level GPT (2 layers, 4 heads, 128 wide,
-context 64) with the same recipe, data, steps and seed, and report the mean
+context 64) from the same initial parameters (nnx-train's, handed to the
+plain script) with the same recipe, batches and steps, and report the mean
 token cross-entropy on the validation split's first 20 batches of 32
 windows. Each run is a whole process, timed from outside (imports, data,
 compiling, training, evaluating; for nnx-train also its mid-run eval,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -73,9 +76,36 @@ def _timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
     return seconds, result.stdout
 
 
-def run_plain(source: Path, steps: int, cache: Path) -> Run:
-    """`plain_lm.py` on `source` for `steps` steps, compiled programs kept in `cache`."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "plain_lm.py"), "--source", str(source)]
+def write_initial_params(source: Path, path: Path) -> Path:
+    """nnx-train's initial parameters for `configs/tiny_lm.yaml`, as an .npz in `plain_lm.py`'s names: both
+    sides then start from the same parameters and read the same batches, so their losses differ by what each
+    computes, not by the draw of the initialisation (worth about 0.02 nats here, the size of the target)."""
+    import jax
+    import numpy as np
+
+    from nnx_cli.config import load_config
+    from nnx_cli.experiment import setup
+
+    plain_lm = _load_benchmark("plain_lm")
+    exp = setup(load_config(CONFIG, [f"data.source={source}"]), data=None)
+    params = exp.init_state()["params"]
+    tree = plain_lm.from_transformer_lm((p, np.asarray(getattr(v, "value", v))) for p, v in params.items())
+    flat = {"/".join(k.key for k in keys): v for keys, v in jax.tree_util.tree_leaves_with_path(tree)}
+    np.savez(path, **flat)
+    return path
+
+
+def _load_benchmark(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where dataclasses look up the module's annotations
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_plain(source: Path, steps: int, cache: Path, init: Path) -> Run:
+    """`plain_lm.py` on `source` for `steps` steps from the parameters in `init`, programs kept in `cache`."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "plain_lm.py"), "--source", str(source), "--init", str(init)]
     command += ["--steps", str(steps), "--steps-per-call", str(math.gcd(steps, 100)), "--cache", str(cache)]
     seconds, out = _timed(command, dict(os.environ))
     report = json.loads(out.strip().splitlines()[-1])
@@ -125,10 +155,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nnx-lm-bench-") as tmp:
         tmp_path = Path(tmp)
         plain_cache, nnx_cache, data_cache = tmp_path / "plain-jax", tmp_path / "nnx-jax", tmp_path / "tokens"
+        init = write_initial_params(source, tmp_path / "init.npz")
 
         def run(side: str, n: int) -> Run:
             if side == "plain":
-                return run_plain(source, args.steps, plain_cache)
+                return run_plain(source, args.steps, plain_cache, init)
             return run_nnx(source, args.steps, nnx_cache, data_cache, tmp_path / f"run-{n}")
 
         print(f"tiny_lm: {args.steps} steps, data {source}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -17,6 +17,9 @@ validation loss and wall time (`benchmarks/lm.py` does):
   to 384 with the padded logits masked; layers stacked and run by one
   `lax.scan`; normal(0.02) init, residual projections scaled by
   `1 / sqrt(2 * layers)`, zero biases;
+- parameters drawn by this script, or with `--init PARAMS.npz` the ones
+  given (`benchmarks/lm.py` hands it nnx-train's initial parameters, so that
+  both sides start from the same point);
 - optimizer: clip the global norm at 1.0, then `optax.adamw` with warmup and
   cosine decay, weight decay 0.1 on kernels and embeddings only;
 - training: `--steps-per-call` steps per jitted call (one `lax.scan`), JAX's
@@ -131,6 +134,38 @@ def init_params(key: Any, *, layers: int, heads: int, width: int, seq_len: int) 
     }
 
 
+def from_transformer_lm(params: Any) -> dict[str, Any]:
+    """nnx_cli's `TransformerLM` parameters (`(path, value)` pairs, paths like
+    `layers/scan_module/attention/query/kernel`) in this script's layout: the same stacked shapes, other names."""
+    out: dict[str, Any] = {"blocks": {}}
+    for path, value in params:
+        parts = path.split("/")
+        if parts[0] == "layers":  # layers/scan_module/[attention|mlp/]<layer>/<name>
+            out["blocks"].setdefault(parts[-2], {})[parts[-1]] = value
+        elif parts[0] == "final_norm":
+            out.setdefault("final_norm", {})[parts[1]] = value
+        else:
+            out[{"embedding": "embedding", "position_embedding": "position"}[parts[0]]] = value
+    return out
+
+
+def load_params(path: str, like: dict[str, Any]) -> dict[str, Any]:
+    """The parameters in the .npz at `path`, one array per '/'-joined path of `like` (same shapes)."""
+    import jax
+    import jax.numpy as jnp
+
+    with np.load(path) as arrays:
+        stored = dict(arrays)
+
+    def load(keys: tuple, leaf: Any) -> Any:
+        name = "/".join(k.key for k in keys)
+        if name not in stored or stored[name].shape != leaf.shape:
+            raise SystemExit(f"--init {path}: no {name} of shape {leaf.shape} (has {sorted(stored)})")
+        return jnp.asarray(stored[name], leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(load, like)
+
+
 def decay_mask(params: dict[str, Any]) -> dict[str, Any]:
     """Weight decay on kernels and embeddings; never on biases or norms (whatever their stacked shape)."""
     import jax
@@ -212,6 +247,9 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--steps-per-call", type=int, default=100, help="training steps in one jitted lax.scan")
     parser.add_argument("--cache", default=None, help="JAX persistent compilation cache directory")
+    parser.add_argument(
+        "--init", default=None, help="start from these parameters (.npz of '/'-joined paths, as init_params names)"
+    )
     args = parser.parse_args()
 
     import datasets
@@ -235,6 +273,8 @@ def main() -> None:
     seq_len, batch = args.seq_len, args.batch_size
     shape = dict(layers=args.layers, heads=args.heads, width=args.width, seq_len=seq_len)
     params = jax.jit(lambda key: init_params(key, **shape))(jax.random.key(args.seed))  # one program, not op by op
+    if args.init:
+        params = load_params(args.init, params)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=args.peak_lr,

@@ -28,6 +28,7 @@ LINES = ["To be, or not to be, that is the question:", "Whether 'tis nobler in t
 def load_benchmark(name: str):
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where dataclasses look up the module's annotations
     spec.loader.exec_module(module)
     return module
 
@@ -77,21 +78,6 @@ def test_plain_lm_trains_on_the_batches_nnx_train_reads_across_epochs(corpus, tm
     np.testing.assert_array_equal(plain, keys.dispatch(0, steps))
 
 
-def plain_params_of(params: nnx.State) -> dict:
-    """TransformerLM parameters in plain_lm's layout (the same stacked-layer shapes, other names)."""
-    out: dict = {"blocks": {}}
-    for path, param in params.items():
-        parts = path.split("/")
-        if parts[0] == "layers":  # layers/scan_module/[attention|mlp/]<layer>/<name>
-            layer, name = parts[-2], parts[-1]
-            out["blocks"].setdefault(layer, {})[name] = param.value
-        elif parts[0] == "final_norm":
-            out.setdefault("final_norm", {})[parts[1]] = param.value
-        else:
-            out[{"embedding": "embedding", "position_embedding": "position"}[parts[0]]] = param.value
-    return out
-
-
 def test_plain_lm_computes_the_logits_of_transformer_lm_for_the_same_weights():
     def build() -> tuple[nnx.State, nnx.ModuleDef]:
         model = TransformerLM((SEQ_LEN,), 257, num_layers=2, num_heads=4, embed_dim=32, dropout=0.0, ctx=nnx.context(0))
@@ -101,7 +87,7 @@ def test_plain_lm_computes_the_logits_of_transformer_lm_for_the_same_weights():
     params = jax.jit(lambda: build()[0])()  # one program: building eagerly compiles every initialiser on its own
     tokens = jax.random.randint(jax.random.key(1), (3, SEQ_LEN), 0, 257)
     expected, _ = jax.jit(lambda p, t: moduledef.apply(p).logits(t))(params, tokens)
-    plain = plain_params_of(params)
+    plain = plain_lm.from_transformer_lm((path, param.value) for path, param in params.items())
     got = jax.jit(plain_lm.logits)(plain, tokens)
     assert jax.tree.structure(plain) == jax.tree.structure(
         plain_lm.init_params(jax.random.key(0), layers=2, heads=4, width=32, seq_len=SEQ_LEN)
@@ -154,3 +140,16 @@ def test_plain_lm_trains_and_prints_its_figures_as_one_json_line(corpus, tmp_pat
     assert figures["steps"] == 4
     assert 0 < figures["val_loss"] < 2 * np.log(257)  # a cross-entropy over 257 ids, near log(257) this early
     assert figures["data_seconds"] + figures["compile_seconds"] + figures["train_seconds"] <= figures["seconds"]
+
+
+def test_the_lm_benchmark_starts_the_plain_script_from_nnx_trains_parameters(corpus, tmp_path):
+    lm = load_benchmark("lm")
+    path = lm.write_initial_params(corpus, tmp_path / "init.npz")
+    own = plain_lm.init_params(jax.random.key(0), layers=2, heads=4, width=128, seq_len=64)
+    given = plain_lm.load_params(str(path), own)
+    with np.load(path) as stored:
+        np.testing.assert_array_equal(given["blocks"]["query"]["kernel"], stored["blocks/query/kernel"])
+        assert len(stored.files) == len(jax.tree.leaves(own))
+    assert not np.array_equal(given["embedding"], own["embedding"])  # nnx-train's draw, not the script's
+    with pytest.raises(SystemExit, match="no blocks/fc/kernel of shape"):
+        plain_lm.load_params(str(path), dict(own, blocks=dict(own["blocks"], fc={"kernel": jnp.zeros((2, 3))})))
