@@ -101,8 +101,15 @@ class Signals:
         self.in_loop = False
 
     def __enter__(self) -> Signals:
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {s: signal.signal(s, self._handle) for s in _SIGNALS}
         return self
+
+    def reclaim(self) -> None:
+        """Take the signals back after `jax.distributed.initialize`: JAX's preemption notifier installs itself
+        on SIGTERM there, and only logs it, so a SIGTERM (SLURM's, Kubernetes') would not stop the run."""
+        if hasattr(self, "_previous"):
+            for s in _SIGNALS:
+                signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.in_loop or self.signal is not None:
@@ -124,6 +131,9 @@ class Signals:
         votes = multihost_utils.process_allgather(np.int32(self.signal or 0))
         self.signal = self.signal or int(votes.max()) or None
         return self.signal is not None
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def exit_now(signum: int) -> None:

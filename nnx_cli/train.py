@@ -97,6 +97,7 @@ def run(
     runtime.configure(deterministic=cfg.train.deterministic)
     PHASES.add("import", PHASES.since_start())
     _distributed.init(*distributed)
+    signals.reclaim()
     with watchdog.watching():  # several processes: one failing stops the others within seconds
         return _train(cfg, workdir, resume, signals)
 

@@ -196,19 +196,25 @@ def test_killed_processes_resume_to_the_uninterrupted_parameters(two_processes, 
     assert_same_state(project / "killed", reference, rtol=0, atol=0)
 
 
-def test_ctrl_c_on_one_process_stops_every_process_at_the_same_step(two_processes, project: Path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(two_processes, project: Path, signum):
+    """SIGTERM too: jax.distributed installs a preemption notifier on it that would only log it."""
     reference, _ = two_processes
-    procs = start_processes("interrupted", cwd=project)
-    wait_for_checkpoint(project / "interrupted", 10, procs)
-    procs[1].send_signal(signal.SIGINT)  # process 0 learns of it from the others
+    workdir = f"interrupted-{signum.name}"
+    procs = start_processes(workdir, cwd=project)
+    wait_for_checkpoint(project / workdir, 10, procs)
+    procs[1].send_signal(signum)  # process 0 learns of it from the others
     outputs = finish(procs)
     assert [code for code, _, _ in outputs] == [130, 130], outputs[0][2] + outputs[1][2]
-    stopped_at = Checkpointer(project / "interrupted" / "checkpoints", read_only=True).latest_step()
+    stopped_at = Checkpointer(project / workdir / "checkpoints", read_only=True).latest_step()
     assert 10 <= stopped_at < MP_STEPS
-    assert f"checkpoint written at {Path('interrupted', 'checkpoints', str(stopped_at))}" in outputs[0][2]
-    outputs = finish(start_processes("interrupted", cwd=project))
+    assert (
+        f"interrupted by {signum.name}: checkpoint written at {Path(workdir, 'checkpoints', str(stopped_at))}"
+        in (outputs[0][2])
+    )
+    outputs = finish(start_processes(workdir, cwd=project))
     assert [code for code, _, _ in outputs] == [0, 0], outputs[0][2] + outputs[1][2]
-    assert_same_state(project / "interrupted", reference, rtol=0, atol=0)
+    assert_same_state(project / workdir, reference, rtol=0, atol=0)
 
 
 def test_multi_process_flags_must_describe_a_run(project: Path):
