@@ -1,28 +1,36 @@
-"""`transformer_lm`: a decoder-only Transformer language model (GPT), with a key-value cache for decoding.
+"""`transformer_lm`: a decoder-only Transformer language model, with a key-value cache for decoding.
 
-Pre-norm blocks (causal multi-head self-attention, then a GELU MLP, each with
-a residual connection), learned or rotary positions, LayerNorm or RMSNorm,
-output projection tied to the token embedding by default::
+One model for the families people train today: GPT-2 (learned positions,
+LayerNorm, biases, a tanh-GELU MLP) and the Llama family (Llama 2/3, Mistral,
+Qwen2/3, SmolLM: rotary positions, RMSNorm, no biases, a SwiGLU MLP,
+grouped-query attention) differ by a few switches (spec hf.md, "Architectures")::
 
-    model = TransformerLM((256,), 257, num_layers=6, num_heads=6, embed_dim=384, ctx=nnx.context(0))
+    model = TransformerLM((256,), 257, num_layers=6, num_heads=6, embed_dim=384, ctx=nnx.context(0))   # GPT
+    llama = TransformerLM((256,), 32000, num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=512,
+                          positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, ctx=nnx.context(0))
     batch = {"tokens": jnp.zeros((8, 257), jnp.int32)}    # windows of seq_len + 1 tokens
     metrics = model.metrics(batch, nnx.context(dropout=0, flags={"deterministic": False}))
     metrics["loss"].shape                                 # (8,): mean nats per token of each window
 
-The vocabulary is padded to a multiple of 128 (257 -> 384) for sharding and
-alignment; the padded ids get a large negative logit (in float32) wherever
-logits come out, so the loss, accuracy and sampling never pick them.
+Pre-norm blocks: `h + attention(norm(h))`, then `h + mlp(norm(h))`. The
+rotary convention is Hugging Face Llama's (the two halves of each head turn
+together), so imported weights need no permutation. The vocabulary is
+padded to a multiple of 128 (257 -> 384) for sharding and alignment; the
+padded ids get a large negative logit (in float32) wherever logits come out,
+so the loss, accuracy and sampling never pick them.
 
 Decoding: `init_cache(batch_size, max_len)` adds `nnx.Cache` keys and values
-to every attention layer (stacked along `layers` when scanned), `prefill`
-runs a prompt through and fills them, `decode` takes one token per row at
-per-row positions. `nnx_cli.decoding` drives these from jitted pure functions.
+(`num_kv_heads` of them per layer) to every attention layer (stacked along
+`layers` when scanned), `prefill` runs a prompt through and fills them,
+`decode` takes one token per row at per-row positions. `nnx_cli.decoding`
+drives these from jitted pure functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -48,6 +56,51 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls, recompute attention
 }
 _LAYERS = "layers"
+_ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """`vocab_size` rounded up to a multiple of :data:`VOCAB_MULTIPLE` (257 -> 384)."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+# Options
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What shapes a block's function, resolved and checked from the `model` options (see :func:`architecture`).
+
+    Static: it lives in the ModuleDef, so it is hashable (`rope_scaling` is
+    a tuple of `(key, value)` pairs).
+    """
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    mlp: str  # gelu (tanh approximation) | swiglu
+    qkv_bias: bool  # biases on q, k, v (also when `bias`)
+    qk_norm: bool  # RMSNorm over each head's queries and keys
+    bias: bool  # biases on every other projection and on LayerNorm
+    norm: str  # layernorm | rmsnorm
+    norm_eps: float
+    rope: bool
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None
+    dropout: float
+    attention_dropout: float
+    out_std: float  # initial std of the residual output projections
+    remat: str
+    scanned: bool
+    dtype: Any  # compute dtype
+
+    @property
+    def kv_axis(self) -> str:
+        """The logical axis of key and value heads: `heads` when every query head has its own, else `kv_heads`."""
+        return "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
 
 
 def _choice(option: str, value: str, allowed: Sequence[str]) -> str:
@@ -56,9 +109,114 @@ def _choice(option: str, value: str, allowed: Sequence[str]) -> str:
     return value
 
 
-def padded_vocab_size(vocab_size: int) -> int:
-    """`vocab_size` rounded up to a multiple of :data:`VOCAB_MULTIPLE` (257 -> 384)."""
-    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+def _rope_scaling(value: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    """`model.rope_scaling`: null, or `{type: llama3, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}`."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or value.get("type") != "llama3":
+        raise ValueError(
+            f"model.rope_scaling must be null or {{type: llama3, {', '.join(_ROPE_SCALING_KEYS)}}}; got {value!r}"
+        )
+    missing = [k for k in _ROPE_SCALING_KEYS if not isinstance(value.get(k), (int, float))]
+    unknown = sorted(set(value) - {"type", *_ROPE_SCALING_KEYS})
+    if missing or unknown:
+        problem = f"lacks numbers for {', '.join(missing)}" if missing else f"has unknown keys {', '.join(unknown)}"
+        raise ValueError(f"model.rope_scaling of type llama3 {problem}; it takes {', '.join(_ROPE_SCALING_KEYS)}")
+    if value["high_freq_factor"] <= value["low_freq_factor"] or value["factor"] <= 0:
+        raise ValueError(
+            "model.rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor; "
+            f"got {value['factor']}, {value['low_freq_factor']}, {value['high_freq_factor']}"
+        )
+    return tuple((k, float(value[k])) for k in _ROPE_SCALING_KEYS)
+
+
+def architecture(
+    *,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    head_dim: int | None,
+    embed_dim: int,
+    mlp_dim: int | None,
+    mlp: str,
+    qkv_bias: bool,
+    qk_norm: bool,
+    bias: bool,
+    norm: str,
+    norm_eps: float,
+    positions: str,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    dropout: float,
+    attention_dropout: float,
+    remat: str,
+    scan_layers: bool,
+    dtype: str,
+) -> Architecture:
+    """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`."""
+    check_sizes("num_layers", [num_layers])
+    check_sizes("num_heads", [num_heads])
+    check_sizes("embed_dim", [embed_dim])
+    mlp_dim = check_sizes("mlp_dim", [mlp_dim])[0] if mlp_dim is not None else 4 * embed_dim
+    check_rate("dropout", dropout)
+    check_rate("attention_dropout", attention_dropout)
+    _choice("positions", positions, ("learned", "rope"))
+    _choice("norm", norm, ("layernorm", "rmsnorm"))
+    _choice("mlp", mlp, ("gelu", "swiglu"))
+    _choice("dtype", dtype, tuple(_DTYPES))
+    _choice("remat", remat, ("none", "full", "dots"))
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"model.embed_dim ({embed_dim}) must be a multiple of model.num_heads ({num_heads}), "
+                "or set model.head_dim"
+            )
+        head_dim = embed_dim // num_heads
+    check_sizes("head_dim", [head_dim])
+    kv_heads = num_heads if num_kv_heads is None else check_sizes("num_kv_heads", [num_kv_heads])[0]
+    if num_heads % kv_heads:
+        raise ValueError(
+            f"model.num_heads ({num_heads}) must be a multiple of model.num_kv_heads ({kv_heads}): each key-value "
+            "head serves an equal group of query heads"
+        )
+    if positions == "rope" and head_dim % 2:
+        raise ValueError(
+            f"model.positions rope rotates pairs of features: the head size (model.head_dim, or embed_dim / "
+            f"num_heads) ({head_dim}) must be even"
+        )
+    if norm_eps <= 0:
+        raise ValueError(f"model.norm_eps must be positive, got {norm_eps}")
+    if rope_theta <= 0:
+        raise ValueError(f"model.rope_theta must be positive, got {rope_theta}")
+    if rope_scaling is not None and positions != "rope":
+        raise ValueError("model.rope_scaling applies to rotary positions: set model.positions=rope or drop it")
+    return Architecture(
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        mlp_dim=mlp_dim,
+        mlp=mlp,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        bias=bias,
+        norm=norm,
+        norm_eps=float(norm_eps),
+        rope=positions == "rope",
+        rope_theta=float(rope_theta),
+        rope_scaling=_rope_scaling(rope_scaling),
+        dropout=dropout,
+        attention_dropout=attention_dropout,
+        out_std=0.02 / math.sqrt(2 * num_layers),
+        remat=remat,
+        scanned=scan_layers,
+        dtype=_DTYPES[dtype],
+    )
+
+
+# Layers
+# ------------------------------------------------------------------------------
 
 
 def _init(std: float, axes: tuple[str, ...]) -> Any:
@@ -117,15 +275,18 @@ class Dense(nnx.Module):
 class RMSNorm(nnx.Module):
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): `x / rms(x) * scale`, statistics in float32.
 
-    `scale` has shape `(num_features,)` and the logical axis `embed`::
+    `scale` has shape `(num_features,)` and the logical axis `axis` (`embed`;
+    `kv` for the per-head query and key norms)::
 
         RMSNorm(384, dtype=jnp.bfloat16, ctx=ctx)(x)   # same shape as x, in bfloat16
     """
 
-    def __init__(self, num_features: int, *, epsilon: float = 1e-5, dtype: Any, ctx: nnx.Context):
+    def __init__(
+        self, num_features: int, *, epsilon: float = 1e-5, axis: str = "embed", dtype: Any, ctx: nnx.Context
+    ):
         self.epsilon = epsilon
         self.dtype = dtype
-        init = nnx.with_logical_partitioning(nnx.initializers.ones(), ("embed",))
+        init = nnx.with_logical_partitioning(nnx.initializers.ones(), (axis,))
         self.scale = nnx.Param(init(ctx.make_rng("params"), (num_features,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -134,27 +295,58 @@ class RMSNorm(nnx.Module):
         return (y * self.scale).astype(self.dtype)
 
 
-def _norm(kind: str, features: int, dtype: Any, ctx: nnx.Context) -> nnx.Module:
-    if kind == "rmsnorm":
-        return RMSNorm(features, dtype=dtype, ctx=ctx)
+def _norm(arch: Architecture, ctx: nnx.Context) -> nnx.Module:
+    if arch.norm == "rmsnorm":
+        return RMSNorm(arch.embed_dim, epsilon=arch.norm_eps, dtype=arch.dtype, ctx=ctx)
     return nnx.LayerNorm(
-        features,
-        epsilon=1e-5,
-        dtype=dtype,
+        arch.embed_dim,
+        epsilon=arch.norm_eps,
+        dtype=arch.dtype,
+        use_bias=arch.bias,
         scale_init=nnx.with_logical_partitioning(nnx.initializers.ones(), ("embed",)),
         bias_init=nnx.with_logical_partitioning(nnx.initializers.zeros(), ("embed",)),
         ctx=ctx,
     )
 
 
-def rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
+def rope_frequencies(
+    head_dim: int, theta: float = 10000.0, scaling: tuple[tuple[str, Any], ...] | None = None
+) -> jax.Array:
+    """The float32 angular frequencies of rotary feature pairs: `theta ** (-2i / head_dim)`, `i < head_dim / 2`.
+
+    With `scaling` of type llama3 (Meta's Llama 3.1 recipe), wavelengths longer
+    than `original_max_position_embeddings / low_freq_factor` slow down by
+    `factor`, those shorter than `... / high_freq_factor` stay, and those
+    between blend the two smoothly.
+    """
+    half = head_dim // 2
+    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return frequencies
+    s = dict(scaling)
+    original, low, high, factor = (
+        s["original_max_position_embeddings"],
+        s["low_freq_factor"],
+        s["high_freq_factor"],
+        s["factor"],
+    )
+    wavelength = 2 * math.pi / frequencies
+    slowed = jnp.where(wavelength > original / low, frequencies / factor, frequencies)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(between, blended, slowed)
+
+
+def rotate(x: jax.Array, positions: jax.Array, frequencies: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding (Su et al., 2021) of `x` `[batch, length, heads, head_dim]` at `positions`.
 
-    Feature pair `(i, i + head_dim / 2)` turns by `position * 10000 ** (-2i / head_dim)`,
-    in float32; `positions` is `[batch, length]`.
+    Feature pair `(i, i + head_dim / 2)` turns by `position * frequencies[i]`
+    (:func:`rope_frequencies`; by default `10000 ** (-2i / head_dim)`), in
+    float32; `positions` is `[batch, length]`.
     """
-    half = x.shape[-1] // 2
-    frequencies = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if frequencies is None:
+        frequencies = rope_frequencies(x.shape[-1])
     angles = positions.astype(jnp.float32)[:, :, None, None] * frequencies
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -168,39 +360,44 @@ def _fused_attention(dtype: Any, head_dim: int) -> str:
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention; `init_cache` gives it a key-value cache for `prefill` and `decode`."""
+    """Causal self-attention with `num_heads` query heads sharing `num_kv_heads` key-value heads (grouped-query
+    attention; multi-head when equal); `init_cache` gives it a key-value cache for `prefill` and `decode`."""
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        *,
-        rope: bool,
-        dropout: float,
-        attention_dropout: float,
-        out_std: float,
-        dtype: Any,
-        ctx: nnx.Context,
-    ):
-        head_dim = embed_dim // num_heads
-        qkv = dict(std=0.02, dtype=dtype, ctx=ctx)
-        self.query = Dense((embed_dim,), (num_heads, head_dim), ("embed",), ("heads", "kv"), **qkv)
-        self.key = Dense((embed_dim,), (num_heads, head_dim), ("embed",), ("heads", "kv"), **qkv)
-        self.value = Dense((embed_dim,), (num_heads, head_dim), ("embed",), ("heads", "kv"), **qkv)
+    def __init__(self, arch: Architecture, *, ctx: nnx.Context):
+        embed, heads, kv_heads, head_dim = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        qkv = dict(std=0.02, dtype=arch.dtype, use_bias=arch.bias or arch.qkv_bias, ctx=ctx)
+        self.query = Dense((embed,), (heads, head_dim), ("embed",), ("heads", "kv"), **qkv)
+        self.key = Dense((embed,), (kv_heads, head_dim), ("embed",), (arch.kv_axis, "kv"), **qkv)
+        self.value = Dense((embed,), (kv_heads, head_dim), ("embed",), (arch.kv_axis, "kv"), **qkv)
         self.out = Dense(
-            (num_heads, head_dim), (embed_dim,), ("heads", "kv"), ("embed",), std=out_std, dtype=dtype, ctx=ctx
+            (heads, head_dim),
+            (embed,),
+            ("heads", "kv"),
+            ("embed",),
+            std=arch.out_std,
+            dtype=arch.dtype,
+            use_bias=arch.bias,
+            ctx=ctx,
         )
-        self.rope = rope
-        self.dtype = dtype
-        self.implementation = _fused_attention(dtype, head_dim)
-        self.attention_dropout = nnx.Dropout(attention_dropout)
-        self.dropout = nnx.Dropout(dropout)
+        if arch.qk_norm:
+            norm = dict(epsilon=arch.norm_eps, axis="kv", dtype=arch.dtype, ctx=ctx)
+            self.query_norm = RMSNorm(head_dim, **norm)
+            self.key_norm = RMSNorm(head_dim, **norm)
+        self.arch = arch
+        self.dtype = arch.dtype
+        self.implementation = _fused_attention(arch.dtype, head_dim)
+        self.attention_dropout = nnx.Dropout(arch.attention_dropout)
+        self.dropout = nnx.Dropout(arch.dropout)
 
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        axes = ("batch", "length", "heads", "kv")
-        q, k, v = (_constrain(p(x), axes) for p in (self.query, self.key, self.value))
-        if self.rope:
-            q, k = rotate(q, positions), rotate(k, positions)
+        q = _constrain(self.query(x), ("batch", "length", "heads", "kv"))
+        kv_axes = ("batch", "length", self.arch.kv_axis, "kv")
+        k, v = _constrain(self.key(x), kv_axes), _constrain(self.value(x), kv_axes)
+        if self.arch.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)
+        if self.arch.rope:
+            frequencies = rope_frequencies(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+            q, k = rotate(q, positions, frequencies), rotate(k, positions, frequencies)
         return q, k, v
 
     def _causal(self, q: jax.Array, k: jax.Array, v: jax.Array, deterministic: bool, ctx: nnx.Context | None):
@@ -208,6 +405,8 @@ class Attention(nnx.Module):
             implementation = self.implementation if q.shape[1] > 1 else "xla"
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
         # Dropout on the attention weights: neither fused kernel offers it, so the XLA form is written out.
+        groups = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
         causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
         weights = jax.nn.softmax(jnp.where(causal, logits, MASKED_LOGIT), axis=-1)
@@ -225,12 +424,12 @@ class Attention(nnx.Module):
         return self._output(self._causal(q, k, v, deterministic, ctx), deterministic, ctx)
 
     def init_cache(self, batch_size: int, max_len: int, layers: int | None = None) -> None:
-        """Zero keys and values `[batch, heads, max_len, head_dim]` (with a leading `layers` axis when stacked).
+        """Zero keys and values `[batch, kv_heads, max_len, head_dim]` (with a leading `layers` axis when stacked).
 
         Heads come before positions so that one query's attention reads each head's keys contiguously.
         """
-        _, heads, head_dim = self.key.kernel.shape[-3:]
-        shape, axes = (batch_size, heads, max_len, head_dim), ("batch", "heads", "length", "kv")
+        shape = (batch_size, self.arch.num_kv_heads, max_len, self.arch.head_dim)
+        axes = ("batch", self.arch.kv_axis, "length", "kv")
         if layers is not None:
             shape, axes = (layers, *shape), (_LAYERS, *axes)
         zeros = nnx.with_logical_constraint(jnp.zeros(shape, self.dtype), axes)
@@ -249,28 +448,37 @@ class Attention(nnx.Module):
         """One token per row, `x` `[batch, 1, embed]` at `positions` `[batch, 1]`: caches it, attends to the cache."""
         q, k, v = self._project(x, positions)
         batch, _, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
         # One (row, head) index pair per written vector: XLA makes this a cheaper scatter than rows alone.
-        rows, each_head, at = jnp.arange(batch)[:, None], jnp.arange(heads)[None, :], positions
+        rows, each_head, at = jnp.arange(batch)[:, None], jnp.arange(kv_heads)[None, :], positions
         self.cached_key = self.cached_key.at[rows, each_head, at].set(k[:, 0].astype(self.dtype))
         self.cached_value = self.cached_value.at[rows, each_head, at].set(v[:, 0].astype(self.dtype))
-        scores = jnp.einsum("bhd,bhtd->bht", q[:, 0], self.cached_key, preferred_element_type=jnp.float32)
+        grouped = q[:, 0].reshape(batch, kv_heads, heads // kv_heads, head_dim)  # query heads by their key-value head
+        scores = jnp.einsum("bkgd,bktd->bkgt", grouped, self.cached_key, preferred_element_type=jnp.float32)
         visible = jnp.arange(self.cached_key.shape[2]) <= positions  # [batch, max_len]
-        scores = jnp.where(visible[:, None, :], scores / math.sqrt(head_dim), MASKED_LOGIT)
+        scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(head_dim), MASKED_LOGIT)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        o = jnp.einsum("bht,bhtd->bhd", weights, self.cached_value)[:, None]
-        return self._output(o, True, None)
+        o = jnp.einsum("bkgt,bktd->bkgd", weights, self.cached_value).reshape(batch, heads, head_dim)
+        return self._output(o[:, None], True, None)
 
 
 class MLP(nnx.Module):
-    """`Dense -> GELU -> Dense -> Dropout`, hidden width `mlp_dim`."""
+    """`proj(gelu(fc(x)))` (GELU, tanh approximation, as GPT-2), or with `mlp: swiglu` `proj(silu(gate(x)) * fc(x))`
+    (Llama's gate, up and down projections), then dropout; hidden width `mlp_dim`."""
 
-    def __init__(self, embed_dim: int, mlp_dim: int, *, dropout: float, out_std: float, dtype: Any, ctx: nnx.Context):
-        self.fc = Dense((embed_dim,), (mlp_dim,), ("embed",), ("mlp",), std=0.02, dtype=dtype, ctx=ctx)
-        self.proj = Dense((mlp_dim,), (embed_dim,), ("mlp",), ("embed",), std=out_std, dtype=dtype, ctx=ctx)
-        self.dropout = nnx.Dropout(dropout)
+    def __init__(self, arch: Architecture, *, ctx: nnx.Context):
+        embed, hidden = arch.embed_dim, arch.mlp_dim
+        dense = dict(dtype=arch.dtype, use_bias=arch.bias, ctx=ctx)
+        self.fc = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, **dense)
+        self.proj = Dense((hidden,), (embed,), ("mlp",), ("embed",), std=arch.out_std, **dense)
+        if arch.mlp == "swiglu":
+            self.gate = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, **dense)
+        self.gated = arch.mlp == "swiglu"
+        self.dropout = nnx.Dropout(arch.dropout)
 
     def __call__(self, x: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None) -> jax.Array:
-        h = _constrain(nnx.gelu(self.fc(x)), ("batch", "length", "mlp"))
+        h = nnx.silu(self.gate(x)) * self.fc(x) if self.gated else nnx.gelu(self.fc(x))
+        h = _constrain(h, ("batch", "length", "mlp"))
         return self.dropout(self.proj(h), deterministic=deterministic, ctx=ctx)
 
 
@@ -281,37 +489,13 @@ class Block(nnx.Module):
     `nnx.Scan` threads through stacked layers (`_`: the unused scanned input).
     """
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        mlp_dim: int,
-        *,
-        norm: str,
-        rope: bool,
-        dropout: float,
-        attention_dropout: float,
-        out_std: float,
-        remat: str,
-        scanned: bool,
-        dtype: Any,
-        ctx: nnx.Context,
-    ):
-        self.attention_norm = _norm(norm, embed_dim, dtype, ctx)
-        self.attention = Attention(
-            embed_dim,
-            num_heads,
-            rope=rope,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            out_std=out_std,
-            dtype=dtype,
-            ctx=ctx,
-        )
-        self.mlp_norm = _norm(norm, embed_dim, dtype, ctx)
-        self.mlp = MLP(embed_dim, mlp_dim, dropout=dropout, out_std=out_std, dtype=dtype, ctx=ctx)
-        self.remat = remat
-        self.scanned = scanned
+    def __init__(self, arch: Architecture, *, ctx: nnx.Context):
+        self.attention_norm = _norm(arch, ctx)
+        self.attention = Attention(arch, ctx=ctx)
+        self.mlp_norm = _norm(arch, ctx)
+        self.mlp = MLP(arch, ctx=ctx)
+        self.remat = arch.remat
+        self.scanned = arch.scanned
 
     def _forward(
         self, h: jax.Array, positions: jax.Array, *, deterministic: bool, ctx: nnx.Context | None
@@ -338,8 +522,12 @@ class Block(nnx.Module):
         return h + self.mlp(self.mlp_norm(h), deterministic=True), None
 
 
+# The model
+# ------------------------------------------------------------------------------
+
+
 class TransformerLM(nnx.Module):
-    """A GPT-style language model; options are the `model` section of a text config (spec lm.md).
+    """A decoder-only language model; options are the `model` section of a text config (spec lm.md, hf.md).
 
     `input_shape` is `(seq_len,)`, `num_classes` the tokenizer's vocabulary
     size (`vocab_size` overrides it). Metrics of a batch `{"tokens": int32
@@ -350,6 +538,13 @@ class TransformerLM(nnx.Module):
         model = TransformerLM((128,), 257, num_layers=2, num_heads=2, embed_dim=64, ctx=nnx.context(0))
         model.metrics({"tokens": tokens}, ctx)["loss"]      # [B]
         model.flops_per_token()                             # 6 N + 12 num_layers seq_len embed_dim
+
+    The architecture options (`num_kv_heads`, `head_dim`, `mlp`, `qkv_bias`,
+    `qk_norm`, `bias`, `norm_eps`, `rope_theta`, `rope_scaling`) default to
+    the GPT this model was first, so configs written before them keep their
+    model. `max_positions` sizes the learned position table (null:
+    `seq_len`; an imported GPT-2 has 1024 positions and may train on
+    shorter windows).
 
     `scan_layers` stacks the blocks under one `nnx.Scan` (parameters get a
     leading `layers` axis); otherwise `layers` is an `nnx.Sequence` of blocks
@@ -363,6 +558,7 @@ class TransformerLM(nnx.Module):
         ["batch", "data"],
         ["embed", "data"],
         ["heads", "model"],
+        ["kv_heads", "model"],
         ["mlp", "model"],
         ["vocab", "model"],
     ]
@@ -376,6 +572,16 @@ class TransformerLM(nnx.Module):
         num_heads: int = 6,
         embed_dim: int = 384,
         mlp_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mlp: str = "gelu",
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        bias: bool = True,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        max_positions: int | None = None,
         dropout: float = 0.2,
         attention_dropout: float = 0.0,
         positions: str = "learned",
@@ -397,26 +603,38 @@ class TransformerLM(nnx.Module):
             raise ValueError("model.vocab_size is unknown: the data has no tokenizer; set model.vocab_size")
         (seq_len,) = check_sizes("input_shape", input_shape)
         check_sizes("vocab_size", [vocab])
-        check_sizes("num_layers", [num_layers])
-        check_sizes("num_heads", [num_heads])
-        check_sizes("embed_dim", [embed_dim])
-        mlp_dim = check_sizes("mlp_dim", [mlp_dim])[0] if mlp_dim is not None else 4 * embed_dim
-        check_rate("dropout", dropout)
-        check_rate("attention_dropout", attention_dropout)
-        _choice("positions", positions, ("learned", "rope"))
-        _choice("norm", norm, ("layernorm", "rmsnorm"))
-        _choice("dtype", dtype, tuple(_DTYPES))
-        _choice("remat", remat, ("none", "full", "dots"))
-        if embed_dim % num_heads:
-            raise ValueError(f"model.embed_dim ({embed_dim}) must be a multiple of model.num_heads ({num_heads})")
-        if positions == "rope" and (embed_dim // num_heads) % 2:
+        arch = architecture(
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            embed_dim=embed_dim,
+            mlp_dim=mlp_dim,
+            mlp=mlp,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            bias=bias,
+            norm=norm,
+            norm_eps=norm_eps,
+            positions=positions,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            remat=remat,
+            scan_layers=scan_layers,
+            dtype=dtype,
+        )
+        max_positions = seq_len if max_positions is None else check_sizes("max_positions", [max_positions])[0]
+        if positions == "learned" and seq_len > max_positions:
             raise ValueError(
-                f"model.positions rope rotates pairs of features: the head size embed_dim / num_heads "
-                f"({embed_dim // num_heads}) must be even"
+                f"data.seq_len ({seq_len}) exceeds the model's {max_positions} learned positions "
+                "(model.max_positions); lower data.seq_len"
             )
 
-        compute = _DTYPES[dtype]
+        compute = arch.dtype
         self.seq_len = seq_len
+        self.max_positions = max_positions
         self.vocab_size = vocab
         self.num_layers = num_layers
         self.embed_dim = embed_dim
@@ -429,19 +647,9 @@ class TransformerLM(nnx.Module):
         )
         if positions == "learned":
             self.position_embedding = nnx.Embed(
-                seq_len, embed_dim, dtype=compute, embedding_init=_init(0.02, ("length", "embed")), ctx=ctx
+                max_positions, embed_dim, dtype=compute, embedding_init=_init(0.02, ("length", "embed")), ctx=ctx
             )
         self.dropout = nnx.Dropout(dropout)
-        block = dict(
-            norm=norm,
-            rope=positions == "rope",
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            out_std=0.02 / math.sqrt(2 * num_layers),
-            remat=remat,
-            scanned=scan_layers,
-            dtype=compute,
-        )
         if scan_layers:
             self.layers = nnx.Scan(
                 Block,
@@ -449,12 +657,10 @@ class TransformerLM(nnx.Module):
                 split_rngs=("params", "dropout"),
                 length=num_layers,
                 metadata_params={nnx.PARTITION_NAME: _LAYERS},
-            )(embed_dim, num_heads, mlp_dim, **block, ctx=ctx)
+            )(arch, ctx=ctx)
         else:
-            self.layers = nnx.Sequence(
-                [Block(embed_dim, num_heads, mlp_dim, **block, ctx=ctx) for _ in range(num_layers)]
-            )
-        self.final_norm = _norm(norm, embed_dim, compute, ctx)
+            self.layers = nnx.Sequence([Block(arch, ctx=ctx) for _ in range(num_layers)])
+        self.final_norm = _norm(arch, ctx)
         if not tie_embeddings:
             self.head = Dense(
                 (embed_dim,),
@@ -497,14 +703,14 @@ class TransformerLM(nnx.Module):
         return jnp.where(jnp.arange(logits.shape[-1]) < self.vocab_size, logits, MASKED_LOGIT)
 
     def logits(self, tokens: jax.Array, ctx: nnx.Context | None = None) -> jax.Array:
-        """Next-token logits `[B, T, vocab]` (float32) of `tokens` `[B, T]`, `T <= seq_len` for learned positions.
+        """Next-token logits `[B, T, vocab]` (float32) of `tokens` `[B, T]`, `T <= max_positions` when learned.
 
         Dropout is on when `ctx` has the flag `deterministic=False` (and a `dropout` stream).
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         length = tokens.shape[1]
-        if self.positions == "learned" and length > self.seq_len:
-            raise ValueError(f"{length} tokens do not fit the learned positions of a model with seq_len {self.seq_len}")
+        if self.positions == "learned" and length > self.max_positions:
+            raise ValueError(f"{length} tokens do not fit the {self.max_positions} learned positions of this model")
         deterministic = ctx is None or ctx.get_flag("deterministic") is not False
         positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
         h = self._embed(tokens, positions, deterministic, ctx)
@@ -541,8 +747,8 @@ class TransformerLM(nnx.Module):
 
     @property
     def context_limit(self) -> int | None:
-        """The most positions a sequence may use: `seq_len` with learned positions, None (unbounded) with RoPE."""
-        return self.seq_len if self.positions == "learned" else None
+        """The most positions a sequence may use: `max_positions` with learned positions, None (unbounded) with RoPE."""
+        return self.max_positions if self.positions == "learned" else None
 
     def _attentions(self) -> list[Attention]:
         if self.scan_layers:
