@@ -38,6 +38,7 @@ class ModelConfig:
     name: str = "vae"  # registry name, or "package.module:Class"
     input_shape: list[int] | None = None  # null: from the dataset
     num_classes: int | None = None  # null: from the dataset
+    pretrained: str | None = None  # a Hugging Face model directory or Hub id: options and weights from there
     options: dict[str, Any] = field(default_factory=dict)  # constructor keywords
 
     open_section = True
@@ -52,7 +53,7 @@ class DataConfig:
     label_key: str | None = "label"
     binarize: float | None = None  # threshold on [0, 1] pixels; null keeps grey levels
     text_key: str | None = None  # the column of documents; setting it makes this a text dataset
-    tokenizer: str = "bytes"  # bytes, a Hugging Face tokenizer's Hub id, or a tokenizer.json
+    tokenizer: str = "bytes"  # bytes, pretrained (model.pretrained's; its default), a Hub id, or a tokenizer.json
     seq_len: int = 256  # tokens per training window (text)
     workers: int | None = None  # input-pipeline worker processes; null: the machine's cores, 0: none
     cache_dir: str | None = None  # decoded / tokenized caches; null: under the `datasets` cache
@@ -259,10 +260,21 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     `sharding.mesh.data=4` keeps the default `model` axis.
     """
     try:
-        raw = _merge(to_dict(Config()), read_yaml(path) if path is not None else {})
-        return from_dict(apply_overrides(raw, overrides))
+        given = read_yaml(path) if path is not None else {}
+        raw = apply_overrides(_merge(to_dict(Config()), given), overrides)
+        _default_tokenizer(raw, apply_overrides(given, overrides))
+        return from_dict(raw)
     except RecursionError:  # a YAML alias that contains itself (`a: &x [*x]`)
         raise UserError(f"config file {str(path)!r} nests without end (a YAML anchor that refers to itself)") from None
+
+
+def _default_tokenizer(raw: dict[str, Any], given: dict[str, Any]) -> None:
+    """`data.tokenizer` defaults to `pretrained` when `model.pretrained` is set and the config names no tokenizer."""
+    model, data = given.get("model"), given.get("data")
+    pretrained = isinstance(model, dict) and model.get("pretrained") is not None
+    named = isinstance(data, dict) and "tokenizer" in data
+    if pretrained and not named and isinstance(raw.get("data"), dict):
+        raw["data"]["tokenizer"] = "pretrained"
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -525,16 +537,25 @@ def _check_sharding(s: ShardingConfig) -> None:
             )
 
 
-def changes(before: dict[str, Any], after: dict[str, Any], ignore: Iterable[str] = ()) -> list[str]:
+def changes(
+    before: dict[str, Any], after: dict[str, Any], ignore: Iterable[str] = (), defaults: dict[str, Any] | None = None
+) -> list[str]:
     """`"key: old -> new"` for every dotted key whose value differs between two resolved configs.
+
+    A key that `before` lacks and `after` holds at its value in `defaults` is no change: a config saved by an
+    earlier release lacks the keys added since, whose defaults keep its meaning.
 
     >>> changes({"train": {"steps": 400}}, {"train": {"steps": 800}})
     ['train.steps: 400 -> 800']
+    >>> changes({"model": {}}, {"model": {"bias": True}}, defaults={"model": {"bias": True}})
+    []
     """
-    flat_before, flat_after = _flatten(before), _flatten(after)
+    flat_before, flat_after, flat_defaults = _flatten(before), _flatten(after), _flatten(defaults or {})
     out = []
     for key in sorted(flat_before.keys() | flat_after.keys()):
         if any(key == skip or key.startswith(skip + ".") for skip in ignore):
+            continue
+        if key not in flat_before and key in flat_defaults and flat_after.get(key) == flat_defaults[key]:
             continue
         old, new = flat_before.get(key, "(unset)"), flat_after.get(key, "(unset)")
         if old != new:

@@ -21,10 +21,11 @@ the temperature, then `top_k` (0: off) keeps the k most likely tokens and
 draws token `t` with `fold_in(fold_in(key(seed), i), t)`, so a batch of
 samples equals single runs with the same sample indices (`first_sample`).
 
-A sample stops after `max_tokens`, at the `end_of_document` token (not
-included in its tokens), or when its sequence fills the model's context
-(learned positions end at `seq_len`: `stop_reasons[i] == "context"`,
-`truncated[i]` true). The model must offer `init_cache(batch_size, max_len)`,
+A sample stops after `max_tokens`, at the `end_of_document` token or one of
+`stop_tokens` (a model directory's end-of-sequence and end-of-turn ids; the
+token is not included in its tokens but kept in `stopped_by`), or when its
+sequence fills the model's context (learned positions end at `seq_len`:
+`stop_reasons[i] == "context"`, `truncated[i]` true). The model must offer `init_cache(batch_size, max_len)`,
 `prefill(tokens, lengths)`, `decode(tokens, positions)`, `context_limit` and
 `vocab_size`, as `nnx_cli.models.TransformerLM` does.
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 import codecs
 import collections
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +204,7 @@ class Decoder:
         seed: int | jax.Array = 0,
         end_of_document: int | None = None,
         first_sample: int = 0,
+        stop_tokens: Collection[int] = (),
     ) -> Generation:
         """Starts drawing up to `max_tokens` tokens after each prompt (token ids); iterate the result.
 
@@ -226,7 +228,8 @@ class Decoder:
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(root, samples)
         sampling = _sampling_arrays(temperature, top_k, top_p)
         flags = tuple(_sampling_flags(temperature, top_k, top_p).items())
-        return Generation(self, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, end_of_document)
+        stops = (frozenset(stop_tokens), end_of_document)
+        return Generation(self, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, stops)
 
     def _check(self, prompts: list[list[int]], max_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
         if not prompts:
@@ -257,9 +260,10 @@ class Generation(Iterator[tuple[int | None, ...]]):
 
     Each step yields one entry per sample: the token just drawn, or None
     for a sample that has stopped. `samples` (token lists, prompts
-    excluded) and `stop_reasons` (`"max_tokens"`, `"end_of_document"` or
-    `"context"`; None while running) fill in as it goes; :meth:`finish`
-    runs it to the end.
+    excluded), `stop_reasons` (`"max_tokens"`, `"end_of_document"`,
+    `"stop_token"` or `"context"`; None while running) and `stopped_by`
+    (the end-of-document or stop token that ended a sample, else None) fill
+    in as it goes; :meth:`finish` runs it to the end.
     """
 
     def __init__(
@@ -272,11 +276,12 @@ class Generation(Iterator[tuple[int | None, ...]]):
         sampling: tuple[jax.Array, ...],
         flags: tuple[tuple[str, bool], ...],
         max_tokens: int,
-        end_of_document: int | None,
+        stops: tuple[frozenset[int], int | None],
     ):
         self.samples: list[list[int]] = [[] for _ in lengths]
         self.stop_reasons: list[str | None] = [None for _ in lengths]
-        self._steps = self._run(decoder, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, end_of_document)
+        self.stopped_by: list[int | None] = [None for _ in lengths]
+        self._steps = self._run(decoder, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, *stops)
 
     @property
     def truncated(self) -> list[bool]:
@@ -291,7 +296,9 @@ class Generation(Iterator[tuple[int | None, ...]]):
         collections.deque(self._steps, maxlen=0)
         return self
 
-    def _run(self, decoder, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, end_of_document):
+    def _run(
+        self, decoder, tokens, lengths, cache_len, keys, sampling, flags, max_tokens, stop_tokens, end_of_document
+    ):
         batch = len(lengths)
         cache, cachedef = _new_cache(decoder.moduledef, decoder.params, batch, cache_len)
         leaves, treedef = decoder._leaves, decoder._treedef
@@ -311,8 +318,9 @@ class Generation(Iterator[tuple[int | None, ...]]):
             for b, token in enumerate(np.asarray(drawn).tolist()):
                 if self.stop_reasons[b] is not None:
                     continue
-                if token == end_of_document:
-                    self.stop_reasons[b] = "end_of_document"
+                if token == end_of_document or token in stop_tokens:
+                    self.stop_reasons[b] = "end_of_document" if token == end_of_document else "stop_token"
+                    self.stopped_by[b] = token
                     continue
                 self.samples[b].append(token)
                 step[b] = token
@@ -340,6 +348,7 @@ def generate(
     seed: int | jax.Array = 0,
     end_of_document: int | None = None,
     first_sample: int = 0,
+    stop_tokens: Collection[int] = (),
 ) -> Generation:
     """`Decoder(moduledef, params).generate(prompts, ...)`; see :class:`Decoder` and the module docstring."""
     return Decoder(moduledef, params).generate(
@@ -351,6 +360,7 @@ def generate(
         seed=seed,
         end_of_document=end_of_document,
         first_sample=first_sample,
+        stop_tokens=stop_tokens,
     )
 
 

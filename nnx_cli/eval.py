@@ -1,20 +1,25 @@
-"""`nnx-eval TARGET [KEY=VALUE ...]`: evaluate a checkpoint on the eval split.
+"""`nnx-eval TARGET [KEY=VALUE ...]`: evaluate a checkpoint, or a published model, on the eval split.
 
-TARGET is a work dir, its `checkpoints/` dir or one step dir. The model is
+TARGET is a work dir, its `checkpoints/` dir or one step dir: the model is
 rebuilt from the work dir's `config.yaml`, the checkpoint (latest, or
 `--step N`) restored, and the eval split averaged with the same keys as the
-evals during training. `--json` prints exactly one JSON object on stdout:
-`{"step": N, "metrics": {...}}`.
+evals during training. TARGET may also be a Hugging Face model directory or
+Hub id with `data.source=TEXT`: the loss and perplexity of the pretrained
+model on that text (its `data.eval_split`, by default `test`, or the whole
+text when the source has no such split), before any training. `--json`
+prints exactly one JSON object on stdout: `{"step": N, "metrics": {...}}`
+(`"step": null` for a model directory).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from nnx_cli.errors import report_errors, run_app
+from nnx_cli.errors import UserError, report_errors, run_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -23,7 +28,10 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @report_errors
 def evaluate(
     target: Path = typer.Argument(
-        ..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False
+        ...,
+        metavar="TARGET",
+        help="Work dir, its checkpoints/ dir, one step dir, or a Hugging Face model dir or Hub id.",
+        show_default=False,
     ),
     overrides: list[str] | None = typer.Argument(
         None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.source=/data/mnist.", show_default=False
@@ -33,19 +41,27 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Evaluate a trained checkpoint and print its metrics."""
-    from nnx_cli import hooks, report, restore, runtime, sharding
+    from nnx_cli import hf, hooks, report, restore, runtime, sharding
     from nnx_cli.experiment import setup
     from nnx_cli.workdir import open_run
 
-    run = open_run(target, overrides or [], step, best=best)
-    runtime.configure(deterministic=run.cfg.train.deterministic)
-    exp = setup(run.cfg, data="eval")
     console = report.stderr_console()
 
     def say(message: str) -> None:
         console.print(message, highlight=False, soft_wrap=True)
 
-    step, state = restore.from_run(run, lambda ckpt, s: restore.read_state(ckpt, s, exp.restore_target()), say)
+    if hf.is_model_dir(target):
+        if step is not None or best:
+            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
+        runtime.configure()
+        exp = setup(_model_dir_config(target, overrides or []), data="eval")
+        step, state, what = None, exp.init_state(), str(exp.pretrained.directory)
+    else:
+        run = open_run(target, overrides or [], step, best=best)
+        runtime.configure(deterministic=run.cfg.train.deterministic)
+        exp = setup(run.cfg, data="eval")
+        step, state = restore.from_run(run, lambda ckpt, s: restore.read_state(ckpt, s, exp.restore_target()), say)
+        what = str(run.checkpoints / str(step))
     layout = sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
     metrics = hooks.evaluator(exp, layout, sharding.replicated(exp.mesh))(state)
 
@@ -54,13 +70,29 @@ def evaluate(
     else:
         from rich.console import Console
 
-        console.print(
-            f"{run.checkpoints / str(step)} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], "
-            f"{len(exp.eval)} examples",
-            markup=False,
-            highlight=False,
+        say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {len(exp.eval)} examples")
+        title = "eval of the pretrained model" if step is None else f"eval at step {step}"
+        Console().print(report.metrics_table(title, metrics))
+
+
+def _model_dir_config(target: Path, overrides: list[str]) -> Any:
+    """A model directory's config for evaluation: `data.source` must be given; its `data.eval_split` (default
+    `test`) or, when the source has no such split, all of it; batches of 8 windows."""
+    from nnx_cli import hf
+    from nnx_cli.data import DIGITS
+    from nnx_cli.data.text import splits_of
+
+    cfg = hf.model_dir_config(target, overrides, train={"batch_size": 8})
+    if cfg.data.source == DIGITS:
+        raise UserError(
+            "nnx-eval of a model directory needs a text to evaluate on: pass data.source=FILE (a .txt, .jsonl or "
+            "parquet file, a directory of them, or a Hub dataset) and data.text_key if its column is not 'text'"
         )
-        Console().print(report.metrics_table(f"eval at step {step}", metrics))
+    if not any(o.startswith("data.eval_split=") for o in overrides):
+        splits = splits_of(cfg.data)
+        if cfg.data.eval_split not in splits:
+            cfg.data.eval_split = cfg.data.train_split if cfg.data.train_split in splits else splits[0]
+    return cfg
 
 
 def main() -> None:

@@ -55,6 +55,7 @@ class Experiment:
     rules: list[tuple[str, Any]]
     shardings: Any
     build: Callable[[nnx.Context], nnx.Module]
+    pretrained: Any = None  # nnx_cli.hf.Pretrained with `model.pretrained`: where the parameters come from
 
     @property
     def loss_metric(self) -> str:
@@ -69,8 +70,26 @@ class Experiment:
         return sharding.with_shardings(self.abstract, self.shardings)
 
     def init_state(self) -> steps.TrainState:
-        """A fresh train state, created directly on the devices in its shardings."""
-        return jax.jit(lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1], out_shardings=self.shardings)()
+        """A fresh train state, created directly on the devices in its shardings; with `model.pretrained`, its
+        parameters streamed from the model directory's weights."""
+        if self.pretrained is None:
+            fresh = jax.jit(
+                lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1], out_shardings=self.shardings
+            )
+            return fresh()
+        params = self.load_pretrained()
+
+        def around(params: nnx.State) -> steps.TrainState:  # the random parameters it draws go unused: XLA drops them
+            state = steps.init_state(self.build, self.tx, self.cfg.seed)[1]
+            return {**state, "params": params, "opt_state": self.tx.init(params)}
+
+        return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(params)
+
+    def load_pretrained(self, target: Any = None) -> nnx.State:
+        """The parameters of `model.pretrained`, each read into its sharding (`target`: the abstract parameters
+        with their shardings; by default the run's)."""
+        with PHASES("checkpoint"):
+            return self.pretrained.load(target if target is not None else self.restore_target()["params"])
 
     def empty_sums(self) -> dict[str, Any]:
         """The train-metric accumulator, zeroed, on the devices (see `steps.empty_sums`)."""
@@ -84,7 +103,7 @@ class Experiment:
 def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Experiment:
     """Resolve `cfg` once. `data`: "train" (train and eval splits), "eval" (eval split) or None (no data read).
     `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
-    model_cls = _setup_model(cfg)
+    model_cls, pretrained = _setup_model(cfg)
     optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
     with PHASES("data"):
         train, evals, spec = _setup_data(cfg, data)
@@ -115,20 +134,26 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
         rules,
         shardings,
         build,
+        pretrained,
     )
 
 
-def _setup_model(cfg: Config) -> type:
-    """The model class, its options checked against the constructor and completed with its defaults.
+def _setup_model(cfg: Config) -> tuple[type, Any]:
+    """The model class, its options checked against the constructor and completed with its defaults; with
+    `model.pretrained`, the model directory checked (config.json, every tensor's header, the tokenizer) and its
+    options filled in.
 
     A model that can report `bits_per_byte` does so for the `bytes` tokenizer unless the config says no.
     """
+    from nnx_cli import hf
+
+    pretrained = hf.apply_pretrained(cfg)
     model_cls = models.model_class(cfg.model.name)
     byte_level = cfg.data.text_key is not None and cfg.data.tokenizer == "bytes"
     if byte_level and "bits_per_byte" in signature(model_cls).parameters:
         cfg.model.options.setdefault("bits_per_byte", True)
     cfg.model.options = models.resolve_options(cfg.model)
-    return model_cls
+    return model_cls, pretrained
 
 
 def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, EvalSplit | None, DataSpec]:

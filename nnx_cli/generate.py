@@ -1,13 +1,19 @@
-"""`nnx-generate TARGET --prompt TEXT`: continue a prompt with a trained language model.
+"""`nnx-generate TARGET --prompt TEXT`: continue a prompt with a trained or published language model.
 
 TARGET is a work dir, its `checkpoints/` dir or one step dir of a
-`transformer_lm` run. The run's config gives the model and the tokenizer;
-only the parameters of its newest usable (or `--step`) checkpoint are
-restored, onto whatever devices exist (a model trained on 8 devices samples
-on 1). Tokens are drawn from a key-value cache, one jitted prefill per
-prompt-length bucket and one jitted decode step reused for every token, and
-appear as they are drawn when stdout is a terminal. `--json` prints one
-object: `{"step", "prompt", "samples", "truncated", "stop_reasons", "tokens_per_s"}`.
+`transformer_lm` run, or a Hugging Face model directory or Hub id. A run's
+config gives the model and the tokenizer; only the parameters of its newest
+usable (or `--step`) checkpoint are restored, onto whatever devices exist (a
+model trained on 8 devices samples on 1). A model directory's weights are
+read straight onto this process's first device. Tokens are drawn from a
+key-value cache, one jitted prefill per prompt-length bucket and one jitted
+decode step reused for every token, and appear as they are drawn when stdout
+is a terminal. `--chat` wraps the prompt in the model's chat template as a
+user turn (after a `--system` turn) and stops at the end of the turn.
+`--json` prints one object: `{"step", "prompt", "samples", "tokens",
+"truncated", "stop_reasons", "tokens_per_s"}`; `"tokens"` holds each
+sample's generated ids, the token that ended it included (as `transformers`'
+`generate` returns them).
 """
 
 from __future__ import annotations
@@ -33,12 +39,17 @@ EVAL_PROMPTS = 2
 @report_errors
 def generate(
     target: Path = typer.Argument(
-        ..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False
+        ...,
+        metavar="TARGET",
+        help="Work dir, its checkpoints/ dir, one step dir, or a Hugging Face model dir or Hub id.",
+        show_default=False,
     ),
     overrides: list[str] | None = typer.Argument(
         None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.tokenizer=...", show_default=False
     ),
-    prompt: str = typer.Option(..., help="The text to continue.", show_default=False),
+    prompt: str = typer.Option(..., help="The text to continue (with --chat: the user's message).", show_default=False),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
+    system: str | None = typer.Option(None, help="With --chat: a system turn before the prompt.", show_default=False),
     max_tokens: int = typer.Option(200, help="Tokens to draw at most per sample."),
     temperature: float = typer.Option(1.0, help="Softmax temperature; 0 is greedy."),
     top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
@@ -49,35 +60,75 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the text."),
 ) -> None:
     """Continue a prompt with a trained language model."""
-    from nnx_cli import runtime
+    from nnx_cli import hf, runtime
     from nnx_cli.workdir import open_run
 
     if not prompt:
         raise UserError("--prompt is empty: give some text to continue")
     if num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {num_samples}")
-    run = open_run(target, overrides or [], step)
+    if system is not None and not chat:
+        raise UserError("--system adds a system turn to a chat: pass --chat too")
     runtime.configure()
-    restored_step, decoder, tokenizer = load(run)
-    prompt_ids = [int(t) for t in tokenizer.encode(prompt)]
-    if not prompt_ids:
-        raise UserError(f"--prompt {prompt!r} encodes to no tokens with the run's tokenizer")
+    if hf.is_model_dir(target):
+        if step is not None:
+            raise UserError(f"--step picks a checkpoint of a run; {str(target)!r} is a model directory")
+        restored_step, decoder, tokenizer = load_model_dir(target, overrides or [])
+    else:
+        restored_step, decoder, tokenizer = load(open_run(target, overrides or [], step))
+    prompt_ids = encode_prompt(tokenizer, prompt, chat, system)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    drawn = _Timed(decoder.generate([prompt_ids] * num_samples, end_of_document=tokenizer.eod_id, **options))
+    drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
+    shown = "" if chat else prompt  # a chat shows the reply alone, not the template around the prompt
     stream = sys.stdout.isatty() and not as_json and num_samples == 1
     if stream:
-        _stream(drawn, prompt, tokenizer)
+        _stream(drawn, shown, tokenizer)
     drawn.finish()
     texts = [text_of(tokenizer, sample) for sample in drawn.samples]
     if as_json:
         speed = drawn.tokens_per_s()
+        tokens = [s + ([t] if t is not None else []) for s, t in zip(drawn.samples, drawn.stopped_by)]
         print(json.dumps({
-            "step": restored_step, "prompt": prompt, "samples": texts, "truncated": any(drawn.truncated),
-            "stop_reasons": drawn.stop_reasons, "tokens_per_s": round(speed, 1),
+            "step": restored_step, "prompt": prompt, "samples": texts, "tokens": tokens,
+            "truncated": any(drawn.truncated), "stop_reasons": drawn.stop_reasons, "tokens_per_s": round(speed, 1),
         }))  # fmt: skip
     elif not stream:
         for i, text in enumerate(texts):
-            print(("" if num_samples == 1 else f"--- sample {i}\n") + prompt + text, flush=True)
+            print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + text, flush=True)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool, system: str | None) -> list[int]:
+    """The prompt's token ids: as the tokenizer encodes text, or with `chat` rendered by its chat template."""
+    if chat:
+        from nnx_cli.hf import chat as chats
+
+        template = getattr(tokenizer, "chat_template", None)
+        if template is None:
+            where = getattr(tokenizer, "directory", None)
+            raise UserError(
+                "--chat needs a chat template, and "
+                + (f"model directory {str(where)!r} has none" if where else "this run's tokenizer has none")
+                + " (chat_template.jinja, or chat_template in tokenizer_config.json); drop --chat to continue text"
+            )
+        messages = chats.prompt_messages(prompt, system)
+        text = chats.render(
+            template, messages, add_generation_prompt=True, special_tokens=chats.special_tokens(tokenizer)
+        )
+        ids = tokenizer.encode_plain(text)
+    else:
+        ids = tokenizer.encode(prompt)
+    if len(ids) == 0:
+        raise UserError(f"--prompt {prompt!r} encodes to no tokens with the model's tokenizer")
+    return [int(t) for t in ids]
+
+
+def stops(tokenizer: Any, chat: bool = False) -> dict[str, Any]:
+    """Where samples stop: a model directory's tokenizer at its end-of-sequence ids (and end of turn in a chat),
+    as `transformers` does; others at the end-of-document token."""
+    stop_ids = getattr(tokenizer, "chat_stop_ids" if chat else "stop_ids", None)
+    if stop_ids is not None:
+        return {"end_of_document": None, "stop_tokens": stop_ids}
+    return {"end_of_document": tokenizer.eod_id}
 
 
 class _Timed:
@@ -116,6 +167,23 @@ class _Timed:
         return getattr(self.drawn, name)
 
 
+def load_model_dir(target: Path, overrides: list[str]) -> tuple[None, Any, Any]:
+    """A model directory's (or Hub id's) weights read onto this process's first device, as a `decoding.Decoder`
+    (layers unrolled: decoding reads one layer's weights at a time), and its tokenizer."""
+    import jax
+
+    from nnx_cli import decoding, hf
+    from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.experiment import setup
+
+    cfg = hf.model_dir_config(target, overrides, scan_layers=False)
+    exp = setup(cfg, data=None, place=False)
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    place = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), exp.abstract["params"])
+    params = exp.load_pretrained(place)
+    return None, decoding.Decoder(exp.moduledef, params), load_tokenizer(cfg.data.tokenizer, cfg.model.pretrained)
+
+
 def load(run: Any) -> tuple[int, Any, Any]:
     """The run's newest usable (or requested) step, a `decoding.Decoder` over its parameters on this
     process's first device, and its tokenizer. A run that is not a language model is a UserError."""
@@ -143,7 +211,11 @@ def load(run: Any) -> tuple[int, Any, Any]:
     step, params = restore.from_run(
         run, lambda ckpt, s: ckpt.restore_params(s, target), lambda m: console.print(m, highlight=False)
     )
-    return step, decoding.Decoder(exp.moduledef, params), load_tokenizer(run.cfg.data.tokenizer)
+    return (
+        step,
+        decoding.Decoder(exp.moduledef, params),
+        load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained),
+    )
 
 
 def text_of(tokenizer: Any, tokens: list[int]) -> str:
@@ -180,7 +252,7 @@ def eval_prompts(exp: Any) -> list[list[int]]:
     from nnx_cli.data.tokenizers import load_tokenizer
 
     if exp.cfg.train.sample_prompts:
-        tokenizer = load_tokenizer(exp.cfg.data.tokenizer)
+        tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         return [[int(t) for t in tokenizer.encode(p)] for p in exp.cfg.train.sample_prompts]
     stream = exp.eval.stored()["tokens"]
     length = max(1, min(32, exp.cfg.data.seq_len // 4))

@@ -232,18 +232,18 @@ class Samples:
         self.directory = directory  # None on every process but the first
         self.guard = guard
         self.prompts = eval_prompts(exp)
-        self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         self.done: int | None = None
 
     def __call__(self, loop: Loop) -> None:
         from nnx_cli.decoding import Decoder
-        from nnx_cli.generate import EVAL_SAMPLE_TOKENS, write_eval_samples
+        from nnx_cli.generate import EVAL_SAMPLE_TOKENS, stops, write_eval_samples
 
         self.guard.check(loop)
         decoder = Decoder(self.exp.moduledef, loop.state["params"])
         key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
         drawn = decoder.generate(
-            self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, end_of_document=self.tokenizer.eod_id
+            self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, **stops(self.tokenizer)
         ).finish()
         if self.directory is not None:
             write_eval_samples(self.directory / f"{loop.step}.txt", self.prompts, drawn, self.tokenizer)

@@ -1,14 +1,17 @@
 """`nnx-inspect TARGET [KEY=VALUE ...]`: the model's State without training it.
 
-TARGET is a config YAML, or a work dir / checkpoint (its saved config is
-used). The model is built abstractly with `jax.eval_shape`, so no parameter
+TARGET is a config YAML, a work dir / checkpoint (its saved config is
+used), or a Hugging Face model directory or Hub id (its config.json; no
+tensor is read). The model is built abstractly with `jax.eval_shape`, so no parameter
 memory is allocated and no dataset is read: input shapes come from
 `model.input_shape` or a well-known `data.source` (MNIST, digits). For each
 entry: path, Variable type, shape, dtype, element count, bytes, logical
 sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
-totals per Variable type. `--json` prints::
+totals per Variable type (`total_params` leaves out a language model's padded
+vocabulary rows, so it equals the count `transformers` gives). `--json`
+prints::
 
-    {"total_params": N, "total_size": N, "total_bytes": N,
+    {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N,
      "by_type": {"Param": {"entries": n, "size": n, "bytes": n}, ...},
      "entries": [{"path", "type", "shape", "dtype", "size", "bytes", "sharding", "mesh_axes"}, ...]}
 """
@@ -31,7 +34,10 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @report_errors
 def inspect_state(
     target: Path = typer.Argument(
-        ..., metavar="TARGET", help="Config YAML, or a work dir / checkpoint dir.", show_default=False
+        ...,
+        metavar="TARGET",
+        help="Config YAML, a work dir / checkpoint dir, or a Hugging Face model dir or Hub id.",
+        show_default=False,
     ),
     overrides: list[str] | None = typer.Argument(
         None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. sharding.mesh.model=2.", show_default=False
@@ -41,11 +47,15 @@ def inspect_state(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
+    from nnx_cli import hf
     from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console
 
-    if target.is_dir():
+    if hf.is_model_dir(target):  # a Hugging Face model directory or Hub id: config.json and headers, no tensor
+        exp = setup(hf.model_dir_config(target, overrides or []), data=None, place=False)
+        title = str(exp.pretrained.directory)
+    elif target.is_dir():
         from nnx_cli import restore
         from nnx_cli.workdir import open_run
 
@@ -67,7 +77,7 @@ def inspect_state(
                 f"entries{did_you_mean(filter_type, types)}; types: {', '.join(types)}"
             )
         entries = [e for e in entries if e["type"] == filter_type]
-    summary = summarize(entries)
+    summary = summarize(entries, _padding(exp) if filter_type in (None, "Param") else 0)
     if as_json:
         print(json.dumps({**summary, "entries": entries}))
     else:
@@ -99,7 +109,10 @@ def state_entries(abstract: Any, rules: list[tuple[str, Any]]) -> list[dict[str,
     return entries
 
 
-def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(entries: list[dict[str, Any]], padding: int = 0) -> dict[str, Any]:
+    """Totals per Variable type. `total_params` counts the model's parameters without the `padding` elements
+    (a language model's padded vocabulary rows, zeros that are never used): the count `transformers` gives for
+    the same model."""
     by_type: dict[str, dict[str, int]] = {}
     for e in entries:
         totals = by_type.setdefault(e["type"], {"entries": 0, "size": 0, "bytes": 0})
@@ -107,11 +120,18 @@ def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
         totals["size"] += e["size"]
         totals["bytes"] += e["bytes"]
     return {
-        "total_params": by_type.get("Param", {}).get("size", 0),
+        "total_params": by_type.get("Param", {}).get("size", 0) - padding,
+        "vocab_padding": padding,
         "total_size": sum(e["size"] for e in entries),
         "total_bytes": sum(e["bytes"] for e in entries),
         "by_type": by_type,
     }
+
+
+def _padding(exp: Any) -> int:
+    """Parameters that only pad the vocabulary (see `TransformerLM.padding_params`); 0 for other models."""
+    model = exp.moduledef.merge(exp.abstract["params"], exp.abstract["rest"])
+    return model.padding_params() if hasattr(model, "padding_params") else 0
 
 
 def _axis(axis: Any) -> Any:
@@ -142,6 +162,12 @@ def _print_tables(
         totals.add_row(name, str(t["entries"]), f"{t['size']:,}", _bytes(t["bytes"]))
     totals.add_row("all", str(len(entries)), f"{summary['total_size']:,}", _bytes(summary["total_bytes"]))
     console.print(totals)
+    if summary["vocab_padding"]:
+        console.print(
+            f"{summary['total_params']:,} parameters, not counting {summary['vocab_padding']:,} that pad the "
+            "vocabulary to a multiple of 128",
+            highlight=False,
+        )
 
 
 def _rows(entries: list[dict[str, Any]], depth: int | None) -> list[tuple[str, ...]]:

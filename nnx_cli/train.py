@@ -192,10 +192,24 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
             state = dict(state, params=_init_from(exp, exp.cfg.checkpoint.init_from, console))
     if is_main:
         write_config(
-            workdir, to_dict(exp.cfg), start, say=lambda line: console.print(line, highlight=False, soft_wrap=True)
+            workdir,
+            to_dict(exp.cfg),
+            start,
+            say=lambda line: console.print(line, highlight=False, soft_wrap=True),
+            defaults=_defaults(exp),
         )
         write_run_info(workdir, exp)
     return Session(workdir, checkpointer, lock, console, loggers.Loggers([]), start, state, sums)
+
+
+def _defaults(exp: Any) -> dict[str, Any]:
+    """Every key's default, model options included: a key that a config saved by an earlier release lacks and
+    that holds its default now is not a change."""
+    from nnx_cli import models
+
+    defaults = to_dict(Config())
+    defaults["model"].update(models.option_defaults(exp.model_cls))
+    return defaults
 
 
 def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:

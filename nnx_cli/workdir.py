@@ -156,15 +156,18 @@ OPERATIONAL = (
 )  # fmt: skip
 
 
-def write_config(workdir: Path, config: dict[str, Any], step: int, say: Any = print) -> None:
+def write_config(
+    workdir: Path, config: dict[str, Any], step: int, say: Any = print, defaults: dict[str, Any] | None = None
+) -> None:
     """Write the resolved `config.yaml`. Resuming at `step` with a config that differs from the saved one
-    (beyond the operational keys) says what changed and keeps the earlier one as `config.<step>.yaml`."""
+    (beyond the operational keys, and keys the saved one lacks that hold their `defaults`) says what changed and
+    keeps the earlier one as `config.<step>.yaml`."""
     from nnx_cli.config import changes, dump_yaml, read_yaml
 
     path = workdir / "config.yaml"
     if step > 0 and path.is_file():
         before = read_yaml(path)
-        changed = changes(before, config, ignore=OPERATIONAL)
+        changed = changes(before, config, ignore=OPERATIONAL, defaults=defaults)
         if changed:
             kept = _free_name(workdir, f"config.{step}", ".yaml")
             dump_yaml(before, kept)
@@ -183,7 +186,8 @@ def _free_name(directory: Path, stem: str, suffix: str) -> Path:
 
 def write_run_info(workdir: Path, exp: Any) -> None:
     """`<workdir>/run.json`: what ran, where and with which versions (rewritten by each `nnx-train` of the work
-    dir): package versions, devices, process count, the command line, git commits, plug-in import paths."""
+    dir): package versions, devices, process count, the command line, git commits, plug-in import paths, and the
+    model directory a run started from with the checksum of its weights."""
     import importlib.metadata
     import platform
     import sys
@@ -211,6 +215,15 @@ def write_run_info(workdir: Path, exp: Any) -> None:
         "git": {"nnx": _git_commit(Path(__file__).resolve().parent), "cwd": _git_commit(Path.cwd())},
         "import_paths": import_paths(),
     }
+    if getattr(exp, "pretrained", None) is not None:  # what the run started from, and the weights' checksum
+        pretrained = exp.pretrained
+        info["pretrained"] = {
+            "source": pretrained.source,
+            "directory": str(pretrained.directory),
+            "architecture": pretrained.family.architecture,
+            "files": [p.name for p in pretrained.weights.paths()],
+            "checksum": pretrained.checksum,
+        }
     _write_json(workdir / "run.json", info)
 
 

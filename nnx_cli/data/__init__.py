@@ -70,7 +70,8 @@ def spec_from_config(cfg: Config) -> DataSpec | None:
     from nnx_cli.data import text
 
     if text.is_text(cfg.data):
-        return text.text_spec(cfg.data, vocab_size=cfg.model.options.get("vocab_size") or cfg.model.num_classes)
+        vocab_size = cfg.model.options.get("vocab_size") or cfg.model.num_classes
+        return text.text_spec(cfg.data, vocab_size=vocab_size, pretrained=cfg.model.pretrained)
     known = known_spec(cfg.data.source)
     if cfg.model.input_shape is None:
         return known
@@ -83,7 +84,7 @@ def train_split(cfg: Config) -> TrainSplit:
     from nnx_cli.data import images, text
 
     if text.is_text(cfg.data):
-        return text.load_text_splits(cfg.data, cfg.seed, splits=("train",)).train
+        return text.load_text_splits(cfg.data, cfg.seed, splits=("train",), pretrained=cfg.model.pretrained).train
     return images.image_train_split(cfg.data, cfg.seed)
 
 
@@ -92,7 +93,7 @@ def eval_split(cfg: Config) -> EvalSplit:
     from nnx_cli.data import images, text
 
     if text.is_text(cfg.data):
-        return text.load_text_splits(cfg.data, cfg.seed, splits=("eval",)).eval
+        return text.load_text_splits(cfg.data, cfg.seed, splits=("eval",), pretrained=cfg.model.pretrained).eval
     return images.image_eval_split(cfg.data)
 
 

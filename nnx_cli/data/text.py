@@ -185,24 +185,28 @@ def is_text(cfg: DataConfig) -> bool:
     return cfg.text_key is not None
 
 
-def text_spec(cfg: DataConfig, vocab_size: int | None = None) -> DataSpec:
+def text_spec(cfg: DataConfig, vocab_size: int | None = None, pretrained: str | None = None) -> DataSpec:
     """The DataSpec of a text config without reading data: `(seq_len,)` inputs and the tokenizer's vocabulary.
 
-    `vocab_size` (from `model.vocab_size`) spares loading a Hub tokenizer.
+    `vocab_size` (from `model.vocab_size`) spares loading a Hub tokenizer; `pretrained` is `model.pretrained`,
+    whose tokenizer `data.tokenizer: pretrained` means.
 
     >>> text_spec(DataConfig(source="notes.txt", text_key="text", seq_len=128))
     DataSpec(input_shape=(128,), num_classes=257, tokenizer='bytes')
     """
-    vocab = vocab_size if vocab_size is not None else tokenizer_vocab_size(cfg.tokenizer)
+    vocab = vocab_size if vocab_size is not None else tokenizer_vocab_size(cfg.tokenizer, pretrained)
     return DataSpec((cfg.seq_len,), vocab, cfg.tokenizer)
 
 
-def load_text_splits(cfg: DataConfig, seed: int, splits: Collection[str] = ("train", "eval")) -> TextSplits:
+def load_text_splits(
+    cfg: DataConfig, seed: int, splits: Collection[str] = ("train", "eval"), pretrained: str | None = None
+) -> TextSplits:
     """The training and/or eval windows of a text config, tokenizing each split into the cache the first time.
 
     `splits` names which to load: `"train"` (`data.train_split`) and/or
     `"eval"` (`data.eval_split`, None when that is null). A held-out eval
     split is left out of training whether or not it is loaded too.
+    `pretrained` is `model.pretrained` (for `data.tokenizer: pretrained`).
 
     >>> splits = load_text_splits(DataConfig(source="notes.txt", text_key="text", seq_len=64), seed=0)  # doctest: +SKIP
     >>> splits.train.steps_per_epoch(batch_size=8), len(splits.eval)                            # doctest: +SKIP
@@ -213,7 +217,7 @@ def load_text_splits(cfg: DataConfig, seed: int, splits: Collection[str] = ("tra
     unknown = set(splits) - {"train", "eval"}
     if unknown:
         raise ValueError(f"splits must be 'train' and/or 'eval', not {sorted(unknown)}")
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = load_tokenizer(cfg.tokenizer, pretrained)
     spec = DataSpec((cfg.seq_len,), tokenizer.vocab_size, cfg.tokenizer)
     source = _Source(cfg)
     want_train, want_eval = "train" in splits, "eval" in splits and cfg.eval_split is not None
@@ -243,6 +247,11 @@ def load_text_splits(cfg: DataConfig, seed: int, splits: Collection[str] = ("tra
                 f"one window of data.seq_len + 1 = {cfg.seq_len + 1}; lower data.seq_len or set data.eval_split=null"
             )
     return TextSplits(train, evaluation, spec)
+
+
+def splits_of(cfg: DataConfig) -> list[str]:
+    """The split names of `data.source` (a lone file has the one split `train`)."""
+    return _Source(cfg).splits()
 
 
 def _notice(key: tuple[str, str], message: str) -> None:
@@ -435,12 +444,16 @@ def _tokenize_rows(
             pieces.append(piece)
             owner.append(i)
     encoded = tokenizer.encode_batch(pieces)
-    eod = np.array([tokenizer.eod_id], dtype=dtype)
+    # A model directory's tokenizer wraps each document in its special tokens (Llama's begin-of-text).
+    prefix = np.array(getattr(tokenizer, "document_prefix", ()), dtype=dtype)
+    end = np.array([*getattr(tokenizer, "document_suffix", ()), tokenizer.eod_id], dtype=dtype)
     parts = []
     for i, ids in enumerate(encoded):
+        if (i == 0 or owner[i - 1] != owner[i]) and len(prefix):
+            parts.append(prefix)
         parts.append(ids.astype(dtype, copy=False))
         if i + 1 == len(encoded) or owner[i + 1] != owner[i]:
-            parts.append(eod)
+            parts.append(end)
     return (np.concatenate(parts) if parts else np.zeros(0, dtype)), len(documents)
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from nnx_cli.errors import UserError
 
 BYTES = "bytes"
+PRETRAINED = "pretrained"
 _KEY = "config key 'data.tokenizer'"
 # End-of-document tokens of well-known tokenizers, in order of preference.
 _EOD_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
@@ -125,15 +126,26 @@ class HFTokenizer:
         self.__init__(state["name"], tokenizers.Tokenizer.from_str(state["definition"]))
 
 
-def load_tokenizer(name: str) -> BytesTokenizer | HFTokenizer:
-    """The tokenizer `data.tokenizer` names: `bytes`, a tokenizer.json path, or a Hub id.
+def load_tokenizer(name: str, pretrained: str | None = None) -> BytesTokenizer | HFTokenizer:
+    """The tokenizer `data.tokenizer` names: `bytes`, `pretrained` (the tokenizer of the model directory or Hub
+    id `pretrained`, i.e. `model.pretrained`), a tokenizer.json path, or a Hub id.
 
     >>> load_tokenizer("bytes").vocab_size
     257
     >>> load_tokenizer("./my-tokenizer/tokenizer.json")   # doctest: +SKIP
+    >>> load_tokenizer("pretrained", "/models/Qwen2.5-0.5B")   # doctest: +SKIP
     """
     if name == BYTES:
         return BytesTokenizer()
+    if name == PRETRAINED:
+        if pretrained is None:
+            raise UserError(
+                f"{_KEY} is pretrained, which means the tokenizer of model.pretrained, but model.pretrained is not "
+                "set; set it, or name a tokenizer (bytes, a Hub id, a tokenizer.json)"
+            )
+        from nnx_cli.hf import pretrained_tokenizer
+
+        return pretrained_tokenizer(pretrained)
     return _load_hf(name)
 
 
@@ -144,7 +156,7 @@ def _load_hf(name: str) -> HFTokenizer:
     return _from_file(name, str(path), *_size_and_mtime(path))  # an edited file is read again
 
 
-def tokenizer_vocab_size(name: str) -> int:
+def tokenizer_vocab_size(name: str, pretrained: str | None = None) -> int:
     """The vocabulary size (end-of-document included) of `data.tokenizer`, reading no data.
 
     `bytes` needs nothing; a Hub tokenizer is downloaded into the Hugging Face
@@ -155,7 +167,7 @@ def tokenizer_vocab_size(name: str) -> int:
     """
     if name == BYTES:
         return BytesTokenizer.vocab_size
-    return _load_hf(name).vocab_size
+    return load_tokenizer(name, pretrained).vocab_size
 
 
 @functools.lru_cache(maxsize=8)

@@ -49,6 +49,7 @@ __all__ = [
     "check_data",
     "model_class",
     "model_factory",
+    "option_defaults",
     "resolve_options",
 ]
 
@@ -111,6 +112,19 @@ def resolve_options(cfg: ModelConfig) -> dict[str, Any]:
         check_types=True,
         hint=f" (to switch models on the command line, replace the whole section: model={{name: {cfg.name}}})",
     )
+
+
+def option_defaults(cls: type) -> dict[str, Any]:
+    """The default of every constructor option of model class `cls`."""
+    import inspect
+
+    from nnx_cli.registry import signature
+
+    return {
+        name: p.default
+        for name, p in signature(cls).parameters.items()
+        if name not in _NOT_OPTIONS and p.default is not inspect.Parameter.empty
+    }
 
 
 def model_factory(cfg: ModelConfig, spec: Any) -> Callable[[nnx.Context], nnx.Module]:

@@ -281,9 +281,7 @@ class RMSNorm(nnx.Module):
         RMSNorm(384, dtype=jnp.bfloat16, ctx=ctx)(x)   # same shape as x, in bfloat16
     """
 
-    def __init__(
-        self, num_features: int, *, epsilon: float = 1e-5, axis: str = "embed", dtype: Any, ctx: nnx.Context
-    ):
+    def __init__(self, num_features: int, *, epsilon: float = 1e-5, axis: str = "embed", dtype: Any, ctx: nnx.Context):
         self.epsilon = epsilon
         self.dtype = dtype
         init = nnx.with_logical_partitioning(nnx.initializers.ones(), (axis,))
@@ -742,6 +740,12 @@ class TransformerLM(nnx.Module):
         embeddings = ("embedding/embedding", "position_embedding/embedding")
         n = sum(math.prod(p.value.shape) for path, p in params.items() if path not in embeddings)
         return 6 * n + 12 * self.num_layers * self.seq_len * self.embed_dim
+
+    def padding_params(self) -> int:
+        """Parameters that only pad the vocabulary to a multiple of 128: zero rows of the embedding (and head)."""
+        return (
+            (padded_vocab_size(self.vocab_size) - self.vocab_size) * self.embed_dim * (1 if self.tie_embeddings else 2)
+        )
 
     # --- decoding with a key-value cache ------------------------------------
 

@@ -1,0 +1,184 @@
+"""Hugging Face interop: model directories in (families, weights, tokenizer, chat templates).
+
+A model directory (or Hub id) is a first-class input: `model.pretrained:
+DIR` in a config, or DIR itself as the TARGET of `nnx-inspect`,
+`nnx-generate` and `nnx-eval`. Its `config.json` gives the `transformer_lm`
+options (:mod:`nnx_cli.hf.families`), its safetensors the parameters,
+streamed into their shardings (:mod:`nnx_cli.hf.weights`), its tokenizer
+files the tokenizer, stop tokens and chat template
+(:mod:`nnx_cli.hf.tokenizer`, :mod:`nnx_cli.hf.chat`)::
+
+    pretrained = open_pretrained("Qwen/Qwen2.5-0.5B-Instruct")   # config.json read, every tensor header checked
+    pretrained.options                                          # {"num_layers": 24, ...}
+    params = pretrained.load(abstract_params)                   # a State of Param in their shardings
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from nnx_cli.errors import UserError
+from nnx_cli.hf import families
+from nnx_cli.hf.hub import is_model_dir, resolve
+from nnx_cli.hf.weights import Weights
+
+__all__ = ["Pretrained", "apply_pretrained", "is_model_dir", "model_dir_config", "open_pretrained", "resolve"]
+
+_UNSET = object()
+# Options a config may set for a pretrained model: they change how it runs, not what it computes.
+_FREE = ("dtype", "scan_layers", "remat", "dropout", "attention_dropout", "bits_per_byte", "lora")
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """A checked model directory: its family, options and weights (headers read, no tensor yet)."""
+
+    source: str  # as the config says: a directory or a Hub id
+    directory: Path
+    family: families.Family
+    options: dict[str, Any]
+    weights: Weights
+    maps: list[families.TensorMap]
+
+    def load(self, abstract: Any, say: Any = None) -> Any:
+        """The parameters `abstract` describes (a State of Param over ShapeDtypeStructs with shardings), read
+        slice by slice from the safetensors files straight into their shardings."""
+        from nnx_cli.hf import weights
+
+        with _progress(abstract, f"loading {self.directory.name}") as advance:
+            return weights.load(self.weights, self.maps, abstract, advance)
+
+    @functools.cached_property
+    def checksum(self) -> str:
+        """xxh3-128 of the weight files, in order: what a run records, and what a LoRA resume checks."""
+        from nnx_cli.hf.weights import checksum
+
+        return checksum(self.weights.paths())
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """A model directory's `config.json`; missing or unparsable is a UserError naming it."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: no config.json; a Hugging Face model directory needs one (save_pretrained writes it)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+@functools.lru_cache(maxsize=8)
+def open_pretrained(source: str) -> Pretrained:
+    """Resolve `source` (a directory or Hub id), read its `config.json` and check every tensor's header against
+    it; raises UserError naming the file, key or tensor at fault."""
+    directory = resolve(source)
+    config = read_config(directory)
+    family = families.family_of(config, str(directory / "config.json"))
+    options = family.options(families.Config(config, str(directory / "config.json")))
+    weights = Weights.open(directory)
+    maps = weights.check(family, options)
+    return Pretrained(source, directory, family, options, weights, maps)
+
+
+def apply_pretrained(cfg: Any) -> Pretrained | None:
+    """`model.pretrained`: fill the model options from `config.json` (a YAML value that disagrees is a UserError
+    naming both), check the weights' headers and the tokenizer; None when the config has no `model.pretrained`."""
+    source = cfg.model.pretrained
+    if source is None:
+        return None
+    if cfg.model.name != "transformer_lm":
+        raise UserError(
+            f"config key 'model.pretrained' loads Hugging Face language models into transformer_lm; model.name is "
+            f"{cfg.model.name!r} (set model.name=transformer_lm)"
+        )
+    pretrained = open_pretrained(source)
+    if Path(source).expanduser().is_dir():  # a local directory is recorded as an absolute path: found from anywhere
+        cfg.model.pretrained = str(pretrained.directory)
+    config_json = pretrained.directory / "config.json"
+    for key, value in pretrained.options.items():
+        given = cfg.model.options.get(key, _UNSET)
+        if given is not _UNSET and not _same(given, value):
+            raise UserError(
+                f"config key 'model.{key}' is {given!r}, but {config_json} says {value!r}: a pretrained model's shape "
+                f"comes from its config.json; drop model.{key} (the YAML may set {', '.join(_FREE)})"
+            )
+        cfg.model.options[key] = value
+    cfg.model.options.setdefault("dropout", 0.0)
+    if cfg.data.tokenizer == "pretrained":
+        from nnx_cli.hf.tokenizer import check_vocabulary
+
+        check_vocabulary(pretrained_tokenizer(source), pretrained.options["vocab_size"], pretrained.directory)
+    return pretrained
+
+
+def _same(given: Any, value: Any) -> bool:
+    if isinstance(value, float) and isinstance(given, (int, float)) and not isinstance(given, bool):
+        return float(given) == value
+    if isinstance(value, dict) and isinstance(given, dict):
+        return set(given) == set(value) and all(_same(given[k], value[k]) for k in value)
+    return given == value
+
+
+@functools.lru_cache(maxsize=8)
+def pretrained_tokenizer(source: str) -> Any:
+    """The tokenizer of model directory (or Hub id) `source`."""
+    from nnx_cli.data.tokenizers import _import_tokenizers
+    from nnx_cli.hf.tokenizer import PretrainedTokenizer
+
+    _import_tokenizers("pretrained")
+    return PretrainedTokenizer(resolve(source))
+
+
+def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: bool = True, **sections: Any) -> Any:
+    """The config that makes a model directory (or Hub id) a TARGET: `transformer_lm` with `model.pretrained`
+    set, its tokenizer, a text dataset (`data.source` from the overrides), windows of up to 1024 positions (fewer
+    when the model has fewer), and stateless SGD (nothing trains: no optimizer state is allocated). `sections`
+    are laid under the overrides (`train={"batch_size": 8}`)."""
+    from nnx_cli.config import Config, _merge, apply_overrides, from_dict, to_dict
+
+    pretrained = open_pretrained(str(target))
+    config = read_config(pretrained.directory)
+    positions = pretrained.options.get("max_positions") or config.get("max_position_embeddings")
+    seq_len = min(1024, positions) if isinstance(positions, int) and positions > 0 else 1024
+    base = {
+        "model": {"name": "transformer_lm", "pretrained": str(target), "scan_layers": scan_layers},
+        "data": {"text_key": "text", "tokenizer": "pretrained", "seq_len": seq_len},
+        "optimizer": {"name": "sgd"},
+    }
+    raw = _merge(_merge(to_dict(Config()), base), sections)
+    return from_dict(apply_overrides(raw, overrides))
+
+
+class _progress:
+    """A rich progress bar over the parameters' elements on a terminal (stderr); nothing elsewhere."""
+
+    def __init__(self, abstract: Any, description: str):
+        import math
+
+        self.total = sum(math.prod(v.value.shape) for v in abstract.values())
+        self.description = description
+        self.bar: Any = None
+
+    def __enter__(self) -> Any:
+        if not sys.stderr.isatty():
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"))
+        self.bar = Progress(*columns, TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.description, total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)

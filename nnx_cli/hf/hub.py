@@ -1,0 +1,119 @@
+"""`model.pretrained`: a local model directory, or a Hugging Face Hub id downloaded once into the usual cache.
+
+Only the files a run needs are fetched (`config.json`, the safetensors
+weights, the tokenizer and generation files); later runs, offline ones
+included, read them from the Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`)::
+
+    directory = resolve("Qwen/Qwen2.5-0.5B-Instruct")   # .../models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/<rev>
+    directory = resolve("/models/my-llama")             # a local directory, as it is
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from nnx_cli.errors import UserError
+
+_KEY = "config key 'model.pretrained'"
+CONFIG = "config.json"
+_OPTIONAL = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def looks_local(source: str) -> bool:
+    """Whether `source` is meant as a path rather than a Hub id (`org/name`)."""
+    return source.startswith(("/", "./", "../", "~", ".\\")) or source.count("/") != 1 or Path(source).exists()
+
+
+def is_model_dir(target: str | Path) -> bool:
+    """Whether `target` is a Hugging Face model directory (it has a `config.json` and no `checkpoints/`) or a Hub
+    id: what `nnx-inspect`, `nnx-generate` and `nnx-eval` take instead of a work dir."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        return (path / CONFIG).is_file() and not (path / "checkpoints").is_dir() and not (path / "state").is_dir()
+    return not path.exists() and not looks_local(str(target))
+
+
+@functools.lru_cache(maxsize=16)
+def resolve(source: str) -> Path:
+    """The local directory of `model.pretrained`: the directory itself, or a Hub model's cached snapshot
+    (downloaded the first time)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / CONFIG).is_file():
+            raise UserError(
+                f"{_KEY}: {str(path / CONFIG)!r} does not exist; point model.pretrained at a Hugging Face model "
+                "directory (one saved by save_pretrained, or downloaded with `hf download`)"
+            )
+        return path.absolute()
+    if looks_local(source):
+        raise UserError(f"{_KEY}: model directory {source!r} does not exist")
+    return _download(source)
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch `config.json`, the weights named by the index (or `model.safetensors`) and the tokenizer files of a
+    Hub model into the Hugging Face cache, reading what is cached already; returns the snapshot directory."""
+    config = _fetch(repo_id, CONFIG, required=True)
+    directory = config.parent
+    index = _fetch(repo_id, "model.safetensors.index.json", required=False)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            shards = []  # reported as an unreadable index when the weights are opened
+        for shard in shards:
+            _fetch(repo_id, shard, required=True)
+    elif _fetch(repo_id, "model.safetensors", required=False) is None:
+        raise UserError(
+            f"{_KEY}: Hub model {repo_id!r} has no model.safetensors or model.safetensors.index.json; nnx reads "
+            "safetensors weights only"
+        )
+    for name in _OPTIONAL:
+        _fetch(repo_id, name, required=False)
+    return directory
+
+
+def _fetch(repo_id: str, filename: str, *, required: bool) -> Path | None:
+    """One file of a Hub model from the cache, else downloaded; None for an optional file the model lacks."""
+    import huggingface_hub
+    from huggingface_hub import errors
+    from huggingface_hub.utils import logging
+
+    logging.set_verbosity_error()  # failures are reported as one UserError below
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename, local_files_only=True))
+    except (errors.LocalEntryNotFoundError, errors.EntryNotFoundError, OSError, ValueError):
+        pass  # not cached yet (or cached as missing): ask the Hub
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename))
+    except errors.HFValidationError:
+        raise UserError(
+            f"{_KEY}: {repo_id!r} is neither a local model directory nor a Hugging Face Hub id (org/name)"
+        ) from None
+    except errors.LocalEntryNotFoundError as e:  # offline, or the Hub cannot be reached (a kind of EntryNotFoundError)
+        raise UserError(
+            f"{_KEY}: cannot load Hub model {repo_id!r}: the Hugging Face Hub cannot be reached (or HF_HUB_OFFLINE "
+            f"is set) and {filename} is not in the local cache ({type(e).__name__}). Run once with network access "
+            f"so it is cached, or download it (hf download {repo_id} --local-dir DIR) and set model.pretrained=DIR"
+        ) from None
+    except errors.EntryNotFoundError:  # the Hub answered: the file is not there
+        if required:
+            raise UserError(f"{_KEY}: Hub model {repo_id!r} has no {filename}") from None
+        return None
+    except (errors.RepositoryNotFoundError, errors.GatedRepoError):
+        raise UserError(
+            f"{_KEY}: no Hub model {repo_id!r} (or it is gated: log in with `hf auth login` after accepting its "
+            "license on the Hub)"
+        ) from None
+    except (OSError, errors.HfHubHTTPError) as e:
+        raise UserError(
+            f"{_KEY}: cannot download {filename} of Hub model {repo_id!r}: {type(e).__name__}: {e}"
+        ) from None

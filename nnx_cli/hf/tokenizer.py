@@ -1,0 +1,158 @@
+"""A model directory's tokenizer (`data.tokenizer: pretrained`): its special tokens, stop tokens and chat template.
+
+The directory's `tokenizer.json` tokenizes as `transformers` does: the
+post-processor's special tokens (Llama's `<|begin_of_text|>`, Mistral's
+`<s>`) wrap each document and prompt, so `encode(text)` equals
+`AutoTokenizer.from_pretrained(dir)(text).input_ids`. Generation stops where
+`transformers`' `generate` does (the `eos_token_id`s of
+`generation_config.json`, else of `config.json`); a chat also stops at the
+tokenizer's `eos_token` (the end of a turn: `<|im_end|>`, `<|eot_id|>`)::
+
+    tok = PretrainedTokenizer("/models/Qwen2.5-0.5B-Instruct")
+    tok.encode("Hello")                  # ids, special tokens included
+    tok.stop_ids, tok.chat_stop_ids      # (151645, 151643), ...
+    tok.chat_template                    # the Jinja source, or None
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nnx_cli.data.tokenizers import HFTokenizer
+from nnx_cli.errors import UserError
+
+PRETRAINED = "pretrained"
+_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as `tokenizer_config.json` writes it: a string, or `{"content": ...}`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class PretrainedTokenizer(HFTokenizer):
+    """The tokenizer of a Hugging Face model directory; see the module docstring."""
+
+    def __init__(self, directory: str | Path):
+        import tokenizers
+
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise UserError(
+                f"config key 'data.tokenizer': pretrained, but model directory {str(directory)!r} has no "
+                "tokenizer.json (the `tokenizers` format); save one with transformers' "
+                "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR), or set data.tokenizer"
+            )
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exceptions for unreadable files
+            raise UserError(f"{path}: not a readable tokenizer.json ({type(e).__name__}: {e})") from None
+        super().__init__(PRETRAINED, tokenizer)
+        self.directory = directory
+        settings = _read_json(directory / "tokenizer_config.json")
+        self.bos_token = _token_text(settings.get("bos_token"))
+        self.eos_token = _token_text(settings.get("eos_token"))
+        self.chat_template = self._template(settings)
+        self.prefix, self.suffix = self._specials()
+        generation = _read_json(directory / "generation_config.json")
+        model = _read_json(directory / "config.json")
+        stops = _ids(generation.get("eos_token_id")) or _ids(model.get("eos_token_id"))
+        eos = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        if not stops and eos is not None:
+            stops = [eos]
+        if self.eod_id >= self._base_vocab and eos is not None:  # no end-of-text token: documents end with eos
+            self.eod_id, self.vocab_size = eos, self._base_vocab
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self.chat_stop_ids: tuple[int, ...] = tuple(dict.fromkeys([*stops, *([eos] if eos is not None else [])]))
+        definition = hashlib.sha256(f"{self.prefix}{self.suffix}".encode()).hexdigest()[:8]
+        self.version = f"{self.version}-specials-{definition}"
+
+    def _template(self, settings: dict[str, Any]) -> str | None:
+        """`chat_template.jinja` (what current transformers writes), else tokenizer_config.json's `chat_template`."""
+        file = self.directory / _TEMPLATE_FILE
+        if file.is_file():
+            return file.read_text()
+        template = settings.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) else None
+
+    def _specials(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a text (Llama: `[bos]`, `[]`)."""
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        full = self._tokenizer.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        return [], []
+
+    @property
+    def document_prefix(self) -> list[int]:
+        return self.prefix
+
+    @property
+    def document_suffix(self) -> list[int]:
+        return self.suffix
+
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of `text` with the post-processor's special tokens, as `transformers` tokenizes it."""
+        return np.asarray([*self.prefix, *super().encode(text).tolist(), *self.suffix], dtype=np.int64)
+
+    def encode_plain(self, text: str) -> np.ndarray:
+        """The ids of `text` alone (a rendered chat template holds its special tokens as text already)."""
+        return super().encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Plain ids of each text: a text stream adds `document_prefix` and `document_suffix` per document."""
+        return super().encode_batch(texts)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": str(self.directory)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"])
+
+
+def check_vocabulary(tokenizer: PretrainedTokenizer, vocab_size: int, directory: Path) -> None:
+    """The tokenizer's ids must fit the model's embedding (`vocab_size` of config.json)."""
+    size = tokenizer._base_vocab
+    if size > vocab_size:
+        raise UserError(
+            f"{directory / 'tokenizer.json'}: the tokenizer has {size:,} tokens, more than the {vocab_size:,} rows of "
+            f"the model's embedding (vocab_size in {directory / 'config.json'}); they do not belong together"
+        )

@@ -1,0 +1,335 @@
+"""Safetensors weights of a model directory: checked without reading a tensor, then streamed into place.
+
+`model.safetensors`, or the shards `model.safetensors.index.json` names, are
+opened with `safetensors.safe_open` (which memory-maps them and checks each
+header against the file's size). :meth:`Weights.check` compares every tensor
+with the family's table before anything is written anywhere: a missing,
+unexpected or misshapen tensor, an unsupported dtype, a truncated file or a
+header that does not parse is a UserError naming the file and the tensor.
+
+:func:`load` then builds each parameter with `jax.make_array_from_callback`:
+the callback of each device's shard reads only that shard's rows and
+columns of the tensor (`get_slice`), converts them to float32 and, for
+layers stacked along a `layers` axis, fills them in layer by layer. Host
+memory peaks near one parameter's shard, not the model, and each process of
+a multi-host run reads only what its devices hold::
+
+    weights = Weights.open(model_dir)
+    maps = weights.check(family, options)             # every tensor accounted for, nothing read yet
+    params = load(weights, maps, abstract_params)     # a State of Param, each array in its NamedSharding
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nnx_cli.errors import UserError
+from nnx_cli.hf.families import Family, TensorMap
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPES = ("F32", "BF16", "F16")
+_LAYERS = "layers/scan_module/"
+_HASH_BUFFER = 8 << 20
+
+
+class Weights:
+    """The tensors of a model directory: name -> the file holding it, its dtype and its shape."""
+
+    def __init__(self, directory: Path, files: dict[str, Path]):
+        self.directory = directory
+        self.files = files  # tensor name -> file
+        self._handles: dict[Path, Any] = {}
+        self._info: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    @classmethod
+    def open(cls, directory: str | Path) -> Weights:
+        """Find the directory's safetensors files and read their headers (no tensor data)."""
+        directory = Path(directory)
+        index = directory / INDEX
+        if index.is_file():
+            files = _read_index(index)
+        elif (directory / SINGLE).is_file():
+            files = None
+        else:
+            raise UserError(
+                f"model directory {str(directory)!r} has neither {SINGLE} nor {INDEX}; nnx reads safetensors "
+                "weights only (convert PyTorch .bin files with transformers' save_pretrained)"
+            )
+        weights = cls(directory, {})
+        shards = sorted(set(files.values())) if files is not None else [SINGLE]
+        for shard in shards:
+            path = directory / shard
+            handle = weights._open(path)
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                if files is not None and files.get(name) != shard:
+                    raise UserError(
+                        f"{path}: tensor {name!r} is not where {INDEX} says it is ({files.get(name, 'not listed')})"
+                    )
+                weights.files[name] = path
+        if files is not None:
+            missing = sorted(set(files) - set(weights.files))
+            if missing:
+                raise UserError(f"{index}: lists tensor {missing[0]!r} in {files[missing[0]]}, which lacks it")
+        return weights
+
+    def _open(self, path: Path) -> Any:
+        from safetensors import SafetensorError, safe_open
+
+        if path not in self._handles:
+            if not path.is_file():
+                raise UserError(f"{path}: the weights file is missing")
+            try:
+                self._handles[path] = safe_open(str(path), framework="numpy")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise UserError(f"{path}: not a readable safetensors file ({_explain(path, e)})") from None
+        return self._handles[path]
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """`(dtype, shape)` of tensor `name` as its header says (`"BF16"`, `(896, 4864)`)."""
+        if name not in self._info:
+            piece = self._open(self.files[name]).get_slice(name)
+            self._info[name] = (piece.get_dtype(), tuple(piece.get_shape()))
+        return self._info[name]
+
+    def check(self, family: Family, options: Mapping[str, Any], tie_ignores_head: bool = True) -> list[TensorMap]:
+        """The family's tensor maps for `options`, each tensor present with the shape `config.json` implies and a
+        float dtype; every tensor in the files accounted for. Reads headers only."""
+        num_layers = options["num_layers"]
+        maps = family.tensors(options, self.files)
+        expected: dict[str, tuple[int, ...]] = {}
+        for m in maps:
+            for i in range(num_layers) if m.per_layer else [None]:
+                expected[m.name.format(i=i)] = m.shape
+        for name, shape in expected.items():
+            if name not in self.files:
+                raise UserError(
+                    f"{self._where(name)}: tensor {name!r} is missing (config.json describes a "
+                    f"{family.architecture} that needs it)"
+                )
+            dtype, actual = self.info(name)
+            if actual != shape:
+                raise UserError(
+                    f"{self.files[name]}: tensor {name!r} has shape {list(actual)}, but config.json implies "
+                    f"{list(shape)}"
+                )
+            if dtype not in DTYPES:
+                raise UserError(
+                    f"{self.files[name]}: tensor {name!r} is stored as {dtype}; nnx reads float32, bfloat16 and float16"
+                )
+        for name in sorted(self.files):
+            ignorable = name.endswith(family.ignored) or (
+                tie_ignores_head and options.get("tie_embeddings") and name == "lm_head.weight"
+            )
+            if name not in expected and not ignorable:
+                raise UserError(
+                    f"{self.files[name]}: unexpected tensor {name!r}: a {family.architecture} with this config.json "
+                    "has no such weight"
+                )
+        return maps
+
+    def _where(self, name: str) -> str:
+        shards = sorted({str(p) for p in self.files.values()})
+        return shards[0] if len(shards) == 1 else str(self.directory / INDEX)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` of tensor `name` (one slice per axis), as float32."""
+        piece = self._open(self.files[name]).get_slice(name)
+        return np.asarray(piece[index], dtype=np.float32)
+
+    def paths(self) -> list[Path]:
+        """The files the tensors come from, in order."""
+        return sorted(set(self.files.values()))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{index}: not a readable safetensors index (expected a 'weight_map'): {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    for shard in set(weight_map.values()):
+        if Path(shard).name != shard:
+            raise UserError(f"{index}: shard {shard!r} is not a file name in the model directory")
+    return weight_map
+
+
+def _explain(path: Path, error: Exception) -> str:
+    """safetensors' reason, and for a truncated file the first tensor whose data lies past its end."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if 8 + length > size:
+                return f"{reason}: the header claims {length} bytes and the file has {size}"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error):
+        return reason
+    tensors = sorted(
+        ((n, t) for n, t in header.items() if n != "__metadata__" and isinstance(t, dict)),
+        key=lambda item: item[1].get("data_offsets", [0, 0])[1],
+    )
+    for name, tensor in tensors:
+        end = 8 + length + tensor.get("data_offsets", [0, 0])[1]
+        if end > size:
+            return f"{reason}: truncated, tensor {name!r} ends at byte {end:,} of a {size:,}-byte file"
+    return reason
+
+
+# Streaming the tensors into sharded parameters
+# ------------------------------------------------------------------------------
+
+
+def _layer_and_path(path: str) -> tuple[bool, int | None, str]:
+    """`(stacked, layer, path within a block)` of one of our parameter paths; non-layer paths as they are."""
+    if path.startswith(_LAYERS):
+        return True, None, path[len(_LAYERS) :]
+    parts = path.split("/")
+    if parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit():
+        return False, int(parts[1]), "/".join(parts[2:])
+    return False, None, path
+
+
+def block(weights: Weights, m: TensorMap, layer: int | None, ours: tuple[int, ...], index: tuple[slice, ...]):
+    """The block `index` of our (unstacked) parameter of shape `ours`, read from its tensor as float32."""
+    name = m.name.format(i=layer)
+    rows_shape, cols_shape = ours[: m.split], ours[m.split :]
+    row_index, col_index = index[: m.split], index[m.split :]
+    # Whole sub-rows and sub-columns: the leading axis of each side is sliced on disk, the others in memory.
+    (r0, r1), row_inner = _span(rows_shape, row_index)
+    (c0, c1), col_inner = _span(cols_shape, col_index)
+    theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
+    view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
+    out = np.zeros((r1 - r0, c1 - c0), np.float32)
+    rr1, cc1 = min(r1, view_rows), min(c1 + m.offset, view_cols) - m.offset
+    if rr1 > r0 and cc1 > c0:
+        rows, cols = slice(r0, rr1), slice(c0 + m.offset, cc1 + m.offset)
+        if len(m.shape) == 1:
+            data = weights.read(name, (cols,))[None, :]
+        elif m.transpose:
+            data = weights.read(name, (cols, rows)).T
+        else:
+            data = weights.read(name, (rows, cols))
+        out[: rr1 - r0, : cc1 - c0] = data
+    out = out.reshape(*_block_shape(rows_shape, row_index), *_block_shape(cols_shape, col_index))
+    inner = (slice(None), *row_inner, slice(None), *col_inner) if rows_shape else (slice(None), *col_inner)
+    return out[inner] if rows_shape or cols_shape else out.reshape(())
+
+
+def _span(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[tuple[int, int], tuple[slice, ...]]:
+    """The flat range covering `index` with the trailing axes whole, and the slices of those axes left to apply."""
+    if not shape:
+        return (0, 1), ()
+    inner = math.prod(shape[1:])
+    start, stop, _ = index[0].indices(shape[0])
+    return (start * inner, stop * inner), tuple(index[1:])
+
+
+def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
+    if not shape:
+        return ()
+    start, stop, _ = index[0].indices(shape[0])
+    return (stop - start, *shape[1:])
+
+
+def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any = None) -> Any:
+    """A `State` of `Param`s shaped as `abstract` (whose values are `ShapeDtypeStruct`s carrying shardings),
+    filled from the tensors `maps` names; `progress(n)` is called with each parameter's element count."""
+
+    import nnx
+
+    by_path = {m.path: m for m in maps}
+    out = {}
+    for path, variable in abstract.items():
+        stacked, layer, relative = _layer_and_path(path)
+        if relative not in by_path:
+            raise UserError(f"no tensor of the model directory fills parameter {path!r}")  # a model/table mismatch
+        m = by_path[relative]
+        spec = variable.value
+        out[path] = variable.replace(value=_array(weights, m, stacked, layer, spec))
+        if progress is not None:
+            progress(math.prod(spec.shape))
+    return nnx.State(out) if not isinstance(abstract, dict) else out
+
+
+def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spec: Any) -> Any:
+    import jax
+
+    shape = tuple(spec.shape)
+    ours = shape[1:] if stacked else shape
+    done: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
+
+    def fill(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        if key not in done:
+            if stacked:
+                start, stop, _ = index[0].indices(shape[0])
+                parts = [block(weights, m, i, ours, index[1:]) for i in range(start, stop)]
+                done[key] = np.stack(parts).astype(spec.dtype, copy=False)
+            else:
+                done[key] = block(weights, m, layer, ours, index).astype(spec.dtype, copy=False)
+        return done[key]
+
+    return jax.make_array_from_callback(shape, spec.sharding, fill, dtype=spec.dtype)
+
+
+def to_tensors(params: Mapping[str, np.ndarray], maps: list[TensorMap]) -> dict[str, np.ndarray]:
+    """Our parameters (path -> array, `layers` stacked or not) as the family's tensors (name -> array): the
+    inverse of :func:`load`, padded vocabulary rows dropped."""
+    by_path = {m.path: m for m in maps}
+    views: dict[str, tuple[TensorMap, np.ndarray]] = {}
+    for path, value in params.items():
+        stacked, layer, relative = _layer_and_path(path)
+        m = by_path[relative]
+        value = np.asarray(value)
+        for j, i in enumerate(range(value.shape[0]) if stacked else [layer]):
+            ours = value[j] if stacked else value
+            theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
+            view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
+            name = m.name.format(i=i)
+            if name not in views:
+                views[name] = (m, np.zeros((view_rows, view_cols), ours.dtype))
+            matrix = ours.reshape(math.prod(ours.shape[: m.split]), -1)
+            cols = min(matrix.shape[1], view_cols - m.offset)
+            views[name][1][:, m.offset : m.offset + cols] = matrix[:view_rows, :cols]
+    out = {}
+    for name, (m, view) in views.items():
+        # contiguous: safetensors writes an array's buffer as it lies in memory, a transposed view included
+        out[name] = np.ascontiguousarray(view[0] if len(m.shape) == 1 else (view.T if m.transpose else view))
+    return out
+
+
+# Checksums
+# ------------------------------------------------------------------------------
+
+
+def checksum(paths: list[Path]) -> str:
+    """One xxh3-128 hash of the weight files' bytes, in order (about as fast as the disk reads)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(_HASH_BUFFER), b""):
+                digest.update(chunk)
+    return f"xxh3_128:{digest.hexdigest()}"
+
+
+def iter_tensors(weights: Weights) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of `weights`, whole, as float32 (for tests and tools; the model loads through `load`)."""
+    for name in sorted(weights.files):
+        _, shape = weights.info(name)
+        yield name, weights.read(name, tuple(slice(None) for _ in shape))
