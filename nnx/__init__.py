@@ -56,6 +56,7 @@ from nnx.nn.activations import (
     tanh,
 )
 from nnx.nn.linear import Conv, Embed, Linear
+from nnx.nn.lora import LoRA, LoRAParam
 from nnx.nn.normalization import BatchNorm, LayerNorm
 from nnx.nn.stochastic import Dropout
 from nnx.nodes import is_node, register_node_type

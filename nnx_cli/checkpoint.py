@@ -122,8 +122,10 @@ class Checkpointer:
         """The committed steps on disk now (Orbax's own list is cached: it misses pruned and moved steps)."""
         return integrity.steps(self.directory)
 
-    def save(self, step: int, state: Any, *, loop: Any = None) -> None:
+    def save(self, step: int, state: Any, *, loop: Any = None, base: dict[str, Any] | None = None) -> None:
         """Save `state` (and the `loop` item) at `step`, asynchronously if configured; the caller decides when.
+        `base` (JSON) goes into the step's manifest: for an adapter run, the base model it needs and the
+        checksums of its weight files.
 
         First waits for the previous save: a RunError if that one failed.
         """
@@ -132,6 +134,8 @@ class Checkpointer:
         if loop is not None:
             items[LOOP] = ocp.args.StandardSave(to_named_tree(loop))
         manifest = {"format": FORMAT, "step": step, "items": sorted([*items, MANIFEST])}
+        if base is not None:
+            manifest["base"] = base
         items[MANIFEST] = ocp.args.JsonSave(manifest)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -144,6 +148,16 @@ class Checkpointer:
         else:
             self._commit_and_seal(step)
             self._settle()
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The manifest of the checkpoint at `step` ({} for one written before manifests, or unreadable)."""
+        if MANIFEST not in self.items(step):
+            return {}
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{MANIFEST: ocp.args.JsonRestore()}))
+        except Exception:  # a damaged manifest: integrity.verify reports the step as a whole
+            return {}
+        return dict(restored[MANIFEST] or {})
 
     def items(self, step: int) -> set[str]:
         """The items the checkpoint at `step` holds (`{"state"}` for one written before named items)."""

@@ -60,8 +60,13 @@ def evaluate(
         run = open_run(target, overrides or [], step, best=best)
         runtime.configure(deterministic=run.cfg.train.deterministic)
         exp = setup(run.cfg, data="eval")
-        step, state = restore.from_run(run, lambda ckpt, s: restore.read_state(ckpt, s, exp.restore_target()), say)
-        what = str(run.checkpoints / str(step))
+
+        def read(ckpt: Any, s: int) -> Any:
+            exp.check_base(ckpt.manifest(s), ckpt.directory / str(s))
+            return restore.read_state(ckpt, s, exp.restore_target())
+
+        step, state = restore.from_run(run, read, say)
+        state, what = exp.with_frozen(state), str(run.checkpoints / str(step))
     layout = sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
     metrics = hooks.evaluator(exp, layout, sharding.replicated(exp.mesh))(state)
 

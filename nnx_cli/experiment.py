@@ -56,6 +56,7 @@ class Experiment:
     shardings: Any
     build: Callable[[nnx.Context], nnx.Module]
     pretrained: Any = None  # nnx_cli.hf.Pretrained with `model.pretrained`: where the parameters come from
+    weighted: bool = False  # the model weights its metrics' averages (`weight`: per target token)
 
     @property
     def loss_metric(self) -> str:
@@ -66,8 +67,43 @@ class Experiment:
         return hasattr(self.model_cls, "images") and len(self.spec.input_shape) == 3
 
     def restore_target(self) -> Any:
-        """The abstract train state carrying its shardings: where a checkpoint is restored to."""
-        return sharding.with_shardings(self.abstract, self.shardings)
+        """The abstract train state carrying its shardings, without frozen parameters: where a checkpoint is
+        restored to."""
+        return steps.trainable(sharding.with_shardings(self.abstract, self.shardings))
+
+    def with_frozen(self, state: steps.TrainState) -> steps.TrainState:
+        """A restored state completed with the frozen parameters adapters adapt (none without adapters): read
+        from `model.pretrained`, else drawn as a fresh run draws them."""
+        if steps.FROZEN not in self.abstract:
+            return state
+        return {**state, steps.FROZEN: self.frozen_params(self.frozen_target())}
+
+    def frozen_params(self, target: Any) -> nnx.State:
+        """The frozen parameters, placed as `target` (abstract, with shardings) says: read from
+        `model.pretrained`, else drawn from the seed as a fresh run draws them."""
+        if self.pretrained is not None:
+            return self.load_pretrained(target)
+        fresh = lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1][steps.FROZEN]  # noqa: E731
+        return jax.jit(fresh, out_shardings=jax.tree.map(lambda a: a.sharding, target))()
+
+    def base_record(self) -> dict[str, Any] | None:
+        """What a checkpoint of this run keeps of its base model: for adapters on `model.pretrained`, the
+        directory and its weight files' checksums; None otherwise (the checkpoint holds every parameter)."""
+        if steps.FROZEN in self.abstract and self.pretrained is not None:
+            return self.pretrained.record()
+        return None
+
+    def check_base(self, manifest: dict[str, Any], where: Any) -> None:
+        """The base weights are those the adapters of the checkpoint `where` (whose `manifest` this is) were
+        trained on; a UserError naming the file otherwise."""
+        if self.pretrained is not None and "base" in manifest:
+            self.pretrained.check_record(manifest["base"], where)
+
+    def frozen_target(self) -> Any:
+        """The abstract parameters `model.pretrained` fills (with their shardings): the frozen ones under adapters,
+        else all parameters."""
+        target = sharding.with_shardings(self.abstract, self.shardings)
+        return target[steps.FROZEN] if steps.FROZEN in target else target["params"]
 
     def init_state(self) -> steps.TrainState:
         """A fresh train state, created directly on the devices in its shardings; with `model.pretrained`, its
@@ -77,19 +113,26 @@ class Experiment:
                 lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1], out_shardings=self.shardings
             )
             return fresh()
-        params = self.load_pretrained()
+        loaded = self.load_pretrained(self.frozen_target())
 
-        def around(params: nnx.State) -> steps.TrainState:  # the random parameters it draws go unused: XLA drops them
+        def around(loaded: nnx.State) -> steps.TrainState:  # the random parameters it draws go unused: XLA drops them
             state = steps.init_state(self.build, self.tx, self.cfg.seed)[1]
-            return {**state, "params": params, "opt_state": self.tx.init(params)}
+            if steps.FROZEN in state:  # adapters start fresh on the loaded weights
+                return {**state, steps.FROZEN: loaded}
+            return {**state, "params": loaded, "opt_state": self.tx.init(loaded)}
 
-        return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(params)
+        return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(loaded)
 
     def load_pretrained(self, target: Any = None) -> nnx.State:
         """The parameters of `model.pretrained`, each read into its sharding (`target`: the abstract parameters
-        with their shardings; by default the run's)."""
+        with their shardings; by default :meth:`frozen_target`)."""
         with PHASES("checkpoint"):
-            return self.pretrained.load(target if target is not None else self.restore_target()["params"])
+            return self.pretrained.load(target if target is not None else self.frozen_target())
+
+    def eval_zeros(self) -> dict[str, Any]:
+        """The eval accumulator, zeroed, on the devices: a sum per metric (and of the weights, when weighted)."""
+        names = [*self.metric_names, *([steps.WEIGHT] if self.weighted else [])]
+        return sharding.put_replicated({k: np.zeros((), np.float32) for k in names}, self.mesh)
 
     def empty_sums(self) -> dict[str, Any]:
         """The train-metric accumulator, zeroed, on the devices (see `steps.empty_sums`)."""
@@ -113,6 +156,8 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     build = models.model_factory(cfg.model, spec)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     metric_names = _check_step(cfg, moduledef, tx, abstract, train or evals) if data is not None else []
+    weighted = steps.WEIGHT in metric_names
+    metric_names = [name for name in metric_names if name != steps.WEIGHT]
     if data == "train":
         _check_keep_best(cfg, metric_names, spec, evals)
     rules = sharding.axis_rules(cfg.sharding)
@@ -135,6 +180,7 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
         shardings,
         build,
         pretrained,
+        weighted,
     )
 
 

@@ -189,7 +189,7 @@ def load(run: Any) -> tuple[int, Any, Any]:
     process's first device, and its tokenizer. A run that is not a language model is a UserError."""
     import jax
 
-    from nnx_cli import decoding, restore
+    from nnx_cli import decoding, restore, steps
     from nnx_cli.data.tokenizers import load_tokenizer
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console
@@ -206,11 +206,16 @@ def load(run: Any) -> tuple[int, Any, Any]:
             "model such as transformer_lm"
         )
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), exp.abstract["params"])
+    place = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), tree)  # noqa: E731
     console = stderr_console()
-    step, params = restore.from_run(
-        run, lambda ckpt, s: ckpt.restore_params(s, target), lambda m: console.print(m, highlight=False)
-    )
+
+    def read(ckpt: Any, s: int) -> Any:
+        exp.check_base(ckpt.manifest(s), ckpt.directory / str(s))  # adapters: the base weights they were made on
+        return ckpt.restore_params(s, place(exp.abstract["params"]))
+
+    step, params = restore.from_run(run, read, lambda m: console.print(m, highlight=False))
+    if steps.FROZEN in exp.abstract:  # adapters: their base parameters too
+        params = params | exp.frozen_params(place(exp.abstract[steps.FROZEN]))
     return (
         step,
         decoding.Decoder(exp.moduledef, params),

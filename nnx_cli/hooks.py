@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from nnx_cli import optim, steps
 from nnx_cli.errors import RunError
@@ -110,15 +109,16 @@ class Checkpoint:
 
     phase = "checkpoint"
 
-    def __init__(self, every: int, checkpointer: Any, guard: Guard, saved: int | None = None):
+    def __init__(self, every: int, checkpointer: Any, guard: Guard, saved: int | None = None, base: dict | None = None):
         self.every = every
         self.checkpointer = checkpointer
         self.guard = guard
         self.saved = saved
+        self.base = base  # an adapter run's base model and its weights' checksums, kept in each manifest
 
     def __call__(self, loop: Loop) -> None:
         self.guard.check(loop)
-        self.checkpointer.save(loop.step, loop.state, loop=loop.sums)
+        self.checkpointer.save(loop.step, steps.trainable(loop.state), loop=loop.sums, base=self.base)
         self.saved = loop.step
 
     def end(self, loop: Loop) -> None:
@@ -240,7 +240,7 @@ class Samples:
         from nnx_cli.generate import EVAL_SAMPLE_TOKENS, stops, write_eval_samples
 
         self.guard.check(loop)
-        decoder = Decoder(self.exp.moduledef, loop.state["params"])
+        decoder = Decoder(self.exp.moduledef, steps.parameters(loop.state))
         key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
         drawn = decoder.generate(
             self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, **stops(self.tokenizer)
@@ -336,7 +336,6 @@ def _device_memory() -> dict[str, float]:
 
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches)."""
-    from nnx_cli import sharding
     from nnx_cli.data import pipeline
 
     fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare)
@@ -346,8 +345,7 @@ def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
 
     def run(state: steps.TrainState) -> dict[str, float]:
         batches = pipeline.eval_feed(exp.eval, layout, limit)
-        zeros = sharding.put_replicated({k: np.zeros((), np.float32) for k in exp.metric_names}, exp.mesh)
-        metrics = steps.evaluate(eval_step, state, batches, count, zeros)
+        metrics = steps.evaluate(eval_step, state, batches, count, exp.eval_zeros())
         if exp.spec.tokenizer is not None and "loss" in metrics:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # the language models' usual figure
         return metrics

@@ -47,7 +47,8 @@ def inspect_state(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
-    from nnx_cli import hf
+    import nnx
+    from nnx_cli import hf, steps
     from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console
@@ -62,13 +63,13 @@ def inspect_state(
         run = open_run(target, overrides or [])
         exp = setup(run.cfg, data=None, place=False)
         say = stderr_console().print
-        step, _ = restore.from_run(run, lambda ckpt, s: ckpt.check_matches(s, exp.abstract), say)
+        step, _ = restore.from_run(run, lambda ckpt, s: ckpt.check_matches(s, steps.trainable(exp.abstract)), say)
         title = f"{run.checkpoints / str(step)}"
     else:
         title = str(target)
         exp = setup(load_config(target, overrides or []), data=None, place=False)  # the whole config is checked
     cfg = exp.cfg
-    entries = state_entries(exp.abstract["params"] | exp.abstract["rest"], exp.rules)
+    entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules)
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
         if filter_type not in types:
@@ -130,7 +131,9 @@ def summarize(entries: list[dict[str, Any]], padding: int = 0) -> dict[str, Any]
 
 def _padding(exp: Any) -> int:
     """Parameters that only pad the vocabulary (see `TransformerLM.padding_params`); 0 for other models."""
-    model = exp.moduledef.merge(exp.abstract["params"], exp.abstract["rest"])
+    from nnx_cli import steps
+
+    model = exp.moduledef.merge(*steps.model_states(exp.abstract))
     return model.padding_params() if hasattr(model, "padding_params") else 0
 
 

@@ -4,9 +4,18 @@ The train state is a plain dict pytree::
 
     {"step": int32[], "params": State, "opt_state": optax state, "rest": State}
 
-`rest` holds every non-`Param` collection (batch statistics, ...). The model
-is partitioned once; each step runs `moduledef.apply(params, rest)` on pure
-states. Randomness is a function of `(seed, stream, index)`: training step
+`params` is what trains, `rest` every non-`Param` collection (batch
+statistics, ...). A model with low-rank adapters (`nnx.LoRAParam`) trains
+those alone: `params` holds the adapters, the optimizer state exists for
+them only, and the parameters they adapt sit under `"frozen"`, where no
+gradient is taken and from where no checkpoint writes them (they come back
+from the base model). The model is partitioned once; each step runs
+`moduledef.apply(params, [frozen,] rest)` on pure states.
+
+A model's metrics may include `weight`, a per-example weight of the
+averages (the target tokens of a fine-tuning row): training minimises the
+weighted mean of the loss and evals report weighted means, so they are per
+target token. Randomness is a function of `(seed, stream, index)`: training step
 `s` uses `(seed, 0, s)`, eval batch `i` uses `(seed, 1, i)`, so a resumed
 run draws exactly the keys an uninterrupted one would.
 """
@@ -26,6 +35,10 @@ from nnx_cli.errors import UserError, first_line
 
 TrainState = dict[str, Any]
 _TRAIN, _EVAL, _IMAGES = 0, 1, 2
+FROZEN = "frozen"
+"""The train state's key for the parameters that adapters adapt: never trained, never checkpointed."""
+WEIGHT = "weight"
+"""The metric that weights the others' averages (see the module docstring)."""
 
 
 def init_state(
@@ -33,8 +46,39 @@ def init_state(
 ) -> tuple[nnx.ModuleDef, TrainState]:
     """Build the model and optimizer state. Run it under `jax.eval_shape` for shapes only."""
     model = build(nnx.context(seed))
-    (params, rest), moduledef = model.partition(nnx.Param, ...)
-    return moduledef, {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params), "rest": rest}
+    if len(model.filter(nnx.LoRAParam)):  # the adapters train; what they adapt is frozen
+        (params, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
+        extra = {FROZEN: frozen}
+    else:
+        (params, rest), moduledef = model.partition(nnx.Param, ...)
+        extra = {}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params), "rest": rest}
+    return moduledef, {**state, **extra}
+
+
+def model_states(state: TrainState, params: Any = None, rest: Any = None) -> tuple[Any, ...]:
+    """The states `moduledef.apply` takes: `params` (default: the state's), the frozen ones if any, `rest`."""
+    frozen = (state[FROZEN],) if FROZEN in state else ()
+    return (state["params"] if params is None else params, *frozen, state["rest"] if rest is None else rest)
+
+
+def parameters(state: TrainState) -> nnx.State:
+    """Every parameter of the model, frozen ones included: what decoding runs on."""
+    return state["params"] | state[FROZEN] if FROZEN in state else state["params"]
+
+
+def trainable(state: TrainState) -> TrainState:
+    """The state without its frozen parameters: what a checkpoint holds."""
+    return {k: v for k, v in state.items() if k != FROZEN}
+
+
+def _means(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Batch means of per-example metrics, weighted by `weight` when the model gives one."""
+    weight = metrics.pop(WEIGHT, None)
+    if weight is None:
+        return {k: jnp.mean(v) for k, v in metrics.items()}
+    total = jnp.maximum(jnp.sum(weight), 1.0)
+    return {k: jnp.sum(v * weight) / total for k, v in metrics.items()}
 
 
 def _context(seed: int, stream: int, index: jax.Array, training: bool) -> nnx.Context:
@@ -79,8 +123,8 @@ def train_step(
 
     def loss_fn(params: nnx.State, rest: nnx.State, batch: Any, index: jax.Array) -> tuple[jax.Array, Any]:
         ctx = _context(seed, _TRAIN, index, training=True)  # inside: a Context is bound to its trace
-        metrics, (updates, _) = moduledef.apply(params, rest).metrics(batch, ctx)
-        means = {k: jnp.mean(v) for k, v in metrics.items()}
+        metrics, (updates, _) = moduledef.apply(*model_states(state, params, rest)).metrics(batch, ctx)
+        means = _means(metrics)
         _, rest = updates.partition(nnx.Param, ...)
         return means[loss_metric], (means, rest)
 
@@ -97,7 +141,8 @@ def train_step(
         "count": sums["count"] + 1,
         "bad_step": jnp.where((sums["bad_step"] < 0) & ~jnp.isfinite(loss), step, sums["bad_step"]),
     }
-    return {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}, sums, loss
+    new = {"step": step + 1, "params": params, "opt_state": opt_state, "rest": rest}
+    return {**state, **new}, sums, loss
 
 
 def _accumulate(grad_fn: Callable, state: TrainState, batch: dict[str, jax.Array], accum: int) -> tuple:
@@ -175,9 +220,7 @@ def check_step(
     """
     ctx = lambda: _context(0, _EVAL, jnp.zeros((), jnp.int32), training=False)  # noqa: E731
     try:
-        metrics = jax.eval_shape(
-            lambda s, b: moduledef.apply(s["params"], s["rest"]).metrics(b, ctx())[0], abstract, batch
-        )
+        metrics = jax.eval_shape(lambda s, b: moduledef.apply(*model_states(s)).metrics(b, ctx())[0], abstract, batch)
     except UserError:
         raise
     except Exception as e:
@@ -204,10 +247,16 @@ def eval_step(
     index: jax.Array,
     totals: dict[str, jax.Array],
 ) -> dict[str, jax.Array]:
-    """`totals` plus the sums of the per-example metrics over the rows `batch["mask"]` marks as real."""
+    """`totals` plus the sums of the per-example metrics over the rows `batch["mask"]` marks as real (weighted by
+    the `weight` metric when there is one, whose own sum is then kept too)."""
     ctx = _context(seed, _EVAL, index, training=False)
-    metrics, _ = moduledef.apply(state["params"], state["rest"]).metrics(prepare(batch), ctx)
-    return {k: totals[k] + jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}
+    metrics, _ = moduledef.apply(*model_states(state)).metrics(prepare(batch), ctx)
+    weight = metrics.pop(WEIGHT, None)
+    if weight is None:
+        return {k: totals[k] + jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}
+    weight = jnp.where(batch["mask"], weight, 0.0)
+    out = {k: totals[k] + jnp.sum(jnp.where(batch["mask"], v * weight, 0.0)) for k, v in metrics.items()}
+    return {**out, WEIGHT: totals[WEIGHT] + jnp.sum(weight)}
 
 
 def images_step(
@@ -219,7 +268,7 @@ def images_step(
 ) -> jax.Array:
     """The model's `images` (reconstructions, samples) for a PNG grid."""
     ctx = _context(seed, _IMAGES, jnp.zeros((), jnp.int32), training=False)
-    images, _ = moduledef.apply(state["params"], state["rest"]).images(prepare(batch), ctx)
+    images, _ = moduledef.apply(*model_states(state)).images(prepare(batch), ctx)
     return images
 
 
@@ -227,8 +276,10 @@ def evaluate(
     run_eval: Callable[..., dict[str, jax.Array]], state: TrainState, batches: Any, count: int, zeros: Any
 ) -> dict[str, float]:
     """Average the jitted `eval_step` sums over the eval batches (starting from `zeros`, one per metric):
-    per-example means over `count` real rows."""
+    per-example means over `count` real rows, or weighted means when `zeros` holds a `weight` total."""
     totals = zeros
     for i, batch in enumerate(batches):
         totals = run_eval(state, batch, np.int32(i), totals)
-    return {k: float(v) / count for k, v in jax.device_get(totals).items()}
+    totals = jax.device_get(totals)
+    denominator = max(float(totals.pop(WEIGHT)), 1e-9) if WEIGHT in totals else count
+    return {k: float(v) / denominator for k, v in totals.items()}

@@ -185,6 +185,7 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)  # after bad steps moved aside
     if found is not None:
         start, (state, sums) = found.step, found.value
+        state = exp.with_frozen(state)
         console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False, soft_wrap=True)
     else:
         start, state, sums = 0, exp.init_state(), exp.empty_sums()
@@ -222,6 +223,7 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
     empty = _replicated(exp, steps.empty_sums(exp.metric_names))
 
     def read(step: int) -> tuple[Any, Any]:
+        exp.check_base(reader.manifest(step), ckpt_dir / str(step))  # adapters: the base weights they were made on
         state = restore.read_state(reader, step, exp.restore_target())
         return state, reader.restore_item(step, LOOP, empty) or exp.empty_sums()
 
@@ -296,7 +298,9 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
     guard = hooks.Guard(session.checkpointer, session.workdir / "checkpoints")
     tokens = cfg.data.seq_len if exp.spec.tokenizer else 0
     log = hooks.LogMetrics(t.log_every, session.loggers, guard, batch_size=t.batch_size, tokens_per_example=tokens)
-    save = hooks.Checkpoint(cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start)
+    save = hooks.Checkpoint(
+        cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start, base=exp.base_record()
+    )
     chosen = [log, save]
     if exp.eval is not None:
         eval_layout = sharding.eval_batch_layout(exp.mesh, exp.rules, t)

@@ -54,11 +54,35 @@ class Pretrained:
             return weights.load(self.weights, self.maps, abstract, advance)
 
     @functools.cached_property
+    def file_checksums(self) -> dict[str, str]:
+        """xxh3-128 of each weight file: what an adapter checkpoint records, and what resuming one checks."""
+        from nnx_cli.hf.weights import file_checksums
+
+        return file_checksums(self.weights.paths())
+
+    @property
     def checksum(self) -> str:
-        """xxh3-128 of the weight files, in order: what a run records, and what a LoRA resume checks."""
+        """One checksum of the weight files: what `run.json` records."""
         from nnx_cli.hf.weights import checksum
 
-        return checksum(self.weights.paths())
+        return checksum(self.file_checksums)
+
+    def record(self) -> dict[str, Any]:
+        """What an adapter checkpoint keeps of its base model: where it is and its files' checksums."""
+        return {"pretrained": str(self.directory), "source": self.source, "files": self.file_checksums}
+
+    def check_record(self, record: dict[str, Any], where: Path) -> None:
+        """A UserError naming the file when the base weights differ from those `record` (of the checkpoint
+        `where`) was trained on."""
+        for name, value in sorted(record.get("files", {}).items()):
+            now = self.file_checksums.get(name)
+            if now != value:
+                state = "is missing" if now is None else f"changed (checksum {value} when trained, {now} now)"
+                raise UserError(
+                    f"{self.directory / name}: the base model's weights {state} since the adapters in {where} were "
+                    "trained on them; restore the original files, or point model.pretrained at the directory they "
+                    "came from"
+                )
 
 
 def read_config(directory: Path) -> dict[str, Any]:

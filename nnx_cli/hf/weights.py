@@ -316,16 +316,26 @@ def to_tensors(params: Mapping[str, np.ndarray], maps: list[TensorMap]) -> dict[
 # ------------------------------------------------------------------------------
 
 
-def checksum(paths: list[Path]) -> str:
-    """One xxh3-128 hash of the weight files' bytes, in order (about as fast as the disk reads)."""
+def file_checksums(paths: list[Path]) -> dict[str, str]:
+    """`{file name: xxh3-128 of its bytes}` of the weight files (about as fast as the disk reads)."""
     import xxhash
 
-    digest = xxhash.xxh3_128()
+    sums = {}
     for path in paths:
+        digest = xxhash.xxh3_128()
         with open(path, "rb") as f:
             for chunk in iter(lambda f=f: f.read(_HASH_BUFFER), b""):
                 digest.update(chunk)
-    return f"xxh3_128:{digest.hexdigest()}"
+        sums[path.name] = f"xxh3_128:{digest.hexdigest()}"
+    return sums
+
+
+def checksum(sums: dict[str, str]) -> str:
+    """One checksum of all the files from their own (`file_checksums`)."""
+    import xxhash
+
+    text = "\n".join(f"{name} {value}" for name, value in sorted(sums.items()))
+    return f"xxh3_128:{xxhash.xxh3_128(text.encode()).hexdigest()}"
 
 
 def iter_tensors(weights: Weights) -> Iterator[tuple[str, np.ndarray]]:

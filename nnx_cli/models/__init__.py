@@ -139,7 +139,11 @@ def model_factory(cfg: ModelConfig, spec: Any) -> Callable[[nnx.Context], nnx.Mo
             return cls(input_shape, num_classes, **options, ctx=ctx)
         except UserError:
             raise
-        except Exception as e:  # the constructor's own checks, or what a bad option breaks inside it
+        except ValueError as e:
+            if str(e).startswith("model."):  # the constructor's own checks name the option: that says it all
+                raise UserError(f"config key {e}") from None
+            raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {options}: {e}") from None
+        except Exception as e:  # what a bad option breaks inside the constructor
             raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {options}: {e}") from None
 
     return build

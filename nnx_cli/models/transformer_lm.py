@@ -68,6 +68,66 @@ def padded_vocab_size(vocab_size: int) -> int:
 # ------------------------------------------------------------------------------
 
 
+PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "out", "gate": "gate", "up": "fc", "down": "proj"}
+"""The projections LoRA can adapt, by the short names `model.lora.targets` uses, and their module names here."""
+
+_TARGET_ALIASES = {
+    **{short: [short] for short in PROJECTIONS},
+    **{name: [short] for short, name in PROJECTIONS.items()},  # our module names
+    **{f"{short}_proj": [short] for short in ("q", "k", "v", "o", "gate", "up", "down")},  # Hugging Face Llama's
+    "c_attn": ["q", "k", "v"],  # GPT-2's fused projection, and its others
+    "c_fc": ["up"],
+    "c_proj": ["o", "down"],
+    "attn.c_proj": ["o"],
+    "mlp.c_proj": ["down"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """`model.lora`, checked: rank, alpha, dropout, and the adapted projections by their short names."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+
+def lora_options(value: Mapping[str, Any] | None, mlp: str) -> Lora | None:
+    """`model.lora`: null, or `{rank, alpha (default rank), dropout (0), targets (every projection the model has)}`;
+    targets by our names (`q`, `query`), Hugging Face's (`q_proj`) or GPT-2's (`c_attn`)."""
+    if value is None:
+        return None
+    has = [p for p in PROJECTIONS if mlp == "swiglu" or p != "gate"]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"model.lora must be null or {{rank, alpha, dropout, targets}}, got {value!r}")
+    unknown = sorted(set(value) - {"rank", "alpha", "dropout", "targets"})
+    if unknown:
+        raise ValueError(f"model.lora has unknown keys {', '.join(unknown)}; it takes rank, alpha, dropout, targets")
+    rank = value.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"model.lora.rank must be a positive integer, got {rank!r}")
+    alpha = value.get("alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ValueError(f"model.lora.alpha must be a positive number, got {alpha!r}")
+    dropout = value.get("dropout", 0.0)
+    check_rate("lora.dropout", dropout)
+    names = value.get("targets", has)
+    if isinstance(names, str) or not isinstance(names, Sequence) or not names:
+        raise ValueError(f"model.lora.targets must be a list of projection names, got {names!r}")
+    targets: list[str] = []
+    for name in names:
+        shorts = _TARGET_ALIASES.get(name) if isinstance(name, str) else None
+        missing = [t for t in shorts or [] if t not in has]
+        if shorts is None or missing:
+            raise ValueError(
+                f"model.lora.targets: this model has no projection {name!r}; it has {', '.join(has)} (also as "
+                f"{', '.join(PROJECTIONS[p] for p in has)} or {', '.join(p + '_proj' for p in has)})"
+            )
+        targets += [t for t in shorts if t not in targets]
+    return Lora(rank, float(alpha), float(dropout), tuple(t for t in PROJECTIONS if t in targets))
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """What shapes a block's function, resolved and checked from the `model` options (see :func:`architecture`).
@@ -96,6 +156,11 @@ class Architecture:
     remat: str
     scanned: bool
     dtype: Any  # compute dtype
+    lora: Lora | None = None  # low-rank adapters on the projections it names
+
+    def adapter(self, projection: str) -> Lora | None:
+        """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`), or None."""
+        return self.lora if self.lora is not None and projection in self.lora.targets else None
 
     @property
     def kv_axis(self) -> str:
@@ -153,6 +218,7 @@ def architecture(
     remat: str,
     scan_layers: bool,
     dtype: str,
+    lora: Mapping[str, Any] | None = None,
 ) -> Architecture:
     """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`."""
     check_sizes("num_layers", [num_layers])
@@ -212,6 +278,7 @@ def architecture(
         remat=remat,
         scanned=scan_layers,
         dtype=_DTYPES[dtype],
+        lora=lora_options(lora, mlp),
     )
 
 
@@ -252,23 +319,41 @@ class Dense(nnx.Module):
         dtype: Any,
         use_bias: bool = True,
         out_dtype: Any = None,
+        lora: Lora | None = None,
         ctx: nnx.Context,
     ):
         self.in_rank = len(in_shape)
         self.dtype = dtype
         self.out_dtype = out_dtype
         shape = (*in_shape, *out_shape)
-        self.kernel = nnx.Param(_init(std, (*in_axes, *out_axes))(ctx.make_rng("params"), shape, jnp.float32))
+        key = ctx.make_rng("params")
+        self.kernel = nnx.Param(_init(std, (*in_axes, *out_axes))(key, shape, jnp.float32))
         if use_bias:
             bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
             self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32))
         else:
             self.bias = None
+        if lora is not None:  # drawn from the kernel's key: the frozen weights are the same with or without it
+            self.lora = nnx.LoRA(
+                in_shape,
+                out_shape,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                in_axes=in_axes,
+                out_axes=out_axes,
+                dtype=dtype,
+                ctx=nnx.context(jax.random.fold_in(key, 1)),
+            )
+        else:
+            self.lora = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
         kernel = self.kernel.astype(self.dtype)
         contract = tuple(range(x.ndim - self.in_rank, x.ndim)), tuple(range(self.in_rank))
         y = lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())), preferred_element_type=self.out_dtype)
+        if self.lora is not None:
+            y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
         return y if self.bias is None else y + self.bias.astype(y.dtype)
 
 
@@ -364,9 +449,10 @@ class Attention(nnx.Module):
     def __init__(self, arch: Architecture, *, ctx: nnx.Context):
         embed, heads, kv_heads, head_dim = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = dict(std=0.02, dtype=arch.dtype, use_bias=arch.bias or arch.qkv_bias, ctx=ctx)
-        self.query = Dense((embed,), (heads, head_dim), ("embed",), ("heads", "kv"), **qkv)
-        self.key = Dense((embed,), (kv_heads, head_dim), ("embed",), (arch.kv_axis, "kv"), **qkv)
-        self.value = Dense((embed,), (kv_heads, head_dim), ("embed",), (arch.kv_axis, "kv"), **qkv)
+        kv_axes = (arch.kv_axis, "kv")
+        self.query = Dense((embed,), (heads, head_dim), ("embed",), ("heads", "kv"), lora=arch.adapter("q"), **qkv)
+        self.key = Dense((embed,), (kv_heads, head_dim), ("embed",), kv_axes, lora=arch.adapter("k"), **qkv)
+        self.value = Dense((embed,), (kv_heads, head_dim), ("embed",), kv_axes, lora=arch.adapter("v"), **qkv)
         self.out = Dense(
             (heads, head_dim),
             (embed,),
@@ -375,6 +461,7 @@ class Attention(nnx.Module):
             std=arch.out_std,
             dtype=arch.dtype,
             use_bias=arch.bias,
+            lora=arch.adapter("o"),
             ctx=ctx,
         )
         if arch.qk_norm:
@@ -387,10 +474,13 @@ class Attention(nnx.Module):
         self.attention_dropout = nnx.Dropout(arch.attention_dropout)
         self.dropout = nnx.Dropout(arch.dropout)
 
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q = _constrain(self.query(x), ("batch", "length", "heads", "kv"))
+    def _project(
+        self, x: jax.Array, positions: jax.Array, deterministic: bool = True, ctx: nnx.Context | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        train = dict(deterministic=deterministic, ctx=ctx)
+        q = _constrain(self.query(x, **train), ("batch", "length", "heads", "kv"))
         kv_axes = ("batch", "length", self.arch.kv_axis, "kv")
-        k, v = _constrain(self.key(x), kv_axes), _constrain(self.value(x), kv_axes)
+        k, v = _constrain(self.key(x, **train), kv_axes), _constrain(self.value(x, **train), kv_axes)
         if self.arch.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
         if self.arch.rope:
@@ -398,28 +488,46 @@ class Attention(nnx.Module):
             q, k = rotate(q, positions, frequencies), rotate(k, positions, frequencies)
         return q, k, v
 
-    def _causal(self, q: jax.Array, k: jax.Array, v: jax.Array, deterministic: bool, ctx: nnx.Context | None):
+    def _causal(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        deterministic: bool,
+        ctx: nnx.Context | None,
+        segments: jax.Array | None = None,
+    ):
+        """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids."""
+        same = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
         if deterministic or self.attention_dropout.rate == 0.0:
-            implementation = self.implementation if q.shape[1] > 1 else "xla"
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+            implementation = self.implementation if q.shape[1] > 1 and same is None else "xla"
+            return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation=implementation)
         # Dropout on the attention weights: neither fused kernel offers it, so the XLA form is written out.
         groups = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
         causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+        if same is not None:
+            causal = causal & same
         weights = jax.nn.softmax(jnp.where(causal, logits, MASKED_LOGIT), axis=-1)
         weights = self.attention_dropout(weights, deterministic=False, ctx=ctx)
         return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
 
     def _output(self, o: jax.Array, deterministic: bool, ctx: nnx.Context | None) -> jax.Array:
         o = _constrain(o, ("batch", "length", "heads", "kv"))
-        return self.dropout(self.out(o), deterministic=deterministic, ctx=ctx)
+        return self.dropout(self.out(o, deterministic=deterministic, ctx=ctx), deterministic=deterministic, ctx=ctx)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        *,
+        deterministic: bool,
+        ctx: nnx.Context | None = None,
     ) -> jax.Array:
-        q, k, v = self._project(x, positions)
-        return self._output(self._causal(q, k, v, deterministic, ctx), deterministic, ctx)
+        q, k, v = self._project(x, positions, deterministic, ctx)
+        return self._output(self._causal(q, k, v, deterministic, ctx, segments), deterministic, ctx)
 
     def init_cache(self, batch_size: int, max_len: int, layers: int | None = None) -> None:
         """Zero keys and values `[batch, kv_heads, max_len, head_dim]` (with a leading `layers` axis when stacked).
@@ -467,17 +575,21 @@ class MLP(nnx.Module):
     def __init__(self, arch: Architecture, *, ctx: nnx.Context):
         embed, hidden = arch.embed_dim, arch.mlp_dim
         dense = dict(dtype=arch.dtype, use_bias=arch.bias, ctx=ctx)
-        self.fc = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, **dense)
-        self.proj = Dense((hidden,), (embed,), ("mlp",), ("embed",), std=arch.out_std, **dense)
+        self.fc = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, lora=arch.adapter("up"), **dense)
+        self.proj = Dense(
+            (hidden,), (embed,), ("mlp",), ("embed",), std=arch.out_std, lora=arch.adapter("down"), **dense
+        )
         if arch.mlp == "swiglu":
-            self.gate = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, **dense)
+            self.gate = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, lora=arch.adapter("gate"), **dense)
         self.gated = arch.mlp == "swiglu"
         self.dropout = nnx.Dropout(arch.dropout)
 
     def __call__(self, x: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None) -> jax.Array:
-        h = nnx.silu(self.gate(x)) * self.fc(x) if self.gated else nnx.gelu(self.fc(x))
+        train = dict(deterministic=deterministic, ctx=ctx)
+        up = self.fc(x, **train)
+        h = nnx.silu(self.gate(x, **train)) * up if self.gated else nnx.gelu(up)
         h = _constrain(h, ("batch", "length", "mlp"))
-        return self.dropout(self.proj(h), deterministic=deterministic, ctx=ctx)
+        return self.dropout(self.proj(h, **train), deterministic=deterministic, ctx=ctx)
 
 
 class Block(nnx.Module):
@@ -496,20 +608,33 @@ class Block(nnx.Module):
         self.scanned = arch.scanned
 
     def _forward(
-        self, h: jax.Array, positions: jax.Array, *, deterministic: bool, ctx: nnx.Context | None
+        self,
+        h: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None,
+        *,
+        deterministic: bool,
+        ctx: nnx.Context | None,
     ) -> jax.Array:
-        h = h + self.attention(self.attention_norm(h), positions, deterministic=deterministic, ctx=ctx)
+        h = h + self.attention(self.attention_norm(h), positions, segments, deterministic=deterministic, ctx=ctx)
         h = h + self.mlp(self.mlp_norm(h), deterministic=deterministic, ctx=ctx)
         return _constrain(h, ("batch", "length", "embed"))
 
     def __call__(
-        self, h: jax.Array, _: Any, positions: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None
+        self,
+        h: jax.Array,
+        _: Any,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        *,
+        deterministic: bool,
+        ctx: nnx.Context | None = None,
     ) -> tuple[jax.Array, None]:
         forward = type(self)._forward
         if self.remat != "none":
             # Under lax.scan, CSE cannot undo rematerialisation, and preventing it costs speed.
             forward = nnx.remat(forward, policy=_REMAT_POLICIES[self.remat], prevent_cse=not self.scanned)
-        return forward(self, h, positions, deterministic=deterministic, ctx=ctx), None
+        return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx), None
 
     def prefill(self, h: jax.Array, _: Any, positions: jax.Array) -> tuple[jax.Array, None]:
         h = h + self.attention.prefill(self.attention_norm(h), positions)
@@ -580,6 +705,7 @@ class TransformerLM(nnx.Module):
         rope_theta: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
         max_positions: int | None = None,
+        lora: dict[str, Any] | None = None,
         dropout: float = 0.2,
         attention_dropout: float = 0.0,
         positions: str = "learned",
@@ -622,6 +748,7 @@ class TransformerLM(nnx.Module):
             remat=remat,
             scan_layers=scan_layers,
             dtype=dtype,
+            lora=lora,
         )
         max_positions = seq_len if max_positions is None else check_sizes("max_positions", [max_positions])[0]
         if positions == "learned" and seq_len > max_positions:
@@ -681,12 +808,12 @@ class TransformerLM(nnx.Module):
         h = _constrain(h, ("batch", "length", "embed"))
         return self.dropout(h, deterministic=deterministic, ctx=ctx)
 
-    def _blocks(self, method: str, h: jax.Array, positions: jax.Array, **kwargs: Any) -> jax.Array:
+    def _blocks(self, method: str, h: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         if self.scan_layers:
-            h, _ = getattr(self.layers.call, method)(h, None, positions, **kwargs)
+            h, _ = getattr(self.layers.call, method)(h, None, *args, **kwargs)
         else:
             for block in self.layers:
-                h, _ = getattr(block, method)(h, None, positions, **kwargs)
+                h, _ = getattr(block, method)(h, None, *args, **kwargs)
         return h
 
     def _logits(self, h: jax.Array) -> jax.Array:
@@ -700,23 +827,45 @@ class TransformerLM(nnx.Module):
         logits = _constrain(logits, ("batch", "length", "vocab"))
         return jnp.where(jnp.arange(logits.shape[-1]) < self.vocab_size, logits, MASKED_LOGIT)
 
-    def logits(self, tokens: jax.Array, ctx: nnx.Context | None = None) -> jax.Array:
+    def logits(
+        self,
+        tokens: jax.Array,
+        ctx: nnx.Context | None = None,
+        *,
+        positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> jax.Array:
         """Next-token logits `[B, T, vocab]` (float32) of `tokens` `[B, T]`, `T <= max_positions` when learned.
 
-        Dropout is on when `ctx` has the flag `deterministic=False` (and a `dropout` stream).
+        Dropout is on when `ctx` has the flag `deterministic=False` (and a `dropout` stream). Packed examples
+        give their own `positions` `[B, T]` (each example from 0) and `segments` `[B, T]` (an id per example):
+        attention then stays within a segment, so each example is computed as if alone.
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         length = tokens.shape[1]
         if self.positions == "learned" and length > self.max_positions:
             raise ValueError(f"{length} tokens do not fit the {self.max_positions} learned positions of this model")
         deterministic = ctx is None or ctx.get_flag("deterministic") is not False
-        positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+        positions = jnp.asarray(positions, jnp.int32)
         h = self._embed(tokens, positions, deterministic, ctx)
-        h = self._blocks("__call__", h, positions, deterministic=deterministic, ctx=ctx)
+        if segments is None:
+            h = self._blocks("__call__", h, positions, deterministic=deterministic, ctx=ctx)
+        else:
+            segments = jnp.asarray(segments, jnp.int32)
+            h = self._blocks("__call__", h, positions, segments, deterministic=deterministic, ctx=ctx)
         return self._logits(h)
 
     def metrics(self, batch: Batch, ctx: nnx.Context) -> dict[str, jax.Array]:
-        """Per window of `batch["tokens"]` `[B, seq_len + 1]`: `loss`, `accuracy` (and `bits_per_byte`), each `[B]`."""
+        """Per window of `batch["tokens"]` `[B, seq_len + 1]`: `loss`, `accuracy` (and `bits_per_byte`), each `[B]`.
+
+        Fine-tuning batches (chat, completion) also hold `targets` (which tokens count in the loss), `segments`
+        and `positions` (packed examples) of the same shape: the metrics are then means over each row's target
+        tokens, and `weight` (their number) makes the trainer's averages per target token.
+        """
+        if "segments" in batch:
+            return self._example_metrics(batch, ctx)
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         targets = tokens[:, 1:]
         logits = self.logits(tokens[:, :-1], ctx)
@@ -730,6 +879,22 @@ class TransformerLM(nnx.Module):
             nats = jnp.sum(jnp.where(is_byte, token_loss, 0.0), axis=-1) / jnp.maximum(jnp.sum(is_byte, axis=-1), 1)
             out["bits_per_byte"] = nats / math.log(2)
         return out
+
+    def _example_metrics(self, batch: Batch, ctx: nnx.Context) -> dict[str, jax.Array]:
+        tokens = jnp.asarray(batch["tokens"], jnp.int32)
+        segments = jnp.asarray(batch["segments"], jnp.int32)
+        targets = tokens[:, 1:]
+        # a target counts when marked, and when it continues the same (real) example as the token before it
+        counts = batch["targets"][:, 1:].astype(bool) & (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+        logits = self.logits(tokens[:, :-1], ctx, positions=batch["positions"][:, :-1], segments=segments[:, :-1])
+        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        weight = jnp.sum(counts, axis=-1, dtype=jnp.float32)
+        per_row = lambda x: jnp.sum(jnp.where(counts, x, 0.0), axis=-1) / jnp.maximum(weight, 1.0)  # noqa: E731
+        return {
+            "loss": per_row(token_loss),
+            "accuracy": per_row((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)),
+            "weight": weight,
+        }
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: `6 N + 12 num_layers seq_len embed_dim`, N the parameters outside the embeddings.
