@@ -99,6 +99,8 @@ def _fetch(repo_id: str, filename: str, *, required: bool) -> Path | None:
             f"{_KEY}: {repo_id!r} is neither a local model directory nor a Hugging Face Hub id (org/name)"
         ) from None
     except errors.LocalEntryNotFoundError as e:  # offline, or the Hub cannot be reached (a kind of EntryNotFoundError)
+        if not required:  # an optional file that is not cached: the model works without it
+            return None
         raise UserError(
             f"{_KEY}: cannot load Hub model {repo_id!r}: the Hugging Face Hub cannot be reached (or HF_HUB_OFFLINE "
             f"is set) and {filename} is not in the local cache ({type(e).__name__}). Run once with network access "

@@ -38,6 +38,7 @@ INDEX = "model.safetensors.index.json"
 DTYPES = ("F32", "BF16", "F16")
 _LAYERS = "layers/scan_module/"
 _HASH_BUFFER = 8 << 20
+_TILE = 64  # rows per tile of a transposed conversion
 
 
 class Weights:
@@ -46,8 +47,8 @@ class Weights:
     def __init__(self, directory: Path, files: dict[str, Path]):
         self.directory = directory
         self.files = files  # tensor name -> file
-        self._handles: dict[Path, Any] = {}
-        self._info: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._info: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor name -> (dtype, shape), from the headers
+        self._starts: dict[str, int] = {}  # tensor name -> the byte where its data starts in its file
 
     @classmethod
     def open(cls, directory: str | Path) -> Weights:
@@ -67,36 +68,25 @@ class Weights:
         shards = sorted(set(files.values())) if files is not None else [SINGLE]
         for shard in shards:
             path = directory / shard
-            handle = weights._open(path)
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+            with _open(path) as handle:  # checks the header against the file, or says what is wrong
+                names = list(handle.keys())
+            length, header = _header(path)
+            for name in names:
                 if files is not None and files.get(name) != shard:
                     raise UserError(
                         f"{path}: tensor {name!r} is not where {INDEX} says it is ({files.get(name, 'not listed')})"
                     )
                 weights.files[name] = path
+                weights._info[name] = (header[name]["dtype"], tuple(header[name]["shape"]))
+                weights._starts[name] = 8 + length + header[name]["data_offsets"][0]
         if files is not None:
             missing = sorted(set(files) - set(weights.files))
             if missing:
                 raise UserError(f"{index}: lists tensor {missing[0]!r} in {files[missing[0]]}, which lacks it")
         return weights
 
-    def _open(self, path: Path) -> Any:
-        from safetensors import SafetensorError, safe_open
-
-        if path not in self._handles:
-            if not path.is_file():
-                raise UserError(f"{path}: the weights file is missing")
-            try:
-                self._handles[path] = safe_open(str(path), framework="numpy")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise UserError(f"{path}: not a readable safetensors file ({_explain(path, e)})") from None
-        return self._handles[path]
-
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """`(dtype, shape)` of tensor `name` as its header says (`"BF16"`, `(896, 4864)`)."""
-        if name not in self._info:
-            piece = self._open(self.files[name]).get_slice(name)
-            self._info[name] = (piece.get_dtype(), tuple(piece.get_shape()))
         return self._info[name]
 
     def check(self, family: Family, options: Mapping[str, Any], tie_ignores_head: bool = True) -> list[TensorMap]:
@@ -139,17 +129,70 @@ class Weights:
         shards = sorted({str(p) for p in self.files.values()})
         return shards[0] if len(shards) == 1 else str(self.directory / INDEX)
 
+    def view(self, name: str) -> np.ndarray:
+        """Tensor `name` as a read-only memory map of its bytes, no copy: `uint16` for bfloat16 (the upper half of
+        a float32), else its float dtype. Convert with :func:`convert`.
+
+        `safetensors`' own `get_slice` copies every block into a new array; a view of the mapped file lets
+        each block be converted straight into the parameter's buffer instead. Each view maps only its tensor,
+        and its pages leave this process's memory once the view is dropped.
+        """
+        dtype, shape = self._info[name]
+        return np.memmap(self.files[name], dtype=_RAW[dtype], mode="r", offset=self._starts[name], shape=shape)
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The block `index` of tensor `name` (one slice per axis), as float32."""
-        piece = self._open(self.files[name]).get_slice(name)
-        return np.asarray(piece[index], dtype=np.float32)
+        """The block `index` of tensor `name` (one slice per axis), as a new float32 array."""
+        raw = self.view(name)[index]
+        out = np.empty(raw.shape, np.float32)
+        convert(raw, out)
+        return out
 
     def paths(self) -> list[Path]:
         """The files the tensors come from, in order."""
         return sorted(set(self.files.values()))
 
-    def close(self) -> None:
-        self._handles.clear()
+
+_RAW = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def convert(raw: np.ndarray, out: np.ndarray) -> None:
+    """Write `raw` (a :meth:`Weights.view` block, any strides) into the float32 array `out` of the same shape.
+
+    A transposed view (PyTorch's `[out, in]` read as our `[in, out]`) is converted in tiles of rows, each of
+    which reads short runs of every source row: about 4x faster than walking whole columns.
+    """
+    if raw.ndim == 2 and raw.shape[0] > _TILE and raw.strides[0] < raw.strides[1]:
+        for start in range(0, raw.shape[0], _TILE):
+            _convert(raw[start : start + _TILE], out[start : start + _TILE])
+    else:
+        _convert(raw, out)
+
+
+def _convert(raw: np.ndarray, out: np.ndarray) -> None:
+    if raw.dtype == np.uint16:  # bfloat16 is the upper half of a float32: shift it there, one pass
+        np.left_shift(raw, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, raw, casting="safe")
+
+
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
+    """The header's length and its JSON (what `safe_open` has already checked)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return length, json.loads(f.read(length))
+
+
+def _open(path: Path) -> Any:
+    """`safe_open` of one weights file (which checks its header against its size); a UserError naming the file
+    when it is missing, truncated or unparsable."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise UserError(f"{path}: the weights file is missing")
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: not a readable safetensors file ({_explain(path, e)})") from None
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -202,30 +245,38 @@ def _layer_and_path(path: str) -> tuple[bool, int | None, str]:
     return False, None, path
 
 
-def block(weights: Weights, m: TensorMap, layer: int | None, ours: tuple[int, ...], index: tuple[slice, ...]):
-    """The block `index` of our (unstacked) parameter of shape `ours`, read from its tensor as float32."""
+def block(
+    weights: Weights, m: TensorMap, layer: int | None, ours: tuple[int, ...], index: tuple[slice, ...], out: np.ndarray
+) -> None:
+    """Fill `out` (float32) with the block `index` of our (unstacked) parameter of shape `ours`, read from its
+    tensor."""
     name = m.name.format(i=layer)
     rows_shape, cols_shape = ours[: m.split], ours[m.split :]
     row_index, col_index = index[: m.split], index[m.split :]
     # Whole sub-rows and sub-columns: the leading axis of each side is sliced on disk, the others in memory.
     (r0, r1), row_inner = _span(rows_shape, row_index)
     (c0, c1), col_inner = _span(cols_shape, col_index)
+    whole = all(s.indices(n) == (0, n, 1) for s, n in zip(row_inner + col_inner, rows_shape[1:] + cols_shape[1:]))
+    direct = whole and out.flags.c_contiguous  # then `out` itself is the block's matrix: no copy
+    matrix = out.reshape(r1 - r0, c1 - c0) if direct else np.empty((r1 - r0, c1 - c0), np.float32)
     theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
     view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
-    out = np.zeros((r1 - r0, c1 - c0), np.float32)
     rr1, cc1 = min(r1, view_rows), min(c1 + m.offset, view_cols) - m.offset
+    if rr1 < r1 or cc1 < c1:
+        matrix[...] = 0.0  # the padded vocabulary
     if rr1 > r0 and cc1 > c0:
         rows, cols = slice(r0, rr1), slice(c0 + m.offset, cc1 + m.offset)
+        tensor = weights.view(name)
         if len(m.shape) == 1:
-            data = weights.read(name, (cols,))[None, :]
-        elif m.transpose:
-            data = weights.read(name, (cols, rows)).T
+            raw = tensor[cols][None, :]
         else:
-            data = weights.read(name, (rows, cols))
-        out[: rr1 - r0, : cc1 - c0] = data
-    out = out.reshape(*_block_shape(rows_shape, row_index), *_block_shape(cols_shape, col_index))
-    inner = (slice(None), *row_inner, slice(None), *col_inner) if rows_shape else (slice(None), *col_inner)
-    return out[inner] if rows_shape or cols_shape else out.reshape(())
+            raw = tensor[cols, rows].T if m.transpose else tensor[rows, cols]
+        convert(raw, matrix[: rr1 - r0, : cc1 - c0])
+        del tensor, raw  # unmapped
+    if not direct:
+        blocked = matrix.reshape(*_block_shape(rows_shape, row_index), *_block_shape(cols_shape, col_index))
+        inner = (slice(None), *row_inner, slice(None), *col_inner) if rows_shape else (slice(None), *col_inner)
+        out[...] = blocked[inner] if rows_shape or cols_shape else blocked.reshape(())
 
 
 def _span(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[tuple[int, int], tuple[slice, ...]]:
@@ -275,15 +326,25 @@ def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spe
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         key = tuple(s.indices(n) for s, n in zip(index, shape))
         if key not in done:
+            buffer = _aligned(tuple(stop - start for start, stop, _ in key))
             if stacked:
-                start, stop, _ = index[0].indices(shape[0])
-                parts = [block(weights, m, i, ours, index[1:]) for i in range(start, stop)]
-                done[key] = np.stack(parts).astype(spec.dtype, copy=False)
+                for j, i in enumerate(range(*key[0][:2])):  # each layer straight into its slot
+                    block(weights, m, i, ours, index[1:], buffer[j])
             else:
-                done[key] = block(weights, m, layer, ours, index).astype(spec.dtype, copy=False)
+                block(weights, m, layer, ours, index, buffer)
+            done[key] = buffer if spec.dtype == np.float32 else buffer.astype(spec.dtype)
         return done[key]
 
     return jax.make_array_from_callback(shape, spec.sharding, fill, dtype=spec.dtype)
+
+
+def _aligned(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
+    """An empty float32 array whose data starts on an `alignment`-byte boundary: on CPU, JAX then takes it as the
+    device buffer without a copy."""
+    size = math.prod(shape) * 4
+    raw = np.empty(size + alignment, np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + size].view(np.float32).reshape(shape)
 
 
 def to_tensors(params: Mapping[str, np.ndarray], maps: list[TensorMap]) -> dict[str, np.ndarray]:

@@ -1,0 +1,168 @@
+"""Streamed loading of a Qwen2.5-0.5B-shaped Hugging Face checkpoint: wall time and peak memory.
+
+Writes a model directory with the shapes of Qwen/Qwen2.5-0.5B-Instruct (random bfloat16 weights, written
+with `safetensors`; nothing is downloaded), then times, each in a fresh process:
+
+- the baseline: every tensor read with `safetensors` (`safe_open(...).get_tensor`) into NumPy;
+- nnx: the parameters of `transformer_lm` loaded from the directory (`model.pretrained`), float32, placed
+  on the device (`Experiment.load_pretrained`: each tensor read per slice straight into its sharding).
+
+Peak memory is the proportional set size (PSS, from /proc/<pid>/smaps_rollup, sampled every 10 ms) of the
+process. Targets (issue "Open weights in"): nnx's load within 1.3x of the baseline's time, and peak PSS at
+most 1.25x the float32 parameters + 1 GB. Exit status 1 when a target is missed.
+
+    python benchmarks/hf_load.py [--dir /tmp/qwen-shaped] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+QWEN = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+BASELINE = """
+import sys, time
+import ml_dtypes  # numpy learns bfloat16 (safetensors returns ml_dtypes arrays)
+from safetensors import safe_open
+start = time.perf_counter()
+tensors = {}
+with safe_open(sys.argv[1] + "/model.safetensors", framework="numpy") as f:
+    for name in f.keys():
+        tensors[name] = f.get_tensor(name)
+print(time.perf_counter() - start, sum(t.size for t in tensors.values()))
+"""
+
+NNX = """
+import sys, time
+import jax
+from nnx_cli import hf
+from nnx_cli.experiment import setup
+exp = setup(hf.model_dir_config(sys.argv[1], ["data.tokenizer=bytes"]), data=None)
+start = time.perf_counter()
+params = exp.load_pretrained()
+jax.block_until_ready(params)
+print(time.perf_counter() - start, sum(p.value.size for p in params.values()))
+"""
+
+
+def write_model(directory: Path) -> int:
+    """The Qwen-shaped directory with random bfloat16 weights; returns the parameter count."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from nnx_cli.hf import families
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(QWEN))
+    family = families.family_of(QWEN, "config.json")
+    options = family.options(families.Config(QWEN, "config.json"))
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for m in family.tensors(options, []):
+        for i in range(options["num_layers"]) if m.per_layer else [None]:
+            values = rng.standard_normal(m.shape, dtype=np.float32) * 0.02
+            tensors[m.name.format(i=i)] = values.astype(ml_dtypes.bfloat16)
+    if not (directory / "model.safetensors").exists():
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return sum(t.size for t in tensors.values())
+
+
+def pss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure(script: str, directory: Path) -> dict[str, float]:
+    """Run `script` in a fresh Python; its own timing of the load, its whole wall time, its peak PSS."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"JAX_PLATFORMS": "cpu", **__import__("os").environ},
+    )
+    peak = [0.0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            value = pss_mib(proc.pid)
+            if value is not None:
+                peak[0] = max(peak[0], value)
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    out, err = proc.communicate()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"failed:\n{err}")
+    seconds, count = out.split()[-2:]
+    return {"load_s": float(seconds), "wall_s": time.perf_counter() - start, "peak_mib": peak[0], "count": float(count)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the model (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="nnx-qwen-shaped-"))
+    count = write_model(directory)
+    f32_mib = count * 4 / 2**20
+    print(f"{directory}: {count / 1e6:.1f} M parameters, {count * 2 / 2**20:.0f} MiB in bfloat16 on disk")
+    measure(BASELINE, directory)  # the file into the page cache: both sides read it warm
+    rows = {"safetensors -> numpy": [], "nnx load_pretrained": []}
+    for _ in range(args.repeats):  # alternating, so drift hits both
+        rows["safetensors -> numpy"].append(measure(BASELINE, directory))
+        rows["nnx load_pretrained"].append(measure(NNX, directory))
+    print(f"\n| reader | load s (median of {args.repeats}) | process s | peak PSS MiB |")
+    print("| --- | --- | --- | --- |")
+    medians = {}
+    for name, runs in rows.items():
+        load = sorted(r["load_s"] for r in runs)[len(runs) // 2]
+        wall = sorted(r["wall_s"] for r in runs)[len(runs) // 2]
+        peak = max(r["peak_mib"] for r in runs)
+        medians[name] = (load, peak)
+        print(f"| {name} | {load:.2f} | {wall:.2f} | {peak:,.0f} |")
+    ratio = medians["nnx load_pretrained"][0] / medians["safetensors -> numpy"][0]
+    bound = 1.25 * f32_mib + 1024
+    peak = medians["nnx load_pretrained"][1]
+    print(f"\nload time ratio nnx / safetensors: {ratio:.2f}x (target <= 1.3x)")
+    print(f"peak PSS {peak:,.0f} MiB vs bound 1.25 x {f32_mib:,.0f} MiB + 1 GiB = {bound:,.0f} MiB")
+    ok = ratio <= 1.3 and peak <= bound and math.isclose(rows["nnx load_pretrained"][0]["count"], count, rel_tol=0.01)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
