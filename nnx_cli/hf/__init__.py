@@ -123,6 +123,13 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
             f"config key 'model.pretrained' loads Hugging Face language models into transformer_lm; model.name is "
             f"{cfg.model.name!r} (set model.name=transformer_lm)"
         )
+    from nnx_cli.data import text
+
+    if not text.is_text(cfg.data):
+        raise UserError(
+            "config key 'model.pretrained' is a language model, but the data is not text: set data.text_key (the "
+            "column of documents, e.g. data.text_key=text)"
+        )
     pretrained = open_pretrained(source)
     if Path(source).expanduser().is_dir():  # a local directory is recorded as an absolute path: found from anywhere
         cfg.model.pretrained = str(pretrained.directory)

@@ -1,0 +1,331 @@
+"""Hugging Face model directories in: config.json as options, weights streamed into shardings, broken inputs.
+
+Equality with `transformers` itself is checked against golden fixtures in test_hf_equality.py; here the
+directories are written by the tests (`hf_support.write_model_dir`), which is enough to check the plumbing:
+every tensor lands where the family's table says, sharded or not, and every broken input is one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from cli_support import assert_user_error, cli
+from hf_support import GPT2_CONFIG, LLAMA_CONFIG, write_model_dir
+
+from nnx_cli import hf
+from nnx_cli.config import load_config
+from nnx_cli.errors import UserError
+from nnx_cli.experiment import setup
+from nnx_cli.hf import families
+from nnx_cli.hf.weights import Weights, convert
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    hf.open_pretrained.cache_clear()
+    hf.pretrained_tokenizer.cache_clear()
+    hf.resolve.cache_clear()
+    yield
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    write_model_dir(path, LLAMA_CONFIG, shards=2)
+    return path
+
+
+def options(config: dict) -> dict:
+    return families.options_of(config, "config.json")
+
+
+def loaded(directory: Path, *overrides: str) -> dict[str, np.ndarray]:
+    exp = setup(hf.model_dir_config(directory, list(overrides)), data=None)
+    return {path: np.asarray(p.value) for path, p in exp.load_pretrained().items()}
+
+
+# config.json -> options
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_llama_config_gives_llama_options():
+    got = options(LLAMA_CONFIG)
+    assert got["num_kv_heads"] == 2 and got["head_dim"] == 8 and got["mlp"] == "swiglu"
+    assert (got["positions"], got["norm"], got["bias"], got["tie_embeddings"]) == ("rope", "rmsnorm", False, False)
+
+
+def test_qwen2_has_qkv_biases_and_qwen3_query_key_norms_and_its_own_head_dim():
+    qwen2 = options({**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"]})
+    qwen3 = options({**LLAMA_CONFIG, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16})
+    assert (qwen2["qkv_bias"], qwen2["qk_norm"]) == (True, False)
+    assert (qwen3["qkv_bias"], qwen3["qk_norm"], qwen3["head_dim"]) == (False, True, 16)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}, "rope_theta": 500000.0},
+        {"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}, "rope_theta": 500000.0},
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    ],
+    ids=["rope_type", "type", "rope_parameters"],
+)  # fmt: skip
+def test_llama3_rope_scaling_reads_in_every_form_transformers_writes(rope):
+    got = options({**LLAMA_CONFIG, **rope})
+    assert got["rope_theta"] == 500000.0
+    assert got["rope_scaling"] == {
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }  # fmt: skip
+
+
+def test_gpt2_config_gives_learned_positions_layernorm_and_biases():
+    got = options(GPT2_CONFIG)
+    assert (got["positions"], got["norm"], got["mlp"], got["bias"]) == ("learned", "layernorm", "gelu", True)
+    assert got["max_positions"] == 64 and got["tie_embeddings"] is True
+
+
+def test_llama3_scaling_slows_long_wavelengths_and_keeps_short_ones():
+    from nnx_cli.models.transformer_lm import rope_frequencies
+
+    scaling = (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+               ("original_max_position_embeddings", 64.0))  # fmt: skip
+    plain, scaled = np.asarray(rope_frequencies(16)), np.asarray(rope_frequencies(16, scaling=scaling))
+    wavelength = 2 * np.pi / plain
+    np.testing.assert_array_equal(scaled[wavelength < 16], plain[wavelength < 16])
+    np.testing.assert_allclose(scaled[wavelength > 64], plain[wavelength > 64] / 8, rtol=1e-6)
+    between = (wavelength > 16) & (wavelength < 64)
+    assert between.any() and np.all((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 8))
+
+
+# Loading
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_every_parameter_is_read_from_its_tensor_stacked_or_per_layer(llama_dir):
+    weights = Weights.open(llama_dir)
+    stacked, unrolled = loaded(llama_dir), loaded(llama_dir, "model.scan_layers=false")
+    query = weights.read("model.layers.1.self_attn.q_proj.weight", (slice(None), slice(None)))
+    np.testing.assert_array_equal(stacked["layers/scan_module/attention/query/kernel"][1], query.T.reshape(32, 4, 8))
+    np.testing.assert_array_equal(unrolled["layers/1/attention/query/kernel"], query.T.reshape(32, 4, 8))
+    down = weights.read("model.layers.0.mlp.down_proj.weight", (slice(None), slice(None)))
+    np.testing.assert_array_equal(stacked["layers/scan_module/mlp/proj/kernel"][0], down.T)
+    head = weights.read("lm_head.weight", (slice(None), slice(None)))
+    np.testing.assert_array_equal(stacked["head/kernel"][:, :300], head.T)
+    assert not stacked["head/kernel"][:, 300:].any() and not stacked["embedding/embedding"][300:].any()  # padding
+
+
+def test_gpt2_fused_attention_splits_into_query_key_and_value(tmp_path):
+    tensors = write_model_dir(tmp_path / "gpt2", GPT2_CONFIG)
+    params = loaded(tmp_path / "gpt2")
+    fused = tensors["h.1.attn.c_attn.weight"]  # [embed, 3 * embed]: q | k | v
+    for i, name in enumerate(("query", "key", "value")):
+        got = params[f"layers/scan_module/attention/{name}/kernel"][1]
+        np.testing.assert_array_equal(got, fused[:, 32 * i : 32 * (i + 1)].reshape(32, 4, 8))
+    np.testing.assert_array_equal(params["position_embedding/embedding"], tensors["wpe.weight"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_weights_load_exactly_as_float32(tmp_path, dtype):
+    tensors = write_model_dir(tmp_path / dtype, LLAMA_CONFIG, dtype=dtype)
+    params = loaded(tmp_path / dtype)
+    expected = tensors["model.layers.0.mlp.gate_proj.weight"].astype(np.float32).T
+    np.testing.assert_array_equal(params["layers/scan_module/mlp/gate/kernel"][0], expected)
+
+
+def test_transposed_bfloat16_blocks_convert_exactly_in_tiles():
+    source = np.random.default_rng(0).normal(size=(300, 200)).astype(ml_dtypes.bfloat16)
+    out = np.empty((200, 300), np.float32)
+    convert(source.view(np.uint16).T, out)
+    np.testing.assert_array_equal(out, source.T.astype(np.float32))
+
+
+def test_loading_onto_8_devices_places_each_shard_and_matches_one_device(llama_dir, tmp_path):
+    script = f"""
+import json, numpy as np
+from nnx_cli import hf
+from nnx_cli.experiment import setup
+exp = setup(hf.model_dir_config({str(llama_dir)!r}, ["sharding.mesh.data=4", "sharding.mesh.model=2"]), data=None)
+params = exp.load_pretrained()
+np.savez({str(tmp_path / "eight.npz")!r}, **{{k.replace("/", "|"): np.asarray(v.value) for k, v in params.items()}})
+print(json.dumps({{k: list(v.value.sharding.spec) for k, v in params.items()}}))
+"""
+    result = cli_python(script, tmp_path, devices=8)
+    specs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert specs["layers/scan_module/attention/query/kernel"] == [None, "data", "model", None]
+    assert specs["layers/scan_module/attention/key/kernel"] == [None, "data", "model", None]  # kv_heads on model
+    eight = {k.replace("|", "/"): v for k, v in np.load(tmp_path / "eight.npz").items()}
+    one = loaded(llama_dir)
+    assert eight.keys() == one.keys()
+    for path in one:
+        np.testing.assert_array_equal(eight[path], one[path], err_msg=path)
+
+
+def cli_python(script: str, cwd: Path, devices: int | None = None):
+    import subprocess
+    import sys
+
+    from cli_support import env
+
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=cwd, env=env(cwd, devices), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+# Broken model directories: one error naming what is wrong, nothing written
+# --------------------------------------------------------------------------------------------------------------
+
+
+def broken(tmp_path: Path, llama_dir: Path) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(llama_dir, target)
+    return target
+
+
+def check(target: Path, *overrides: str) -> None:
+    cfg = load_config(
+        None, ["model.name=transformer_lm", f"model.pretrained={target}", "data.text_key=text", *overrides]
+    )
+    setup(cfg, data=None)
+
+
+def test_a_directory_without_config_json_is_named(tmp_path, llama_dir):
+    target = broken(tmp_path, llama_dir)
+    (target / "config.json").unlink()
+    with pytest.raises(UserError, match=r"config.json' does not exist"):
+        check(target)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"architectures": ["BertForMaskedLM"]}, r"'BertForMaskedLM', which is not supported; supported: Llama"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, r"'sliding_window' is 4096: sliding"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"'rope_scaling' has rope type 'yarn'"),
+        ({"hidden_act": "gelu"}, r"'hidden_act' is 'gelu': an activation other than silu"),
+        ({"auto_map": {"AutoModelForCausalLM": "m.M"}}, r"'auto_map' asks to run the model directory's own code"),
+    ],
+    ids=["architecture", "sliding-window", "rope-type", "activation", "remote-code"],
+)  # fmt: skip
+def test_unsupported_architectures_and_options_name_the_key_and_the_families(tmp_path, llama_dir, change, message):
+    target = broken(tmp_path, llama_dir)
+    (target / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **change}))
+    with pytest.raises(UserError, match=message):
+        check(target)
+
+
+def test_truncated_weights_name_the_file_and_the_tensor(tmp_path, llama_dir):
+    target = broken(tmp_path, llama_dir)
+    shard = sorted(target.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(UserError, match=rf"{shard.name}: not a readable safetensors file .*truncated, tensor '"):
+        check(target)
+
+
+def test_an_unparsable_header_names_the_file(tmp_path, llama_dir):
+    target = broken(tmp_path, llama_dir)
+    shard = sorted(target.glob("model-*.safetensors"))[0]
+    shard.write_bytes(len(b"{not json").to_bytes(8, "little") + b"{not json")
+    with pytest.raises(UserError, match=rf"{shard.name}: not a readable safetensors file"):
+        check(target)
+
+
+def rewrite(target: Path, edit) -> None:
+    """Rewrite a one-file model directory's tensors with `edit(tensors)`."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {}
+    for shard in sorted(target.glob("model-*.safetensors")):
+        tensors.update(load_file(str(shard)))
+        shard.unlink()
+    (target / "model.safetensors.index.json").unlink()
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"'model.layers.1.mlp.up_proj.weight' is missing"),
+        (lambda t: t.update({"model.layers.0.extra.weight": np.zeros(3, np.float32)}),
+         r"unexpected tensor 'model.layers.0.extra.weight'"),
+        (lambda t: t.update({"model.norm.weight": np.zeros(31, np.float32)}),
+         r"tensor 'model.norm.weight' has shape \[31\], but config.json implies \[32\]"),
+        (lambda t: t.update({"model.norm.weight": np.zeros(32, np.int32)}), r"'model.norm.weight' is stored as I32"),
+    ],
+    ids=["missing", "unexpected", "misshapen", "integer"],
+)  # fmt: skip
+def test_missing_unexpected_and_misshapen_tensors_name_the_file_and_the_tensor(tmp_path, llama_dir, edit, message):
+    target = broken(tmp_path, llama_dir)
+    rewrite(target, edit)
+    with pytest.raises(UserError, match=rf"model.safetensors: .*{message}"):
+        check(target)
+
+
+def test_a_pretrained_model_needs_text_data(llama_dir):
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={llama_dir}"])
+    with pytest.raises(UserError, match=r"'model.pretrained' is a language model, but the data is not text"):
+        setup(cfg, data=None)
+
+
+def test_a_shape_key_that_disagrees_with_config_json_names_both_values(tmp_path, llama_dir):
+    with pytest.raises(UserError, match=r"'model.num_layers' is 4, but .*config.json says 2"):
+        check(llama_dir, "model.num_layers=4")
+    check(llama_dir, "model.num_layers=2", "model.dtype=bfloat16", "model.remat=full")  # agreeing or free keys
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, llama_dir):
+    target = broken(tmp_path, llama_dir)
+    (target / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "vocab_size": 200}))
+    rewrite(target, lambda t: t.update({
+        "model.embed_tokens.weight": t["model.embed_tokens.weight"][:200], "lm_head.weight": t["lm_head.weight"][:200],
+    }))  # fmt: skip
+    with pytest.raises(UserError, match=r"tokenizer.json: the tokenizer has 280 tokens, more than the 200 rows"):
+        check(target)
+
+
+def test_broken_directories_stop_nnx_train_before_the_work_dir_is_written_and_run_no_code(tmp_path, llama_dir):
+    target = broken(tmp_path, llama_dir)
+    marker = tmp_path / "ran"
+    (target / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (target / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "auto_map": {"AutoModel": "modeling_evil.M"}}))
+    (tmp_path / "text.txt").write_text("the quick brown fox " * 200)
+    config = tmp_path / "ft.yaml"
+    config.write_text(
+        f"model: {{name: transformer_lm, pretrained: {target}}}\ndata: {{source: text.txt, text_key: text}}\n"
+    )
+    result = cli("nnx-train", config, "--workdir", "run", cwd=tmp_path)
+    assert_user_error(result, "auto_map", "never does")
+    assert not marker.exists()
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+# The Hugging Face Hub cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_hub_id_offline_and_not_cached_says_so(tmp_path):
+    result = cli("nnx-inspect", "nnx-test/not-cached", cwd=tmp_path)
+    assert_user_error(result, "'nnx-test/not-cached'", "cannot be reached", "hf download")
+
+
+def test_a_cached_hub_model_is_read_offline(tmp_path, llama_dir):
+    snapshot = tmp_path / "hf" / "hub" / "models--nnx-test--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(llama_dir, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    result = cli("nnx-inspect", "nnx-test/tiny-llama", "--json", cwd=tmp_path)  # HF_HOME=tmp/hf, offline
+    assert result.returncode == 0, result.stderr
+    count = sum(int(np.prod(t.shape)) for t in write_model_dir(tmp_path / "again", LLAMA_CONFIG).values())
+    assert json.loads(result.stdout)["total_params"] == count
