@@ -1,0 +1,119 @@
+"""A Hugging Face model directory as the TARGET of every command, and as the start of a training run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_support import assert_user_error, cli
+from hf_support import LLAMA_CONFIG, write_model_dir
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A model directory with a ChatML template and end-of-turn stop, and a text to evaluate and train on."""
+    root = tmp_path_factory.mktemp("hfcli")
+    model = root / "model"
+    write_model_dir(model, LLAMA_CONFIG)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(model / "tokenizer.json"))
+    end = tokenizer.token_to_id("<|im_end|>")
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, 0]}))
+    rng = np.random.default_rng(0)
+    words = "the quick brown fox jumps over the lazy dog a king and a queen".split()
+    (root / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 10)) for _ in range(300)))
+    return root
+
+
+def run(project: Path, *args: str, expect: int = 0):
+    result = cli(*args, cwd=project, timeout=240)
+    assert result.returncode == expect, result.stderr
+    return result
+
+
+def test_inspect_counts_the_parameters_transformers_counts_and_reads_no_tensor(project, tmp_path):
+    result = run(project, "nnx-inspect", "model", "--json")
+    report = json.loads(result.stdout)
+    vocab, embed, layers = 300, 32, 2
+    per_layer = 2 * embed + embed * 32 + 2 * embed * 16 + 32 * embed + 3 * embed * 64  # norms, q, k, v, o, mlp
+    assert report["total_params"] == 2 * vocab * embed + embed + layers * per_layer
+    assert report["vocab_padding"] == 2 * (384 - vocab) * embed
+    keys = next(e for e in report["entries"] if e["path"].endswith("attention/key/kernel"))
+    assert keys["sharding"] == ["layers", "embed", "kv_heads", "kv"]  # 2 key-value heads for 4 query heads
+    split = json.loads(run(project, "nnx-inspect", "model", "sharding.mesh.model=2", "--json").stdout)
+    keys = next(e for e in split["entries"] if e["path"].endswith("attention/key/kernel"))
+    assert keys["mesh_axes"] == [None, "data", "model", None]
+
+
+def test_greedy_generation_equals_the_argmax_of_full_forward_passes(project):
+    result = run(project, "nnx-generate", "model", "--prompt", "the king", "--temperature", "0",
+                 "--max-tokens", "6", "--json")  # fmt: skip
+    out = json.loads(result.stdout)
+    assert out["step"] is None and len(out["tokens"][0]) >= 1
+
+    from nnx_cli import hf
+    from nnx_cli.experiment import setup
+
+    exp = setup(hf.model_dir_config(project / "model", []), data=None)
+    model = exp.moduledef.merge(exp.load_pretrained())
+    tokenizer = hf.pretrained_tokenizer(str(project / "model"))
+    prompt = [int(t) for t in tokenizer.encode("the king")]
+    logits = np.asarray(model.logits(np.asarray([prompt + out["tokens"][0]])))[0]  # causal: one pass sees each prefix
+    assert np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist() == out["tokens"][0]
+
+
+def test_chat_wraps_the_prompt_in_the_template_and_stops_at_the_end_of_the_turn(project):
+    from nnx_cli import hf
+    from nnx_cli.generate import encode_prompt
+
+    tokenizer = hf.pretrained_tokenizer(str(project / "model"))
+    ids = encode_prompt(tokenizer, "hello", chat=True, system="be brief")
+    text = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == [int(t) for t in tokenizer.encode_plain(text)]
+    assert tokenizer.token_id("<|im_end|>") in tokenizer.chat_stop_ids
+    result = run(project, "nnx-generate", "model", "--chat", "--system", "be brief", "--prompt", "hello",
+                 "--temperature", "0", "--max-tokens", "5", "--json")  # fmt: skip
+    out = json.loads(result.stdout)
+    assert out["stop_reasons"][0] in ("max_tokens", "stop_token")
+
+
+def test_chat_without_a_template_and_system_without_chat_are_user_errors(project, tmp_path):
+    assert_user_error(cli("nnx-generate", "model", "--system", "x", "--prompt", "hi", cwd=project), "--chat")
+    bare = tmp_path / "bare"
+    write_model_dir(bare, LLAMA_CONFIG)
+    result = cli("nnx-generate", bare, "--chat", "--prompt", "hi", cwd=project)
+    assert_user_error(result, "--chat needs a chat template", "has none")
+
+
+def test_eval_of_a_model_directory_on_a_text_equals_eval_of_a_run_that_has_not_moved(project):
+    direct = json.loads(run(project, "nnx-eval", "model", "data.source=text.txt", "data.seq_len=32", "--json").stdout)
+    assert direct["step"] is None and direct["metrics"]["perplexity"] == pytest.approx(
+        np.exp(direct["metrics"]["loss"]), rel=1e-6
+    )
+    config = project / "ft.yaml"
+    config.write_text(
+        "model: {name: transformer_lm, pretrained: model}\n"
+        "data: {source: text.txt, text_key: text, seq_len: 32, eval_split: train}\n"
+        "optimizer: {name: sgd, learning_rate: 0.0}\n"
+        "train: {batch_size: 8, steps: 1, eval_every: 1}\n"
+    )
+    run(project, "nnx-train", "ft.yaml", "--workdir", "ft")
+    info = json.loads((project / "ft" / "run.json").read_text())["pretrained"]
+    assert info["directory"] == str(project / "model") and info["checksum"].startswith("xxh3_128:")
+    trained = json.loads(run(project, "nnx-eval", "ft", "data.eval_split=train", "--json").stdout)
+    assert trained["metrics"]["loss"] == pytest.approx(direct["metrics"]["loss"], rel=1e-5)
+
+
+def test_eval_of_a_model_directory_needs_a_text(project):
+    assert_user_error(cli("nnx-eval", "model", cwd=project), "needs a text to evaluate on", "data.source=")
