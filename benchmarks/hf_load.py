@@ -28,6 +28,7 @@ from pathlib import Path
 
 QWEN = {
     "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
     "hidden_size": 896,
     "intermediate_size": 4864,
     "num_hidden_layers": 24,

@@ -1,0 +1,51 @@
+"""The `transformers` side of benchmarks/hf_generate.py: load a model directory and generate greedily.
+
+Run with a Python that has torch and transformers (never the project's virtualenv; tests/fixtures/README.md
+says how to make one). Prints one JSON object: load time, decode tokens/s (128 new tokens, with the cache),
+and the generated ids. Whole-process time is measured by the caller.
+
+    REFERENCE_PYTHON benchmarks/reference/transformers_generate.py MODEL_DIR --prompt TEXT --max-tokens 128
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import transformers
+
+parser = argparse.ArgumentParser()
+parser.add_argument("model")
+parser.add_argument("--prompt", required=True)
+parser.add_argument("--max-tokens", type=int, default=128)
+parser.add_argument("--decode-only", action="store_true", help="also time a 1-token run to separate the prefill")
+args = parser.parse_args()
+
+start = time.perf_counter()
+tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+loaded = time.perf_counter() - start
+ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+with torch.inference_mode():
+    options = dict(do_sample=False, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens)
+    begin = time.perf_counter()
+    out = model.generate(ids, **options)
+    total = time.perf_counter() - begin
+    first = None
+    if args.decode_only:
+        begin = time.perf_counter()
+        model.generate(ids, do_sample=False, max_new_tokens=1, min_new_tokens=1)
+        first = time.perf_counter() - begin
+new = out.shape[1] - ids.shape[1]
+decode_s = total - first if first is not None else None
+print(
+    json.dumps(
+        {
+            "load_s": round(loaded, 3),
+            "generate_s": round(total, 3),
+            "tokens_per_s": round((new - 1) / decode_s, 1) if decode_s else None,
+            "tokens": out[0, ids.shape[1] :].tolist(),
+            "threads": torch.get_num_threads(),
+        }
+    )
+)
