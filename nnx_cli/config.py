@@ -58,6 +58,14 @@ class DataConfig:
     workers: int | None = None  # input-pipeline worker processes; null: the machine's cores, 0: none
     cache_dir: str | None = None  # decoded / tokenized caches; null: under the `datasets` cache
     on_device: bool | str = "auto"  # keep the training split on the devices: auto, true or false
+    format: str = "text"  # text (documents in data.text_key) | chat | completion: fine-tuning examples
+    messages_key: str = "messages"  # chat: the column of {role, content} message lists
+    prompt_key: str = "prompt"  # completion: the prompt ...
+    completion_key: str = "completion"  # ... and what the model should learn to answer
+    train_on_prompt: bool = False  # chat/completion: loss on every token, not only the answers
+    max_len: int | None = None  # chat/completion: longer examples are cut (counted, said); null: seq_len + 1
+    packing: bool = True  # chat/completion: whole examples fill each row; false: one example per row
+    chat_template: str | None = None  # chat: a Jinja file or text; null: the model directory's
 
 
 @dataclass
@@ -507,6 +515,10 @@ def _check_train(t: TrainConfig) -> None:
 
 def _check_data(d: DataConfig) -> None:
     _positive("data.seq_len", d.seq_len)
+    if d.format not in ("text", "chat", "completion"):
+        raise UserError(f"config key 'data.format' must be text, chat or completion, got {_show(d.format)}")
+    if d.max_len is not None and d.max_len < 2:
+        raise UserError(f"config key 'data.max_len' must be at least 2 (a token and its successor), got {d.max_len}")
     if d.workers is not None and d.workers < 0:
         raise UserError(f"config key 'data.workers' must be 0 (no worker processes) or more, or null, got {d.workers}")
     if d.on_device not in ("auto", True, False):

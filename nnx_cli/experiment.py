@@ -195,7 +195,7 @@ def _setup_model(cfg: Config) -> tuple[type, Any]:
 
     pretrained = hf.apply_pretrained(cfg)
     model_cls = models.model_class(cfg.model.name)
-    byte_level = cfg.data.text_key is not None and cfg.data.tokenizer == "bytes"
+    byte_level = cfg.data.text_key is not None and cfg.data.format == "text" and cfg.data.tokenizer == "bytes"
     if byte_level and "bits_per_byte" in signature(model_cls).parameters:
         cfg.model.options.setdefault("bits_per_byte", True)
     cfg.model.options = models.resolve_options(cfg.model)

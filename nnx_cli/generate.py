@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 
 from nnx_cli.errors import UserError, report_errors, run_app
@@ -61,8 +62,10 @@ def generate(
 ) -> None:
     """Continue a prompt with a trained language model."""
     from nnx_cli import hf, runtime
+    from nnx_cli.data import examples
     from nnx_cli.workdir import open_run
 
+    template = None
     if not prompt:
         raise UserError("--prompt is empty: give some text to continue")
     if num_samples < 1:
@@ -75,8 +78,10 @@ def generate(
             raise UserError(f"--step picks a checkpoint of a run; {str(target)!r} is a model directory")
         restored_step, decoder, tokenizer = load_model_dir(target, overrides or [])
     else:
-        restored_step, decoder, tokenizer = load(open_run(target, overrides or [], step))
-    prompt_ids = encode_prompt(tokenizer, prompt, chat, system)
+        run = open_run(target, overrides or [], step)
+        restored_step, decoder, tokenizer = load(run)
+        template = examples.chat_template(run.cfg.data, tokenizer) if run.cfg.data.chat_template else None
+    prompt_ids = encode_prompt(tokenizer, prompt, chat, system, template)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
     shown = "" if chat else prompt  # a chat shows the reply alone, not the template around the prompt
@@ -97,12 +102,15 @@ def generate(
             print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + text, flush=True)
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat: bool, system: str | None) -> list[int]:
-    """The prompt's token ids: as the tokenizer encodes text, or with `chat` rendered by its chat template."""
+def encode_prompt(
+    tokenizer: Any, prompt: str, chat: bool, system: str | None, template: str | None = None
+) -> list[int]:
+    """The prompt's token ids: as the tokenizer encodes text, or with `chat` rendered by a chat template as a
+    user turn (`template`: a run's `data.chat_template`; by default the tokenizer's)."""
     if chat:
         from nnx_cli.hf import chat as chats
 
-        template = getattr(tokenizer, "chat_template", None)
+        template = template or getattr(tokenizer, "chat_template", None)
         if template is None:
             where = getattr(tokenizer, "directory", None)
             raise UserError(
@@ -114,7 +122,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool, system: str | None) -
         text = chats.render(
             template, messages, add_generation_prompt=True, special_tokens=chats.special_tokens(tokenizer)
         )
-        ids = tokenizer.encode_plain(text)
+        ids = getattr(tokenizer, "encode_plain", tokenizer.encode)(text)
     else:
         ids = tokenizer.encode(prompt)
     if len(ids) == 0:
@@ -190,11 +198,12 @@ def load(run: Any) -> tuple[int, Any, Any]:
     import jax
 
     from nnx_cli import decoding, restore, steps
+    from nnx_cli.data.text import is_text
     from nnx_cli.data.tokenizers import load_tokenizer
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console
 
-    if run.cfg.data.text_key is None:
+    if not is_text(run.cfg.data):
         raise UserError(
             f"{str(run.workdir)!r} holds a {run.cfg.model.name!r} model trained on images, not a language model; "
             "nnx-generate samples from transformer_lm runs"
@@ -254,11 +263,23 @@ def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
 def eval_prompts(exp: Any) -> list[list[int]]:
     """The prompts of the samples written at each eval: `train.sample_prompts`, encoded; by default the
     first tokens of the eval split and of its middle."""
+    from nnx_cli.data import examples
     from nnx_cli.data.tokenizers import load_tokenizer
 
+    chat = exp.cfg.data.format == examples.CHAT
     if exp.cfg.train.sample_prompts:
         tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-        return [[int(t) for t in tokenizer.encode(p)] for p in exp.cfg.train.sample_prompts]
+        template = examples.chat_template(exp.cfg.data, tokenizer) if chat else None
+        return [encode_prompt(tokenizer, p, chat, None, template) for p in exp.cfg.train.sample_prompts]
+    if examples.is_examples(exp.cfg.data):  # the start of eval examples, up to where their first answer begins
+        rows = exp.eval.stored()
+        prompts = []
+        for row in sorted({0, len(rows["tokens"]) // 2})[:EVAL_PROMPTS]:
+            first = rows["segments"][row] == 1
+            answer = np.flatnonzero(first & (rows["targets"][row] > 0))
+            end = int(answer[0]) if len(answer) else int(first.sum())
+            prompts.append([int(t) for t in rows["tokens"][row][: max(end, 1)]])
+        return prompts
     stream = exp.eval.stored()["tokens"]
     length = max(1, min(32, exp.cfg.data.seq_len // 4))
     starts = [0, len(stream) // 2][:EVAL_PROMPTS]

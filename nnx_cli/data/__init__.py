@@ -81,8 +81,10 @@ def spec_from_config(cfg: Config) -> DataSpec | None:
 
 def train_split(cfg: Config) -> TrainSplit:
     """The training split of `cfg.data`, addressed by `(cfg.seed, epoch)`."""
-    from nnx_cli.data import images, text
+    from nnx_cli.data import examples, images, text
 
+    if examples.is_examples(cfg.data):
+        return examples.load_example_splits(cfg.data, cfg.seed, ("train",), pretrained=cfg.model.pretrained).train
     if text.is_text(cfg.data):
         return text.load_text_splits(cfg.data, cfg.seed, splits=("train",), pretrained=cfg.model.pretrained).train
     return images.image_train_split(cfg.data, cfg.seed)
@@ -90,8 +92,10 @@ def train_split(cfg: Config) -> TrainSplit:
 
 def eval_split(cfg: Config) -> EvalSplit:
     """The evaluation split of `cfg.data`, read in order."""
-    from nnx_cli.data import images, text
+    from nnx_cli.data import examples, images, text
 
+    if examples.is_examples(cfg.data):
+        return examples.load_example_splits(cfg.data, cfg.seed, ("eval",), pretrained=cfg.model.pretrained).eval
     if text.is_text(cfg.data):
         return text.load_text_splits(cfg.data, cfg.seed, splits=("eval",), pretrained=cfg.model.pretrained).eval
     return images.image_eval_split(cfg.data)

@@ -181,8 +181,9 @@ class TextSplits:
 
 
 def is_text(cfg: DataConfig) -> bool:
-    """Whether `cfg` describes a text dataset (`data.text_key` is set)."""
-    return cfg.text_key is not None
+    """Whether `cfg` describes text for a language model: documents (`data.text_key` is set) or fine-tuning
+    examples (`data.format` chat or completion)."""
+    return cfg.text_key is not None or cfg.format in ("chat", "completion")
 
 
 def text_spec(cfg: DataConfig, vocab_size: int | None = None, pretrained: str | None = None) -> DataSpec:
@@ -294,13 +295,14 @@ class _Source:
         splits = self.splits()
         return eval_split not in splits and splits == [self.cfg.train_split]
 
-    def fingerprint(self, split: str, key: str) -> str:
+    def fingerprint(self, split: str, key: str, columns: list[str] | None = None) -> str:
         if self.local:
             return local_fingerprint(self.path)
-        return str(self.dataset(split, key)._fingerprint)
+        return str(self.dataset(split, key, columns)._fingerprint)
 
-    def dataset(self, split: str, key: str) -> Any:
-        """The `datasets.Dataset` of `split`, with its text column checked."""
+    def dataset(self, split: str, key: str, columns: list[str] | None = None) -> Any:
+        """The `datasets.Dataset` of `split`, with its text column checked (or, given `columns`, those columns
+        selected: fine-tuning examples)."""
         import datasets
 
         ds = self._dataset_dict()
@@ -311,6 +313,15 @@ class _Source:
                 + (" (set data.eval_split=null to train without evals)" if key == "data.eval_split" else "")
             )
         ds = ds[split]
+        if columns is not None:
+            missing = [c for c in columns if c not in ds.column_names]
+            if missing:
+                option = "messages_key" if self.cfg.format == "chat" else "prompt_key/completion_key"
+                raise UserError(
+                    f"config key 'data.{option}': dataset {self.cfg.source!r} has no column {missing[0]!r}"
+                    f"{did_you_mean(missing[0], ds.column_names)}; columns: {', '.join(ds.column_names)}"
+                )
+            return ds.select_columns(columns)
         text_key, columns = self.cfg.text_key, list(ds.column_names)
         if text_key not in columns:
             txt = " (a .txt file is one document in the column 'text')" if self._is_txt() else ""

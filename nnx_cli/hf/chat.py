@@ -96,3 +96,47 @@ def prompt_messages(prompt: str, system: str | None = None) -> list[dict[str, st
     return ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": prompt}
     ]
+
+
+def assistant_spans(
+    template: str, messages: Sequence[Message], special_tokens: Mapping[str, str | None] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered whole, and the character spans of its assistant turns (each through its
+    end-of-turn token, without the whitespace the template puts after it).
+
+    A turn's span starts where the template's generation prompt ends (the conversation up to that turn,
+    rendered with `add_generation_prompt`) and ends where the conversation through that turn ends. A template
+    whose renderings do not extend one another (some drop earlier turns' reasoning) cannot mark turns this
+    way: a TemplateFailed.
+    """
+    full = render(template, messages, add_generation_prompt=False, special_tokens=special_tokens)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = render(template, messages[:i], add_generation_prompt=True, special_tokens=special_tokens)
+        through = render(template, messages[: i + 1], add_generation_prompt=False, special_tokens=special_tokens)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise TemplateFailed(
+                f"the chat template renders message {i} (assistant) differently inside the conversation than "
+                "after its prompt, so its tokens cannot be told apart; use a template whose renderings extend one "
+                "another (data.chat_template)"
+            )
+        end = len(through.rstrip())
+        if end > len(before):
+            spans.append((len(before), end))
+    return full, spans
+
+
+def check_messages(messages: Any, key: str) -> list[dict[str, str]]:
+    """`messages` as a list of `{role, content}` with string values; a ValueError says what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{key!r} is not a non-empty list of messages")
+    out = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{key!r}[{j}] is not a {{role, content}} message")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"{key!r}[{j}] has no text 'content'")
+        out.append({"role": message["role"], "content": message["content"]})
+    return out

@@ -1,0 +1,380 @@
+"""Fine-tuning examples: chats and prompt/completion pairs as token rows with loss masks, packed or padded.
+
+`data.format: chat` reads a list of `{role, content}` messages per row (`data.messages_key`), renders it with
+the chat template (the model directory's, or `data.chat_template`: a file or the Jinja text) in Jinja's
+sandbox, and marks as targets the tokens of the assistant turns, each through its end-of-turn token.
+`data.format: completion` reads `data.prompt_key` and `data.completion_key` and marks the completion and the
+end token that follows it. `data.train_on_prompt: true` marks every token. An example longer than
+`data.max_len` (default: `seq_len + 1`, which is also the most a row holds) is cut there; how many were cut
+is said once, never silently.
+
+Rows hold `seq_len + 1` tokens. With `data.packing` (the default) whole examples fill each row in order;
+otherwise each example has a row of its own, padded. Each row is stored as::
+
+    tokens     uint16/uint32 [seq_len + 1]   the examples' ids, then padding
+    targets    uint8                          1 where predicting this token from the ones before it counts
+    segments   int32                          1, 2, ... per example in the row; 0 for padding
+    positions  int32                          each example's own positions from 0
+
+`TransformerLM.metrics` attends within a segment only and averages the loss over target tokens, so a
+packed example's loss equals its loss alone. Rows are built once per (source, split, options, template,
+tokenizer) into the data cache and memory-mapped after::
+
+    splits = load_example_splits(cfg.data, seed=0, pretrained=cfg.model.pretrained)
+    batch = splits.train.read(splits.train.epoch_keys(0)[:8])    # {"tokens", "targets", "segments", "positions"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_cli.config import DataConfig
+from nnx_cli.data.base import DataSpec
+from nnx_cli.data.cache import get_or_build
+from nnx_cli.data.tokenizers import load_tokenizer
+from nnx_cli.errors import UserError
+
+CHAT, COMPLETION = "chat", "completion"
+FORMATS = ("text", CHAT, COMPLETION)
+HOLDOUT_FRACTION = 0.1  # of a single split's examples, held out as its eval split
+_COLUMNS = ("tokens", "targets", "segments", "positions")
+_noticed: set[tuple] = set()
+
+
+# Templates and tokens
+# ------------------------------------------------------------------------------
+
+
+def chat_template(cfg: DataConfig, tokenizer: Any) -> str | None:
+    """`data.chat_template` (a file, or the Jinja text itself), else the tokenizer's own (a model directory's)."""
+    given = cfg.chat_template
+    if given is None:
+        return getattr(tokenizer, "chat_template", None)
+    path = Path(given).expanduser()
+    if "{" not in given and path.suffix in (".jinja", ".j2", ".txt", "") and not path.is_file():
+        raise UserError(f"config key 'data.chat_template': file {given!r} does not exist")
+    return path.read_text() if "{" not in given and path.is_file() else given
+
+
+def _pieces(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """The ids of `text` (no special tokens added: a rendered template holds its own) and each token's first
+    character."""
+    if hasattr(tokenizer, "to_bytes"):  # bytes: one token per UTF-8 byte
+        ids, starts = [], []
+        for i, ch in enumerate(text):
+            encoded = ch.encode("utf-8")
+            ids.extend(encoded)
+            starts.extend([i] * len(encoded))
+        return ids, starts
+    encoding = tokenizer._tokenizer.encode(text, add_special_tokens=False)
+    return list(encoding.ids), [start for start, _ in encoding.offsets]
+
+
+def _end_token(tokenizer: Any) -> int:
+    """What closes a completion: the tokenizer's end-of-sequence token when it names one, else end-of-document."""
+    eos = getattr(tokenizer, "eos_token", None)
+    found = tokenizer.token_id(eos) if eos is not None and hasattr(tokenizer, "token_id") else None
+    return tokenizer.eod_id if found is None else found
+
+
+def encode_chat(tokenizer: Any, template: str, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """A conversation's ids and target flags (1 on the assistant turns' tokens)."""
+    from nnx_cli.hf import chat
+
+    text, spans = chat.assistant_spans(template, messages, chat.special_tokens(tokenizer))
+    ids, starts = _pieces(tokenizer, text)
+    targets = [int(any(a <= s < b for a, b in spans)) for s in starts]
+    return ids, targets
+
+
+def encode_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """The prompt's ids (with the tokenizer's own special tokens), the completion's and the end token; the
+    completion and the end token are the targets."""
+    plain = getattr(tokenizer, "encode_plain", tokenizer.encode)
+    head = [int(t) for t in tokenizer.encode(prompt)]
+    tail = [int(t) for t in plain(completion)] + [_end_token(tokenizer)]
+    return head + tail, [0] * len(head) + [1] * len(tail)
+
+
+# Rows
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Examples laid out in rows of `width` tokens (see the module docstring)."""
+
+    width: int
+    packing: bool
+    tokens: list[np.ndarray] = dataclasses.field(default_factory=list)
+    targets: list[np.ndarray] = dataclasses.field(default_factory=list)
+    segments: list[np.ndarray] = dataclasses.field(default_factory=list)
+    positions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    fill: int = 0  # tokens used in the last row
+
+    def add(self, ids: list[int], targets: list[int]) -> None:
+        n = len(ids)
+        if not self.tokens or not self.packing or self.fill + n > self.width:
+            for column in (self.tokens, self.targets, self.segments, self.positions):
+                column.append(np.zeros(self.width, np.int64))
+            self.fill = 0
+        row, at = len(self.tokens) - 1, self.fill
+        self.tokens[row][at : at + n] = ids
+        self.targets[row][at : at + n] = targets
+        self.segments[row][at : at + n] = self.segments[row][max(at - 1, 0)] + 1 if at else 1
+        self.positions[row][at : at + n] = np.arange(n)
+        self.fill += n
+
+    def arrays(self, token_dtype: np.dtype) -> dict[str, np.ndarray]:
+        dtypes = {"tokens": token_dtype, "targets": np.uint8, "segments": np.int32, "positions": np.int32}
+        return {
+            name: np.stack(getattr(self, name)).astype(dtypes[name])
+            if getattr(self, name)
+            else np.zeros((0, self.width), dtypes[name])
+            for name in _COLUMNS
+        }
+
+
+def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, first_row: int = 0) -> tuple[dict[str, np.ndarray], dict]:
+    """Tokenize and lay out the examples of `rows` (a `datasets.Dataset`); row numbers in errors start at
+    `first_row`. Returns the row arrays and counts (examples, truncated, without targets, tokens)."""
+    from nnx_cli.data.text import stream_dtype
+    from nnx_cli.hf.chat import TemplateFailed, check_messages
+
+    width = cfg.seq_len + 1
+    limit = min(cfg.max_len or width, width)
+    template = chat_template(cfg, tokenizer) if cfg.format == CHAT else None
+    if cfg.format == CHAT and template is None:
+        raise UserError(
+            "config key 'data.format' is chat, but there is no chat template: the tokenizer has none (a model "
+            "directory's chat_template.jinja or tokenizer_config.json) and data.chat_template is not set; set it "
+            "to a template file or its Jinja text"
+        )
+    out = _Rows(width, cfg.packing)
+    counts = {"examples": 0, "truncated": 0, "without_targets": 0, "tokens": 0, "target_tokens": 0}
+    keys = [cfg.messages_key] if cfg.format == CHAT else [cfg.prompt_key, cfg.completion_key]
+    for offset, example in enumerate(_progress(rows, len(rows))):
+        number = first_row + offset
+        missing = [k for k in keys if example.get(k) is None]
+        if missing:
+            raise UserError(
+                f"config key 'data.{'messages_key' if cfg.format == CHAT else 'prompt_key'}': row {number} of "
+                f"{cfg.source!r} has no {missing[0]!r}; columns: {', '.join(example)}"
+            )
+        try:
+            if cfg.format == CHAT:
+                messages = check_messages(example[cfg.messages_key], cfg.messages_key)
+                ids, targets = encode_chat(tokenizer, template, messages)
+            else:
+                prompt, completion = example[cfg.prompt_key], example[cfg.completion_key]
+                if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+                    raise ValueError(f"{cfg.prompt_key!r} and {cfg.completion_key!r} must be text, the completion "
+                                     "not empty")  # fmt: skip
+                ids, targets = encode_completion(tokenizer, prompt, completion)
+        except TemplateFailed as e:
+            raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
+        except ValueError as e:
+            raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
+        if cfg.train_on_prompt:
+            targets = [0] + [1] * (len(ids) - 1)
+        if len(ids) > limit:
+            counts["truncated"] += 1
+            ids, targets = ids[:limit], targets[:limit]
+        if not any(targets[1:]):
+            counts["without_targets"] += 1
+        counts["examples"] += 1
+        counts["tokens"] += len(ids)
+        counts["target_tokens"] += sum(targets[1:])
+        out.add(ids, targets)
+    return out.arrays(stream_dtype(tokenizer.vocab_size)), counts
+
+
+def _progress(rows: Any, total: int) -> Iterator[dict[str, Any]]:
+    """The rows, with a rich progress bar on a terminal for more than a few thousand."""
+    if total < 5000 or not sys.stderr.isatty():
+        yield from rows
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"tokenizing {total:,} examples", total=total)
+        for row in rows:
+            yield row
+            bar.advance(task)
+
+
+# Splits
+# ------------------------------------------------------------------------------
+
+
+class _Rowwise:
+    """Stored rows addressed by row number."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], spec: DataSpec):
+        self.arrays = arrays
+        self.spec = spec
+
+    def __len__(self) -> int:
+        return len(self.arrays["tokens"])
+
+    def read(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        keys = np.asarray(keys, dtype=np.int64)
+        return {name: array[keys] for name, array in self.arrays.items()}
+
+    def stored(self) -> dict[str, np.ndarray]:
+        return dict(self.arrays)
+
+    def read_on_device(self, stored: dict[str, jax.Array], keys: jax.Array) -> dict[str, jax.Array]:
+        return {name: jnp.take(array, keys, axis=0) for name, array in stored.items()}
+
+    def prepare(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return {
+            "tokens": rows["tokens"].astype(jnp.int32),
+            "targets": rows["targets"].astype(bool),
+            "segments": rows["segments"].astype(jnp.int32),
+            "positions": rows["positions"].astype(jnp.int32),
+        }
+
+
+class ExampleTrainSplit(_Rowwise):
+    """Training rows; epoch `e` is a permutation of them from `(seed, e)`."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], seed: int, spec: DataSpec):
+        super().__init__(arrays, spec)
+        self.seed = seed
+        if len(self) == 0:
+            raise UserError("the training split has no examples")
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        if batch_size > len(self):
+            raise UserError(
+                f"config key 'train.batch_size' ({batch_size}) is larger than the training split ({len(self)} rows "
+                f"of {self.arrays['tokens'].shape[1]} tokens); lower train.batch_size, or data.seq_len to pack less"
+            )
+        return len(self) // batch_size
+
+    def epoch_keys(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, epoch)).permutation(len(self)).astype(np.int64)
+
+
+class ExampleEvalSplit(_Rowwise):
+    """Eval rows in order; the last batch is padded, with a `mask` of the real rows."""
+
+    def eval_batches(self, batch_size: int, rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
+        for start in range(0, len(self), batch_size):
+            index = np.arange(start, start + batch_size)[rows]
+            real = index < len(self)
+            batch = {name: np.zeros((len(index), *a.shape[1:]), a.dtype) for name, a in self.arrays.items()}
+            for name, array in self.arrays.items():
+                batch[name][real] = array[index[real]]
+            yield {**batch, "mask": real}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleSplits:
+    train: ExampleTrainSplit | None
+    eval: ExampleEvalSplit | None
+    spec: DataSpec
+
+
+def is_examples(cfg: DataConfig) -> bool:
+    """Whether `cfg` describes fine-tuning examples (`data.format` chat or completion)."""
+    return cfg.format in (CHAT, COMPLETION)
+
+
+def load_example_splits(
+    cfg: DataConfig, seed: int, splits: Collection[str] = ("train", "eval"), pretrained: str | None = None
+) -> ExampleSplits:
+    """The training and/or eval rows of a chat or completion config, built into the cache the first time."""
+    from nnx_cli.data.text import _notice, _Source
+
+    tokenizer = load_tokenizer(cfg.tokenizer, pretrained)
+    spec = DataSpec((cfg.seq_len,), tokenizer.vocab_size, cfg.tokenizer)
+    source = _Source(cfg)
+    want_train, want_eval = "train" in splits, "eval" in splits and cfg.eval_split is not None
+    train = evaluation = None
+    if cfg.eval_split is not None and source.holds_out(cfg.eval_split):
+        rows = source.dataset(cfg.train_split, "data.train_split", columns=_columns(cfg))
+        cut = len(rows) - max(1, int(len(rows) * HOLDOUT_FRACTION))
+        _notice(
+            (cfg.source, cfg.eval_split, "examples"),
+            f"notice: {cfg.source!r} has no split {cfg.eval_split!r}; its last {len(rows) - cut:,} of {len(rows):,} "
+            f"examples are held out as {cfg.eval_split!r}",
+        )
+        if want_train:
+            train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (0, cut))
+        if want_eval:
+            evaluation = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (cut, len(rows)))
+    else:
+        if want_train:
+            train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", None)
+        if want_eval:
+            evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None)
+    return ExampleSplits(
+        ExampleTrainSplit(train, seed, spec) if train is not None else None,
+        ExampleEvalSplit(evaluation, spec) if evaluation is not None else None,
+        spec,
+    )
+
+
+def _columns(cfg: DataConfig) -> list[str]:
+    return [cfg.messages_key] if cfg.format == CHAT else [cfg.prompt_key, cfg.completion_key]
+
+
+def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, part: tuple[int, int] | None):
+    """The row arrays of `split` (or of its examples `part`), from the cache or built into it."""
+    template = chat_template(cfg, tokenizer) if cfg.format == CHAT else None
+    parts = {
+        "kind": "examples",
+        "source": source.id,
+        "split": split,
+        "part": list(part) if part else None,
+        "fingerprint": source.fingerprint(split, key, columns=_columns(cfg)),
+        "format": cfg.format,
+        "keys": _columns(cfg),
+        "template": hashlib.sha256(template.encode()).hexdigest() if template else None,
+        "tokenizer": tokenizer.name,
+        "tokenizer_version": tokenizer.version,
+        "seq_len": cfg.seq_len,
+        "max_len": cfg.max_len,
+        "packing": cfg.packing,
+        "train_on_prompt": cfg.train_on_prompt,
+    }
+
+    def build(directory: Path) -> dict[str, Any]:
+        rows = source.dataset(split, key, columns=_columns(cfg))
+        if part is not None:
+            rows = rows.select(range(*part))
+        arrays, counts = build_rows(cfg, tokenizer, rows, first_row=part[0] if part else 0)
+        for name, array in arrays.items():
+            np.save(directory / f"{name}.npy", array)
+        return counts
+
+    entry = get_or_build(source.cache, f"examples-{source.slug()}-{split}", parts, build)
+    counts = entry.meta
+    if counts.get("truncated") or counts.get("without_targets"):
+        _notice_truncation(cfg, split, counts)
+    return {name: entry.array(name) for name in _COLUMNS}
+
+
+def _notice_truncation(cfg: DataConfig, split: str, counts: dict[str, Any]) -> None:
+    from nnx_cli.data.text import _notice
+
+    limit = min(cfg.max_len or cfg.seq_len + 1, cfg.seq_len + 1)
+    parts = []
+    if counts["truncated"]:
+        parts.append(f"{counts['truncated']:,} of {counts['examples']:,} examples are longer than {limit} tokens and "
+                     "were cut there (data.max_len, data.seq_len)")  # fmt: skip
+    if counts["without_targets"]:
+        parts.append(f"{counts['without_targets']:,} have no target token left")
+    _notice((cfg.source, split, "truncated"), f"notice: {split!r}: " + "; ".join(parts))
