@@ -197,24 +197,43 @@ def load(run: Any) -> tuple[int, Any, Any]:
     process's first device, and its tokenizer. A run that is not a language model is a UserError."""
     import jax
 
-    from nnx_cli import decoding, restore, steps
-    from nnx_cli.data.text import is_text
+    from nnx_cli import decoding
     from nnx_cli.data.tokenizers import load_tokenizer
+
+    exp = language_model(run, "nnx-generate samples from")
+    step, params = restore_parameters(run, exp, jax.local_devices()[0])
+    tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
+    return step, decoding.Decoder(exp.moduledef, params), tokenizer
+
+
+def language_model(run: Any, what: str) -> Any:
+    """The run's experiment (no data, no mesh); a run that is not a language model is a UserError saying `what`
+    the command does with `transformer_lm` runs."""
+    from nnx_cli.data.text import is_text
     from nnx_cli.experiment import setup
-    from nnx_cli.report import stderr_console
 
     if not is_text(run.cfg.data):
         raise UserError(
             f"{str(run.workdir)!r} holds a {run.cfg.model.name!r} model trained on images, not a language model; "
-            "nnx-generate samples from transformer_lm runs"
+            f"{what} transformer_lm runs"
         )
     exp = setup(run.cfg, data=None, place=False)
     if not hasattr(exp.model_cls, "init_cache"):
         raise UserError(
-            f"model {run.cfg.model.name!r} has no key-value cache to sample with; nnx-generate needs a language "
-            "model such as transformer_lm"
+            f"model {run.cfg.model.name!r} is not a language model with a key-value cache; {what} transformer_lm runs"
         )
-    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return exp
+
+
+def restore_parameters(run: Any, exp: Any, device: Any) -> tuple[int, Any]:
+    """Every parameter of the run's newest usable (or requested) step on `device`: an adapter run's adapters
+    with the base parameters they adapt (whose weights must be those they were trained on)."""
+    import jax
+
+    from nnx_cli import restore, steps
+    from nnx_cli.report import stderr_console
+
+    here = jax.sharding.SingleDeviceSharding(device)
     place = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), tree)  # noqa: E731
     console = stderr_console()
 
@@ -225,11 +244,7 @@ def load(run: Any) -> tuple[int, Any, Any]:
     step, params = restore.from_run(run, read, lambda m: console.print(m, highlight=False))
     if steps.FROZEN in exp.abstract:  # adapters: their base parameters too
         params = params | exp.frozen_params(place(exp.abstract[steps.FROZEN]))
-    return (
-        step,
-        decoding.Decoder(exp.moduledef, params),
-        load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained),
-    )
+    return step, params
 
 
 def text_of(tokenizer: Any, tokens: list[int]) -> str:

@@ -318,3 +318,102 @@ def parameter_count(maps: list[TensorMap], num_layers: int) -> int:
     for m in maps:
         seen[m.name] = math.prod(m.shape) * (num_layers if m.per_layer else 1)
     return sum(seen.values())
+
+
+# Out again: options as a family's config.json, adapters as PEFT tensors
+# ------------------------------------------------------------------------------
+
+_LLAMA_SHAPE = {"positions": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
+_GPT2_SHAPE = {"positions": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
+PEFT_MODULES = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}  # fmt: skip
+"""Our projections' module names in the Llama family, as PEFT names its adapters' targets."""
+
+
+def architecture_of(options: Mapping[str, Any]) -> str:
+    """The family whose architecture `options` (a `transformer_lm`'s, resolved) describe; options no family has
+    are a UserError naming them."""
+
+    def differ(shape: Mapping[str, Any]) -> list[str]:
+        return [f"{k}: {options.get(k)!r} (the family's is {v!r})" for k, v in shape.items() if options.get(k) != v]
+
+    llama, gpt2 = differ(_LLAMA_SHAPE), differ(_GPT2_SHAPE)
+    if not llama:
+        if options.get("qkv_bias") and options.get("qk_norm"):
+            raise UserError("model.qkv_bias and model.qk_norm together are in no Hugging Face family (Qwen2 has the "
+                            "first, Qwen3 the second): it cannot be exported")  # fmt: skip
+        return QWEN2 if options.get("qkv_bias") else QWEN3 if options.get("qk_norm") else LLAMA
+    if not gpt2:
+        extra = [f"{k}: {options.get(k)!r}" for k in ("qkv_bias", "qk_norm") if options.get(k)]
+        if options.get("num_kv_heads") not in (None, options.get("num_heads")):
+            extra.append(f"num_kv_heads: {options['num_kv_heads']} (GPT-2 has one key-value head per query head)")
+        if options.get("head_dim") not in (None, options["embed_dim"] // options["num_heads"]):
+            extra.append(f"head_dim: {options['head_dim']} (GPT-2's is embed_dim / num_heads)")
+        if not extra:
+            return GPT2
+        raise UserError(f"options no Hugging Face family has: {'; '.join(extra)}; GPT2LMHeadModel is the closest")
+    closest, name = (llama, "the Llama family (rope, rmsnorm, swiglu, bias false)") if len(llama) <= len(gpt2) else (
+        gpt2, "GPT-2 (learned positions, layernorm, gelu, bias true)")  # fmt: skip
+    raise UserError(f"options no Hugging Face family has: {'; '.join(closest)}; the closest is {name}")
+
+
+def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bos: int | None, eos: int | None,
+                dtype: str) -> dict[str, Any]:  # fmt: skip
+    """A `config.json` for a model trained from scratch with `options` (see :func:`architecture_of`)."""
+    architecture = architecture_of(options)
+    heads, embed = options["num_heads"], options["embed_dim"]
+    mlp = options.get("mlp_dim") or 4 * embed
+    ids = {"bos_token_id": bos, "eos_token_id": eos}
+    if architecture == GPT2:
+        return {
+            "architectures": [GPT2], "model_type": "gpt2", "n_embd": embed, "n_layer": options["num_layers"],
+            "n_head": heads, "n_inner": mlp, "n_positions": options.get("max_positions") or context,
+            "n_ctx": options.get("max_positions") or context, "vocab_size": vocab_size,
+            "layer_norm_epsilon": options.get("norm_eps", 1e-5), "activation_function": "gelu_new",
+            "tie_word_embeddings": options.get("tie_embeddings", True), "scale_attn_weights": True, **ids,
+            "dtype": dtype,
+        }  # fmt: skip
+    scaling = options.get("rope_scaling")
+    rope = {"rope_theta": float(options.get("rope_theta", 10000.0))}
+    rope["rope_scaling"] = None if scaling is None else {
+        "rope_type": "llama3", **{k: v for k, v in scaling.items() if k != "type"}
+    }  # fmt: skip
+    model_type = {LLAMA: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}[architecture]
+    config = {
+        "architectures": [architecture], "model_type": model_type, "hidden_size": embed, "intermediate_size": mlp,
+        "num_hidden_layers": options["num_layers"], "num_attention_heads": heads,
+        "num_key_value_heads": options.get("num_kv_heads") or heads,
+        "head_dim": options.get("head_dim") or embed // heads, "vocab_size": vocab_size,
+        "max_position_embeddings": context, "rms_norm_eps": options.get("norm_eps", 1e-5), **rope,
+        "tie_word_embeddings": options.get("tie_embeddings", True), "hidden_act": "silu", **ids, "dtype": dtype,
+    }  # fmt: skip
+    if architecture == LLAMA:
+        config.update({"attention_bias": False, "mlp_bias": False})
+    else:
+        config.update({"use_sliding_window": False, "sliding_window": None})
+        if architecture == QWEN3:
+            config["attention_bias"] = False
+    return config
+
+
+def lora_tensors(options: Mapping[str, Any], rank: int, targets: Collection[str]) -> list[TensorMap]:
+    """PEFT's tensors of LoRA adapters on a Llama-family model: `lora_A.weight` `[rank, in]` and `lora_B.weight`
+    `[out, rank]` per adapted projection, read as our `a` `[in..., rank]` and `b` `[rank, out...]`."""
+    embed, mlp = options["embed_dim"], options["mlp_dim"]
+    q, kv = options["num_heads"] * options["head_dim"], options["num_kv_heads"] * options["head_dim"]
+    sizes = {"q": (embed, q), "k": (embed, kv), "v": (embed, kv), "o": (q, embed),
+             "gate": (embed, mlp), "up": (embed, mlp), "down": (mlp, embed)}  # fmt: skip
+    ours = {"q": "attention/query", "k": "attention/key", "v": "attention/value", "o": "attention/out",
+            "gate": "mlp/gate", "up": "mlp/fc", "down": "mlp/proj"}  # fmt: skip
+    maps = []
+    for target in targets:
+        (fan_in, fan_out), path = sizes[target], ours[target]
+        in_rank = 2 if target == "o" else 1  # the output projection reads (heads, head_dim)
+        name = f"base_model.model.model.layers.{{i}}.{PEFT_MODULES[target]}"
+        maps += [
+            TensorMap(f"{path}/lora/a", f"{name}.lora_A.weight", (rank, fan_in), split=in_rank, transpose=True),
+            TensorMap(f"{path}/lora/b", f"{name}.lora_B.weight", (fan_out, rank), split=1, transpose=True),
+        ]
+    return maps

@@ -51,21 +51,22 @@ class Weights:
         self._starts: dict[str, int] = {}  # tensor name -> the byte where its data starts in its file
 
     @classmethod
-    def open(cls, directory: str | Path) -> Weights:
-        """Find the directory's safetensors files and read their headers (no tensor data)."""
+    def open(cls, directory: str | Path, single: str = SINGLE, index_name: str = INDEX) -> Weights:
+        """Find the directory's safetensors files (`single`, or the shards `index_name` lists) and read their
+        headers (no tensor data)."""
         directory = Path(directory)
-        index = directory / INDEX
+        index = directory / index_name
         if index.is_file():
             files = _read_index(index)
-        elif (directory / SINGLE).is_file():
+        elif (directory / single).is_file():
             files = None
         else:
             raise UserError(
-                f"model directory {str(directory)!r} has neither {SINGLE} nor {INDEX}; nnx reads safetensors "
+                f"model directory {str(directory)!r} has neither {single} nor {index_name}; nnx reads safetensors "
                 "weights only (convert PyTorch .bin files with transformers' save_pretrained)"
             )
         weights = cls(directory, {})
-        shards = sorted(set(files.values())) if files is not None else [SINGLE]
+        shards = sorted(set(files.values())) if files is not None else [single]
         for shard in shards:
             path = directory / shard
             with _open(path) as handle:  # checks the header against the file, or says what is wrong
@@ -347,30 +348,35 @@ def _aligned(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
     return raw[start : start + size].view(np.float32).reshape(shape)
 
 
-def to_tensors(params: Mapping[str, np.ndarray], maps: list[TensorMap]) -> dict[str, np.ndarray]:
-    """Our parameters (path -> array, `layers` stacked or not) as the family's tensors (name -> array): the
-    inverse of :func:`load`, padded vocabulary rows dropped."""
+def tensors_of(params: Mapping[str, Any], maps: list[TensorMap]) -> Iterator[tuple[str, np.ndarray]]:
+    """Our parameters (path -> array, `layers` stacked or not) as the family's tensors, one at a time (name,
+    array), in name order: the inverse of :func:`load`, padded vocabulary rows dropped. Only the tensor being
+    yielded is held beside the parameters."""
     by_path = {m.path: m for m in maps}
-    views: dict[str, tuple[TensorMap, np.ndarray]] = {}
+    parts: dict[str, list[tuple[TensorMap, str, int | None]]] = {}  # tensor name -> (map, our path, stacked index)
     for path, value in params.items():
         stacked, layer, relative = _layer_and_path(path)
         m = by_path[relative]
-        value = np.asarray(value)
-        for j, i in enumerate(range(value.shape[0]) if stacked else [layer]):
-            ours = value[j] if stacked else value
+        for j, i in enumerate(range(np.shape(value)[0]) if stacked else [layer]):
+            parts.setdefault(m.name.format(i=i), []).append((m, path, j if stacked else None))
+    for name in sorted(parts):
+        view = None
+        for m, path, j in parts[name]:
+            ours = np.asarray(params[path][j] if j is not None else params[path])
             theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
             view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
-            name = m.name.format(i=i)
-            if name not in views:
-                views[name] = (m, np.zeros((view_rows, view_cols), ours.dtype))
+            if view is None:
+                view = np.zeros((view_rows, view_cols), ours.dtype)
             matrix = ours.reshape(math.prod(ours.shape[: m.split]), -1)
             cols = min(matrix.shape[1], view_cols - m.offset)
-            views[name][1][:, m.offset : m.offset + cols] = matrix[:view_rows, :cols]
-    out = {}
-    for name, (m, view) in views.items():
+            view[:, m.offset : m.offset + cols] = matrix[:view_rows, :cols]
         # contiguous: safetensors writes an array's buffer as it lies in memory, a transposed view included
-        out[name] = np.ascontiguousarray(view[0] if len(m.shape) == 1 else (view.T if m.transpose else view))
-    return out
+        yield name, np.ascontiguousarray(view[0] if len(m.shape) == 1 else (view.T if m.transpose else view))
+
+
+def to_tensors(params: Mapping[str, Any], maps: list[TensorMap]) -> dict[str, np.ndarray]:
+    """:func:`tensors_of`, all at once (small models, tests)."""
+    return dict(tensors_of(params, maps))
 
 
 # Checksums
