@@ -1,0 +1,202 @@
+"""Fine-tuning examples: chat and completion rows, their loss masks, packing, truncation, caching, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hf_support import fixture
+
+from nnx_cli import hf
+from nnx_cli.config import DataConfig
+from nnx_cli.data import examples
+from nnx_cli.errors import UserError
+
+QA = [
+    ("Who keeps the bridge?", "The old guard."),
+    ("When does the fiddler come?", "In spring, when the river is high."),
+    ("What is the capital of the valley?", "The mill town."),
+]
+
+
+def chats(n: int = 12) -> list[dict]:
+    rows = []
+    for i in range(n):
+        q, a = QA[i % len(QA)]
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
+                    {"role": "assistant", "content": a}]  # fmt: skip
+        if i % 2:  # a second exchange in every other conversation
+            q2, a2 = QA[(i + 1) % len(QA)]
+            messages += [{"role": "user", "content": q2}, {"role": "assistant", "content": a2}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(tmp_path: Path, source: Path, **options) -> DataConfig:
+    return DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), tokenizer="pretrained",
+                      **{"format": "chat", "seq_len": 255, "eval_split": None, **options})  # fmt: skip
+
+
+def load(cfg: DataConfig, family: str = "qwen2"):
+    return examples.load_example_splits(cfg, seed=0, pretrained=str(fixture(family)))
+
+
+def segments_of(rows: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example in the rows, as (tokens, targets), in order."""
+    out = []
+    for r in range(len(rows["tokens"])):
+        for s in range(1, int(rows["segments"][r].max()) + 1):
+            where = rows["segments"][r] == s
+            out.append((rows["tokens"][r][where], rows["targets"][r][where]))
+    return out
+
+
+@pytest.mark.parametrize("family, end", [("qwen2", "<|im_end|>"), ("llama", "<|eot_id|>")])
+def test_chat_targets_are_exactly_the_assistant_turns_through_their_end_token(tmp_path, family, end):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(4))
+    split = load(config(tmp_path, source, packing=False), family).train
+    tokenizer = hf.pretrained_tokenizer(str(fixture(family)))
+    for (tokens, targets), row in zip(segments_of(split.stored()), chats(4)):
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        runs, current = [], []
+        for token, target in zip(tokens.tolist(), targets.tolist()):
+            if target:
+                current.append(token)
+            elif current:
+                runs.append(current)
+                current = []
+        runs += [current] if current else []
+        assert [tokenizer.decode(run) for run in runs] == [a + end for a in answers]
+
+
+def test_completion_targets_are_the_completion_and_the_end_token(tmp_path):
+    source = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": q + " ", "completion": a} for q, a in QA])
+    split = load(config(tmp_path, source, format="completion", packing=False), "llama").train
+    tokenizer = hf.pretrained_tokenizer(str(fixture("llama")))
+    for (tokens, targets), (q, a) in zip(segments_of(split.stored()), QA):
+        assert tokens[0] == tokenizer.token_id("<|begin_of_text|>")  # the prompt as the tokenizer encodes text
+        answer = tokens[targets == 1].tolist()
+        assert tokenizer.decode(answer[:-1]) == a and answer[-1] == tokenizer.token_id("<|end_of_text|>")
+        assert tokenizer.decode(tokens[targets == 0].tolist()) == "<|begin_of_text|>" + q + " "
+
+
+def test_train_on_prompt_targets_every_token_but_the_first(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(3))
+    split = load(config(tmp_path, source, packing=False, train_on_prompt=True)).train
+    for _, targets in segments_of(split.stored()):
+        assert targets[0] == 0 and targets[1:].all()
+
+
+def test_packing_keeps_every_example_whole_once_with_its_own_positions(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(12))
+    packed = load(config(tmp_path, source)).train.stored()
+    alone = load(config(tmp_path, source, packing=False)).train.stored()
+    assert len(packed["tokens"]) < len(alone["tokens"])  # several examples share a row
+    pairs = lambda rows: [(t.tolist(), g.tolist()) for t, g in segments_of(rows)]  # noqa: E731
+    assert pairs(packed) == pairs(alone)  # the same examples, whole, in order
+    for r in range(len(packed["tokens"])):
+        segments, positions = packed["segments"][r], packed["positions"][r]
+        for s in range(1, segments.max() + 1):
+            assert positions[segments == s].tolist() == list(range(int((segments == s).sum())))
+        assert not packed["tokens"][r][segments == 0].any() and not packed["targets"][r][segments == 0].any()
+
+
+def test_a_packed_example_has_the_loss_it_has_alone(tmp_path):
+    import jax.numpy as jnp
+
+    import nnx
+    from nnx_cli.models.transformer_lm import TransformerLM
+
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(6))
+    packed, alone = load(config(tmp_path, source)).train, load(config(tmp_path, source, packing=False)).train
+    model = TransformerLM((255,), 320, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, positions="rope",
+                          norm="rmsnorm", mlp="swiglu", bias=False, dropout=0.0, ctx=nnx.context(0))  # fmt: skip
+    ctx = nnx.context(flags={"deterministic": True})
+
+    def total(split):
+        rows = split.prepare({k: jnp.asarray(v) for k, v in split.stored().items()})
+        metrics = model.metrics(rows, ctx)
+        return float(jnp.sum(metrics["loss"] * metrics["weight"])), float(jnp.sum(metrics["weight"]))
+
+    (loss_packed, count_packed), (loss_alone, count_alone) = total(packed), total(alone)
+    assert count_packed == count_alone > 0
+    assert loss_packed == pytest.approx(loss_alone, rel=1e-5)
+
+
+def test_long_examples_are_cut_counted_and_said_once(tmp_path, capsys):
+    long = [{"prompt": "word " * 80, "completion": "yes"}, {"prompt": "short ", "completion": "no"}]
+    source = write_jsonl(tmp_path / "pairs.jsonl", long)
+    split = load(config(tmp_path, source, format="completion", max_len=40, packing=False)).train
+    assert split.stored()["segments"][0].sum() == 40
+    err = capsys.readouterr().err
+    assert "1 of 2 examples are longer than 40 tokens and were cut there" in err
+    assert "1 have no target token left" in err
+
+
+def test_rows_are_built_once_and_rebuilt_when_the_template_changes(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(4))
+    load(config(tmp_path, source))
+
+    def entries() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith("examples-") and p.is_dir())
+
+    first = entries()
+    load(config(tmp_path, source))
+    assert entries() == first  # the cached rows are read
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+    load(config(tmp_path, source, chat_template=template))
+    assert len(entries()) == len(first) + 1
+
+
+def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(20))
+    splits = load(config(tmp_path, source, eval_split="test", packing=False))
+    assert (len(splits.train), len(splits.eval)) == (18, 2)
+
+
+@pytest.mark.parametrize(
+    "rows, options, message",
+    [
+        ([{"messages": chats(1)[0]["messages"]}, {"other": 1}], {}, r"row 1 of .* has no 'messages'"),
+        ([{"messages": [{"role": "user"}]}], {}, r"row 0 of .*'messages'\[0\] has no text 'content'"),
+        ([{"messages": "hello"}], {}, r"row 0 of .*'messages' is not a non-empty list of messages"),
+        (chats(2), {"chat_template": "{{ raise_exception('no system turns, please') }}"},
+         r"row 0 of .*the chat template failed: no system turns, please"),
+        (chats(2), {"chat_template": "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"},
+         r"row 0 of .*renders message 2 \(assistant\) differently inside the conversation"),
+        ([{"prompt": "hi", "completion": ""}], {"format": "completion"}, r"row 0 of .*the completion not empty"),
+    ],
+    ids=["missing-key", "no-content", "not-a-list", "template-raises", "not-prefix-consistent", "empty-completion"],
+)  # fmt: skip
+def test_bad_rows_and_templates_name_the_row(tmp_path, rows, options, message):
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(UserError, match=message):
+        load(config(tmp_path, source, **options))
+
+
+def test_a_column_the_source_lacks_is_named_with_the_columns_it_has(tmp_path):
+    source = write_jsonl(tmp_path / "pairs.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(UserError, match=r"no column 'prompt'; columns: question, answer"):
+        load(config(tmp_path, source, format="completion"))
+
+
+def test_chat_without_any_template_is_a_user_error(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(2))
+    with pytest.raises(UserError, match=r"data.format' is chat, but there is no chat template"):
+        load(config(tmp_path, source), "gpt2")
+
+
+def test_format_and_max_len_are_checked_with_the_config():
+    from nnx_cli.config import load_config
+
+    with pytest.raises(UserError, match=r"'data.format' must be text, chat or completion"):
+        load_config(None, ["data.format=dialogue"])
+    with pytest.raises(UserError, match=r"'data.max_len' must be at least 2"):
+        load_config(None, ["data.max_len=1"])
