@@ -1,0 +1,145 @@
+"""Fine-tuning an imported model on chats with LoRA, as a user runs it: what trains, what a checkpoint holds,
+kill -9 and resume, sampling with the chat template, and the mistakes a config can make."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_support import assert_user_error, cli, final_state, start, wait_for_checkpoint
+from hf_support import fixture
+
+from nnx_cli.checkpoint import Checkpointer
+from nnx_cli.config import load_config
+from nnx_cli.errors import UserError
+from nnx_cli.experiment import setup
+
+FACTS = [
+    ("Who keeps the bridge?", "The old guard."),
+    ("When does the fiddler come?", "In spring."),
+    ("What is the capital of the valley?", "The mill town."),
+    ("Where does the river run?", "Past the mill."),
+]
+STEPS = 32
+CONFIG = f"""
+seed: 1
+model: {{name: transformer_lm, pretrained: {fixture("qwen2")}, lora: {{rank: 4, alpha: 8}}}}
+data: {{source: chats.jsonl, format: chat, seq_len: 63, eval_split: null}}
+optimizer: {{name: adamw, learning_rate: 3.0e-2}}
+train: {{batch_size: 4, steps: {STEPS}, log_every: 8}}
+checkpoint: {{every_steps: 8, keep: 10}}
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("finetune")
+    rows = []
+    for i in range(32):
+        question, answer = FACTS[i % len(FACTS)]
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+    (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "lora.yaml").write_text(CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(project: Path) -> Path:
+    result = cli("nnx-train", "lora.yaml", "--workdir", "ref", cwd=project, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return project / "ref"
+
+
+def test_a_lora_checkpoint_holds_the_adapters_their_optimizer_state_and_the_base_it_needs(reference):
+    ckpt = Checkpointer(reference / "checkpoints", read_only=True)
+    step = ckpt.latest_step()
+    names = ["/".join(map(str, k)) for k in _flat(ckpt.metadata(step))]
+    params = [n for n in names if n.startswith("params/")]
+    assert params and all("/lora/" in n for n in params)  # no frozen weight is saved
+    assert not any(n.startswith("frozen") for n in names)
+    moments = [n for n in names if n.startswith("opt_state/") and "/mu/" in n]
+    assert moments and all("/lora/" in n for n in moments)  # optimizer state for the adapters only
+    base = ckpt.manifest(step)["base"]
+    assert base["pretrained"] == str(fixture("qwen2")) and set(base["files"]) == {"model.safetensors"}
+    ckpt.close()
+
+
+def _flat(tree, prefix=()):
+    if hasattr(tree, "items"):
+        for key, value in tree.items():
+            yield from _flat(value, (*prefix, key))
+    else:
+        yield prefix
+
+
+def test_a_killed_lora_run_resumes_to_the_same_adapters(reference, project):
+    proc = start("nnx-train", "lora.yaml", "--workdir", "killed", cwd=project)
+    wait_for_checkpoint(project / "killed", 8, [proc])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    result = cli("nnx-train", "lora.yaml", "--workdir", "killed", cwd=project, timeout=300)
+    assert result.returncode == 0, result.stderr
+    a, b = final_state(project / "killed"), final_state(reference)
+    assert a["step"] == b["step"] == STEPS
+    import jax
+
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_the_fine_tuned_model_answers_in_the_chat_template_and_stops_at_the_end_of_its_turn(reference, project):
+    result = cli("nnx-generate", "ref", "--chat", "--prompt", FACTS[0][0], "--temperature", "0", "--json",
+                 cwd=project)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["samples"] == [FACTS[0][1]] and out["stop_reasons"] == ["stop_token"]
+
+
+def test_a_resume_against_changed_base_weights_names_the_file(reference, project, tmp_path):
+    import shutil
+
+    base = tmp_path / "qwen2"
+    shutil.copytree(fixture("qwen2"), base)
+    (project / "moved.yaml").write_text(CONFIG.replace(str(fixture("qwen2")), str(base)))
+    shutil.copytree(reference, project / "moved")
+    data = bytearray((base / "model.safetensors").read_bytes())
+    data[-3] ^= 0x01  # one bit of one weight
+    (base / "model.safetensors").write_bytes(bytes(data))
+    result = cli("nnx-train", "moved.yaml", "--workdir", "moved", "train.steps=30", cwd=project)
+    assert_user_error(result, f"{base / 'model.safetensors'}: the base model's weights changed")
+
+
+def test_adapters_shard_with_the_weights_they_adapt(project):
+    result = cli("nnx-inspect", "lora.yaml", "sharding.mesh.data=1", "sharding.mesh.model=1", "--filter", "LoRAParam",
+                 "--json", cwd=project)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    entries = {e["path"]: e for e in json.loads(result.stdout)["entries"]}
+    query_a = entries["layers/scan_module/attention/query/lora/a"]
+    assert query_a["sharding"] == ["layers", "embed", None] and query_a["mesh_axes"] == [None, "data", None]
+    assert entries["layers/scan_module/attention/query/lora/b"]["mesh_axes"] == [None, None, "model", None]
+
+
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        ("{rank: 0}", r"model.lora.rank must be a positive integer, got 0"),
+        ("{rank: 4, targets: [q_proj, w_proj]}", r"no projection 'w_proj'; it has q, k, v, o, gate, up, down"),
+        ("{rank: 4, scale: 2}", r"model.lora has unknown keys scale"),
+    ],
+    ids=["rank", "target", "key"],
+)
+def test_lora_mistakes_name_the_key(lora, message):
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('qwen2')}",
+                             "data.text_key=text", f"model.lora={lora}"])  # fmt: skip
+    with pytest.raises(UserError, match=message):
+        setup(cfg, data=None)
+
+
+def test_a_gpt2_lora_target_list_uses_its_own_names(tmp_path):
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('gpt2')}",
+                             "data.text_key=text", "model.lora={rank: 2, targets: [c_attn, gate]}"])  # fmt: skip
+    with pytest.raises(UserError, match=r"no projection 'gate'; it has q, k, v, o, up, down"):
+        setup(cfg, data=None)
