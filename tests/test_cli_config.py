@@ -158,3 +158,17 @@ def test_apply_overrides_does_not_mutate_its_input():
     raw = {"train": {"steps": 1}}
     apply_overrides(raw, ["train.steps=2"])
     assert raw == {"train": {"steps": 1}}
+
+
+def test_every_shipped_config_is_valid():
+    from pathlib import Path
+
+    from nnx_cli.config import load_config
+
+    configs = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 6
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.model.name, path
+    chat = load_config(Path(configs[0]).parent / "chat_lora.yaml")
+    assert (chat.data.format, chat.data.tokenizer, chat.model.options["lora"]["rank"]) == ("chat", "pretrained", 16)

@@ -75,3 +75,11 @@ def test_surgery_example_freezes_the_backbone():
     assert result["frozen"]
     assert result["trainable"] == ["head/bias", "head/kernel"]
     assert result["head_shape"] == (8, 10)
+
+
+def test_lora_example_trains_the_adapters_alone_and_merges_exactly():
+    result = run("lora", "--steps", "300", "--hidden", "32")
+    assert result["trainable"] == 2 * 32 * 4 and result["frozen"] == 2 * 32 + 32 * 32 + 32 + 32 + 1
+    assert result["base_unchanged"] and result["optimizer_leaves"] == 1 + 2 * 2  # adam: a count, mu and nu of a and b
+    assert np.mean(result["losses"][-10:]) < result["loss_before"] / 3
+    assert result["merge_error"] < 1e-5

@@ -38,10 +38,16 @@ def relative_error(logits: np.ndarray, golden: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
-def test_float32_logits_equal_transformers(name, scan):
+def test_float32_logits_equal_transformers(name):
     gold = goldens(name)
-    model = model_of(name, f"model.scan_layers={str(scan).lower()}")
+    model = model_of(name)
+    assert relative_error(model.logits(gold["input_ids"]), gold["logits"]) < FLOAT32
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_float32_logits_of_unrolled_layers_equal_transformers(name):
+    gold = goldens(name)
+    model = model_of(name, "model.scan_layers=false")
     assert relative_error(model.logits(gold["input_ids"]), gold["logits"]) < FLOAT32
 
 
@@ -91,7 +97,7 @@ def test_greedy_generation_gives_transformers_tokens(name):
     assert tokens == gold["greedy_0"].tolist()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", ["llama", "gpt2"])  # every family in process above; two through the command
 def test_nnx_generate_json_tokens_equal_transformers_greedy_tokens(tmp_path, name):
     gold = goldens(name)
     prompt = json.loads((FIXTURES / f"{name}.json").read_text())["prompts"][1]
