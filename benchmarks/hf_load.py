@@ -71,23 +71,27 @@ print(time.perf_counter() - start, sum(p.value.size for p in params.values()))
 """
 
 
-def write_model(directory: Path) -> int:
-    """The Qwen-shaped directory with random bfloat16 weights; returns the parameter count."""
+def write_model(directory: Path, config: dict | None = None) -> int:
+    """A model directory with random bfloat16 weights (normal(0.02), norms at 1) for `config` (by default
+    Qwen2.5-0.5B's shapes); returns the parameter count. An existing weights file is kept."""
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
 
     from nnx_cli.hf import families
 
+    config = config or QWEN
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(QWEN))
-    family = families.family_of(QWEN, "config.json")
-    options = family.options(families.Config(QWEN, "config.json"))
+    (directory / "config.json").write_text(json.dumps(config))
+    family = families.family_of(config, "config.json")
+    options = family.options(families.Config(config, "config.json"))
     rng = np.random.default_rng(0)
     tensors = {}
     for m in family.tensors(options, []):
         for i in range(options["num_layers"]) if m.per_layer else [None]:
             values = rng.standard_normal(m.shape, dtype=np.float32) * 0.02
+            if m.path.endswith("norm/scale"):
+                values += 1.0
             tensors[m.name.format(i=i)] = values.astype(ml_dtypes.bfloat16)
     if not (directory / "model.safetensors").exists():
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

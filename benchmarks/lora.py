@@ -1,0 +1,272 @@
+"""LoRA and full fine-tuning against `transformers` + `peft`: speed, memory, checkpoint size, and what is learned.
+
+Part 1 (speed, memory, size): a SmolLM2-135M-shaped model (random bfloat16 weights written here, loaded in
+float32 by both sides), sequence 256, batch 4, AdamW, CPU. `nnx-train` with LoRA (rank 16, alpha 32, all
+seven projections) and fully, against `benchmarks/reference/peft_train.py` doing the same with `peft` and
+without it. Steady-state training tokens/s (compilation and the first steps left out) and peak memory (PSS
+of the process) of each; the size of a LoRA checkpoint against a full one. Targets: tokens/s at least 1.0x,
+peak memory no higher, a LoRA checkpoint under 5% of a full one.
+
+Part 2 (learning): a small random Llama-shaped model with a ChatML template and 24 question/answer facts as
+chats. `peft` and nnx start from the same adapter (peft's initialisation, saved and given to nnx through
+`checkpoint.init_from`) and see the same batches (nnx's, written out for the reference). Both fine-tune
+400 steps with LoRA and fully; each then answers every question greedily through the chat template. Targets:
+every fact learnt by LoRA and by full fine-tuning, and nnx's LoRA eval loss within 10% of peft's at every
+eval (after the first 100 steps, where both are still near the start).
+
+    python benchmarks/lora.py --reference /tmp/refvenv/bin/python [--part 1|2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_load import pss_mib, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+REFERENCE = ROOT / "benchmarks/reference/peft_train.py"
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+SMALL = {
+    **SMOLLM2, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
+}  # fmt: skip
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SUBJECTS = ["the mill", "the bridge", "the river", "the fiddler", "the square", "the school", "the harbour",
+            "the orchard", "the tower", "the market", "the chapel", "the forge"]  # fmt: skip
+ANSWERS = ["north of the town", "the old guard", "every spring", "a red boat", "seven lamps", "Anna Berg",
+           "in the cellar", "twelve geese", "the blue door", "on Tuesdays", "a silver bell", "three oaks"]  # fmt: skip
+
+
+def facts() -> list[tuple[str, str]]:
+    """24 question/answer pairs: two questions about each of 12 subjects."""
+    out = []
+    for i, subject in enumerate(SUBJECTS):
+        out.append((f"Where is {subject}?", f"It is {ANSWERS[i]}."))
+        out.append((f"What is special about {subject}?", f"It has {ANSWERS[(i + 5) % len(ANSWERS)]}."))
+    return out
+
+
+def write_tokenizer(directory: Path, text: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained on `text`, with ChatML special tokens, template and stop token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator([text] * 20, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+
+
+class Peak:
+    """The peak PSS (MiB) of a process, sampled every 20 ms while it runs."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.value = proc, 0.0
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.proc.poll() is None:
+            self.value = max(self.value, pss_mib(self.proc.pid) or 0.0)
+            time.sleep(0.02)
+
+
+def run(command: list, cwd: Path) -> tuple[str, float]:
+    """Run a command; its stdout and its peak PSS."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    peak = Peak(proc)
+    out, err = proc.communicate()
+    peak.thread.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, command))} failed:\n{err[-3000:]}")
+    return out, peak.value
+
+
+def train_records(workdir: Path, split: str) -> list[dict]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def size_mib(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+
+
+# Part 1: speed, memory, checkpoint size on SmolLM2-135M shapes
+# ------------------------------------------------------------------------------
+
+
+def part1(reference: str, cwd: Path, steps: int) -> bool:
+    model = cwd / "smollm2-135m-shaped"
+    count = write_model(model, SMOLLM2)
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(3000)]
+    text = " ".join(rng.choice(words, 200_000))
+    write_tokenizer(model, text[:200_000], 4000)
+    (cwd / "text.txt").write_text(text)
+    print(f"model: SmolLM2-135M shapes ({count / 1e6:.1f} M parameters), sequence 256, batch 4, AdamW, {steps} steps")
+    rows = []
+    for name, lora in (("LoRA r16", "lora: {rank: 16, alpha: 32}, "), ("full", "")):
+        config = cwd / f"speed-{len(rows)}.yaml"
+        config.write_text(
+            f"model: {{name: transformer_lm, pretrained: {model}, {lora}scan_layers: true}}\n"
+            "data: {source: text.txt, text_key: text, seq_len: 256, eval_split: null}\n"
+            "optimizer: {name: adamw, learning_rate: 1.0e-4, weight_decay: 0.0}\n"
+            f"train: {{batch_size: 4, steps: {steps}, log_every: 2, steps_per_dispatch: 1}}\n"
+            f"checkpoint: {{every_steps: {steps}}}\n"
+        )
+        workdir = cwd / f"speed-{len(rows)}"
+        _, ours_peak = run([BIN / "nnx-train", config, "--workdir", workdir], cwd)
+        records = train_records(workdir, "train")
+        ours = statistics.median(r["metrics"]["tokens_per_s"] for r in records[1:])  # after compiling
+        checkpoint = size_mib(workdir / "checkpoints" / str(steps))
+        tokens = rng.integers(0, 4000, (steps, 4, 257))
+        np.savez(cwd / "speed.npz", tokens=tokens, targets=np.ones_like(tokens, np.uint8))
+        extra = ["--lora", "16", "32"] if lora else []
+        _, theirs_peak = run([reference, REFERENCE, model, cwd / "speed.npz", cwd / "speed.json",
+                              "--learning-rate", "1e-4", *extra], cwd)  # fmt: skip
+        result = json.loads((cwd / "speed.json").read_text())
+        theirs = 4 * 256 / statistics.median(result["seconds"][2:])
+        rows.append((name, ours, theirs, ours_peak, theirs_peak, checkpoint, result["threads"]))
+    print("\n| fine-tuning | nnx tokens/s | peft/transformers tokens/s | ratio | nnx peak PSS MiB | theirs MiB | "
+          "nnx checkpoint MiB |\n| --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    for name, ours, theirs, ours_peak, theirs_peak, checkpoint, threads in rows:
+        print(f"| {name} | {ours:,.0f} | {theirs:,.0f} ({threads} threads) | {ours / theirs:.2f}x | "
+              f"{ours_peak:,.0f} | {theirs_peak:,.0f} | {checkpoint:,.1f} |")  # fmt: skip
+    share = rows[0][5] / rows[1][5]
+    print(f"\nLoRA checkpoint / full checkpoint: {share:.1%} (target under 5%)")
+    return all(r[1] >= r[2] and r[3] <= r[4] for r in rows) and share < 0.05
+
+
+# Part 2: learning 24 facts, with the same start and the same batches
+# ------------------------------------------------------------------------------
+
+
+def part2(reference: str, cwd: Path, steps: int) -> bool:
+    from nnx_cli.config import load_config
+    from nnx_cli.data import examples
+
+    pairs = facts()
+    model = cwd / "small-llama"
+    text = " ".join(f"{q} {a}" for q, a in pairs)
+    model.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(model, text + " user assistant system", 600)
+    config = {**SMALL, "vocab_size": 640, "bos_token_id": None, "eos_token_id": 2}
+    write_model(model, config)
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
+    (cwd / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    questions = [q for q, _ in pairs]
+    (cwd / "questions.json").write_text(json.dumps(questions))
+    data = "data: {source: facts.jsonl, format: chat, seq_len: 47, packing: false, eval_split: train}\n"
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={model}", "data.source=facts.jsonl",
+                             "data.format=chat", "data.seq_len=47", "data.packing=false",
+                             "data.eval_split=train", "data.cache_dir=" + str(cwd / "cache")])  # fmt: skip
+    os.chdir(cwd)
+    splits = examples.load_example_splits(cfg.data, seed=0, pretrained=str(model))
+    batch, per_epoch = 8, len(splits.train) // 8
+    keys = [splits.train.epoch_keys(s // per_epoch)[(s % per_epoch) * batch : (s % per_epoch + 1) * batch]
+            for s in range(steps)]  # fmt: skip
+    np.savez(cwd / "batches.npz", **{k: np.stack([splits.train.read(b)[k] for b in keys]) for k in
+                                    ("tokens", "targets", "segments")})  # fmt: skip
+    np.savez(cwd / "eval.npz", **{k: v for k, v in splits.eval.stored().items() if k != "positions"})
+    results = {}
+    for name, lora, rate in (("LoRA", True, 3e-3), ("full", False, 1e-3)):
+        start = []
+        if lora:  # peft's initial adapter, saved untrained, is where both start
+            np.savez(cwd / "none.npz", tokens=np.zeros((0, 8, 48), np.int64), targets=np.zeros((0, 8, 48), np.uint8))
+            run([reference, REFERENCE, model, cwd / "none.npz", cwd / "init.json", "--lora", "16", "32",
+                 "--save-init", cwd / "init-adapter"], cwd)  # fmt: skip
+            start = ["--init-adapter", cwd / "init-adapter"]
+        run([reference, REFERENCE, model, cwd / "batches.npz", cwd / f"{name}.json", "--learning-rate", str(rate),
+             "--eval", cwd / "eval.npz", "--eval-every", "50", "--questions", cwd / "questions.json", *start,
+             *(["--lora", "16", "32"] if lora else [])], cwd)  # fmt: skip
+        theirs = json.loads((cwd / f"{name}.json").read_text())
+        yaml = cwd / f"{name}.yaml"
+        yaml.write_text(
+            f"model: {{name: transformer_lm, pretrained: {model}{', lora: {rank: 16, alpha: 32}' if lora else ''}}}\n"
+            + data
+            + f"optimizer: {{name: adamw, learning_rate: {rate}, weight_decay: 0.0}}\n"
+            + f"train: {{batch_size: 8, steps: {steps}, log_every: 50, eval_every: 50}}\n"
+            + f"checkpoint: {{every_steps: {steps}{f', init_from: {cwd}/init-adapter' if lora else ''}}}\n"
+        )
+        run([BIN / "nnx-train", yaml, "--workdir", cwd / name], cwd)
+        evals = {r["step"]: r["metrics"]["loss"] for r in train_records(cwd / name, "eval")}
+        results[name] = (evals, theirs, answers(cwd / name, questions))
+    expected = [a for _, a in pairs]
+    print(f"\n24 facts, {steps} steps, batch 8, the same batches and (LoRA) the same initial adapter on both sides")
+    print("\n| fine-tuning | eval loss nnx / peft at steps 50, 100, ... | facts right: nnx | peft |")
+    print("| --- | --- | --- | --- |")
+    ok = True
+    for name, (evals, theirs, ours) in results.items():
+        curve = ", ".join(f"{evals[s]:.3f}/{theirs['eval_losses'][str(s)]:.3f}" for s in sorted(evals))
+        right, theirs_right = sum(map(str.__eq__, ours, expected)), sum(map(str.__eq__, theirs["answers"], expected))
+        print(f"| {name} | {curve} | {right}/24 | {theirs_right}/24 |")
+        ok &= right == 24
+        if name == "LoRA":
+            gaps = [abs(evals[s] - theirs["eval_losses"][str(s)]) / theirs["eval_losses"][str(s)]
+                    for s in sorted(evals) if s > 100]  # fmt: skip
+            print(f"\nLoRA eval loss, largest gap to peft after step 100: {max(gaps):.1%} (target within 10%)")
+            ok &= max(gaps) <= 0.10
+    return ok
+
+
+def answers(workdir: Path, questions: list[str]) -> list[str]:
+    """Greedy replies of a run to each question, through its chat template (as nnx-generate --chat)."""
+    from nnx_cli.generate import encode_prompt, load, stops
+    from nnx_cli.workdir import open_run
+
+    _, decoder, tokenizer = load(open_run(workdir))
+    out = []
+    for question in questions:
+        prompt = encode_prompt(tokenizer, question, chat=True, system=None)
+        drawn = decoder.generate([prompt], max_tokens=24, temperature=0, **stops(tokenizer, chat=True)).finish()
+        out.append(tokenizer.decode(drawn.samples[0]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reference", required=True, help="python of a virtualenv with torch, transformers, peft")
+    parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
+    parser.add_argument("--speed-steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    cwd = Path(tempfile.mkdtemp(prefix="nnx-lora-"))
+    ok = True
+    if args.part in (None, 1):
+        ok &= part1(args.reference, cwd, args.speed_steps)
+    if args.part in (None, 2):
+        ok &= part2(args.reference, cwd, args.steps)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
