@@ -58,7 +58,7 @@ class DataConfig:
     workers: int | None = None  # input-pipeline worker processes; null: the machine's cores, 0: none
     cache_dir: str | None = None  # decoded / tokenized caches; null: under the `datasets` cache
     on_device: bool | str = "auto"  # keep the training split on the devices: auto, true or false
-    format: str = "text"  # text (documents in data.text_key) | chat | completion: fine-tuning examples
+    format: str = "text"  # text (documents in data.text_key) | chat | completion: examples (text_key unused)
     messages_key: str = "messages"  # chat: the column of {role, content} message lists
     prompt_key: str = "prompt"  # completion: the prompt ...
     completion_key: str = "completion"  # ... and what the model should learn to answer

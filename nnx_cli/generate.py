@@ -62,7 +62,6 @@ def generate(
 ) -> None:
     """Continue a prompt with a trained language model."""
     from nnx_cli import hf, runtime
-    from nnx_cli.data import examples
     from nnx_cli.workdir import open_run
 
     template = None
@@ -80,7 +79,7 @@ def generate(
     else:
         run = open_run(target, overrides or [], step)
         restored_step, decoder, tokenizer = load(run)
-        template = examples.chat_template(run.cfg.data, tokenizer) if run.cfg.data.chat_template else None
+        template = run_chat_template(run.cfg, tokenizer) if chat else None
     prompt_ids = encode_prompt(tokenizer, prompt, chat, system, template)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
@@ -100,6 +99,13 @@ def generate(
     elif not stream:
         for i, text in enumerate(texts):
             print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + text, flush=True)
+
+
+def run_chat_template(cfg: Any, tokenizer: Any) -> str | None:
+    """The chat template a run trained with: its `data.chat_template` when set, else None (the tokenizer's)."""
+    from nnx_cli.data import examples
+
+    return examples.chat_template(cfg.data, tokenizer) if cfg.data.chat_template is not None else None
 
 
 def encode_prompt(
@@ -284,7 +290,7 @@ def eval_prompts(exp: Any) -> list[list[int]]:
     chat = exp.cfg.data.format == examples.CHAT
     if exp.cfg.train.sample_prompts:
         tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-        template = examples.chat_template(exp.cfg.data, tokenizer) if chat else None
+        template = run_chat_template(exp.cfg, tokenizer) if chat else None
         return [encode_prompt(tokenizer, p, chat, None, template) for p in exp.cfg.train.sample_prompts]
     if examples.is_examples(exp.cfg.data):  # the start of eval examples, up to where their first answer begins
         rows = exp.eval.stored()

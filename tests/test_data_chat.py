@@ -7,12 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_support import fixture
+from hf_support import FIXTURES, fixture, goldens
 
 from nnx_cli import hf
 from nnx_cli.config import DataConfig
 from nnx_cli.data import examples
 from nnx_cli.errors import UserError
+from nnx_cli.hf import chat
 
 QA = [
     ("Who keeps the bridge?", "The old guard."),
@@ -40,8 +41,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def config(tmp_path: Path, source: Path, **options) -> DataConfig:
-    return DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), tokenizer="pretrained",
-                      **{"format": "chat", "seq_len": 255, "eval_split": None, **options})  # fmt: skip
+    defaults = {"format": "chat", "tokenizer": "pretrained", "seq_len": 255, "eval_split": None}
+    return DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), **{**defaults, **options})
 
 
 def load(cfg: DataConfig, family: str = "qwen2"):
@@ -74,6 +75,46 @@ def test_chat_targets_are_exactly_the_assistant_turns_through_their_end_token(tm
                 current = []
         runs += [current] if current else []
         assert [tokenizer.decode(run) for run in runs] == [a + end for a in answers]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_chat_rows_tokenize_as_transformers_renders_and_tokenizes_the_conversation(family):
+    record, gold = json.loads((FIXTURES / f"{family}.json").read_text()), goldens(family)
+    tokenizer = hf.pretrained_tokenizer(str(fixture(family)))
+    text, _ = chat.assistant_spans(tokenizer.chat_template, record["conversation"], chat.special_tokens(tokenizer))
+    ids, targets = examples.encode_chat(tokenizer, tokenizer.chat_template, record["conversation"])
+    assert text == record["chat_full_text"] and ids == gold["chat_full_ids"].tolist()
+    first_answer = len(gold["chat_prompt_ids"])  # transformers' rendering up to the first reply's prompt
+    assert not any(targets[:first_answer]) and targets[first_answer] == 1
+
+
+def test_a_token_holding_the_end_of_the_prompt_and_the_start_of_the_reply_is_a_target(tmp_path):
+    from hf_support import tokenizer_json
+
+    from nnx_cli.data.tokenizers import load_tokenizer
+
+    tokenizer_json(tmp_path / "tokenizer.json")
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    messages = [{"role": "user", "content": "a king"}, {"role": "assistant", "content": "quick fox"}]
+    ids, targets = examples.encode_chat(tokenizer, template, messages)
+    first = targets.index(1)
+    assert tokenizer.decode(ids[first : first + 1]) == " qu"  # the generation prompt's space, merged into it
+    assert tokenizer.decode(ids[:first]).endswith("assistant:")
+    assert ids[len(targets) - 1 - targets[::-1].index(1)] == tokenizer.eod_id  # through <|endoftext|>
+    assert tokenizer.decode([t for t, flag in zip(ids, targets) if flag]) == " quick fox"
+
+
+def test_a_bytes_tokenizer_marks_the_bytes_of_each_reply(tmp_path):
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(2))
+    cfg = config(tmp_path, source, tokenizer="bytes", chat_template=template, packing=False)
+    rows = examples.load_example_splits(cfg, seed=0).train.stored()
+    answers = [bytes(t[g == 1].tolist()).decode() for t, g in segments_of(rows)]
+    assert answers == ["The old guard.</assistant>",
+                       "In spring, when the river is high.</assistant>The mill town.</assistant>"]  # fmt: skip
 
 
 def test_completion_targets_are_the_completion_and_the_end_token(tmp_path):
@@ -117,7 +158,7 @@ def test_a_packed_example_has_the_loss_it_has_alone(tmp_path):
 
     source = write_jsonl(tmp_path / "chats.jsonl", chats(6))
     packed, alone = load(config(tmp_path, source)).train, load(config(tmp_path, source, packing=False)).train
-    model = TransformerLM((255,), 320, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, positions="rope",
+    model = TransformerLM((255,), 320, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, positions="rope",
                           norm="rmsnorm", mlp="swiglu", bias=False, dropout=0.0, scan_layers=False,
                           ctx=nnx.context(0))  # fmt: skip
     pure = model.partition()
@@ -146,7 +187,9 @@ def test_long_examples_are_cut_counted_and_said_once(tmp_path, capsys):
     assert split.stored()["segments"][0].sum() == 40
     err = capsys.readouterr().err
     assert "1 of 2 examples are longer than 40 tokens and were cut there" in err
-    assert "1 have no target token left" in err
+    assert "1 of 2 examples have no target token" in err
+    load(config(tmp_path, source, format="completion", max_len=40, packing=False))
+    assert capsys.readouterr().err == ""  # said once, not again for the cached rows
 
 
 def test_rows_are_built_once_and_rebuilt_when_the_template_changes(tmp_path):
@@ -164,10 +207,78 @@ def test_rows_are_built_once_and_rebuilt_when_the_template_changes(tmp_path):
     assert len(entries()) == len(first) + 1
 
 
-def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path):
+def test_a_template_file_overrides_the_model_directorys(tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(1))
+    tokens, targets = segments_of(load(config(tmp_path, source, chat_template=str(template))).train.stored())[0]
+    tokenizer = hf.pretrained_tokenizer(str(fixture("qwen2")))
+    assert tokenizer.decode(tokens.tolist()).startswith("system: Be brief.<|im_end|>user: ")
+    assert tokenizer.decode(tokens[targets == 1].tolist()) == "The old guard.<|im_end|>"
+
+
+def test_unpacked_rows_hold_one_padded_example_and_eval_pads_its_last_batch(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(5))
+    cfg = config(tmp_path, source, packing=False, eval_split="train")
+    splits = load(cfg)
+    rows = splits.train.stored()
+    assert rows["tokens"].dtype == np.uint16 and rows["targets"].dtype == np.uint8
+    assert rows["segments"].dtype == rows["positions"].dtype == np.int32
+    assert rows["tokens"].shape == (5, 256) and rows["segments"].max(axis=1).tolist() == [1] * 5
+    batches = list(splits.eval.eval_batches(4))
+    assert [b["mask"].tolist() for b in batches] == [[True] * 4, [True, False, False, False]]
+    assert (batches[1]["tokens"][0] == rows["tokens"][4]).all() and not batches[1]["segments"][1:].any()
+    prepared = splits.eval.prepare({k: v for k, v in batches[0].items() if k != "mask"})
+    assert prepared["targets"].dtype == bool and prepared["tokens"].dtype == prepared["positions"].dtype == np.int32
+
+
+def test_each_epoch_is_a_permutation_of_the_rows_from_the_seed_and_epoch(tmp_path):
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(12))
+    split = load(config(tmp_path, source, packing=False)).train
+    first, again, second = split.epoch_keys(0), split.epoch_keys(0), split.epoch_keys(1)
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(12))
+    assert (first == again).all() and not (first == second).all()
+    assert split.steps_per_epoch(5) == 2
+    with pytest.raises(UserError, match=r"'train.batch_size' \(13\) is larger than the training split"):
+        split.steps_per_epoch(13)
+
+
+def test_chat_data_is_text_for_the_trainer_and_its_samples_are_user_turns(tmp_path):
+    import types
+
+    from nnx_cli.config import load_config
+    from nnx_cli.data import eval_split, spec_from_config, train_split
+    from nnx_cli.generate import eval_prompts
+
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(10))
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('qwen2')}",
+                             f"data.source={source}", f"data.cache_dir={tmp_path / 'cache'}", "data.format=chat",
+                             "data.tokenizer=pretrained", "data.seq_len=63", "data.eval_split=test"])  # fmt: skip
+    tokenizer = hf.pretrained_tokenizer(str(fixture("qwen2")))
+    assert spec_from_config(cfg).input_shape == (63,)
+    exp = types.SimpleNamespace(cfg=cfg, eval=eval_split(cfg))
+    assert len(train_split(cfg).epoch_keys(0)) > 0 and len(exp.eval) > 0
+    prompts = eval_prompts(exp)  # by default, eval examples up to where their first reply begins
+    assert tokenizer.decode(prompts[0]).endswith("<|im_start|>assistant\n")
+    cfg.train.sample_prompts = ["Who keeps the bridge?"]
+    expected = chat.render(tokenizer.chat_template, [{"role": "user", "content": "Who keeps the bridge?"}],
+                           add_generation_prompt=True, special_tokens=chat.special_tokens(tokenizer))  # fmt: skip
+    assert eval_prompts(exp) == [tokenizer.encode_plain(expected).tolist()]
+    cfg.data.chat_template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    assert tokenizer.decode(eval_prompts(exp)[0]) == "Q: Who keeps the bridge?\nA:"
+
+
+def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path, capsys):
     source = write_jsonl(tmp_path / "chats.jsonl", chats(20))
     splits = load(config(tmp_path, source, eval_split="test", packing=False))
     assert (len(splits.train), len(splits.eval)) == (18, 2)
+    assert "its last 2 of 20 examples are held out as 'test'" in capsys.readouterr().err
+    tokenizer = hf.pretrained_tokenizer(str(fixture("qwen2")))
+    held = [tokenizer.decode(tokens.tolist()) for tokens, _ in segments_of(splits.eval.stored())]
+    specials = chat.special_tokens(tokenizer)
+    assert held == [chat.render(tokenizer.chat_template, row["messages"], add_generation_prompt=False,
+                                special_tokens=specials) for row in chats(20)[18:]]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -180,9 +291,15 @@ def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path):
          r"row 0 of .*the chat template failed: no system turns, please"),
         (chats(2), {"chat_template": "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"},
          r"row 0 of .*renders message 2 \(assistant\) differently inside the conversation"),
+        ([{"messages": ["hello"]}], {}, r"row 0 of .*'messages'\[0\] is not a \{role, content\} message"),
         ([{"prompt": "hi", "completion": ""}], {"format": "completion"}, r"row 0 of .*the completion not empty"),
+        ([{"prompt": "a", "completion": "b"}, {"prompt": "c"}], {"format": "completion"},
+         r"'data.completion_key': row 1 of .* has no 'completion'"),
+        (chats(1), {"chat_template": "no_such_template.jinja"}, r"'data.chat_template': 'no_such_template.jinja' is "
+         "neither a file nor a Jinja template"),
     ],
-    ids=["missing-key", "no-content", "not-a-list", "template-raises", "not-prefix-consistent", "empty-completion"],
+    ids=["missing-key", "no-content", "not-a-list", "template-raises", "not-prefix-consistent", "not-a-message",
+         "empty-completion", "missing-completion", "no-template-file"],
 )  # fmt: skip
 def test_bad_rows_and_templates_name_the_row(tmp_path, rows, options, message):
     source = write_jsonl(tmp_path / "rows.jsonl", rows)

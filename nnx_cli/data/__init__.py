@@ -9,9 +9,11 @@
   `datasets.load_dataset`;
 - your own `package.module:fn` (see :mod:`nnx_cli.data.images`).
 
-Images (:mod:`nnx_cli.data.images`) are decoded once into a uint8 cache and
+Images (:mod:`nnx_cli.data.images`) are decoded once into a uint8 cache,
 text (:mod:`nnx_cli.data.text`, when `data.text_key` is set) is tokenized
-once into a token stream; both are memory-mapped by every later run
+once into a token stream, and fine-tuning examples
+(:mod:`nnx_cli.data.examples`, `data.format: chat | completion`) into rows
+with loss targets; all are memory-mapped by every later run
 (:mod:`nnx_cli.data.cache`). The loop reads them through the interface in
 :mod:`nnx_cli.data.base`, fed by :mod:`nnx_cli.data.pipeline`::
 

@@ -26,10 +26,11 @@ tokenizer) into the data cache and memory-mapped after::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ CHAT, COMPLETION = "chat", "completion"
 FORMATS = ("text", CHAT, COMPLETION)
 HOLDOUT_FRACTION = 0.1  # of a single split's examples, held out as its eval split
 _COLUMNS = ("tokens", "targets", "segments", "positions")
-_noticed: set[tuple] = set()
+_LAYOUT = 2  # bump when the same options build other rows: old cache entries are then not found
 
 
 # Templates and tokens
@@ -60,23 +61,31 @@ def chat_template(cfg: DataConfig, tokenizer: Any) -> str | None:
     if given is None:
         return getattr(tokenizer, "chat_template", None)
     path = Path(given).expanduser()
-    if "{" not in given and path.suffix in (".jinja", ".j2", ".txt", "") and not path.is_file():
-        raise UserError(f"config key 'data.chat_template': file {given!r} does not exist")
-    return path.read_text() if "{" not in given and path.is_file() else given
+    if "\n" not in given and len(given) < 1024 and path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"config key 'data.chat_template': cannot read {given!r} ({e})") from None
+    if "{" in given:  # every template that uses its messages has a {{ ... }} or {% ... %}
+        return given
+    raise UserError(
+        f"config key 'data.chat_template': {given!r} is neither a file nor a Jinja template; give the path of a "
+        "template file (.jinja) or the template's text"
+    )
 
 
-def _pieces(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
-    """The ids of `text` (no special tokens added: a rendered template holds its own) and each token's first
-    character."""
+def _pieces(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """The ids of `text` (no special tokens added: a rendered template holds its own) and each token's
+    characters `(start, end)`."""
     if hasattr(tokenizer, "to_bytes"):  # bytes: one token per UTF-8 byte
-        ids, starts = [], []
+        ids, offsets = [], []
         for i, ch in enumerate(text):
             encoded = ch.encode("utf-8")
             ids.extend(encoded)
-            starts.extend([i] * len(encoded))
-        return ids, starts
+            offsets.extend([(i, i + 1)] * len(encoded))
+        return ids, offsets
     encoding = tokenizer._tokenizer.encode(text, add_special_tokens=False)
-    return list(encoding.ids), [start for start, _ in encoding.offsets]
+    return list(encoding.ids), list(encoding.offsets)
 
 
 def _end_token(tokenizer: Any) -> int:
@@ -86,69 +95,107 @@ def _end_token(tokenizer: Any) -> int:
     return tokenizer.eod_id if found is None else found
 
 
-def encode_chat(tokenizer: Any, template: str, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """A conversation's ids and target flags (1 on the assistant turns' tokens)."""
+def encode_chat(tokenizer: Any, template: str, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """A conversation's ids and target flags: 1 on the tokens of its assistant turns, through each turn's end.
+
+    Qwen2.5's ChatML template, for example::
+
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        ids, targets = encode_chat(tok, tok.chat_template, chat)
+        tok.decode([i for i, t in zip(ids, targets) if t])     # 'Hello<|im_end|>'
+    """
     from nnx_cli.hf import chat
 
     text, spans = chat.assistant_spans(template, messages, chat.special_tokens(tokenizer))
-    ids, starts = _pieces(tokenizer, text)
-    targets = [int(any(a <= s < b for a, b in spans)) for s in starts]
-    return ids, targets
+    ids, offsets = _pieces(tokenizer, text)
+    return ids, chat.span_targets(offsets, spans).tolist()
 
 
 def encode_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """The prompt's ids (with the tokenizer's own special tokens), the completion's and the end token; the
-    completion and the end token are the targets."""
+    """The prompt's ids (after the special tokens the tokenizer starts a text with: Llama's begin-of-text), the
+    completion's and the end token; the completion and the end token are the targets."""
     plain = getattr(tokenizer, "encode_plain", tokenizer.encode)
-    head = [int(t) for t in tokenizer.encode(prompt)]
+    head = [int(t) for t in getattr(tokenizer, "document_prefix", ())] + [int(t) for t in plain(prompt)]
     tail = [int(t) for t in plain(completion)] + [_end_token(tokenizer)]
     return head + tail, [0] * len(head) + [1] * len(tail)
+
+
+def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, example: dict[str, Any],
+                   number: int) -> tuple[list[int], list[int]]:  # fmt: skip
+    """One row of the source as (ids, targets), before truncation; bad rows are a UserError naming `number`."""
+    from nnx_cli.hf.chat import TemplateFailed, check_messages
+
+    keys = _columns(cfg)
+    missing = [k for k in keys if example.get(k) is None]
+    if missing:
+        option = (
+            "messages_key" if cfg.format == CHAT else "prompt_key" if missing[0] == cfg.prompt_key else "completion_key"
+        )
+        raise UserError(
+            f"config key 'data.{option}': row {number} of {cfg.source!r} has no {missing[0]!r}; columns: "
+            + ", ".join(example)
+        )
+    try:
+        if cfg.format == CHAT:
+            ids, targets = encode_chat(tokenizer, template, check_messages(example[cfg.messages_key], cfg.messages_key))
+        else:
+            prompt, completion = example[cfg.prompt_key], example[cfg.completion_key]
+            if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+                raise ValueError(
+                    f"{cfg.prompt_key!r} and {cfg.completion_key!r} must be text, the completion not empty"
+                )
+            ids, targets = encode_completion(tokenizer, prompt, completion)
+    except (TemplateFailed, ValueError) as e:
+        raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
+    if cfg.train_on_prompt:
+        targets = [0] + [1] * (len(ids) - 1)
+    return ids, targets
 
 
 # Rows
 # ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Rows:
-    """Examples laid out in rows of `width` tokens (see the module docstring)."""
+def pack(examples: Iterable[tuple[Sequence[int], Sequence[int]]], width: int, packing: bool = True
+         ) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
+    """Rows of `width` tokens holding `examples` (ids, targets), each whole in one row, in order.
 
-    width: int
-    packing: bool
-    tokens: list[np.ndarray] = dataclasses.field(default_factory=list)
-    targets: list[np.ndarray] = dataclasses.field(default_factory=list)
-    segments: list[np.ndarray] = dataclasses.field(default_factory=list)
-    positions: list[np.ndarray] = dataclasses.field(default_factory=list)
-    fill: int = 0  # tokens used in the last row
+    With `packing`, an example goes into the current row if it fits, else starts the next; without, each has a
+    row of its own. `segments` number the examples of a row from 1 (0: padding), `positions` count from 0
+    within each example::
 
-    def add(self, ids: list[int], targets: list[int]) -> None:
+        [row["segments"].tolist() for row in pack([([5, 6], [0, 1]), ([7], [1]), ([8, 9], [0, 1])], width=4)]
+        # [[1, 1, 2, 0], [1, 1, 0, 0]]
+    """
+    row: dict[str, np.ndarray] | None = None
+    fill = segment = 0
+    for ids, targets in examples:
         n = len(ids)
-        if not self.tokens or not self.packing or self.fill + n > self.width:
-            for column in (self.tokens, self.targets, self.segments, self.positions):
-                column.append(np.zeros(self.width, np.int64))
-            self.fill = 0
-        row, at = len(self.tokens) - 1, self.fill
-        self.tokens[row][at : at + n] = ids
-        self.targets[row][at : at + n] = targets
-        self.segments[row][at : at + n] = self.segments[row][max(at - 1, 0)] + 1 if at else 1
-        self.positions[row][at : at + n] = np.arange(n)
-        self.fill += n
+        if n > width:
+            raise ValueError(f"an example of {n} tokens does not fit a row of {width}")
+        if n == 0:
+            continue
+        if row is not None and (not packing or fill + n > width):
+            yield row
+            row = None
+        if row is None:
+            row = {name: np.zeros(width, np.int64) for name in _COLUMNS}
+            fill = segment = 0
+        segment += 1
+        row["tokens"][fill : fill + n] = ids
+        row["targets"][fill : fill + n] = targets
+        row["segments"][fill : fill + n] = segment
+        row["positions"][fill : fill + n] = np.arange(n)
+        fill += n
+    if row is not None:
+        yield row
 
-    def arrays(self, token_dtype: np.dtype) -> dict[str, np.ndarray]:
-        dtypes = {"tokens": token_dtype, "targets": np.uint8, "segments": np.int32, "positions": np.int32}
-        return {
-            name: np.stack(getattr(self, name)).astype(dtypes[name])
-            if getattr(self, name)
-            else np.zeros((0, self.width), dtypes[name])
-            for name in _COLUMNS
-        }
 
-
-def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, first_row: int = 0) -> tuple[dict[str, np.ndarray], dict]:
-    """Tokenize and lay out the examples of `rows` (a `datasets.Dataset`); row numbers in errors start at
-    `first_row`. Returns the row arrays and counts (examples, truncated, without targets, tokens)."""
-    from nnx_cli.data.text import stream_dtype
-    from nnx_cli.hf.chat import TemplateFailed, check_messages
+def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, directory: Path, first_row: int = 0) -> dict[str, Any]:
+    """Tokenize the examples of `rows` (a `datasets.Dataset`) and write them as rows (`<column>.npy`, flat: read
+    them back with `.reshape(-1, seq_len + 1)`) into `directory`, a row at a time; row numbers in errors start
+    at `first_row`. Returns the counts: examples, rows, truncated, without targets, tokens, target tokens."""
+    from nnx_cli.data.text import _NpyWriter, stream_dtype
 
     width = cfg.seq_len + 1
     limit = min(cfg.max_len or width, width)
@@ -159,43 +206,33 @@ def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, first_row: int = 0) -
             "directory's chat_template.jinja or tokenizer_config.json) and data.chat_template is not set; set it "
             "to a template file or its Jinja text"
         )
-    out = _Rows(width, cfg.packing)
-    counts = {"examples": 0, "truncated": 0, "without_targets": 0, "tokens": 0, "target_tokens": 0}
-    keys = [cfg.messages_key] if cfg.format == CHAT else [cfg.prompt_key, cfg.completion_key]
-    for offset, example in enumerate(_progress(rows, len(rows))):
-        number = first_row + offset
-        missing = [k for k in keys if example.get(k) is None]
-        if missing:
-            raise UserError(
-                f"config key 'data.{'messages_key' if cfg.format == CHAT else 'prompt_key'}': row {number} of "
-                f"{cfg.source!r} has no {missing[0]!r}; columns: {', '.join(example)}"
-            )
-        try:
-            if cfg.format == CHAT:
-                messages = check_messages(example[cfg.messages_key], cfg.messages_key)
-                ids, targets = encode_chat(tokenizer, template, messages)
-            else:
-                prompt, completion = example[cfg.prompt_key], example[cfg.completion_key]
-                if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
-                    raise ValueError(f"{cfg.prompt_key!r} and {cfg.completion_key!r} must be text, the completion "
-                                     "not empty")  # fmt: skip
-                ids, targets = encode_completion(tokenizer, prompt, completion)
-        except TemplateFailed as e:
-            raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
-        except ValueError as e:
-            raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
-        if cfg.train_on_prompt:
-            targets = [0] + [1] * (len(ids) - 1)
-        if len(ids) > limit:
-            counts["truncated"] += 1
-            ids, targets = ids[:limit], targets[:limit]
-        if not any(targets[1:]):
-            counts["without_targets"] += 1
-        counts["examples"] += 1
-        counts["tokens"] += len(ids)
-        counts["target_tokens"] += sum(targets[1:])
-        out.add(ids, targets)
-    return out.arrays(stream_dtype(tokenizer.vocab_size)), counts
+    if template is not None:
+        from nnx_cli.hf.chat import compile_template
+
+        compile_template(template)  # a template that does not parse is the template's fault, not a row's
+    counts = {"examples": 0, "rows": 0, "truncated": 0, "without_targets": 0, "tokens": 0, "target_tokens": 0}
+
+    def examples() -> Iterator[tuple[list[int], list[int]]]:
+        for offset, example in enumerate(_progress(rows, len(rows))):
+            ids, targets = encode_example(cfg, tokenizer, template, example, first_row + offset)
+            if len(ids) > limit:
+                counts["truncated"] += 1
+                ids, targets = ids[:limit], targets[:limit]
+            counts["without_targets"] += not any(targets[1:])
+            counts["examples"] += 1
+            counts["tokens"] += len(ids)
+            counts["target_tokens"] += sum(targets[1:])
+            yield ids, targets
+
+    dtypes = {"tokens": stream_dtype(tokenizer.vocab_size), "targets": np.uint8, "segments": np.int32,
+              "positions": np.int32}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        out = {name: stack.enter_context(_NpyWriter(directory / f"{name}.npy", dtypes[name])) for name in _COLUMNS}
+        for row in pack(examples(), width, cfg.packing):
+            for name in _COLUMNS:
+                out[name].write(row[name])
+            counts["rows"] += 1
+    return counts
 
 
 def _progress(rows: Any, total: int) -> Iterator[dict[str, Any]]:
@@ -312,14 +349,15 @@ def load_example_splits(
             f"examples are held out as {cfg.eval_split!r}",
         )
         if want_train:
-            train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (0, cut))
+            train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (0, cut), f"{cfg.train_split!r}")
         if want_eval:
-            evaluation = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (cut, len(rows)))
+            held = f"{cfg.eval_split!r} (held out of {cfg.train_split!r})"
+            evaluation = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (cut, len(rows)), held)
     else:
         if want_train:
-            train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", None)
+            train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", None, f"{cfg.train_split!r}")
         if want_eval:
-            evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None)
+            evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None, f"{cfg.eval_split!r}")
     return ExampleSplits(
         ExampleTrainSplit(train, seed, spec) if train is not None else None,
         ExampleEvalSplit(evaluation, spec) if evaluation is not None else None,
@@ -331,11 +369,17 @@ def _columns(cfg: DataConfig) -> list[str]:
     return [cfg.messages_key] if cfg.format == CHAT else [cfg.prompt_key, cfg.completion_key]
 
 
-def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, part: tuple[int, int] | None):
-    """The row arrays of `split` (or of its examples `part`), from the cache or built into it."""
+def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, part: tuple[int, int] | None,
+          name: str) -> dict[str, np.ndarray]:  # fmt: skip
+    """The row arrays of `split` (or of its examples `part`), from the cache or built into it; `name` is how
+    notices call them."""
+    from nnx_cli.hf.chat import special_tokens
+
     template = chat_template(cfg, tokenizer) if cfg.format == CHAT else None
+    width = cfg.seq_len + 1
     parts = {
         "kind": "examples",
+        "layout": _LAYOUT,
         "source": source.id,
         "split": split,
         "part": list(part) if part else None,
@@ -345,8 +389,9 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
         "template": hashlib.sha256(template.encode()).hexdigest() if template else None,
         "tokenizer": tokenizer.name,
         "tokenizer_version": tokenizer.version,
+        "special_tokens": special_tokens(tokenizer),  # what templates and completions end with
         "seq_len": cfg.seq_len,
-        "max_len": cfg.max_len,
+        "max_len": min(cfg.max_len or width, width),
         "packing": cfg.packing,
         "train_on_prompt": cfg.train_on_prompt,
     }
@@ -355,26 +400,23 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
         rows = source.dataset(split, key, columns=_columns(cfg))
         if part is not None:
             rows = rows.select(range(*part))
-        arrays, counts = build_rows(cfg, tokenizer, rows, first_row=part[0] if part else 0)
-        for name, array in arrays.items():
-            np.save(directory / f"{name}.npy", array)
-        return counts
+        return build_rows(cfg, tokenizer, rows, directory, first_row=part[0] if part else 0)
 
     entry = get_or_build(source.cache, f"examples-{source.slug()}-{split}", parts, build)
-    counts = entry.meta
-    if counts.get("truncated") or counts.get("without_targets"):
-        _notice_truncation(cfg, split, counts)
-    return {name: entry.array(name) for name in _COLUMNS}
+    if entry.meta.get("truncated") or entry.meta.get("without_targets"):
+        _notice_truncation(cfg, name, entry.meta)
+    return {column: entry.array(column).reshape(-1, width) for column in _COLUMNS}
 
 
-def _notice_truncation(cfg: DataConfig, split: str, counts: dict[str, Any]) -> None:
+def _notice_truncation(cfg: DataConfig, name: str, counts: dict[str, Any]) -> None:
     from nnx_cli.data.text import _notice
 
     limit = min(cfg.max_len or cfg.seq_len + 1, cfg.seq_len + 1)
-    parts = []
+    said = []
     if counts["truncated"]:
-        parts.append(f"{counts['truncated']:,} of {counts['examples']:,} examples are longer than {limit} tokens and "
-                     "were cut there (data.max_len, data.seq_len)")  # fmt: skip
+        said.append(f"{counts['truncated']:,} of {counts['examples']:,} examples are longer than {limit} tokens and "
+                    "were cut there (data.max_len, data.seq_len)")  # fmt: skip
     if counts["without_targets"]:
-        parts.append(f"{counts['without_targets']:,} have no target token left")
-    _notice((cfg.source, split, "truncated"), f"notice: {split!r}: " + "; ".join(parts))
+        said.append(f"{counts['without_targets']:,} of {counts['examples']:,} examples have no target token (none "
+                    "left after the cut, or no assistant turn) and add nothing to the loss")  # fmt: skip
+    _notice((cfg.source, name, "truncated"), f"notice: {name}: " + "; ".join(said))

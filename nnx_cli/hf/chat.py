@@ -21,6 +21,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from nnx_cli.errors import UserError
 
 Message = Mapping[str, Any]
@@ -128,8 +130,9 @@ def assistant_spans(
     return full, spans
 
 
-def check_messages(messages: Any, key: str) -> list[dict[str, str]]:
-    """`messages` as a list of `{role, content}` with string values; a ValueError says what is wrong."""
+def check_messages(messages: Any, key: str) -> list[dict[str, Any]]:
+    """`messages` as a list of `{role, content, ...}` with text `role` and `content`; a ValueError says what is
+    wrong. Keys a row leaves empty (`datasets` gives every message of a column the keys of all) are dropped."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{key!r} is not a non-empty list of messages")
     out = []
@@ -138,5 +141,26 @@ def check_messages(messages: Any, key: str) -> list[dict[str, str]]:
             raise ValueError(f"{key!r}[{j}] is not a {{role, content}} message")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"{key!r}[{j}] has no text 'content'")
-        out.append({"role": message["role"], "content": message["content"]})
+        out.append({k: v for k, v in message.items() if v is not None})
     return out
+
+
+def span_targets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """uint8 flags, 1 for each token whose characters (`offsets`, as `tokenizers` gives them) overlap a span.
+
+    A token that holds the end of a prompt and the start of an answer (`": The"` as one token) is a target, as
+    in `transformers`' assistant masks; a token of no width counts at its position::
+
+        span_targets([(0, 5), (5, 9), (9, 12)], [(7, 12)])   # array([0, 1, 1], dtype=uint8)
+    """
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    if not len(bounds):
+        return np.zeros(0, np.uint8)
+    length = int(max(bounds.max(), *(b for _, b in spans), 0)) + 1
+    edges = np.zeros(length + 1, np.int64)
+    for a, b in spans:
+        edges[a] += 1
+        edges[b] -= 1
+    covered = np.concatenate([[0], np.cumsum(np.cumsum(edges)[:length] > 0)])  # covered[c]: span chars before c
+    start, end = bounds[:, 0], np.maximum(bounds[:, 1], bounds[:, 0] + 1)
+    return (covered[end] > covered[start]).astype(np.uint8)
