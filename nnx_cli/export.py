@@ -50,22 +50,18 @@ def export(
     runtime.configure()
     run = open_run(target, [], step, best=best)
     exp = language_model(run, "nnx-export writes")
+    exporting.check(exp, out, adapter=adapter, dtype=dtype)
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
     step, params = restore_parameters(run, exp, jax.devices("cpu")[0])
-    arrays = {path: np.asarray(variable.value) for path, variable in params.items()}
-    files = exporting.export(exp, arrays, out, adapter=adapter, dtype=dtype, tokenizer=tokenizer, say=print)
-    kind = "PEFT adapter" if adapter else _architecture(out)
+    arrays = {path: np.asarray(variable.value) for path, variable in params.items()}  # views of the host buffers
+    del params
+    files = exporting.export(exp, arrays, out, adapter=adapter, dtype=dtype, tokenizer=tokenizer)
     stderr_console().print(
-        f"wrote {out} ({kind}, {exporting.total_size(out)}) from {run.checkpoints / str(step)}: {', '.join(files)}",
+        f"wrote {out} ({exporting.describe(out)}, {exporting.total_size(out)}) from {run.checkpoints / str(step)}: "
+        f"{exporting.listing(files)}",
         highlight=False,
         soft_wrap=True,
     )
-
-
-def _architecture(out: Path) -> str:
-    import json
-
-    return json.loads((out / "config.json").read_text())["architectures"][0]
 
 
 def main() -> None:

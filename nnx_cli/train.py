@@ -256,7 +256,7 @@ def _init_from(exp: Any, source: str, console: Any) -> Any:
         console.print(message, highlight=False, soft_wrap=True)
 
     if peft.is_adapter_dir(source):
-        params = _adapters_from(exp, Path(source))
+        params = peft.load(exp, Path(source))
         say(f"adapters initialised from the PEFT adapter {source}")
         return params
     try:
@@ -267,22 +267,6 @@ def _init_from(exp: Any, source: str, console: Any) -> Any:
     step, params = restore.from_run(run, lambda ckpt, s: ckpt.restore_params(s, target), say)
     say(f"parameters initialised from {run.checkpoints / str(step)}")
     return params
-
-
-def _adapters_from(exp: Any, directory: Path) -> Any:
-    """A PEFT adapter's lora_A/lora_B as the run's adapters (rank, alpha and targets must match `model.lora`)."""
-    from nnx_cli.hf import peft, weights
-    from nnx_cli.models.transformer_lm import lora_options
-
-    options = exp.cfg.model.options
-    lora = lora_options(options.get("lora"), options.get("mlp", "gelu"))
-    if lora is None:
-        raise UserError(
-            f"config key 'checkpoint.init_from': {str(directory)!r} is a PEFT adapter, but the run has no "
-            "model.lora to load it into; set model.lora to its rank, alpha and targets"
-        )
-    adapter, maps = peft.read(directory, exp.cfg, exp.pretrained, lora)
-    return weights.load(adapter, maps, exp.restore_target()["params"])
 
 
 def _replicated(exp: Any, tree: Any) -> Any:

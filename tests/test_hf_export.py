@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,8 @@ from nnx_cli import hf
 from nnx_cli.config import load_config
 from nnx_cli.experiment import setup
 from nnx_cli.hf import export as exporting
+from nnx_cli.hf import peft
 from nnx_cli.hf.weights import Weights
-from nnx_cli.train import _adapters_from
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
 
@@ -39,7 +40,7 @@ def test_an_imported_model_exports_to_the_tensors_and_config_transformers_wrote(
     exp = setup(hf.model_dir_config(fixture(name), []), data=None)
     arrays = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
     tokenizer = hf.pretrained_tokenizer(str(fixture(name)))
-    files = exporting.export(exp, arrays, tmp_path / "out", adapter=False, dtype=None, tokenizer=tokenizer, say=print)
+    files = exporting.export(exp, arrays, tmp_path / "out", adapter=False, dtype=None, tokenizer=tokenizer)
     theirs, ours = tensors(fixture(name)), tensors(tmp_path / "out")
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
@@ -47,28 +48,51 @@ def test_an_imported_model_exports_to_the_tensors_and_config_transformers_wrote(
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
         (fixture(name) / "config.json").read_text()
     )
-    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(files)
+    copied = {f.name for f in fixture(name).iterdir() if not f.name.startswith("model")}
+    assert copied <= set(files) and {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= copied
+    for file in copied:
+        assert (tmp_path / "out" / file).read_bytes() == (fixture(name) / file).read_bytes(), file
 
 
-def test_a_reimported_export_computes_the_transformers_logits(tmp_path):
-    exp = setup(hf.model_dir_config(fixture("llama"), []), data=None)  # three shards in, one file out
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_reimported_export_computes_the_transformers_logits(tmp_path, name):
+    exp = setup(hf.model_dir_config(fixture(name), []), data=None)  # llama: three shards in, one file out
     arrays = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
-    tokenizer = hf.pretrained_tokenizer(str(fixture("llama")))
-    exporting.export(exp, arrays, tmp_path / "out", adapter=False, dtype="float32", tokenizer=tokenizer, say=print)
+    tokenizer = hf.pretrained_tokenizer(str(fixture(name)))
+    exporting.export(exp, arrays, tmp_path / "out", adapter=False, dtype=None, tokenizer=tokenizer)
     again = setup(hf.model_dir_config(tmp_path / "out", []), data=None)
-    gold = goldens("llama")
+    gold = goldens(name)
     logits = again.moduledef.merge(again.load_pretrained()).logits(gold["input_ids"])
     assert relative_error(logits, gold["logits"]) < 1e-4
+
+
+def test_safetensors_are_written_byte_for_byte_as_safetensors_writes_them(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    arrays = {"b.weight": rng.normal(size=(3, 5)), "a.bias": rng.normal(size=(7,)), "c": rng.normal(size=(2, 2, 3))}
+    shapes = {name: arrays[name].shape for name in sorted(arrays)}
+    for dtype, cast in [("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16)]:
+        save_file({k: v.astype(cast) for k, v in arrays.items()}, str(tmp_path / "theirs"), metadata={"format": "pt"})
+        fortran = ((name, np.asfortranarray(arrays[name])) for name in shapes)  # not C-contiguous: written in C order
+        assert exporting.write_safetensors(tmp_path, shapes, fortran, dtype) == ["model.safetensors"]
+        assert (tmp_path / "model.safetensors").read_bytes() == (tmp_path / "theirs").read_bytes(), dtype
 
 
 def test_shards_above_the_limit_come_with_an_index(tmp_path):
     exp = setup(hf.model_dir_config(fixture("mistral"), []), data=None)
     arrays = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
-    maps = exp.pretrained.maps
-    files = exporting.write_safetensors(tmp_path, hf.weights.tensors_of(arrays, maps), "float32", shard_bytes=20_000)
+    maps, layers = exp.pretrained.maps, exp.pretrained.options["num_layers"]
+    files = exporting.write_safetensors(tmp_path, hf.families.layout(maps, layers), hf.weights.tensors_of(arrays, maps),
+                                        "float32", shard_bytes=20_000)  # fmt: skip
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(files) > 3 and set(index["weight_map"].values()) == set(files[:-1])
+    assert files[0] == f"model-00001-of-{len(files) - 1:05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in tensors(fixture("mistral")).values())
     assert Weights.open(tmp_path).files.keys() == tensors(fixture("mistral")).keys()
+    for name, value in tensors(tmp_path).items():
+        np.testing.assert_array_equal(value, tensors(fixture("mistral"))[name])
 
 
 # LoRA: a PEFT adapter in, adapters and merged weights out
@@ -80,7 +104,7 @@ def adapted():
     cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('llama')}",
                              "data.text_key=text", "model.lora={rank: 4, alpha: 8}"])  # fmt: skip
     exp = setup(cfg, data=None)
-    adapters = _adapters_from(exp, fixture("llama_lora"))
+    adapters = peft.load(exp, fixture("llama_lora"))
     return exp, adapters, exp.load_pretrained()
 
 
@@ -95,34 +119,95 @@ def test_adapters_export_as_the_peft_files_they_came_from(adapted, tmp_path):
     exp, adapters, base = adapted
     arrays = {p: np.asarray(v.value) for p, v in (adapters | base).items()}
     tokenizer = hf.pretrained_tokenizer(str(fixture("llama")))
-    exporting.export(exp, arrays, tmp_path / "adapter", adapter=True, dtype=None, tokenizer=tokenizer, say=print)
+    files = exporting.export(exp, arrays, tmp_path / "adapter", adapter=True, dtype=None, tokenizer=tokenizer)
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
     theirs, ours = tensors(fixture("llama_lora")), tensors(tmp_path / "adapter")
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
         np.testing.assert_array_equal(ours[key], value, err_msg=key)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    described = (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"])
+    assert described == ("LORA", "CAUSAL_LM", 4, 8.0)
+    assert config["base_model_name_or_path"] == exp.cfg.model.pretrained and config["fan_in_fan_out"] is False
     assert sorted(config["target_modules"]) == sorted(json.loads((fixture("llama_lora.json")).read_text())["targets"])
+
+
+def test_an_exported_adapter_imports_to_the_same_adapters(adapted, tmp_path):
+    exp, adapters, base = adapted
+    arrays = {p: np.asarray(v.value) for p, v in (adapters | base).items()}
+    exporting.export(exp, arrays, tmp_path / "adapter", adapter=True, dtype=None, tokenizer=None)
+    again = peft.load(exp, tmp_path / "adapter")
+    assert again.keys() == adapters.keys()
+    for path in adapters:
+        np.testing.assert_array_equal(np.asarray(again[path].value), np.asarray(adapters[path].value), err_msg=path)
 
 
 def test_merged_adapters_export_the_weights_peft_merges(adapted, tmp_path):
     exp, adapters, base = adapted
     arrays = {p: np.asarray(v.value) for p, v in (adapters | base).items()}
     tokenizer = hf.pretrained_tokenizer(str(fixture("llama")))
-    exporting.export(exp, arrays, tmp_path / "merged", adapter=False, dtype=None, tokenizer=tokenizer, say=print)
+    exporting.export(exp, arrays, tmp_path / "merged", adapter=False, dtype=None, tokenizer=tokenizer)
     again = setup(hf.model_dir_config(tmp_path / "merged", []), data=None)
     gold = goldens("llama_lora")
     logits = again.moduledef.merge(again.load_pretrained()).logits(gold["input_ids"])
     assert relative_error(logits, gold["merged_logits"]) < 1e-4
 
 
-def test_an_adapter_that_does_not_match_model_lora_names_the_key(tmp_path):
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        ("{rank: 8, alpha: 8}", r"adapter_config.json: r is 4, but model.lora.rank is 8"),
+        ("{rank: 4, alpha: 16}", r"adapter_config.json: lora_alpha is 8, but model.lora.alpha is 16.0"),
+        ("{rank: 4, alpha: 8, targets: [q, v]}", r"adapter_config.json: target_modules is \['q', 'k', 'v', 'o'"),
+    ],
+    ids=["rank", "alpha", "targets"],
+)
+def test_an_adapter_that_does_not_match_model_lora_names_the_key(lora, message):
     from nnx_cli.errors import UserError
 
     cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('llama')}",
-                             "data.text_key=text", "model.lora={rank: 8, alpha: 8}"])  # fmt: skip
-    with pytest.raises(UserError, match=r"adapter_config.json: r is 4, but model.lora.rank is 8"):
-        _adapters_from(setup(cfg, data=None), fixture("llama_lora"))
+                             "data.text_key=text", f"model.lora={lora}"])  # fmt: skip
+    with pytest.raises(UserError, match=message):
+        peft.load(setup(cfg, data=None), fixture("llama_lora"))
+
+
+def test_an_adapter_with_per_module_ranks_or_alphas_is_refused(tmp_path):
+    from nnx_cli.errors import UserError
+
+    shutil.copytree(fixture("llama_lora"), tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "alpha_pattern": {"q_proj": 2}}))
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('llama')}",
+                             "data.text_key=text", "model.lora={rank: 4, alpha: 8}"])  # fmt: skip
+    with pytest.raises(UserError, match=r"alpha_pattern gives some modules another lora_alpha \({'q_proj': 2}\)"):
+        peft.load(setup(cfg, data=None), tmp_path / "adapter")
+
+
+def test_gpt2_adapters_on_q_k_v_export_as_one_exact_block_adapter_on_c_attn(tmp_path):
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('gpt2')}", "data.text_key=text",
+                             "data.seq_len=64", "model.lora={rank: 2, alpha: 3, targets: [q, v, o, up]}"])  # fmt: skip
+    exp = setup(cfg, data=None)
+    rng = np.random.default_rng(0)
+    adapters = {p: rng.normal(size=v.value.shape).astype(np.float32) for p, v in exp.abstract["params"].items()}
+    base = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
+    exporting.export(exp, adapters | base, tmp_path / "adapter", adapter=True, dtype=None, tokenizer=None)
+    exporting.export(exp, adapters | base, tmp_path / "merged", adapter=False, dtype=None, tokenizer=None)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["c_attn", "attn.c_proj", "mlp.c_fc"] and config["fan_in_fan_out"] is True
+    assert (config["r"], config["rank_pattern"], config["alpha_pattern"]) == (2, {"c_attn": 4}, {"c_attn": 6.0})
+    ours, merged, stored = tensors(tmp_path / "adapter"), tensors(tmp_path / "merged"), tensors(fixture("gpt2"))
+    assert len(ours) == 2 * 3 * 2  # layers x modules x (A, B)
+    for i in range(2):
+        a = {t: adapters[f"layers/scan_module/attention/{t}/lora/a"][i] for t in ("query", "value")}
+        b = {t: adapters[f"layers/scan_module/attention/{t}/lora/b"][i].reshape(2, -1) for t in ("query", "value")}
+        zeros = np.zeros((32, 32), np.float32)
+        expected = np.concatenate([a["query"] @ b["query"], zeros, a["value"] @ b["value"]], axis=1) * 1.5
+        name = f"base_model.model.transformer.h.{i}.attn.c_attn."
+        # peft's update, as Conv1D's [in, out]
+        update = (ours[name + "lora_B.weight"] @ ours[name + "lora_A.weight"]).T * 6.0 / 4
+        np.testing.assert_allclose(update, expected, rtol=1e-5, atol=1e-6)
+        weight = f"transformer.h.{i}.attn.c_attn.weight"
+        np.testing.assert_allclose(merged[weight] - stored[weight], expected, rtol=1e-4, atol=1e-5)
 
 
 # From scratch, through the command line
@@ -156,7 +241,7 @@ def test_a_model_with_gpt2_options_exports_as_gpt2_with_the_same_logits(tmp_path
     exp = setup(load_config(None, options), data=None)
     params = exp.init_state()["params"]
     arrays = {p: np.asarray(v.value) for p, v in params.items()}
-    exporting.export(exp, arrays, tmp_path / "gpt2", adapter=False, dtype=None, tokenizer=BytesTokenizer(), say=print)
+    exporting.export(exp, arrays, tmp_path / "gpt2", adapter=False, dtype=None, tokenizer=BytesTokenizer())
     config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["vocab_size"] == 257
     assert "transformer.h.0.attn.c_attn.weight" in tensors(tmp_path / "gpt2")  # as save_pretrained names them
@@ -173,6 +258,9 @@ def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, 
     out = project / f"{name}-hf"
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [architecture] and config.get("vocab_size") == 257  # no padding rows
+    keys = ("num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "dtype")
+    assert [config[k] for k in keys] == [2, 32, False, 256, "float32"]  # seq_len positions, end of document
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 256}
     import jax
 
     from nnx_cli.generate import language_model, restore_parameters
@@ -185,6 +273,28 @@ def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, 
     theirs = setup(hf.model_dir_config(out, []), data=None)
     reference = np.asarray(exp.moduledef.merge(params).logits(ids))[..., :257]
     assert relative_error(theirs.moduledef.merge(theirs.load_pretrained()).logits(ids), reference) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "options, architecture",
+    [
+        (dict(qkv_bias=True, rope_theta=1e6, tie_embeddings=True), "Qwen2ForCausalLM"),
+        (dict(qk_norm=True, head_dim=16, norm_eps=1e-6), "Qwen3ForCausalLM"),
+        (dict(rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=16)), "LlamaForCausalLM"),
+    ],
+    ids=["qwen2", "qwen3", "llama3-rope"],
+)  # fmt: skip
+def test_a_config_json_written_from_options_reads_back_as_those_options(options, architecture):
+    from nnx_cli.hf import families
+
+    llama = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, num_layers=2, num_heads=4, num_kv_heads=2,
+                 embed_dim=32, mlp_dim=64, tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4)  # fmt: skip
+    config = families.config_json({**llama, **options}, vocab_size=300, context=64, bos=None, eos=256, dtype="float32")
+    assert config["architectures"] == [architecture]
+    read = families.options_of(json.loads(json.dumps(config)), "config.json")
+    for key, value in {**llama, **options}.items():
+        assert read[key] == value, key
 
 
 def test_the_bytes_tokenizer_exports_as_an_equivalent_tokenizer_json(project):
@@ -225,6 +335,7 @@ def test_a_non_empty_out_is_refused_and_left_as_it_was(project):
     (project / "taken" / "keep.txt").write_text("mine")
     assert_user_error(cli("nnx-export", "llama", "--out", "taken", cwd=project), "exists and is not empty")
     assert [p.name for p in (project / "taken").iterdir()] == ["keep.txt"]
+    assert not list(project.glob(".taken*"))  # nothing left beside it either
 
 
 def test_adapter_export_of_a_run_without_lora_and_bad_dtypes_are_user_errors(project):
@@ -233,8 +344,40 @@ def test_adapter_export_of_a_run_without_lora_and_bad_dtypes_are_user_errors(pro
     assert not (project / "a").exists() and not (project / "b").exists()
 
 
-def test_bfloat16_exports_store_bfloat16(project):
+def test_runs_that_no_hugging_face_model_describes_are_user_errors(tmp_path):
+    def run(name: str, config: str) -> None:  # a config and an empty step: nnx-export refuses before restoring
+        (tmp_path / name / "checkpoints" / "1").mkdir(parents=True)
+        (tmp_path / name / "config.yaml").write_text(config)
+
+    run("vae", "model: {name: vae, hidden_sizes: [8], latent_size: 2}\n")
+    run("odd", "model: {name: transformer_lm, num_layers: 1, num_heads: 2, embed_dim: 8, positions: rope, "
+               "norm: layernorm}\ndata: {text_key: text, seq_len: 16}\n")  # fmt: skip
+    assert_user_error(cli("nnx-export", "vae", "--out", "a", cwd=tmp_path), "'vae' model trained on images")
+    assert_user_error(cli("nnx-export", "odd", "--out", "a", cwd=tmp_path), "options no Hugging Face family has: "
+                      "positions: 'rope' (the family's is 'learned')")  # fmt: skip
+    assert not (tmp_path / "a").exists()
+
+
+def test_an_adapter_export_needs_the_base_model_the_adapters_adapt(tmp_path):
+    from nnx_cli.errors import UserError
+
+    options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=8",
+               "data.text_key=text", "data.seq_len=16", "model.lora={rank: 2}"]  # fmt: skip
+    with pytest.raises(UserError, match=r"--adapter writes an adapter for the base model.pretrained names"):
+        exporting.check(setup(load_config(None, options), data=None), tmp_path / "a", adapter=True, dtype=None)
+
+
+def test_bfloat16_exports_store_bfloat16_into_an_empty_out(project):
+    (project / "llama-bf16").mkdir()
     result = cli("nnx-export", "llama", "--out", "llama-bf16", "--dtype", "bfloat16", cwd=project)
     assert result.returncode == 0, result.stderr
+    assert "wrote llama-bf16 (LlamaForCausalLM, bfloat16, " in result.stderr
+    assert json.loads((project / "llama-bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(project / "llama-bf16" / "model.safetensors"), framework="numpy") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
+    if (project / "llama-hf").exists():
+        import ml_dtypes
+
+        full = tensors(project / "llama-hf")
+        for name, value in tensors(project / "llama-bf16").items():
+            np.testing.assert_array_equal(value, full[name].astype(ml_dtypes.bfloat16), err_msg=name)

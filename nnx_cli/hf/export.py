@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
+import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,64 +40,118 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {str(out)!r} exists and is not empty; give a new directory (nothing was written)")
 
 
-def merged(params: dict[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
-    """Each adapted kernel with its adapter's update added (`a b scale`, layer by layer for stacked layers),
-    the adapters dropped."""
+def merged(params: Mapping[str, Any], scale: float) -> dict[str, Any]:
+    """The parameters with each adapted kernel replaced by `kernel + a b scale` (the adapter's `delta()`) and the
+    adapters dropped. The sums are computed as each kernel is read (layer by layer when layers are stacked),
+    never all at once: the model is not held twice."""
     out = {p: v for p, v in params.items() if "/lora/" not in p}
     for path in params:
         if path.endswith("/lora/a"):
             dense = path.removesuffix("/lora/a")
-            a, b = params[path], params[dense + "/lora/b"]
-            if path.startswith("layers/scan_module/"):
-                delta = np.stack([np.tensordot(a[i], b[i], axes=1) for i in range(a.shape[0])])
-            else:
-                delta = np.tensordot(a, b, axes=1)
-            out[dense + "/kernel"] = out[dense + "/kernel"] + delta * np.float32(scale)
+            stacked = path.startswith("layers/scan_module/")
+            out[dense + "/kernel"] = _Merged(params[dense + "/kernel"], params[path],
+                                             params[dense + "/lora/b"], scale, stacked)  # fmt: skip
     return out
 
 
-def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
+class _Merged:
+    """`kernel + tensordot(a, b) scale`, made when read: whole (`np.asarray`) or one stacked layer (`[i]`)."""
+
+    def __init__(self, kernel: Any, a: Any, b: Any, scale: float, stacked: bool):
+        self.kernel, self.a, self.b, self.scale, self.stacked = kernel, a, b, np.float32(scale), stacked
+        self.shape = np.shape(kernel)
+
+    def _sum(self, kernel: Any, a: Any, b: Any) -> np.ndarray:
+        kernel = np.asarray(kernel)
+        delta = np.tensordot(np.asarray(a, np.float32), np.asarray(b, np.float32), axes=1) * self.scale
+        return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        assert self.stacked
+        return self._sum(self.kernel[i], self.a[i], self.b[i])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self.stacked:
+            whole = np.stack([self[i] for i in range(self.shape[0])])
+        else:
+            whole = self._sum(self.kernel, self.a, self.b)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
     import ml_dtypes
 
-    return array.astype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype])
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(_NUMPY[dtype])
 
 
-def write_safetensors(directory: Path, tensors: Iterator[tuple[str, np.ndarray]], dtype: str,
-                      shard_bytes: int = SHARD_BYTES, prefix: str = "model") -> list[str]:  # fmt: skip
-    """`prefix.safetensors`, or shards `prefix-0000i-of-0000n.safetensors` and their index when the tensors
-    exceed `shard_bytes`; one shard is held in memory at a time. Returns the files written."""
-    from safetensors.numpy import save_file
-
-    shards: list[dict[str, np.ndarray]] = [{}]
-    spilled: list[Path] = []
-    size = total = 0
-    for name, array in tensors:
-        array = _cast(array, dtype)
-        if size and size + array.nbytes > shard_bytes:  # this shard is full: park it on disk under a temporary name
-            spilled.append(directory / f".{prefix}-part-{len(spilled)}.safetensors")
-            save_file(shards[-1], str(spilled[-1]), metadata={"format": "pt"})
-            shards[-1], size = {}, 0
-        shards[-1][name] = array
-        size += array.nbytes
-        total += array.nbytes
-    if not spilled:
-        save_file(shards[-1], str(directory / f"{prefix}.safetensors"), metadata={"format": "pt"})
-        return [f"{prefix}.safetensors"]
-    last = directory / f".{prefix}-part-{len(spilled)}.safetensors"
-    save_file(shards[-1], str(last), metadata={"format": "pt"})
-    spilled.append(last)
-    count, weight_map, files = len(spilled), {}, []
-    for i, part in enumerate(spilled):
-        name = f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors"
-        from safetensors import safe_open
-
-        with safe_open(str(part), framework="numpy") as f:
-            weight_map.update(dict.fromkeys(f.keys(), name))
-        part.rename(directory / name)
-        files.append(name)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
+                      dtype: str, *, shard_bytes: int = SHARD_BYTES, prefix: str = "model",
+                      advance: Callable[[int], None] | None = None) -> list[str]:  # fmt: skip
+    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`) as `prefix.safetensors`,
+    or as shards `prefix-0000i-of-0000n.safetensors` with `prefix.safetensors.index.json` when they exceed
+    `shard_bytes`. Each file's header is written first (the shapes are known) and then each tensor's bytes as it
+    comes: only the tensor being written is held. `advance(n)` is called with each tensor's bytes. Returns the
+    files written."""
+    itemsize = _numpy_dtype(dtype).itemsize
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    count = len(shards)
+    files = [f"{prefix}.safetensors"] if count == 1 else [
+        f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]  # fmt: skip
+    stream = iter(tensors)
+    for file, names in zip(files, shards):
+        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtype, advance)
+    if count == 1:
+        return files
+    index = {
+        "metadata": {
+            "total_parameters": sum(math.prod(s) for s in shapes.values()),
+            "total_size": sum(math.prod(s) for s in shapes.values()) * itemsize,
+        },
+        "weight_map": {name: file for file, names in zip(files, shards) for name in names},
+    }
     (directory / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files + [f"{prefix}.safetensors.index.json"]
+    return [*files, f"{prefix}.safetensors.index.json"]
+
+
+def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]], dtype: str,
+                advance: Callable[[int], None] | None) -> None:  # fmt: skip
+    """One safetensors file: an 8-byte little-endian header length, the JSON header (padded with spaces to a
+    multiple of 8 bytes, as `safetensors` pads it), then the tensors' bytes back to back in header order."""
+    target = _numpy_dtype(dtype)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * target.itemsize
+        header[name] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for expected, shape in shapes.items():
+                name, array = next(stream)
+                array = np.asarray(array)
+                if name != expected or array.shape != shape:  # a tensor table that disagrees with itself
+                    raise AssertionError(f"tensor {name!r} {array.shape} came where {expected!r} {shape} belongs")
+                data = np.ascontiguousarray(array.astype(target, copy=False))  # a view's own bytes, in order
+                f.write(data.reshape(-1).view(np.uint8).data)
+                if advance is not None:
+                    advance(data.nbytes)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def bytes_tokenizer(directory: Path, context: int) -> None:
@@ -128,32 +184,37 @@ def _byte_characters() -> dict[int, str]:
     return mapping
 
 
-def export(
-    exp: Any,
-    params: dict[str, np.ndarray],
-    out: Path,
-    *,
-    adapter: bool,
-    dtype: str | None,
-    tokenizer: Any,
-    say: Callable[[str], None],
-) -> list[str]:
-    """Write the run's weights (host arrays of every parameter, adapters included) to `out`; returns the files."""
+def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
+    """What makes an export impossible, as a UserError before anything is read or written: an unknown dtype, an
+    adapter export of a run without adapters (or without the base they adapt), options no Hugging Face family
+    has, a non-empty `out`. Returns the run's `model.lora` (None without adapters)."""
     from nnx_cli.models.transformer_lm import lora_options
 
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
     lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"))
-    if adapter and lora is None:
-        raise UserError("--adapter exports a run's LoRA adapters, and this run has none (no model.lora); drop it")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if adapter:
+        peft.check_exportable(cfg, pretrained, lora)
+    elif pretrained is None:
+        families.architecture_of(options)  # options no family has
     check_out(out)
+    return lora
+
+
+def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dtype: str | None,
+           tokenizer: Any) -> list[str]:  # fmt: skip
+    """Write the run's weights (host arrays of every parameter, adapters included, by path) to `out`: a model
+    directory, or with `adapter` a PEFT adapter. Returns the files written. What makes it impossible is a
+    UserError raised before anything is written (see :func:`check`)."""
+    lora = check(exp, out, adapter=adapter, dtype=dtype)
+    options = peft.model_options(exp.cfg, exp.pretrained)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         if adapter:
-            files = _write_adapter(staging, cfg, pretrained, lora, params, dtype or "float32")
+            files = _write_adapter(staging, exp, lora, params, dtype or "float32")
         else:
             files = _write_model(staging, exp, options, lora, params, dtype, tokenizer)
         if out.exists():
@@ -165,27 +226,26 @@ def export(
     return files
 
 
-def _write_adapter(directory: Path, cfg: Any, pretrained: Any, lora: Any, params: dict, dtype: str) -> list[str]:
-    maps = peft.tensor_maps(cfg, pretrained, lora)
-    adapters = {p: v for p, v in params.items() if "/lora/" in p}
-    source = pretrained.source if pretrained is not None else None
-    (directory / peft.CONFIG).write_text(json.dumps(peft.config(cfg, lora, source), indent=2) + "\n")
-    files = write_safetensors(directory, tensors_of(adapters, maps), dtype, prefix="adapter_model")
+def _write_adapter(directory: Path, exp: Any, lora: Any, params: Mapping[str, Any], dtype: str) -> list[str]:
+    config, shapes, tensors = peft.adapter(exp, lora, params)
+    (directory / peft.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    with _progress(shapes, dtype, f"writing {peft.WEIGHTS}") as advance:
+        files = write_safetensors(directory, shapes, tensors, dtype, prefix="adapter_model", advance=advance)
     return [peft.CONFIG, *files]
 
 
-def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: dict, dtype: str | None,
+def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Mapping[str, Any], dtype: str | None,
                  tokenizer: Any) -> list[str]:  # fmt: skip
     cfg, pretrained = exp.cfg, exp.pretrained
     if lora is not None:
         params = merged(params, lora.alpha / lora.rank)
-    if pretrained is not None:
+    if pretrained is not None:  # the family it came from, its config.json as it was but for the dtype
         from nnx_cli.hf import read_config
 
         config = read_config(pretrained.directory)
         dtype = dtype or _stored_dtype(config)
         config[_dtype_key(config)] = dtype
-        maps, names = pretrained.maps, pretrained.weights.files
+        maps = pretrained.maps
     else:
         dtype = dtype or "float32"
         vocab = options["vocab_size"]
@@ -193,13 +253,39 @@ def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: di
         config = families.config_json(options, vocab_size=vocab, context=cfg.data.seq_len, bos=None,
                                       eos=eod if eod is not None and eod < vocab else None, dtype=dtype)  # fmt: skip
         architecture = config["architectures"][0]
-        names = ["transformer.wte.weight"] if architecture == families.GPT2 else []
+        names = ["transformer.wte.weight"] if architecture == families.GPT2 else []  # as save_pretrained names them
         family_options = families.FAMILIES[architecture].options(families.Config(config, "config.json"))
         maps = families.FAMILIES[architecture].tensors(family_options, names)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    files = ["config.json", *write_safetensors(directory, tensors_of(params, maps), dtype)]
-    files += _write_tokenizer(directory, cfg, pretrained, tokenizer, config)
-    return files
+    shapes = families.layout(maps, options["num_layers"])
+    with _progress(shapes, dtype, "writing the weights") as advance:
+        files = write_safetensors(directory, shapes, tensors_of(params, maps), dtype, advance=advance)
+    return ["config.json", *files, *_write_tokenizer(directory, cfg, pretrained, tokenizer, config)]
+
+
+class _progress:
+    """A rich progress bar over the bytes to write, on a terminal (stderr) and for more than 100 MB; else nothing."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str):
+        self.total = sum(math.prod(s) for s in shapes.values()) * _numpy_dtype(dtype).itemsize
+        self.description = description
+        self.bar: Any = None
+
+    def __enter__(self) -> Callable[[int], None] | None:
+        if self.total < 10**8 or not sys.stderr.isatty():
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+        self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.description, total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
 
 
 def _dtype_key(config: dict[str, Any]) -> str:
@@ -248,3 +334,22 @@ def total_size(directory: Path) -> str:
             return f"{size:.1f} {unit}" if unit != "B" else f"{size} B"
         size /= 1000
     return f"{math.floor(size)} GB"
+
+
+def describe(out: Path) -> str:
+    """What an export directory holds, in a few words: its architecture and dtype, or a PEFT adapter's rank."""
+    if (out / peft.CONFIG).is_file():
+        config = json.loads((out / peft.CONFIG).read_text())
+        return f"PEFT LoRA adapter, rank {config['r']}, on {config['base_model_name_or_path']}"
+    config = json.loads((out / "config.json").read_text())
+    return f"{config['architectures'][0]}, {config.get('dtype') or config.get('torch_dtype')}"
+
+
+def listing(files: list[str]) -> str:
+    """The files written, shards shown as one range: `model-00001..00004-of-00004.safetensors`."""
+    shards = [f for f in files if "-of-" in f]
+    if len(shards) < 3:
+        return ", ".join(files)
+    first, last = shards[0], shards[-1]
+    merged_name = first[: first.index("-of-")] + ".." + last[last.index("-of-") - 5 :]
+    return ", ".join([merged_name if f == first else f for f in files if f == first or f not in shards])

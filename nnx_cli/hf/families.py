@@ -320,6 +320,12 @@ def parameter_count(maps: list[TensorMap], num_layers: int) -> int:
     return sum(seen.values())
 
 
+def layout(maps: list[TensorMap], num_layers: int) -> dict[str, tuple[int, ...]]:
+    """`{tensor name: shape}` of the tensors `maps` write, in name order (as `weights.tensors_of` yields them)."""
+    shapes = {m.name.format(i=i): m.shape for m in maps for i in (range(num_layers) if m.per_layer else [None])}
+    return dict(sorted(shapes.items()))
+
+
 # Out again: options as a family's config.json, adapters as PEFT tensors
 # ------------------------------------------------------------------------------
 

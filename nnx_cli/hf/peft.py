@@ -1,18 +1,32 @@
 """PEFT LoRA adapters, in and out: `adapter_config.json` + `adapter_model.safetensors`.
 
-PEFT stores an adapter on a Llama-family model as `lora_A.weight` `[rank, in]` and `lora_B.weight`
-`[out, rank]` per adapted module (`base_model.model.model.layers.<i>.self_attn.q_proj...`), with rank,
-alpha and the target modules in `adapter_config.json`. Ours are `nnx.LoRA`'s `a` `[in..., rank]` and
-`b` `[rank, out...]`: the family's tensor tables (`families.lora_tensors`) map one onto the other, so an
-adapter made by `peft` starts a run (`checkpoint.init_from: ADAPTER_DIR`), and a run's adapters export as
-one that `peft` loads onto the base model (`nnx-export RUN --adapter`).
+PEFT stores an adapter as `lora_A.weight` `[rank, in]` and `lora_B.weight` `[out, rank]` per adapted module,
+named after the module it adapts (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`), with
+rank, alpha and the target modules in `adapter_config.json`; its update is `x A^T B^T (lora_alpha / r)`.
+Ours are `nnx.LoRA`'s `a` `[in..., rank]` and `b` `[rank, out...]` with the update `x a b (alpha / rank)`: the
+same numbers, transposed. So an adapter `peft` made starts a run (`checkpoint.init_from: ADAPTER_DIR`,
+:func:`load`), and a run's adapters export as one that `peft` loads onto the base model (`nnx-export RUN
+--adapter`, :func:`adapter`)::
+
+    config, shapes, tensors = adapter(exp, lora, params)    # adapter_config.json, and the tensors to write
+    adapters = load(exp, Path("my-adapter"))                 # the run's LoRAParams, from PEFT's files
+
+The Llama family (Llama, Mistral, Qwen2, Qwen3) adapts the seven projections by their module names
+(`q_proj` ... `down_proj`). GPT-2 fuses q, k and v into one `c_attn`: a run's three adapters of rank `r`
+export as one exact block adapter on `c_attn` of rank `n r` (`n` of q, k, v adapted: `lora_A` stacks their
+`a`, `lora_B` holds each `b` in its own block of rows and columns, zeros elsewhere) whose alpha is `n alpha`,
+so that `alpha / rank` is kept (`rank_pattern` and `alpha_pattern` say so for `c_attn`). Reading works for
+the Llama family only: an adapter `peft` trained on `c_attn` is in general no sum of separate q, k, v adapters.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from nnx_cli.errors import UserError
 from nnx_cli.hf import families
@@ -20,6 +34,13 @@ from nnx_cli.hf import families
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _SHORT = {f"{short}_proj": short for short in ("q", "k", "v", "o", "gate", "up", "down")}
+_OURS = {"q": "attention/query", "k": "attention/key", "v": "attention/value", "o": "attention/out",
+         "gate": "mlp/gate", "up": "mlp/fc", "down": "mlp/proj"}  # fmt: skip
+_GPT2 = {"o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}  # and q, k, v: the fused attn.c_attn
+_UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "layers_to_transform", "exclude_modules",
+                "target_parameters", "trainable_token_indices", "layer_replication", "alora_invocation_tokens",
+                "use_qalora", "use_bdlora")  # fmt: skip
+"""`adapter_config.json` keys that, set, make an adapter nnx's LoRA cannot be (or cannot tell it is)."""
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -41,17 +62,35 @@ def model_options(cfg: Any, pretrained: Any) -> dict[str, Any]:
     }
 
 
-def _check_family(architecture: str, where: str) -> None:
-    if architecture == families.GPT2:
+def _lora_of(exp: Any) -> Any:
+    from nnx_cli.models.transformer_lm import lora_options
+
+    options = exp.cfg.model.options
+    return lora_options(options.get("lora"), options.get("mlp", "gelu"))
+
+
+# In: checkpoint.init_from an adapter directory
+# ------------------------------------------------------------------------------
+
+
+def load(exp: Any, directory: Path) -> Any:
+    """A PEFT adapter's `lora_A`/`lora_B` as the run's adapters (a State of LoRAParam in their shardings); its
+    rank, alpha and targets must be the run's `model.lora` (a UserError naming the key that differs)."""
+    from nnx_cli.hf import weights
+
+    lora = _lora_of(exp)
+    if lora is None:
         raise UserError(
-            f"{where}: PEFT adapters on GPT2LMHeadModel adapt c_attn, which fuses q, k and v, while nnx adapts them "
-            "apart; export merged weights (nnx-export RUN --merge) instead"
+            f"config key 'checkpoint.init_from': {str(directory)!r} is a PEFT adapter, but the run has no "
+            "model.lora to load it into; set model.lora to its rank, alpha and targets"
         )
+    adapter, maps = read(directory, exp.cfg, exp.pretrained, lora)
+    return weights.load(adapter, maps, exp.restore_target()["params"])
 
 
 def read(directory: Path, cfg: Any, pretrained: Any, lora: Any) -> tuple[Any, list[families.TensorMap]]:
-    """The adapter's weights and tensor maps, checked against the run's `model.lora` (rank, alpha, targets):
-    a UserError naming the key that differs."""
+    """The adapter's weights (headers checked) and tensor maps, checked against the run's `model.lora` (rank,
+    alpha, targets): a UserError naming the key that differs."""
     from nnx_cli.hf.weights import Weights
 
     path = directory / CONFIG
@@ -59,15 +98,26 @@ def read(directory: Path, cfg: Any, pretrained: Any, lora: Any) -> tuple[Any, li
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: not readable JSON ({e})") from None
-    if config.get("peft_type") != "LORA":
-        raise UserError(f"{path}: peft_type is {config.get('peft_type')!r}; nnx reads LORA adapters")
-    for key in ("use_dora", "use_rslora", "fan_in_fan_out"):
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        peft_type = config.get("peft_type") if isinstance(config, dict) else None
+        raise UserError(f"{path}: peft_type is {peft_type!r}; nnx reads LORA adapters")
+    for key in _UNSUPPORTED:
         if config.get(key):
-            raise UserError(f"{path}: {key} is true, which nnx's LoRA does not do")
+            raise UserError(f"{path}: {key} is {config[key]!r}, which nnx's LoRA does not do")
     if config.get("bias", "none") != "none" or config.get("modules_to_save"):
         raise UserError(f"{path}: the adapter also trains biases or whole modules, which nnx's LoRA does not do")
-    architecture = families.architecture_of(model_options(cfg, pretrained))
-    _check_family(architecture, str(path))
+    for key, base in (("rank_pattern", "r"), ("alpha_pattern", "lora_alpha")):
+        differ = {k: v for k, v in (config.get(key) or {}).items() if v != config.get(base)}
+        if differ:
+            raise UserError(f"{path}: {key} gives some modules another {base} ({differ}); nnx's LoRA has one rank and "
+                            "one alpha for all")  # fmt: skip
+    options = model_options(cfg, pretrained)
+    architecture = families.architecture_of(options)
+    if architecture == families.GPT2:
+        raise UserError(
+            f"{path}: nnx reads PEFT adapters of the Llama family (Llama, Mistral, Qwen2, Qwen3); a GPT-2 adapter "
+            "on c_attn fuses q, k and v in one rank, which nnx's separate q, k and v adapters cannot hold"
+        )
     modules = config.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else list(modules)
     unknown = [m for m in modules if m not in _SHORT]
@@ -77,30 +127,60 @@ def read(directory: Path, cfg: Any, pretrained: Any, lora: Any) -> tuple[Any, li
     mine = {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": list(lora.targets)}
     theirs = {"r": config.get("r"), "lora_alpha": config.get("lora_alpha"), "target_modules": targets}
     for key in mine:
-        if mine[key] != theirs[key] and not (key == "lora_alpha" and float(theirs[key] or 0) == mine[key]):
+        same = mine[key] == theirs[key] or (key == "lora_alpha" and float(theirs[key] or 0) == mine[key])
+        if not same:
             ours = {"r": "rank", "lora_alpha": "alpha", "target_modules": "targets"}[key]
             raise UserError(
                 f"{path}: {key} is {theirs[key]!r}, but model.lora.{ours} is {mine[key]!r}; set model.lora to "
                 "match the adapter"
             )
     weights = Weights.open(directory, single=WEIGHTS, index_name=WEIGHTS + ".index.json")
-    options = model_options(cfg, pretrained)
     maps = families.lora_tensors(options, lora.rank, lora.targets)
     family = families.Family(architecture, families.FAMILIES[architecture].options, lambda o, n: maps)
     weights.check(family, options, tie_ignores_head=False)
     return weights, maps
 
 
-def config(cfg: Any, lora: Any, source: str | None) -> dict[str, Any]:
-    """The `adapter_config.json` of a run's adapters."""
+# Out: nnx-export --adapter
+# ------------------------------------------------------------------------------
+
+
+def check_exportable(cfg: Any, pretrained: Any, lora: Any) -> None:
+    """`--adapter` needs adapters, and the published base model they adapt."""
+    if lora is None:
+        raise UserError("--adapter exports a run's LoRA adapters, and this run has none (no model.lora); drop it")
+    if pretrained is None:
+        raise UserError(
+            "--adapter writes an adapter for the base model.pretrained names, and this run has none (its frozen "
+            "weights are its own initialisation); drop --adapter to export the merged weights"
+        )
+
+
+def adapter(exp: Any, lora: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple], Iterator]:
+    """The run's adapters as PEFT writes them: `adapter_config.json`'s contents, `{tensor: shape}` in name order,
+    and the (name, array) pairs in that order, each made as it is asked for."""
+    from nnx_cli.hf.weights import tensors_of
+
+    cfg, pretrained = exp.cfg, exp.pretrained
+    options = model_options(cfg, pretrained)
+    adapters = {p: v for p, v in params.items() if "/lora/" in p}
+    if families.architecture_of(options) == families.GPT2:
+        return _gpt2_adapter(cfg, pretrained, options, lora, adapters)
+    maps = families.lora_tensors(options, lora.rank, lora.targets)
+    modules = [families.PEFT_MODULES[t].split(".")[-1] for t in lora.targets]
+    config = _config(pretrained, lora, modules)
+    return config, families.layout(maps, options["num_layers"]), tensors_of(adapters, maps)
+
+
+def _config(pretrained: Any, lora: Any, modules: list[str], **extra: Any) -> dict[str, Any]:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": source,
+        "base_model_name_or_path": pretrained.source,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": [families.PEFT_MODULES[t].split(".")[-1] for t in lora.targets],
+        "target_modules": modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -108,11 +188,48 @@ def config(cfg: Any, lora: Any, source: str | None) -> dict[str, Any]:
         "use_rslora": False,
         "use_dora": False,
         "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        **extra,
     }
 
 
-def tensor_maps(cfg: Any, pretrained: Any, lora: Any) -> list[families.TensorMap]:
-    """The PEFT tensors of a run's adapters (a UserError for GPT-2, whose q, k and v PEFT fuses)."""
-    options = model_options(cfg, pretrained)
-    _check_family(families.architecture_of(options), "nnx-export --adapter")
-    return families.lora_tensors(options, lora.rank, lora.targets)
+def _gpt2_adapter(cfg: Any, pretrained: Any, options: dict, lora: Any, adapters: dict) -> tuple[dict, dict, Iterator]:
+    """GPT-2's `Conv1D` modules (`fan_in_fan_out`), with q, k and v as one block adapter on `c_attn`."""
+    embed, mlp, rank = options["embed_dim"], options["mlp_dim"], lora.rank
+    fused = [t for t in ("q", "k", "v") if t in lora.targets]
+    others = [t for t in lora.targets if t in _GPT2]
+    sizes = {"o": (embed, embed), "up": (embed, mlp), "down": (mlp, embed)}  # (in, out)
+
+    def ours(target: str, part: str, i: int) -> np.ndarray:
+        """Our `a` as `[in, rank]` or `b` as `[rank, out]`, of layer `i`."""
+        path = f"{_OURS[target]}/lora/{part}"
+        stacked = adapters.get("layers/scan_module/" + path)
+        value = np.asarray(stacked[i] if stacked is not None else adapters[f"layers/{i}/{path}"], np.float32)
+        return value.reshape(-1, rank) if part == "a" else value.reshape(rank, -1)
+
+    def block_b(i: int) -> np.ndarray:
+        out = np.zeros((3 * embed, len(fused) * rank), np.float32)
+        for j, t in enumerate(fused):
+            column = "qkv".index(t)
+            out[column * embed : (column + 1) * embed, j * rank : (j + 1) * rank] = ours(t, "b", i).T
+        return out
+
+    makers: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+    for i in range(options["num_layers"]):
+        layer = f"base_model.model.transformer.h.{i}."
+        if fused:
+            stack = lambda i=i: np.concatenate([ours(t, "a", i).T for t in fused])  # noqa: E731
+            makers[layer + "attn.c_attn.lora_A.weight"] = ((len(fused) * rank, embed), stack)
+            makers[layer + "attn.c_attn.lora_B.weight"] = ((3 * embed, len(fused) * rank), lambda i=i: block_b(i))
+        for t in others:
+            fan_in, fan_out = sizes[t]
+            makers[f"{layer}{_GPT2[t]}.lora_A.weight"] = ((rank, fan_in), lambda t=t, i=i: ours(t, "a", i).T)
+            makers[f"{layer}{_GPT2[t]}.lora_B.weight"] = ((fan_out, rank), lambda t=t, i=i: ours(t, "b", i).T)
+    names = sorted(makers)
+    modules = (["c_attn"] if fused else []) + [_GPT2[t] for t in others]
+    patterns = {}
+    if len(fused) > 1:  # c_attn's rank is n r: its alpha n alpha keeps the scale alpha / r
+        patterns = {"rank_pattern": {"c_attn": len(fused) * rank}, "alpha_pattern": {"c_attn": len(fused) * lora.alpha}}
+    config = _config(pretrained, lora, modules, fan_in_fan_out=True, **patterns)
+    return config, {n: makers[n][0] for n in names}, ((n, makers[n][1]()) for n in names)
