@@ -204,6 +204,10 @@ def _setup_model(cfg: Config) -> tuple[type, Any]:
 
 def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, EvalSplit | None, DataSpec]:
     """The splits `which` asks for, and the data spec (from the config alone when no data is read)."""
+    if cfg.data.chat_template is not None:  # a template file is kept as its text: the run takes it wherever it goes
+        from nnx_cli.data.examples import chat_template
+
+        cfg.data.chat_template = chat_template(cfg.data, None)
     if which is None:
         spec = data.spec_from_config(cfg)
         if spec is None:

@@ -233,6 +233,7 @@ class Samples:
         self.guard = guard
         self.prompts = eval_prompts(exp)
         self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
+        self.chat = exp.cfg.data.format == "chat"  # samples are replies: they end with the turn
         self.done: int | None = None
 
     def __call__(self, loop: Loop) -> None:
@@ -243,7 +244,7 @@ class Samples:
         decoder = Decoder(self.exp.moduledef, steps.parameters(loop.state))
         key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
         drawn = decoder.generate(
-            self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, **stops(self.tokenizer)
+            self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, **stops(self.tokenizer, self.chat)
         ).finish()
         if self.directory is not None:
             write_eval_samples(self.directory / f"{loop.step}.txt", self.prompts, drawn, self.tokenizer)

@@ -381,3 +381,23 @@ def test_bfloat16_exports_store_bfloat16_into_an_empty_out(project):
         full = tensors(project / "llama-hf")
         for name, value in tensors(project / "llama-bf16").items():
             np.testing.assert_array_equal(value, full[name].astype(ml_dtypes.bfloat16), err_msg=name)
+
+
+def test_a_tokenizer_json_the_run_trained_with_exports_as_itself(tmp_path):
+    from tokenizers import Tokenizer
+
+    from nnx_cli.data.tokenizers import load_tokenizer
+
+    source = fixture("gpt2") / "tokenizer.json"
+    options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=16",
+               "data.text_key=text", "data.seq_len=16", f"data.tokenizer={source}"]  # fmt: skip
+    exp = setup(load_config(None, options), data=None)
+    arrays = {p: np.asarray(v.value) for p, v in exp.init_state()["params"].items()}
+    tokenizer = load_tokenizer(str(source))
+    files = exporting.export(exp, arrays, tmp_path / "out", adapter=False, dtype=None, tokenizer=tokenizer)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(files)
+    text = "The river ran past the old mill."
+    ours, theirs = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")), Tokenizer.from_file(str(source))
+    assert ours.encode(text).ids == theirs.encode(text).ids
+    settings = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert settings["eos_token"] == "<|endoftext|>" == theirs.id_to_token(tokenizer.eod_id)

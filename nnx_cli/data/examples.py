@@ -84,8 +84,7 @@ def _pieces(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]
             ids.extend(encoded)
             offsets.extend([(i, i + 1)] * len(encoded))
         return ids, offsets
-    encoding = tokenizer._tokenizer.encode(text, add_special_tokens=False)
-    return list(encoding.ids), list(encoding.offsets)
+    return tokenizer.encode_offsets(text)
 
 
 def _end_token(tokenizer: Any) -> int:

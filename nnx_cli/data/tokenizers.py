@@ -112,6 +112,19 @@ class HFTokenizer:
         encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` (no special token added) and the characters `(start, end)` each token covers."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), list(encoding.offsets)
+
+    def to_json(self) -> str:
+        """The tokenizer's whole definition, as a `tokenizer.json` holds it."""
+        return self._tokenizer.to_str()
+
+    def token(self, i: int) -> str | None:
+        """The token of id `i` (None past the file's vocabulary, as the end-of-document id added after it is)."""
+        return self._tokenizer.id_to_token(i)
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         ids = np.asarray(ids)
         keep = (ids >= 0) & (ids < self._base_vocab) & (ids != self.eod_id)

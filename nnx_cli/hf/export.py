@@ -311,9 +311,9 @@ def _write_tokenizer(directory: Path, cfg: Any, pretrained: Any, tokenizer: Any,
         bytes_tokenizer(directory, cfg.data.seq_len)
         written += ["tokenizer.json", "tokenizer_config.json"]
     else:
-        definition = tokenizer._tokenizer.to_str()
+        definition = tokenizer.to_json()
         (directory / "tokenizer.json").write_text(definition)
-        eod = tokenizer._tokenizer.id_to_token(tokenizer.eod_id)
+        eod = tokenizer.token(tokenizer.eod_id)
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod}
         (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
         written += ["tokenizer.json", "tokenizer_config.json"]
