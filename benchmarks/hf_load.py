@@ -7,7 +7,8 @@ with `safetensors`; nothing is downloaded), then times, each in a fresh process:
 - nnx: the parameters of `transformer_lm` loaded from the directory (`model.pretrained`), float32, placed
   on the device (`Experiment.load_pretrained`: each tensor read per slice straight into its sharding).
 
-Peak memory is the proportional set size (PSS, from /proc/<pid>/smaps_rollup, sampled every 10 ms) of the
+Peak memory is the proportional set size (PSS, from /proc/<pid>/smaps_rollup, sampled every 10 ms, in a run of its
+own: sampling slows the page faults a load is made of) of the
 process. Targets (issue "Open weights in"): nnx's load within 1.3x of the baseline's time, and peak PSS at
 most 1.25x the float32 parameters + 1 GB. Exit status 1 when a target is missed.
 
@@ -54,7 +55,7 @@ start = time.perf_counter()
 tensors = {}
 with safe_open(sys.argv[1] + "/model.safetensors", framework="numpy") as f:
     for name in f.keys():
-        tensors[name] = f.get_tensor(name)
+        tensors[name] = f.get_tensor(name) if len(sys.argv) < 3 else f.get_tensor(name).astype("float32")
 print(time.perf_counter() - start, sum(t.size for t in tensors.values()))
 """
 
@@ -69,6 +70,9 @@ params = exp.load_pretrained()
 jax.block_until_ready(params)
 print(time.perf_counter() - start, sum(p.value.size for p in params.values()))
 """
+
+
+FLOAT32 = "safetensors -> numpy, .astype(float32)"
 
 
 def write_model(directory: Path, config: dict | None = None) -> int:
@@ -108,11 +112,13 @@ def pss_mib(pid: int) -> float | None:
     return None
 
 
-def measure(script: str, directory: Path) -> dict[str, float]:
-    """Run `script` in a fresh Python; its own timing of the load, its whole wall time, its peak PSS."""
+def measure(script: str, directory: Path, sample: bool, *extra: str) -> dict[str, float]:
+    """Run `script` in a fresh Python; its own timing of the load, its whole wall time, and with `sample` its
+    peak PSS (reading smaps_rollup takes the process's memory-map lock, which slows its page faults: timed runs
+    are not sampled)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(directory)],
+        [sys.executable, "-c", script, str(directory), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -120,17 +126,19 @@ def measure(script: str, directory: Path) -> dict[str, float]:
     )
     peak = [0.0]
 
-    def sample() -> None:
+    def sample_pss() -> None:
         while proc.poll() is None:
             value = pss_mib(proc.pid)
             if value is not None:
                 peak[0] = max(peak[0], value)
             time.sleep(0.01)
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    sampler = threading.Thread(target=sample_pss)
+    if sample:
+        sampler.start()
     out, err = proc.communicate()
-    sampler.join()
+    if sample:
+        sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"failed:\n{err}")
     seconds, count = out.split()[-2:]
@@ -146,18 +154,24 @@ def main() -> None:
     count = write_model(directory)
     f32_mib = count * 4 / 2**20
     print(f"{directory}: {count / 1e6:.1f} M parameters, {count * 2 / 2**20:.0f} MiB in bfloat16 on disk")
-    measure(BASELINE, directory)  # the file into the page cache: both sides read it warm
+    measure(BASELINE, directory, sample=False)  # the file into the page cache: both sides read it warm
     rows = {"safetensors -> numpy": [], "nnx load_pretrained": []}
+    peaks: dict[str, float] = {}
+    rows[FLOAT32] = []  # for scale: the same read, then each tensor converted to float32 as nnx stores it
     for _ in range(args.repeats):  # alternating, so drift hits both
-        rows["safetensors -> numpy"].append(measure(BASELINE, directory))
-        rows["nnx load_pretrained"].append(measure(NNX, directory))
+        rows["safetensors -> numpy"].append(measure(BASELINE, directory, sample=False))
+        rows["nnx load_pretrained"].append(measure(NNX, directory, sample=False))
+        rows[FLOAT32].append(measure(BASELINE, directory, False, "float32"))
+    for name, script in (("safetensors -> numpy", BASELINE), ("nnx load_pretrained", NNX)):
+        peaks[name] = measure(script, directory, sample=True)["peak_mib"]
+    peaks[FLOAT32] = measure(BASELINE, directory, True, "float32")["peak_mib"]
     print(f"\n| reader | load s (median of {args.repeats}) | process s | peak PSS MiB |")
     print("| --- | --- | --- | --- |")
     medians = {}
     for name, runs in rows.items():
         load = sorted(r["load_s"] for r in runs)[len(runs) // 2]
         wall = sorted(r["wall_s"] for r in runs)[len(runs) // 2]
-        peak = max(r["peak_mib"] for r in runs)
+        peak = peaks[name]
         medians[name] = (load, peak)
         print(f"| {name} | {load:.2f} | {wall:.2f} | {peak:,.0f} |")
     ratio = medians["nnx load_pretrained"][0] / medians["safetensors -> numpy"][0]

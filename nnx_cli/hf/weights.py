@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -39,6 +41,7 @@ DTYPES = ("F32", "BF16", "F16")
 _LAYERS = "layers/scan_module/"
 _HASH_BUFFER = 8 << 20
 _TILE = 64  # rows per tile of a transposed conversion
+_MAPPED = 1 << 20  # bytes from which a parameter buffer is its own memory map
 
 
 class Weights:
@@ -298,21 +301,33 @@ def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int,
 
 def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any = None) -> Any:
     """A `State` of `Param`s shaped as `abstract` (whose values are `ShapeDtypeStruct`s carrying shardings),
-    filled from the tensors `maps` names; `progress(n)` is called with each parameter's element count."""
+    filled from the tensors `maps` names; `progress(n)` is called with each parameter's element count.
+
+    Parameters are filled by a few threads at once (one per core, at most 4): the work is converting mapped
+    pages into new float32 buffers, which NumPy does without the GIL, so a load goes about as many times
+    faster as there are cores, and holds at most that many tensors beyond the parameters."""
+    from concurrent.futures import ThreadPoolExecutor
 
     import nnx
 
     by_path = {m.path: m for m in maps}
-    out = {}
-    for path, variable in abstract.items():
-        stacked, layer, relative = _layer_and_path(path)
-        if relative not in by_path:
+    for path in abstract:
+        if _layer_and_path(path)[2] not in by_path:
             raise UserError(f"no tensor of the model directory fills parameter {path!r}")  # a model/table mismatch
-        m = by_path[relative]
-        spec = variable.value
-        out[path] = variable.replace(value=_array(weights, m, stacked, layer, spec))
-        if progress is not None:
-            progress(math.prod(spec.shape))
+    out = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="nnx-load") as pool:
+        jobs = {}
+        for path, variable in abstract.items():
+            stacked, layer, relative = _layer_and_path(path)
+            jobs[path] = pool.submit(_array, weights, by_path[relative], stacked, layer, variable.value)
+        try:
+            for path, job in jobs.items():  # in order: the first failure is the one raised
+                out[path] = abstract[path].replace(value=job.result())
+                if progress is not None:
+                    progress(math.prod(abstract[path].value.shape))
+        except BaseException:  # a bad tensor, or ctrl-c: nothing more is read
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return nnx.State(out) if not isinstance(abstract, dict) else out
 
 
@@ -341,8 +356,15 @@ def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spe
 
 def _aligned(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
     """An empty float32 array whose data starts on an `alignment`-byte boundary: on CPU, JAX then takes it as the
-    device buffer without a copy."""
+    device buffer without a copy.
+
+    Large ones are anonymous memory maps (page-aligned, freed with the array) rather than NumPy allocations:
+    NumPy asks the kernel for transparent huge pages, and where the kernel compacts memory to find them (THP
+    `defrag: madvise`, a common default) the first touch of a fresh 2 GB of parameters took 3x as long as the
+    whole load does with ordinary pages (benchmarks/hf_load.py)."""
     size = math.prod(shape) * 4
+    if size >= _MAPPED:
+        return np.frombuffer(mmap.mmap(-1, size), np.float32).reshape(shape)
     raw = np.empty(size + alignment, np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start : start + size].view(np.float32).reshape(shape)
