@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import sys
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ class Pretrained:
         slice by slice from the safetensors files straight into their shardings."""
         from nnx_cli.hf import weights
 
-        with _progress(abstract, f"loading {self.directory.name}") as advance:
+        total = sum(math.prod(v.value.shape) for v in abstract.values())
+        with weights.progress(f"loading {self.directory.name}", total) as advance:
             return weights.load(self.weights, self.maps, abstract, advance)
 
     @functools.cached_property
@@ -186,30 +187,3 @@ def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: b
     }
     raw = _merge(_merge(to_dict(Config()), base), sections)
     return from_dict(apply_overrides(raw, overrides))
-
-
-class _progress:
-    """A rich progress bar over the parameters' elements on a terminal (stderr); nothing elsewhere."""
-
-    def __init__(self, abstract: Any, description: str):
-        import math
-
-        self.total = sum(math.prod(v.value.shape) for v in abstract.values())
-        self.description = description
-        self.bar: Any = None
-
-    def __enter__(self) -> Any:
-        if not sys.stderr.isatty():
-            return None
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"))
-        self.bar = Progress(*columns, TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-        self.bar.__enter__()
-        task = self.bar.add_task(self.description, total=self.total)
-        return lambda n: self.bar.advance(task, n)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)

@@ -17,7 +17,6 @@ import json
 import math
 import shutil
 import struct
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 
 from nnx_cli.errors import UserError
 from nnx_cli.hf import families, peft
-from nnx_cli.hf.weights import tensors_of
+from nnx_cli.hf.weights import progress, tensors_of
 
 SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained writes by default: larger models are sharded
 DTYPES = ("float32", "bfloat16", "float16")
@@ -263,29 +262,10 @@ def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Ma
     return ["config.json", *files, *_write_tokenizer(directory, cfg, pretrained, tokenizer, config)]
 
 
-class _progress:
-    """A rich progress bar over the bytes to write, on a terminal (stderr) and for more than 100 MB; else nothing."""
-
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str):
-        self.total = sum(math.prod(s) for s in shapes.values()) * _numpy_dtype(dtype).itemsize
-        self.description = description
-        self.bar: Any = None
-
-    def __enter__(self) -> Callable[[int], None] | None:
-        if self.total < 10**8 or not sys.stderr.isatty():
-            return None
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-        self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
-        self.bar.__enter__()
-        task = self.bar.add_task(self.description, total=self.total)
-        return lambda n: self.bar.advance(task, n)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
+def _progress(shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str) -> Any:
+    """A progress bar over the bytes `shapes` take in `dtype`, for exports above 100 MB."""
+    total = sum(math.prod(s) for s in shapes.values()) * _numpy_dtype(dtype).itemsize
+    return progress(description, total, in_bytes=True, minimum=10**8)
 
 
 def _dtype_key(config: dict[str, Any]) -> str:

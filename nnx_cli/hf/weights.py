@@ -21,11 +21,13 @@ a multi-host run reads only what its devices hold::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -297,6 +299,23 @@ def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int,
         return ()
     start, stop, _ = index[0].indices(shape[0])
     return (stop - start, *shape[1:])
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int, *, in_bytes: bool = False, minimum: int = 0) -> Iterator[Any]:
+    """A transient rich progress bar over `total` (a count of bytes with `in_bytes`, else of elements) on a
+    terminal (stderr) and when `total >= minimum`; yields `advance(n)`, or None when no bar is shown."""
+    if total < minimum or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    amount = DownloadColumn() if in_bytes else TextColumn("{task.percentage:>3.0f}%")
+    columns = (TextColumn("{task.description}"), BarColumn(), amount, TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any = None) -> Any:
