@@ -174,7 +174,7 @@ def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: b
     set, its tokenizer, a text dataset (`data.source` from the overrides), windows of up to 1024 positions (fewer
     when the model has fewer), and stateless SGD (nothing trains: no optimizer state is allocated). `sections`
     are laid under the overrides (`train={"batch_size": 8}`)."""
-    from nnx_cli.config import Config, _merge, apply_overrides, from_dict, to_dict
+    from nnx_cli.config import Config, apply_overrides, from_dict, merge, to_dict
 
     pretrained = open_pretrained(str(target))
     config = read_config(pretrained.directory)
@@ -185,5 +185,5 @@ def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: b
         "data": {"text_key": "text", "tokenizer": "pretrained", "seq_len": seq_len},
         "optimizer": {"name": "sgd"},
     }
-    raw = _merge(_merge(to_dict(Config()), base), sections)
+    raw = merge(merge(to_dict(Config()), base), sections)
     return from_dict(apply_overrides(raw, overrides))

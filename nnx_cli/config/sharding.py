@@ -1,0 +1,37 @@
+"""The `sharding` section: the device mesh's axes and the logical-axis rules that place arrays on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nnx_cli.errors import UserError
+
+
+@dataclass
+class ShardingConfig:
+    mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
+    rules: list[list[Any]] | None = None  # null: the model's default rules
+
+    def check(self) -> None:
+        for axis, size in self.mesh.items():
+            if size != -1 and size < 1:
+                raise UserError(
+                    f"config key 'sharding.mesh.{axis}' must be a positive size or -1 (all remaining devices), "
+                    f"got {size}"
+                )
+        if sum(1 for size in self.mesh.values() if size == -1) > 1:
+            raise UserError("config key 'sharding.mesh': at most one axis may be -1")
+        for i, rule in enumerate(self.rules or []):
+            pair = len(rule) == 2
+            targets = rule[1] if pair and isinstance(rule[1], list) else [rule[1]] if pair else None
+            if (
+                not pair
+                or not isinstance(rule[0], str)
+                or targets is None
+                or not all(a is None or (isinstance(a, str) and a in self.mesh) for a in targets)
+            ):
+                raise UserError(
+                    f"config key 'sharding.rules[{i}]' must be [logical_axis, mesh_axis or null] with a mesh axis "
+                    f"from {sorted(self.mesh)}, got {rule!r}"
+                )
