@@ -187,7 +187,7 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     """What makes an export impossible, as a UserError before anything is read or written: an unknown dtype, an
     adapter export of a run without adapters (or without the base they adapt), options no Hugging Face family
     has, a non-empty `out`. Returns the run's `model.lora` (None without adapters)."""
-    from nnx_cli.models.transformer_lm import lora_options
+    from nnx_cli.models.transformer import lora_options
 
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)

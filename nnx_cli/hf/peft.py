@@ -63,7 +63,7 @@ def model_options(cfg: Any, pretrained: Any) -> dict[str, Any]:
 
 
 def _lora_of(exp: Any) -> Any:
-    from nnx_cli.models.transformer_lm import lora_options
+    from nnx_cli.models.transformer import lora_options
 
     options = exp.cfg.model.options
     return lora_options(options.get("lora"), options.get("mlp", "gelu"))

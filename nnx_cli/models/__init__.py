@@ -34,7 +34,7 @@ import nnx
 from nnx_cli.config import ModelConfig
 from nnx_cli.errors import UserError
 from nnx_cli.models.classifiers import CNNClassifier, MLPClassifier
-from nnx_cli.models.transformer_lm import TransformerLM
+from nnx_cli.models.transformer import TransformerLM
 from nnx_cli.models.vae import VAE
 from nnx_cli.registry import Registry, bind_options
 

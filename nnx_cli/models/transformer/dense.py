@@ -1,0 +1,95 @@
+"""`Dense`, the projection every part of the model is made of, and the logical-axis helpers they share.
+
+Parameters carry logical axes (`embed`, `heads`, `kv_heads`, `kv`, `mlp`,
+`vocab`, and `layers` when the blocks are scanned) that the model's
+`default_rules` or `sharding.rules` map onto the mesh; activations are
+constrained to logical axes at the seams (:func:`constrain`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import nnx
+from nnx_cli.models.transformer.options import Lora
+
+LAYERS = "layers"
+"""The logical axis of the scanned blocks' stacked parameters and key-value caches."""
+
+
+def normal(std: float, axes: tuple[str, ...]) -> Any:
+    """An initializer drawing from normal(`std`), its result on logical `axes`."""
+    return nnx.with_logical_partitioning(nnx.initializers.normal(std), axes)
+
+
+def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`x` constrained to the logical `axes` (one name per dimension)."""
+    return nnx.with_logical_constraint(x, axes)
+
+
+class Dense(nnx.Module):
+    """`x @ kernel + bias`, contracting the trailing `len(in_shape)` axes of `x`.
+
+    The kernel has shape `in_shape + out_shape` and logical axes
+    `in_axes + out_axes` (attention's query kernel is `(embed, heads, kv)`,
+    its output kernel `(heads, kv, embed)`); it is drawn from normal(`std`),
+    the bias starts at zero. Computes in `dtype` (the result in `out_dtype`
+    if given, e.g. float32 logits from bfloat16 inputs); parameters stay
+    float32. With `lora`, a low-rank adapter (`nnx.LoRA`) adds its update::
+
+        query = Dense((384,), (6, 64), ("embed",), ("heads", "kv"), std=0.02, dtype=jnp.float32, ctx=ctx)
+        query(jnp.ones((2, 10, 384))).shape   # (2, 10, 6, 64)
+    """
+
+    def __init__(
+        self,
+        in_shape: Sequence[int],
+        out_shape: Sequence[int],
+        in_axes: tuple[str, ...],
+        out_axes: tuple[str, ...],
+        *,
+        std: float,
+        dtype: Any,
+        use_bias: bool = True,
+        out_dtype: Any = None,
+        lora: Lora | None = None,
+        ctx: nnx.Context,
+    ):
+        self.in_rank = len(in_shape)
+        self.dtype = dtype
+        self.out_dtype = out_dtype
+        shape = (*in_shape, *out_shape)
+        key = ctx.make_rng("params")
+        self.kernel = nnx.Param(normal(std, (*in_axes, *out_axes))(key, shape, jnp.float32))
+        if use_bias:
+            bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
+            self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32))
+        else:
+            self.bias = None
+        if lora is not None:  # drawn from the kernel's key: the frozen weights are the same with or without it
+            self.lora = nnx.LoRA(
+                in_shape,
+                out_shape,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                in_axes=in_axes,
+                out_axes=out_axes,
+                dtype=dtype,
+                ctx=nnx.context(jax.random.fold_in(key, 1)),
+            )
+        else:
+            self.lora = None
+
+    def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
+        kernel = self.kernel.astype(self.dtype)
+        contract = tuple(range(x.ndim - self.in_rank, x.ndim)), tuple(range(self.in_rank))
+        y = lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())), preferred_element_type=self.out_dtype)
+        if self.lora is not None:
+            y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
+        return y if self.bias is None else y + self.bias.astype(y.dtype)

@@ -1,0 +1,376 @@
+"""`TransformerLM`: the decoder-only language model, its metrics, and the decoding entry points.
+
+Token and (learned) position embeddings, a stack of blocks (scanned under
+one `nnx.Scan` or unrolled), a final norm, and logits from the tied
+embedding or a head. The vocabulary is padded to a multiple of 128
+(257 -> 384) for sharding and alignment; the padded ids get a large negative
+logit (in float32) wherever logits come out, so the loss, accuracy and
+sampling never pick them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import nnx
+from nnx_cli.models.layers import check_sizes
+from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention
+from nnx_cli.models.transformer.block import Block
+from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
+from nnx_cli.models.transformer.norms import make_norm
+from nnx_cli.models.transformer.options import Architecture, architecture
+
+Batch = dict[str, jax.Array]
+
+VOCAB_MULTIPLE = 128
+"""The embedding and output vocabulary is padded to a multiple of this."""
+
+_BYTES = 256  # ids below this are bytes (the `bytes` tokenizer); bits_per_byte counts only those targets
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """`vocab_size` rounded up to a multiple of :data:`VOCAB_MULTIPLE` (257 -> 384)."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+class TransformerLM(nnx.Module):
+    """A decoder-only language model; options are the `model` section of a text config (spec lm.md, hf.md).
+
+    `input_shape` is `(seq_len,)`, `num_classes` the tokenizer's vocabulary
+    size (`vocab_size` overrides it). Metrics of a batch `{"tokens": int32
+    [B, seq_len + 1]}` are per window: `loss` (mean nats per token),
+    `accuracy` and, with `bits_per_byte`, the loss in bits over byte
+    targets only (end-of-document targets excluded)::
+
+        model = TransformerLM((128,), 257, num_layers=2, num_heads=2, embed_dim=64, ctx=nnx.context(0))
+        model.metrics({"tokens": tokens}, ctx)["loss"]      # [B]
+        model.flops_per_token()                             # 6 N + 12 num_layers seq_len embed_dim
+
+    The architecture options (`num_kv_heads`, `head_dim`, `mlp`, `qkv_bias`,
+    `qk_norm`, `bias`, `norm_eps`, `rope_theta`, `rope_scaling`) default to
+    the GPT this model was first, so configs written before them keep their
+    model. `max_positions` sizes the learned position table (null:
+    `seq_len`; an imported GPT-2 has 1024 positions and may train on
+    shorter windows).
+
+    `scan_layers` stacks the blocks under one `nnx.Scan` (parameters get a
+    leading `layers` axis); otherwise `layers` is an `nnx.Sequence` of blocks
+    whose parameters have the same per-block layout. `remat` rematerialises
+    each block in the backward pass (`full`: nothing saved; `dots`: weight
+    matmul results saved) without changing parameter paths.
+    """
+
+    loss_metric: ClassVar[str] = "loss"
+    default_rules: ClassVar[list[list[str]]] = [
+        ["batch", "data"],
+        ["embed", "data"],
+        ["heads", "model"],
+        ["kv_heads", "model"],
+        ["mlp", "model"],
+        ["vocab", "model"],
+    ]
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int | None = None,
+        *,
+        num_layers: int = 6,
+        num_heads: int = 6,
+        embed_dim: int = 384,
+        mlp_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mlp: str = "gelu",
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        bias: bool = True,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        max_positions: int | None = None,
+        lora: dict[str, Any] | None = None,
+        dropout: float = 0.2,
+        attention_dropout: float = 0.0,
+        positions: str = "learned",
+        norm: str = "layernorm",
+        tie_embeddings: bool = True,
+        dtype: str = "float32",
+        scan_layers: bool = True,
+        remat: str = "none",
+        vocab_size: int | None = None,
+        bits_per_byte: bool = False,
+        ctx: nnx.Context,
+    ):
+        seq_len, vocab = _window_and_vocabulary(input_shape, num_classes, vocab_size)
+        arch = architecture(
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            embed_dim=embed_dim,
+            mlp_dim=mlp_dim,
+            mlp=mlp,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            bias=bias,
+            norm=norm,
+            norm_eps=norm_eps,
+            positions=positions,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            remat=remat,
+            scan_layers=scan_layers,
+            dtype=dtype,
+            lora=lora,
+        )
+        self.seq_len = seq_len
+        self.max_positions = _max_positions(seq_len, max_positions, positions)
+        self.vocab_size = vocab
+        self.num_layers = num_layers
+        self.embed_dim = embed_dim
+        self.positions = positions
+        self.bits_per_byte = bits_per_byte
+        self.scan_layers = scan_layers
+        self.tie_embeddings = tie_embeddings
+        self._build(arch, dropout, ctx)
+
+    def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
+        """The layers, in the order they draw their initial parameters (which fixes every parameter's values)."""
+        vocab, embed, compute = padded_vocab_size(self.vocab_size), self.embed_dim, arch.dtype
+        self.embedding = nnx.Embed(
+            vocab, embed, dtype=compute, embedding_init=normal(0.02, ("vocab", "embed")), ctx=ctx
+        )
+        if self.positions == "learned":
+            self.position_embedding = nnx.Embed(
+                self.max_positions, embed, dtype=compute, embedding_init=normal(0.02, ("length", "embed")), ctx=ctx
+            )
+        self.dropout = nnx.Dropout(dropout)
+        self.layers = _stack(arch, self.num_layers, ctx)
+        self.final_norm = make_norm(arch, ctx)
+        if not self.tie_embeddings:
+            self.head = Dense(
+                (embed,),
+                (vocab,),
+                ("embed",),
+                ("vocab",),
+                std=0.02,
+                dtype=compute,
+                use_bias=False,
+                out_dtype=jnp.float32,
+                ctx=ctx,
+            )
+
+    # --- the forward pass ---------------------------------------------------
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool, ctx: nnx.Context | None):
+        h = self.embedding(tokens)
+        if self.positions == "learned":
+            h = h + self.position_embedding(positions)
+        h = constrain(h, ("batch", "length", "embed"))
+        return self.dropout(h, deterministic=deterministic, ctx=ctx)
+
+    def _blocks(self, method: str, h: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        if self.scan_layers:
+            h, _ = getattr(self.layers.call, method)(h, None, *args, **kwargs)
+        else:
+            for block in self.layers:
+                h, _ = getattr(block, method)(h, None, *args, **kwargs)
+        return h
+
+    def _logits(self, h: jax.Array) -> jax.Array:
+        """Float32 logits over the padded vocabulary, padded ids masked."""
+        h = self.final_norm(h)
+        if self.tie_embeddings:  # `embedding.attend(h)`, accumulated and returned in float32
+            table = self.embedding.embedding.astype(h.dtype)
+            logits = jnp.einsum("...e,ve->...v", h, table, preferred_element_type=jnp.float32)
+        else:
+            logits = self.head(h)
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        return jnp.where(jnp.arange(logits.shape[-1]) < self.vocab_size, logits, MASKED_LOGIT)
+
+    def logits(
+        self,
+        tokens: jax.Array,
+        ctx: nnx.Context | None = None,
+        *,
+        positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> jax.Array:
+        """Next-token logits `[B, T, vocab]` (float32) of `tokens` `[B, T]`, `T <= max_positions` when learned.
+
+        Dropout is on when `ctx` has the flag `deterministic=False` (and a `dropout` stream). Packed examples
+        give their own `positions` `[B, T]` (each example from 0) and `segments` `[B, T]` (an id per example):
+        attention then stays within a segment, so each example is computed as if alone.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        length = tokens.shape[1]
+        if self.positions == "learned" and length > self.max_positions:
+            raise ValueError(f"{length} tokens do not fit the {self.max_positions} learned positions of this model")
+        deterministic = ctx is None or ctx.get_flag("deterministic") is not False
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+        positions = jnp.asarray(positions, jnp.int32)
+        h = self._embed(tokens, positions, deterministic, ctx)
+        if segments is None:
+            h = self._blocks("__call__", h, positions, deterministic=deterministic, ctx=ctx)
+        else:
+            segments = jnp.asarray(segments, jnp.int32)
+            h = self._blocks("__call__", h, positions, segments, deterministic=deterministic, ctx=ctx)
+        return self._logits(h)
+
+    def metrics(self, batch: Batch, ctx: nnx.Context) -> dict[str, jax.Array]:
+        """Per window of `batch["tokens"]` `[B, seq_len + 1]`: `loss`, `accuracy` (and `bits_per_byte`), each `[B]`.
+
+        Fine-tuning batches (chat, completion) also hold `targets` (which tokens count in the loss), `segments`
+        and `positions` (packed examples) of the same shape: the metrics are then means over each row's target
+        tokens, and `weight` (their number) makes the trainer's averages per target token.
+        """
+        if "segments" in batch:
+            return self._example_metrics(batch, ctx)
+        tokens = jnp.asarray(batch["tokens"], jnp.int32)
+        targets = tokens[:, 1:]
+        logits = self.logits(tokens[:, :-1], ctx)
+        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        out = {
+            "loss": jnp.mean(token_loss, axis=-1),
+            "accuracy": jnp.mean(jnp.argmax(logits, axis=-1) == targets, axis=-1, dtype=jnp.float32),
+        }
+        if self.bits_per_byte:
+            is_byte = targets < _BYTES
+            nats = jnp.sum(jnp.where(is_byte, token_loss, 0.0), axis=-1) / jnp.maximum(jnp.sum(is_byte, axis=-1), 1)
+            out["bits_per_byte"] = nats / math.log(2)
+        return out
+
+    def _example_metrics(self, batch: Batch, ctx: nnx.Context) -> dict[str, jax.Array]:
+        tokens = jnp.asarray(batch["tokens"], jnp.int32)
+        segments = jnp.asarray(batch["segments"], jnp.int32)
+        targets = tokens[:, 1:]
+        # a target counts when marked, and when it continues the same (real) example as the token before it
+        counts = batch["targets"][:, 1:].astype(bool) & (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+        logits = self.logits(tokens[:, :-1], ctx, positions=batch["positions"][:, :-1], segments=segments[:, :-1])
+        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        weight = jnp.sum(counts, axis=-1, dtype=jnp.float32)
+        per_row = lambda x: jnp.sum(jnp.where(counts, x, 0.0), axis=-1) / jnp.maximum(weight, 1.0)  # noqa: E731
+        return {
+            "loss": per_row(token_loss),
+            "accuracy": per_row((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)),
+            "weight": weight,
+        }
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: `6 N + 12 num_layers seq_len embed_dim`, N the parameters outside the embeddings.
+
+        Works on a model built under `jax.eval_shape` (it reads shapes only).
+        """
+        params = self.filter(nnx.Param)
+        embeddings = ("embedding/embedding", "position_embedding/embedding")
+        n = sum(math.prod(p.value.shape) for path, p in params.items() if path not in embeddings)
+        return 6 * n + 12 * self.num_layers * self.seq_len * self.embed_dim
+
+    def padding_params(self) -> int:
+        """Parameters that only pad the vocabulary to a multiple of 128: zero rows of the embedding (and head)."""
+        return (
+            (padded_vocab_size(self.vocab_size) - self.vocab_size) * self.embed_dim * (1 if self.tie_embeddings else 2)
+        )
+
+    # --- decoding with a key-value cache ------------------------------------
+
+    @property
+    def context_limit(self) -> int | None:
+        """The most positions a sequence may use: `max_positions` with learned positions, None (unbounded) with RoPE."""
+        return self.max_positions if self.positions == "learned" else None
+
+    def _attentions(self) -> list[Attention]:
+        if self.scan_layers:
+            return [self.layers.scan_module.attention]
+        return [block.attention for block in self.layers]
+
+    def init_cache(self, batch_size: int, max_len: int) -> None:
+        """Adds zero `nnx.Cache` keys and values for `batch_size` rows of up to `max_len` positions to every layer."""
+        limit = self.context_limit
+        if limit is not None and max_len > limit:
+            raise ValueError(f"a cache of {max_len} positions exceeds the learned positions of this model ({limit})")
+        for attention in self._attentions():
+            attention.init_cache(batch_size, max_len, self.num_layers if self.scan_layers else None)
+
+    def prefill(self, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+        """Runs prompts `tokens` `[B, P]` (right-padded; row `b` has `lengths[b]` real tokens) into an empty cache.
+
+        Returns the float32 logits `[B, padded vocab]` after each prompt's last real token.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        h = self._blocks("prefill", self._embed(tokens, positions, True, None), positions)
+        last = jnp.take_along_axis(h, (jnp.asarray(lengths, jnp.int32) - 1)[:, None, None], axis=1)
+        return self._logits(last)[:, 0]
+
+    def decode(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Feeds one token per row (`tokens`, `positions`: `[B]`) through the cache; returns the logits `[B, vocab]`."""
+        tokens, positions = jnp.asarray(tokens, jnp.int32)[:, None], jnp.asarray(positions, jnp.int32)[:, None]
+        h = self._blocks("decode", self._embed(tokens, positions, True, None), positions)
+        return self._logits(h)[:, 0]
+
+    def unstack_layers(self) -> TransformerLM:
+        """This model with its scanned layers split into an `nnx.Sequence` of blocks (a copy; self if unrolled).
+
+        Decoding one token is cheaper on per-layer arrays: under jit, reading
+        one layer out of the stacked ones copies its weights at every step.
+        """
+        if not self.scan_layers:
+            return self
+        model = self.clone()
+        stacked, block_def = model.layers.scan_module.partition()
+        stacked = nnx.spmd.remove_axis(stacked, 0, {nnx.PARTITION_NAME: LAYERS})
+        blocks = [block_def.merge(jax.tree.map(lambda x, i=i: x[i], stacked)) for i in range(self.num_layers)]
+        model.layers = nnx.Sequence(blocks)
+        model.scan_layers = False
+        return model
+
+
+def _window_and_vocabulary(
+    input_shape: Sequence[int], num_classes: int | None, vocab_size: int | None
+) -> tuple[int, int]:
+    """`(seq_len, vocab)`, checked: windows of `[seq_len]` tokens, a vocabulary from `vocab_size` or the data."""
+    if len(input_shape) != 1:
+        raise ValueError(
+            f"model 'transformer_lm' reads token windows: input_shape must be [seq_len], got {list(input_shape)}"
+        )
+    vocab = vocab_size if vocab_size is not None else num_classes
+    if vocab is None:
+        raise ValueError("model.vocab_size is unknown: the data has no tokenizer; set model.vocab_size")
+    (seq_len,) = check_sizes("input_shape", input_shape)
+    check_sizes("vocab_size", [vocab])
+    return seq_len, vocab
+
+
+def _max_positions(seq_len: int, max_positions: int | None, positions: str) -> int:
+    """The size of the learned position table (null: `seq_len`), which must hold a window."""
+    max_positions = seq_len if max_positions is None else check_sizes("max_positions", [max_positions])[0]
+    if positions == "learned" and seq_len > max_positions:
+        raise ValueError(
+            f"data.seq_len ({seq_len}) exceeds the model's {max_positions} learned positions "
+            "(model.max_positions); lower data.seq_len"
+        )
+    return max_positions
+
+
+def _stack(arch: Architecture, num_layers: int, ctx: nnx.Context) -> nnx.Module:
+    """`num_layers` blocks: stacked under one `nnx.Scan` (a leading `layers` axis), or an `nnx.Sequence`."""
+    if arch.scanned:
+        return nnx.Scan(
+            Block,
+            variable_axes={nnx.Param: 0, nnx.Cache: 0},
+            split_rngs=("params", "dropout"),
+            length=num_layers,
+            metadata_params={nnx.PARTITION_NAME: LAYERS},
+        )(arch, ctx=ctx)
+    return nnx.Sequence([Block(arch, ctx=ctx) for _ in range(num_layers)])

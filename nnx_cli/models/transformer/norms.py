@@ -1,0 +1,53 @@
+"""Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama, and the per-head query and key norms of Qwen3).
+
+:func:`make_norm` builds the one `model.norm` names, over `embed_dim`; a new
+kind is a class here, a case there, and a name in `options.NORMS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import nnx
+from nnx_cli.models.transformer.options import Architecture
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square normalisation (Zhang & Sennrich, 2019): `x / rms(x) * scale`, statistics in float32.
+
+    `scale` has shape `(num_features,)` and the logical axis `axis` (`embed`;
+    `kv` for the per-head query and key norms)::
+
+        RMSNorm(384, dtype=jnp.bfloat16, ctx=ctx)(x)   # same shape as x, in bfloat16
+    """
+
+    def __init__(self, num_features: int, *, epsilon: float = 1e-5, axis: str = "embed", dtype: Any, ctx: nnx.Context):
+        self.epsilon = epsilon
+        self.dtype = dtype
+        init = nnx.with_logical_partitioning(nnx.initializers.ones(), (axis,))
+        self.scale = nnx.Param(init(ctx.make_rng("params"), (num_features,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (y * self.scale).astype(self.dtype)
+
+
+def make_norm(arch: Architecture, ctx: nnx.Context) -> nnx.Module:
+    """The norm `arch.norm` names over `arch.embed_dim` features: `rmsnorm`, or `layernorm` (with a bias when
+    `arch.bias`)."""
+    if arch.norm == "rmsnorm":
+        return RMSNorm(arch.embed_dim, epsilon=arch.norm_eps, dtype=arch.dtype, ctx=ctx)
+    return nnx.LayerNorm(
+        arch.embed_dim,
+        epsilon=arch.norm_eps,
+        dtype=arch.dtype,
+        use_bias=arch.bias,
+        scale_init=nnx.with_logical_partitioning(nnx.initializers.ones(), ("embed",)),
+        bias_init=nnx.with_logical_partitioning(nnx.initializers.zeros(), ("embed",)),
+        ctx=ctx,
+    )

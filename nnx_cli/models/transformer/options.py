@@ -1,0 +1,254 @@
+"""The `model` options of `transformer_lm`, checked and resolved into an :class:`Architecture`.
+
+Every part of the model (attention, MLP, norms, block) is built from one
+`Architecture`: a frozen, hashable record of what shapes a block's function,
+so that it can live in the ModuleDef. :func:`architecture` checks the raw
+options (a ValueError names the `model.` key) and fills in what they imply
+(`head_dim` from `embed_dim / num_heads`, `num_kv_heads` from `num_heads`,
+the residual projections' initial std from the depth)::
+
+    arch = architecture(**options)       # the TransformerLM keywords that shape a block
+    arch.kv_axis                         # "kv_heads" under grouped-query attention
+    arch.adapter("q")                    # the LoRA settings of the query projection, or None
+
+A new kind of norm, MLP or position goes into the tuple of its option here
+(:data:`NORMS`, :data:`MLPS`, :data:`POSITIONS`) and into the module that
+builds it; a new option into :class:`Architecture` and :func:`architecture`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from nnx_cli.models.layers import check_rate, check_sizes
+from nnx_cli.models.transformer.rotary import check_rope_scaling
+
+POSITIONS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+REMATS = ("none", "full", "dots")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# LoRA
+# ------------------------------------------------------------------------------
+
+
+PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "out", "gate": "gate", "up": "fc", "down": "proj"}
+"""The projections LoRA can adapt, by the short names `model.lora.targets` uses, and their module names here."""
+
+_TARGET_ALIASES = {
+    **{short: [short] for short in PROJECTIONS},
+    **{name: [short] for short, name in PROJECTIONS.items()},  # our module names
+    **{f"{short}_proj": [short] for short in ("q", "k", "v", "o", "gate", "up", "down")},  # Hugging Face Llama's
+    "c_attn": ["q", "k", "v"],  # GPT-2's fused projection, and its others
+    "c_fc": ["up"],
+    "c_proj": ["o", "down"],
+    "attn.c_proj": ["o"],
+    "mlp.c_proj": ["down"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """`model.lora`, checked: rank, alpha, dropout, and the adapted projections by their short names."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+
+def lora_options(value: Mapping[str, Any] | None, mlp: str) -> Lora | None:
+    """`model.lora`: null, or `{rank, alpha (default rank), dropout (0), targets (every projection the model has)}`;
+    targets by our names (`q`, `query`), Hugging Face's (`q_proj`) or GPT-2's (`c_attn`)."""
+    if value is None:
+        return None
+    has = [p for p in PROJECTIONS if mlp == "swiglu" or p != "gate"]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"model.lora must be null or {{rank, alpha, dropout, targets}}, got {value!r}")
+    unknown = sorted(set(value) - {"rank", "alpha", "dropout", "targets"})
+    if unknown:
+        raise ValueError(f"model.lora has unknown keys {', '.join(unknown)}; it takes rank, alpha, dropout, targets")
+    rank = value.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"model.lora.rank must be a positive integer, got {rank!r}")
+    alpha = value.get("alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ValueError(f"model.lora.alpha must be a positive number, got {alpha!r}")
+    dropout = value.get("dropout", 0.0)
+    check_rate("lora.dropout", dropout)
+    return Lora(rank, float(alpha), float(dropout), _lora_targets(value.get("targets", has), has))
+
+
+def _lora_targets(names: Any, has: list[str]) -> tuple[str, ...]:
+    """`model.lora.targets` as short names, in the order of :data:`PROJECTIONS`; `has` is what the model has."""
+    if isinstance(names, str) or not isinstance(names, Sequence) or not names:
+        raise ValueError(f"model.lora.targets must be a list of projection names, got {names!r}")
+    targets: list[str] = []
+    for name in names:
+        shorts = _TARGET_ALIASES.get(name) if isinstance(name, str) else None
+        missing = [t for t in shorts or [] if t not in has]
+        if shorts is None or missing:
+            raise ValueError(
+                f"model.lora.targets: this model has no projection {name!r}; it has {', '.join(has)} (also as "
+                f"{', '.join(PROJECTIONS[p] for p in has)} or {', '.join(p + '_proj' for p in has)})"
+            )
+        targets += [t for t in shorts if t not in targets]
+    return tuple(t for t in PROJECTIONS if t in targets)
+
+
+# The architecture
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What shapes a block's function, resolved and checked from the `model` options (see :func:`architecture`).
+
+    Static: it lives in the ModuleDef, so it is hashable (`rope_scaling` is
+    a tuple of `(key, value)` pairs).
+    """
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    mlp: str  # gelu (tanh approximation) | swiglu
+    qkv_bias: bool  # biases on q, k, v (also when `bias`)
+    qk_norm: bool  # RMSNorm over each head's queries and keys
+    bias: bool  # biases on every other projection and on LayerNorm
+    norm: str  # layernorm | rmsnorm
+    norm_eps: float
+    rope: bool
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None
+    dropout: float
+    attention_dropout: float
+    out_std: float  # initial std of the residual output projections
+    remat: str
+    scanned: bool
+    dtype: Any  # compute dtype
+    lora: Lora | None = None  # low-rank adapters on the projections it names
+
+    def adapter(self, projection: str) -> Lora | None:
+        """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`), or None."""
+        return self.lora if self.lora is not None and projection in self.lora.targets else None
+
+    @property
+    def kv_axis(self) -> str:
+        """The logical axis of key and value heads: `heads` when every query head has its own, else `kv_heads`."""
+        return "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
+
+
+def architecture(
+    *,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    head_dim: int | None,
+    embed_dim: int,
+    mlp_dim: int | None,
+    mlp: str,
+    qkv_bias: bool,
+    qk_norm: bool,
+    bias: bool,
+    norm: str,
+    norm_eps: float,
+    positions: str,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    dropout: float,
+    attention_dropout: float,
+    remat: str,
+    scan_layers: bool,
+    dtype: str,
+    lora: Mapping[str, Any] | None = None,
+) -> Architecture:
+    """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`."""
+    check_sizes("num_layers", [num_layers])
+    check_sizes("num_heads", [num_heads])
+    check_sizes("embed_dim", [embed_dim])
+    mlp_dim = check_sizes("mlp_dim", [mlp_dim])[0] if mlp_dim is not None else 4 * embed_dim
+    check_rate("dropout", dropout)
+    check_rate("attention_dropout", attention_dropout)
+    _choice("positions", positions, POSITIONS)
+    _choice("norm", norm, NORMS)
+    _choice("mlp", mlp, MLPS)
+    _choice("dtype", dtype, tuple(DTYPES))
+    _choice("remat", remat, REMATS)
+    head_dim, kv_heads = _heads(embed_dim, num_heads, head_dim, num_kv_heads)
+    _check_numbers(positions, head_dim, norm_eps, rope_theta, rope_scaling)
+    return Architecture(
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        mlp_dim=mlp_dim,
+        mlp=mlp,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        bias=bias,
+        norm=norm,
+        norm_eps=float(norm_eps),
+        rope=positions == "rope",
+        rope_theta=float(rope_theta),
+        rope_scaling=check_rope_scaling(rope_scaling),
+        dropout=dropout,
+        attention_dropout=attention_dropout,
+        out_std=0.02 / math.sqrt(2 * num_layers),
+        remat=remat,
+        scanned=scan_layers,
+        dtype=DTYPES[dtype],
+        lora=lora_options(lora, mlp),
+    )
+
+
+def _choice(option: str, value: str, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"model.{option} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _heads(embed_dim: int, num_heads: int, head_dim: int | None, num_kv_heads: int | None) -> tuple[int, int]:
+    """`(head_dim, num_kv_heads)`, checked: by default `embed_dim / num_heads` and one key-value head per query
+    head."""
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"model.embed_dim ({embed_dim}) must be a multiple of model.num_heads ({num_heads}), "
+                "or set model.head_dim"
+            )
+        head_dim = embed_dim // num_heads
+    check_sizes("head_dim", [head_dim])
+    kv_heads = num_heads if num_kv_heads is None else check_sizes("num_kv_heads", [num_kv_heads])[0]
+    if num_heads % kv_heads:
+        raise ValueError(
+            f"model.num_heads ({num_heads}) must be a multiple of model.num_kv_heads ({kv_heads}): each key-value "
+            "head serves an equal group of query heads"
+        )
+    return head_dim, kv_heads
+
+
+def _check_numbers(
+    positions: str, head_dim: int, norm_eps: float, rope_theta: float, rope_scaling: Mapping[str, Any] | None
+) -> None:
+    """An even head size for rotary positions, a positive `norm_eps` and `rope_theta`; `rope_scaling` only with
+    rotary positions."""
+    if positions == "rope" and head_dim % 2:
+        raise ValueError(
+            f"model.positions rope rotates pairs of features: the head size (model.head_dim, or embed_dim / "
+            f"num_heads) ({head_dim}) must be even"
+        )
+    if norm_eps <= 0:
+        raise ValueError(f"model.norm_eps must be positive, got {norm_eps}")
+    if rope_theta <= 0:
+        raise ValueError(f"model.rope_theta must be positive, got {rope_theta}")
+    if rope_scaling is not None and positions != "rope":
+        raise ValueError("model.rope_scaling applies to rotary positions: set model.positions=rope or drop it")
