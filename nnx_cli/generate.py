@@ -114,7 +114,7 @@ def encode_prompt(
     """The prompt's token ids: as the tokenizer encodes text, or with `chat` rendered by a chat template as a
     user turn (`template`: a run's `data.chat_template`; by default the tokenizer's)."""
     if chat:
-        from nnx_cli.hf import chat as chats
+        from nnx_cli.data import chat as chats
 
         template = template or getattr(tokenizer, "chat_template", None)
         if template is None:

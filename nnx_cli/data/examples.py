@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_cli.config import DataConfig
+from nnx_cli.data import chat
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import get_or_build
 from nnx_cli.data.tokenizers import load_tokenizer
@@ -99,12 +100,10 @@ def encode_chat(tokenizer: Any, template: str, messages: list[dict[str, Any]]) -
 
     Qwen2.5's ChatML template, for example::
 
-        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-        ids, targets = encode_chat(tok, tok.chat_template, chat)
+        conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        ids, targets = encode_chat(tok, tok.chat_template, conversation)
         tok.decode([i for i, t in zip(ids, targets) if t])     # 'Hello<|im_end|>'
     """
-    from nnx_cli.hf import chat
-
     text, spans = chat.assistant_spans(template, messages, chat.special_tokens(tokenizer))
     ids, offsets = _pieces(tokenizer, text)
     return ids, chat.span_targets(offsets, spans).tolist()
@@ -122,8 +121,6 @@ def encode_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[lis
 def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, example: dict[str, Any],
                    number: int) -> tuple[list[int], list[int]]:  # fmt: skip
     """One row of the source as (ids, targets), before truncation; bad rows are a UserError naming `number`."""
-    from nnx_cli.hf.chat import TemplateFailed, check_messages
-
     keys = _columns(cfg)
     missing = [k for k in keys if example.get(k) is None]
     if missing:
@@ -136,7 +133,9 @@ def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, exampl
         )
     try:
         if cfg.format == CHAT:
-            ids, targets = encode_chat(tokenizer, template, check_messages(example[cfg.messages_key], cfg.messages_key))
+            ids, targets = encode_chat(
+                tokenizer, template, chat.check_messages(example[cfg.messages_key], cfg.messages_key)
+            )
         else:
             prompt, completion = example[cfg.prompt_key], example[cfg.completion_key]
             if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
@@ -144,7 +143,7 @@ def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, exampl
                     f"{cfg.prompt_key!r} and {cfg.completion_key!r} must be text, the completion not empty"
                 )
             ids, targets = encode_completion(tokenizer, prompt, completion)
-    except (TemplateFailed, ValueError) as e:
+    except (chat.TemplateFailed, ValueError) as e:
         raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
     if cfg.train_on_prompt:
         targets = [0] + [1] * (len(ids) - 1)
@@ -206,9 +205,7 @@ def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, directory: Path, firs
             "to a template file or its Jinja text"
         )
     if template is not None:
-        from nnx_cli.hf.chat import compile_template
-
-        compile_template(template)  # a template that does not parse is the template's fault, not a row's
+        chat.compile_template(template)  # a template that does not parse is the template's fault, not a row's
     counts = {"examples": 0, "rows": 0, "truncated": 0, "without_targets": 0, "tokens": 0, "target_tokens": 0}
 
     def examples() -> Iterator[tuple[list[int], list[int]]]:
@@ -372,8 +369,6 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
           name: str) -> dict[str, np.ndarray]:  # fmt: skip
     """The row arrays of `split` (or of its examples `part`), from the cache or built into it; `name` is how
     notices call them."""
-    from nnx_cli.hf.chat import special_tokens
-
     template = chat_template(cfg, tokenizer) if cfg.format == CHAT else None
     width = cfg.seq_len + 1
     parts = {
@@ -388,7 +383,7 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
         "template": hashlib.sha256(template.encode()).hexdigest() if template else None,
         "tokenizer": tokenizer.name,
         "tokenizer_version": tokenizer.version,
-        "special_tokens": special_tokens(tokenizer),  # what templates and completions end with
+        "special_tokens": chat.special_tokens(tokenizer),  # what templates and completions end with
         "seq_len": cfg.seq_len,
         "max_len": min(cfg.max_len or width, width),
         "packing": cfg.packing,

@@ -2,6 +2,10 @@
 
 - `bytes` (built in, offline): the UTF-8 bytes of the text, ids 0-255, and
   end-of-document 256, so the vocabulary has 257 ids.
+- `pretrained`: the tokenizer of the model directory `model.pretrained`,
+  loaded by the factory that :mod:`nnx_cli.hf` (which reads model
+  directories) provides when imported (:func:`provide_pretrained`); this
+  package never imports `nnx_cli.hf`.
 - A Hugging Face `tokenizers` tokenizer (needs `pip install tokenizers`): a
   local `tokenizer.json` (or a directory holding one), or a Hub id such as
   `gpt2`, whose `tokenizer.json` is downloaded once into the Hugging Face cache
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -139,6 +143,17 @@ class HFTokenizer:
         self.__init__(state["name"], tokenizers.Tokenizer.from_str(state["definition"]))
 
 
+_pretrained: Callable[[str], HFTokenizer] | None = None
+
+
+def provide_pretrained(factory: Callable[[str], HFTokenizer]) -> None:
+    """Make `data.tokenizer: pretrained` load the tokenizer of model directory (or Hub id) `source` as
+    `factory(source)`. :mod:`nnx_cli.hf` provides its own when imported: model directories are its business,
+    and the data side asks for their tokenizers without importing it."""
+    global _pretrained
+    _pretrained = factory
+
+
 def load_tokenizer(name: str, pretrained: str | None = None) -> BytesTokenizer | HFTokenizer:
     """The tokenizer `data.tokenizer` names: `bytes`, `pretrained` (the tokenizer of the model directory or Hub
     id `pretrained`, i.e. `model.pretrained`), a tokenizer.json path, or a Hub id.
@@ -156,9 +171,11 @@ def load_tokenizer(name: str, pretrained: str | None = None) -> BytesTokenizer |
                 f"{_KEY} is pretrained, which means the tokenizer of model.pretrained, but model.pretrained is not "
                 "set; set it, or name a tokenizer (bytes, a Hub id, a tokenizer.json)"
             )
-        from nnx_cli.hf import pretrained_tokenizer
-
-        return pretrained_tokenizer(pretrained)
+        if _pretrained is None:
+            raise RuntimeError(
+                "data.tokenizer pretrained: no factory reads model directories; import nnx_cli.hf, which provides it"
+            )
+        return _pretrained(pretrained)
     return _load_hf(name)
 
 
@@ -185,14 +202,14 @@ def tokenizer_vocab_size(name: str, pretrained: str | None = None) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _from_hub(repo_id: str) -> HFTokenizer:
-    _import_tokenizers(repo_id)
+    import_tokenizers(repo_id)
     path = _download(repo_id)
     return _from_file(repo_id, str(path), *_size_and_mtime(path))
 
 
 @functools.lru_cache(maxsize=8)
 def _from_file(name: str, path: str, size: int, mtime_ns: int) -> HFTokenizer:
-    tokenizers = _import_tokenizers(name)
+    tokenizers = import_tokenizers(name)
     try:
         return HFTokenizer(name, tokenizers.Tokenizer.from_file(path))
     except Exception as e:  # the Rust side raises plain Exceptions for unreadable files
@@ -202,7 +219,8 @@ def _from_file(name: str, path: str, size: int, mtime_ns: int) -> HFTokenizer:
         ) from None
 
 
-def _import_tokenizers(name: str) -> Any:
+def import_tokenizers(name: str) -> Any:
+    """The `tokenizers` package; not installed is a UserError naming `data.tokenizer` `name` and how to install it."""
     try:
         import tokenizers
     except ImportError:

@@ -6,7 +6,7 @@ DIR` in a config, or DIR itself as the TARGET of `nnx-inspect`,
 options (:mod:`nnx_cli.hf.families`), its safetensors the parameters,
 streamed into their shardings (:mod:`nnx_cli.hf.weights`), its tokenizer
 files the tokenizer, stop tokens and chat template
-(:mod:`nnx_cli.hf.tokenizer`, :mod:`nnx_cli.hf.chat`)::
+(:mod:`nnx_cli.hf.tokenizer`; its chat template renders with :mod:`nnx_cli.data.chat`)::
 
     pretrained = open_pretrained("Qwen/Qwen2.5-0.5B-Instruct")   # config.json read, every tensor header checked
     pretrained.options                                          # {"num_layers": 24, ...}
@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from nnx_cli.data import tokenizers
 from nnx_cli.errors import UserError
 from nnx_cli.hf import families
 from nnx_cli.hf.hub import is_model_dir, resolve
@@ -162,11 +163,13 @@ def _same(given: Any, value: Any) -> bool:
 @functools.lru_cache(maxsize=8)
 def pretrained_tokenizer(source: str) -> Any:
     """The tokenizer of model directory (or Hub id) `source`."""
-    from nnx_cli.data.tokenizers import _import_tokenizers
     from nnx_cli.hf.tokenizer import PretrainedTokenizer
 
-    _import_tokenizers("pretrained")
+    tokenizers.import_tokenizers("pretrained")
     return PretrainedTokenizer(resolve(source))
+
+
+tokenizers.provide_pretrained(pretrained_tokenizer)  # `data.tokenizer: pretrained` asks for it
 
 
 def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: bool = True, **sections: Any) -> Any:
