@@ -116,5 +116,20 @@ def test_eval_of_a_model_directory_on_a_text_equals_eval_of_a_run_that_has_not_m
     assert evaluated["metrics"]["loss"] == pytest.approx(direct["metrics"]["loss"], rel=1e-5)
 
 
+def test_a_markdown_file_trains_a_pretrained_model_without_text_key_as_eval_reads_it(project):
+    (project / "notes.md").write_text("# Notes\n\n" + (project / "text.txt").read_text())
+    (project / "plain.yaml").write_text(
+        "model: {name: transformer_lm, pretrained: model}\n"
+        "data: {source: notes.md, seq_len: 32, eval_split: train}\n"
+        "optimizer: {name: sgd, learning_rate: 0.0}\n"
+        "train: {batch_size: 8, steps: 1, eval_every: 1}\n"
+    )
+    run(project, "nnx-train", "plain.yaml", "--workdir", "plain")
+    records = [json.loads(line) for line in (project / "plain" / "metrics.jsonl").read_text().splitlines()]
+    trained = next(r for r in records if r["split"] == "eval")  # after one step at learning rate 0
+    direct = json.loads(run(project, "nnx-eval", "model", "data.source=notes.md", "data.seq_len=32", "--json").stdout)
+    assert trained["metrics"]["loss"] == pytest.approx(direct["metrics"]["loss"], rel=1e-5)
+
+
 def test_eval_of_a_model_directory_needs_a_text(project):
     assert_user_error(cli("nnx-eval", "model", cwd=project), "needs a text to evaluate on", "data.source=")

@@ -279,6 +279,23 @@ def test_a_pretrained_model_needs_text_data(llama_dir):
         setup(cfg, data=None)
 
 
+@pytest.mark.parametrize("suffix", [".txt", ".md"])
+def test_a_plain_text_file_is_text_without_a_text_key(tmp_path, llama_dir, suffix):
+    source = tmp_path / f"notes{suffix}"
+    source.write_text("# Notes\n\nthe quick brown fox\n")
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={llama_dir}", f"data.source={source}"])
+    hf.apply_pretrained(cfg)
+    assert cfg.data.text_key == "text"  # the one column a plain-text file has
+
+
+def test_a_data_file_with_columns_still_needs_its_text_key(tmp_path, llama_dir):
+    source = tmp_path / "notes.jsonl"
+    source.write_text('{"body": "the quick brown fox"}\n')
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={llama_dir}", f"data.source={source}"])
+    with pytest.raises(UserError, match=r"the data is not text: set data.text_key"):
+        hf.apply_pretrained(cfg)
+
+
 def test_a_shape_key_that_disagrees_with_config_json_names_both_values(tmp_path, llama_dir):
     with pytest.raises(UserError, match=r"'model.num_layers' is 4, but .*config.json says 2"):
         check(llama_dir, "model.num_layers=4")

@@ -52,7 +52,9 @@ _FILE_BUILDERS = {
     ".json": "json",
     ".jsonl": "json",
     ".txt": "text",
+    ".md": "text",
 }
+PLAIN_TEXT = (".txt", ".md")  # a file of these is one document, in the column `text`
 
 
 def known_spec(source: str) -> DataSpec | None:
@@ -138,8 +140,8 @@ _cache: dict[str, tuple[str | None, Any]] = {}
 def _open(source: str) -> Any:
     """The `datasets` object (a DatasetDict, or a Dataset for save_to_disk of one split).
 
-    A `.txt` file, and each file of a directory of `.txt` files, is one row
-    (one document) in a column `text`, not a row per line.
+    A `.txt` or `.md` file, and each file of a directory of `.txt` files, is
+    one row (one document) in a column `text`, not a row per line.
     """
     path = Path(source).expanduser()
     signature = local_fingerprint(path) if path.exists() else None
@@ -186,7 +188,7 @@ def _open(source: str) -> Any:
 
 
 def _text_options(path: Path) -> dict[str, Any]:
-    """`datasets`' options for a `.txt` file or a directory of them: one row per file, not per line."""
+    """`datasets`' options for a plain-text file or a directory of them: one row per file, not per line."""
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
     suffixes = {p.suffix for p in files if p.suffix in _FILE_BUILDERS}
-    return {"sample_by": "document"} if suffixes == {".txt"} else {}
+    return {"sample_by": "document"} if suffixes and suffixes <= set(PLAIN_TEXT) else {}

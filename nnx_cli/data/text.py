@@ -2,8 +2,8 @@
 
 A text dataset is one with `data.text_key` set: the column of documents of
 `data.source` (a Hub id, a local directory of parquet/jsonl/txt files, or one
-`.txt`/`.jsonl`/`.parquet` file; a `.txt` file is one document in a column
-`text`). Each split's documents are tokenized once with `data.tokenizer`,
+`.txt`/`.md`/`.jsonl`/`.parquet` file; a `.txt` or `.md` file is one document in
+a column `text`). Each split's documents are tokenized once with `data.tokenizer`,
 each followed by the end-of-document id, and stored as one uint16 stream
 (uint32 for vocabularies above 65,536 ids) in the data cache, keyed by the
 source, split, column, tokenizer and its version, and a fingerprint of the
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_cli.config import DataConfig
-from nnx_cli.data import _open
+from nnx_cli.data import PLAIN_TEXT, _open
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, get_or_build, local_fingerprint
 from nnx_cli.data.tokenizers import BytesTokenizer, HFTokenizer, load_tokenizer, tokenizer_vocab_size
@@ -184,6 +184,13 @@ def is_text(cfg: DataConfig) -> bool:
     """Whether `cfg` describes text for a language model: documents (`data.text_key` is set) or fine-tuning
     examples (`data.format` chat or completion)."""
     return cfg.text_key is not None or cfg.format in ("chat", "completion")
+
+
+def is_plain_text(source: str) -> bool:
+    """Whether `source` is one local plain-text file (`.txt`, `.md`): a single document in the column `text`, so
+    `data.text_key` has only one possible value."""
+    path = Path(source).expanduser()
+    return path.suffix in PLAIN_TEXT and path.is_file()
 
 
 def text_spec(cfg: DataConfig, vocab_size: int | None = None, pretrained: str | None = None) -> DataSpec:
@@ -324,7 +331,7 @@ class _Source:
             return ds.select_columns(columns)
         text_key, columns = self.cfg.text_key, list(ds.column_names)
         if text_key not in columns:
-            txt = " (a .txt file is one document in the column 'text')" if self._is_txt() else ""
+            txt = " (a .txt or .md file is one document in the column 'text')" if self._is_txt() else ""
             raise UserError(
                 f"config key 'data.text_key': dataset {self.cfg.source!r} has no column {text_key!r}"
                 f"{did_you_mean(text_key, columns)}; columns: {', '.join(columns)}{txt}"
@@ -344,7 +351,7 @@ class _Source:
         return ds if isinstance(ds, datasets.DatasetDict) else datasets.DatasetDict({"train": ds})
 
     def _is_txt(self) -> bool:
-        return self.path.suffix == ".txt" or (self.path.is_dir() and any(self.path.rglob("*.txt")))
+        return self.path.suffix in PLAIN_TEXT or (self.path.is_dir() and any(self.path.rglob("*.txt")))
 
     def slug(self) -> str:
         name = self.path.resolve().name if self.local else self.cfg.source
