@@ -66,7 +66,7 @@ def evaluate(
             return restore.read_state(ckpt, s, exp.restore_target())
 
         step, state = restore.from_run(run, read, say)
-        state, what = exp.with_frozen(state), str(run.checkpoints / str(step))
+        state, what = exp.with_reference(exp.with_frozen(state), say), str(run.checkpoints / str(step))
     layout = sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
     metrics = hooks.evaluator(exp, layout, sharding.replicated(exp.mesh))(state)
 

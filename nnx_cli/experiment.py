@@ -4,6 +4,7 @@
 
     exp = setup(cfg, data="train")     # or "eval", or None (shapes from the config alone)
     exp.model_cls, exp.spec, exp.tx, exp.total_steps
+    exp.objective                      # what training minimises (nnx_cli.objectives): sft, dpo
     exp.moduledef, exp.abstract        # the train state's structure, shapes and dtypes (nothing allocated)
     exp.mesh, exp.rules, exp.shardings # where every array lives
     state = exp.init_state()           # a fresh state, created on the devices in its shardings
@@ -28,7 +29,7 @@ import numpy as np
 import optax
 
 import nnx
-from nnx_cli import data, models, optim, sharding, steps
+from nnx_cli import data, models, objectives, optim, sharding, steps
 from nnx_cli.config import Config
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
 from nnx_cli.errors import UserError, did_you_mean
@@ -57,10 +58,11 @@ class Experiment:
     build: Callable[[nnx.Context], nnx.Module]
     pretrained: Any = None  # nnx_cli.hf.Pretrained with `model.pretrained`: where the parameters come from
     weighted: bool = False  # the model weights its metrics' averages (`weight`: per target token)
+    objective: Any = None  # nnx_cli.objectives.Objective: what training minimises
 
     @property
     def loss_metric(self) -> str:
-        return self.model_cls.loss_metric
+        return self.objective.loss_metric
 
     @property
     def has_images(self) -> bool:
@@ -77,6 +79,43 @@ class Experiment:
         if steps.FROZEN not in self.abstract:
             return state
         return {**state, steps.FROZEN: self.frozen_params(self.frozen_target())}
+
+    def with_reference(self, state: steps.TrainState, say: Callable[[str], None]) -> steps.TrainState:
+        """A restored state completed with the copy of its starting parameters that the objective's reference
+        is (none when the state keeps none): read again from where the run started, `checkpoint.init_from`
+        or `model.pretrained`, else drawn from the seed as a fresh run draws them."""
+        if steps.REFERENCE not in self.abstract:
+            return state
+        target = sharding.with_shardings(self.abstract, self.shardings)["params"]
+        if self.cfg.checkpoint.init_from is not None:
+            params, _, where = self.init_from_params(self.cfg.checkpoint.init_from, say)
+            say(f"the reference model is read from {where}, where the run started")
+        elif self.pretrained is not None:
+            params = self.load_pretrained(target)
+        else:
+            fresh = lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1]["params"]  # noqa: E731
+            params = jax.jit(fresh, out_shardings=jax.tree.map(lambda a: a.sharding, target))()
+        return {**state, steps.REFERENCE: params}
+
+    def init_from_params(self, source: str, say: Callable[[str], None]) -> tuple[nnx.State, str, str]:
+        """`checkpoint.init_from`: the parameters of another run's newest usable step (or the step dir named), or
+        the adapters of a PEFT adapter directory, for fine-tuning; with what they are ("parameters", "adapters")
+        and where they were read, in words."""
+        from pathlib import Path
+
+        from nnx_cli import restore
+        from nnx_cli.hf import peft
+        from nnx_cli.workdir import open_run
+
+        if peft.is_adapter_dir(source):
+            return peft.load(self, Path(source)), "adapters", f"the PEFT adapter {source}"
+        try:
+            run = open_run(source)
+        except UserError as e:
+            raise UserError(f"config key 'checkpoint.init_from': {e}") from None
+        target = self.restore_target()["params"]
+        step, params = restore.from_run(run, lambda ckpt, s: ckpt.restore_params(s, target), say)
+        return params, "parameters", str(run.checkpoints / str(step))
 
     def frozen_params(self, target: Any) -> nnx.State:
         """The frozen parameters, placed as `target` (abstract, with shardings) says: read from
@@ -108,18 +147,21 @@ class Experiment:
     def init_state(self) -> steps.TrainState:
         """A fresh train state, created directly on the devices in its shardings; with `model.pretrained`, its
         parameters streamed from the model directory's weights."""
+        reference = steps.REFERENCE in self.abstract
         if self.pretrained is None:
             fresh = jax.jit(
-                lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1], out_shardings=self.shardings
+                lambda: steps.init_state(self.build, self.tx, self.cfg.seed, reference)[1],
+                out_shardings=self.shardings,
             )
             return fresh()
         loaded = self.load_pretrained(self.frozen_target())
 
         def around(loaded: nnx.State) -> steps.TrainState:  # the random parameters it draws go unused: XLA drops them
-            state = steps.init_state(self.build, self.tx, self.cfg.seed)[1]
+            state = steps.init_state(self.build, self.tx, self.cfg.seed, reference)[1]
             if steps.FROZEN in state:  # adapters start fresh on the loaded weights
                 return {**state, steps.FROZEN: loaded}
-            return {**state, "params": loaded, "opt_state": self.tx.init(loaded)}
+            extra = {steps.REFERENCE: loaded} if reference else {}
+            return {**state, "params": loaded, "opt_state": self.tx.init(loaded), **extra}
 
         return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(loaded)
 
@@ -154,8 +196,11 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     total_steps = _total_steps(cfg, train)
     tx, schedule = _setup_optimizer(cfg, total_steps)
     build = models.model_factory(cfg.model, spec)
+    objective = objectives.build(cfg, model_cls)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
-    metric_names = _check_step(cfg, moduledef, tx, abstract, train or evals) if data is not None else []
+    if _keeps_reference(cfg, objective, abstract):
+        abstract = {**abstract, steps.REFERENCE: abstract["params"]}
+    metric_names = _check_step(cfg, moduledef, tx, abstract, train or evals, objective) if data is not None else []
     weighted = steps.WEIGHT in metric_names
     metric_names = [name for name in metric_names if name != steps.WEIGHT]
     if data == "train":
@@ -181,6 +226,7 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
         build,
         pretrained,
         weighted,
+        objective,
     )
 
 
@@ -253,7 +299,23 @@ def _setup_optimizer(cfg: Config, total_steps: int | None) -> tuple[optax.Gradie
     return tx, schedule
 
 
-def _check_step(cfg: Config, moduledef: nnx.ModuleDef, tx: Any, abstract: Any, split: Any) -> list[str]:
+def _keeps_reference(cfg: Config, objective: objectives.Objective, abstract: steps.TrainState) -> bool:
+    """Whether the train state keeps a copy of its starting parameters as the objective's reference: it needs
+    one, and the reference is not the model with its adapters off (adapters that start from zero).
+
+    Fully fine-tuned, the copy is the reference (rather than reference log-probabilities computed once and
+    cached with the data): objectives that score text sampled during training (GRPO's KL term) need the
+    reference model itself, and so do evals of other data; it costs one more copy of the parameters, no
+    optimizer state. Under LoRA it costs nothing.
+    """
+    if not objective.needs_reference:
+        return False
+    return steps.FROZEN not in abstract or cfg.checkpoint.init_from is not None
+
+
+def _check_step(
+    cfg: Config, moduledef: nnx.ModuleDef, tx: Any, abstract: Any, split: Any, objective: objectives.Objective
+) -> list[str]:
     """Trace one train step on shapes alone (a batch of the data's shapes); return the metric names."""
     if isinstance(split, TrainSplit):
         rows = split.read(split.epoch_keys(0)[:1])
@@ -261,7 +323,8 @@ def _check_step(cfg: Config, moduledef: nnx.ModuleDef, tx: Any, abstract: Any, s
         rows = {k: v for k, v in next(split.eval_batches(1)).items() if k != "mask"}
     size = cfg.train.batch_size // cfg.train.grad_accum_steps
     stored = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items()}
-    return steps.check_step(moduledef, tx, cfg.model.name, abstract, jax.eval_shape(split.prepare, stored))
+    batch = jax.eval_shape(split.prepare, stored)
+    return steps.check_step(moduledef, tx, cfg.model.name, abstract, batch, objective)
 
 
 def _check_keep_best(cfg: Config, metric_names: list[str], spec: DataSpec, evals: EvalSplit | None) -> None:
@@ -270,12 +333,17 @@ def _check_keep_best(cfg: Config, metric_names: list[str], spec: DataSpec, evals
         return
     if evals is None:
         raise UserError("config key 'checkpoint.keep_best' needs evals, but data.eval_split is null")
-    known = [*metric_names, *(["perplexity"] if spec.tokenizer is not None else [])]
+    known = [*metric_names, *(["perplexity"] if reports_perplexity(cfg, spec) else [])]
     if best["metric"] not in known:
         raise UserError(
             f"config key 'checkpoint.keep_best.metric': {best['metric']!r} is not an eval metric of model "
             f"{cfg.model.name!r}{did_you_mean(best['metric'], known)}; its metrics: {', '.join(known)}"
         )
+
+
+def reports_perplexity(cfg: Config, spec: DataSpec) -> bool:
+    """Whether evals add `perplexity` (exp of the loss): a language model's own loss, not an objective's."""
+    return spec.tokenizer is not None and cfg.objective.name == "sft"
 
 
 def count_params(abstract: Any) -> int:

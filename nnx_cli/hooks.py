@@ -338,8 +338,9 @@ def _device_memory() -> dict[str, float]:
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches)."""
     from nnx_cli.data import pipeline
+    from nnx_cli.experiment import reports_perplexity
 
-    fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare)
+    fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare, objective=exp.objective)
     eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar, scalar), out_shardings=scalar)
     limit = exp.cfg.train.eval_max_batches
     count = len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
@@ -347,7 +348,7 @@ def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     def run(state: steps.TrainState) -> dict[str, float]:
         batches = pipeline.eval_feed(exp.eval, layout, limit)
         metrics = steps.evaluate(eval_step, state, batches, count, exp.eval_zeros())
-        if exp.spec.tokenizer is not None and "loss" in metrics:
+        if reports_perplexity(exp.cfg, exp.spec) and "loss" in metrics:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))  # the language models' usual figure
         return metrics
 

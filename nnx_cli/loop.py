@@ -118,7 +118,7 @@ def inputs(exp: Any, layout: Any, plan: list[tuple[int, int]]) -> tuple[Iterator
     from nnx_cli.data import pipeline
 
     split, cfg = exp.train, exp.cfg
-    common = (steps.train_dispatch, exp.moduledef, exp.tx, exp.loss_metric, cfg.seed, split.prepare)
+    common = (steps.train_dispatch, exp.moduledef, exp.tx, exp.objective, cfg.seed, split.prepare)
     scalar = NamedSharding(exp.mesh, PartitionSpec())
     shardings = (exp.shardings, scalar)
     accum = cfg.train.grad_accum_steps

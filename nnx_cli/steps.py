@@ -12,6 +12,14 @@ gradient is taken and from where no checkpoint writes them (they come back
 from the base model). The model is partitioned once; each step runs
 `moduledef.apply(params, [frozen,] rest)` on pure states.
 
+What a step minimises is the run's objective (:mod:`nnx_cli.objectives`):
+per-row metrics of the model on a batch, the same step for every objective.
+An objective that needs a reference model (pi_ref, DPO's) gets the model the
+run started from, frozen: under adapters the same weights with the adapters
+off; otherwise a copy of the starting parameters the state keeps under
+`"reference"`, never trained and never checkpointed (a resumed run reads it
+again from where the run started).
+
 A model's metrics may include `weight`, a per-example weight of the
 averages (the target tokens of a fine-tuning row): training minimises the
 weighted mean of the loss and evals report weighted means, so they are per
@@ -32,19 +40,24 @@ import optax
 
 import nnx
 from nnx_cli.errors import UserError, first_line
+from nnx_cli.objectives import Objective, resolve
 
 TrainState = dict[str, Any]
 _TRAIN, _EVAL, _IMAGES = 0, 1, 2
 FROZEN = "frozen"
 """The train state's key for the parameters that adapters adapt: never trained, never checkpointed."""
+REFERENCE = "reference"
+"""The train state's key for a copy of the starting parameters, when the objective's reference needs one."""
 WEIGHT = "weight"
 """The metric that weights the others' averages (see the module docstring)."""
 
 
 def init_state(
-    build: Callable[[nnx.Context], nnx.Module], tx: optax.GradientTransformation, seed: int
+    build: Callable[[nnx.Context], nnx.Module], tx: optax.GradientTransformation, seed: int, reference: bool = False
 ) -> tuple[nnx.ModuleDef, TrainState]:
-    """Build the model and optimizer state. Run it under `jax.eval_shape` for shapes only."""
+    """Build the model and optimizer state. Run it under `jax.eval_shape` for shapes only.
+
+    `reference`: also keep the parameters that train, as they start, under :data:`REFERENCE`."""
     model = build(nnx.context(seed))
     if len(model.filter(nnx.LoRAParam)):  # the adapters train; what they adapt is frozen
         (params, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
@@ -52,6 +65,8 @@ def init_state(
     else:
         (params, rest), moduledef = model.partition(nnx.Param, ...)
         extra = {}
+    if reference:
+        extra[REFERENCE] = params
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params), "rest": rest}
     return moduledef, {**state, **extra}
 
@@ -68,8 +83,32 @@ def parameters(state: TrainState) -> nnx.State:
 
 
 def trainable(state: TrainState) -> TrainState:
-    """The state without its frozen parameters: what a checkpoint holds."""
-    return {k: v for k, v in state.items() if k != FROZEN}
+    """The state without its frozen parameters (nor the reference's copy): what a checkpoint holds."""
+    return {k: v for k, v in state.items() if k not in (FROZEN, REFERENCE)}
+
+
+def reference_model(moduledef: nnx.ModuleDef, state: TrainState) -> nnx.Module:
+    """pi_ref, the model the run started from, frozen (no gradient reaches it): the parameters kept under
+    :data:`REFERENCE`, else, under adapters, the same weights with the adapters off (zero: their update is
+    exactly zero, so the model computes what its base computes)."""
+    if REFERENCE in state:
+        params = state[REFERENCE]
+    elif FROZEN in state:
+        params = jax.tree.map(jnp.zeros_like, state["params"])
+    else:
+        raise ValueError("the train state keeps no reference: build it with init_state(..., reference=True)")
+    return moduledef.merge(*model_states(state, jax.lax.stop_gradient(params)))
+
+
+def _model_metrics(
+    moduledef: nnx.ModuleDef, objective: Objective, state: TrainState, states: tuple, batch: Any, ctx: nnx.Context
+) -> tuple[dict[str, jax.Array], nnx.State]:
+    """The objective's per-row metrics of the model built from `states`, and the model's state after the call."""
+    model = moduledef.merge(*states)
+    reference = reference_model(moduledef, state) if objective.needs_reference else None
+    metrics = objective.metrics(model, batch, ctx, reference)
+    updates, _ = model.partition()
+    return metrics, updates
 
 
 def _means(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -103,7 +142,7 @@ def empty_sums(metric_names: list[str]) -> dict[str, Any]:
 def train_step(
     moduledef: nnx.ModuleDef,
     tx: optax.GradientTransformation,
-    loss_metric: str,
+    objective: Objective | str,
     seed: int,
     state: TrainState,
     sums: dict[str, Any],
@@ -111,6 +150,9 @@ def train_step(
     accum: int = 1,
 ) -> tuple[TrainState, dict[str, Any], jax.Array]:
     """One optimizer step on `batch`; adds the batch-mean metrics to `sums`.
+
+    `objective` says what to minimise (:mod:`nnx_cli.objectives`); a metric
+    name stands for the model's own metrics, minimising that one.
 
     With `accum > 1` the batch is split into that many micro-batches (rows
     `i, i + accum, ...` form micro-batch `i`, so each keeps its share of every
@@ -120,13 +162,14 @@ def train_step(
     loss is also returned on its own: a small output the loop can wait on.
     """
     step = state["step"]
+    objective = resolve(objective)
 
     def loss_fn(params: nnx.State, rest: nnx.State, batch: Any, index: jax.Array) -> tuple[jax.Array, Any]:
         ctx = _context(seed, _TRAIN, index, training=True)  # inside: a Context is bound to its trace
-        metrics, (updates, _) = moduledef.apply(*model_states(state, params, rest)).metrics(batch, ctx)
+        metrics, updates = _model_metrics(moduledef, objective, state, model_states(state, params, rest), batch, ctx)
         means = _means(metrics)
         _, rest = updates.partition(nnx.Param, ...)
-        return means[loss_metric], (means, rest)
+        return means[objective.loss_metric], (means, rest)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
@@ -167,7 +210,7 @@ def _accumulate(grad_fn: Callable, state: TrainState, batch: dict[str, jax.Array
 def train_dispatch(
     moduledef: nnx.ModuleDef,
     tx: optax.GradientTransformation,
-    loss_metric: str,
+    objective: Objective | str,
     seed: int,
     prepare: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
     read: Callable[[Any, jax.Array], dict[str, jax.Array]] | None,
@@ -188,7 +231,7 @@ def train_dispatch(
 
     def body(carry: tuple[TrainState, dict[str, Any]], x: Any) -> tuple[tuple[TrainState, dict[str, Any]], jax.Array]:
         batch = prepare(read(stored, x) if read is not None else x)
-        state, sums, loss = train_step(moduledef, tx, loss_metric, seed, *carry, batch, accum)
+        state, sums, loss = train_step(moduledef, tx, objective, seed, *carry, batch, accum)
         return (state, sums), loss
 
     (state, sums), _ = jax.lax.scan(body, (state, sums), xs)
@@ -210,8 +253,10 @@ def check_step(
     model_name: str,
     abstract: TrainState,
     batch: dict[str, Any],
+    objective: Objective | None = None,
 ) -> list[str]:
-    """Trace the model's metrics and the optimizer update on shapes alone; return the metric names.
+    """Trace the objective's metrics (default: the model's own) and the optimizer update on shapes alone;
+    return the metric names.
 
     Nothing is computed or allocated. A model that cannot run on the data's
     batches, or an optimizer that cannot update the parameters (say, an
@@ -219,8 +264,11 @@ def check_step(
     work dir, rather than a traceback at the first step.
     """
     ctx = lambda: _context(0, _EVAL, jnp.zeros((), jnp.int32), training=False)  # noqa: E731
+    objective = resolve(objective)
     try:
-        metrics = jax.eval_shape(lambda s, b: moduledef.apply(*model_states(s)).metrics(b, ctx())[0], abstract, batch)
+        metrics = jax.eval_shape(
+            lambda s, b: _model_metrics(moduledef, objective, s, model_states(s), b, ctx())[0], abstract, batch
+        )
     except UserError:
         raise
     except Exception as e:
@@ -246,11 +294,13 @@ def eval_step(
     batch: dict[str, jax.Array],
     index: jax.Array,
     totals: dict[str, jax.Array],
+    objective: Objective | None = None,
 ) -> dict[str, jax.Array]:
-    """`totals` plus the sums of the per-example metrics over the rows `batch["mask"]` marks as real (weighted by
-    the `weight` metric when there is one, whose own sum is then kept too)."""
+    """`totals` plus the sums of the per-example metrics (the objective's; default: the model's own) over the rows
+    `batch["mask"]` marks as real (weighted by the `weight` metric when there is one, whose own sum is then kept
+    too)."""
     ctx = _context(seed, _EVAL, index, training=False)
-    metrics, _ = moduledef.apply(*model_states(state)).metrics(prepare(batch), ctx)
+    metrics, _ = _model_metrics(moduledef, resolve(objective), state, model_states(state), prepare(batch), ctx)
     weight = metrics.pop(WEIGHT, None)
     if weight is None:
         return {k: totals[k] + jnp.sum(jnp.where(batch["mask"], v, 0.0)) for k, v in metrics.items()}

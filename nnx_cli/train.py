@@ -28,7 +28,7 @@ from nnx_cli import distributed as _distributed
 from nnx_cli import loggers, runtime, watchdog
 from nnx_cli.config import Config, load_config, to_dict
 from nnx_cli.distributed import Signals
-from nnx_cli.errors import EXIT_INTERRUPTED, UserError, report_errors, run_app
+from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
 from nnx_cli.runtime import PHASES
 
 _STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM about this often (in steps)
@@ -165,7 +165,10 @@ class Session:
 def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     """Lock the work dir, then resume from its newest usable checkpoint (which must fit the config) or start
     afresh; only then write the resolved config and run.json."""
-    from nnx_cli import report
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_cli import report, steps
     from nnx_cli.checkpoint import Checkpointer
     from nnx_cli.workdir import lock_workdir, write_config, write_run_info
 
@@ -183,20 +186,28 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     found = _resume(exp, ckpt_dir, console) if has_checkpoints else None
     keep = exp.cfg.checkpoint
     checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)  # after bad steps moved aside
+
+    def say(message: str) -> None:
+        console.print(message, highlight=False, soft_wrap=True)
+
     if found is not None:
         start, (state, sums) = found.step, found.value
-        state = exp.with_frozen(state)
-        console.print(f"resumed from {ckpt_dir / str(start)}", highlight=False, soft_wrap=True)
+        state = exp.with_reference(exp.with_frozen(state), say)
+        say(f"resumed from {ckpt_dir / str(start)}")
     else:
         start, state, sums = 0, exp.init_state(), exp.empty_sums()
         if exp.cfg.checkpoint.init_from is not None:
-            state = dict(state, params=_init_from(exp, exp.cfg.checkpoint.init_from, console))
+            params, kind, where = exp.init_from_params(exp.cfg.checkpoint.init_from, say)
+            say(f"{kind} initialised from {where}")
+            state = dict(state, params=params)
+            if steps.REFERENCE in state:  # the reference is where the run starts: a copy of its own
+                state[steps.REFERENCE] = jax.tree.map(jnp.copy, params)
     if is_main:
         write_config(
             workdir,
             to_dict(exp.cfg),
             start,
-            say=lambda line: console.print(line, highlight=False, soft_wrap=True),
+            say=say,
             defaults=_defaults(exp),
         )
         write_run_info(workdir, exp)
@@ -243,30 +254,6 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
             ckpt_dir, found.rejected, "train in a new --workdir, or pass --no-resume to start over (it deletes them)"
         )
     return found if found.step is not None else None
-
-
-def _init_from(exp: Any, source: str, console: Any) -> Any:
-    """`checkpoint.init_from`: the parameters of another run's newest usable step (or the step dir named), or
-    the adapters of a PEFT adapter directory, for fine-tuning; optimizer state and step start afresh."""
-    from nnx_cli import restore
-    from nnx_cli.hf import peft
-    from nnx_cli.workdir import open_run
-
-    def say(message: str) -> None:
-        console.print(message, highlight=False, soft_wrap=True)
-
-    if peft.is_adapter_dir(source):
-        params = peft.load(exp, Path(source))
-        say(f"adapters initialised from the PEFT adapter {source}")
-        return params
-    try:
-        run = open_run(source)
-    except UserError as e:
-        raise UserError(f"config key 'checkpoint.init_from': {e}") from None
-    target = exp.restore_target()["params"]
-    step, params = restore.from_run(run, lambda ckpt, s: ckpt.restore_params(s, target), say)
-    say(f"parameters initialised from {run.checkpoints / str(step)}")
-    return params
 
 
 def _replicated(exp: Any, tree: Any) -> Any:

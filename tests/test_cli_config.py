@@ -172,3 +172,34 @@ def test_every_shipped_config_is_valid():
         assert cfg.model.name, path
     chat = load_config(Path(configs[0]).parent / "chat_lora.yaml")
     assert (chat.data.format, chat.data.tokenizer, chat.model.options["lora"]["rank"]) == ("chat", "pretrained", 16)
+
+
+def test_without_an_objective_section_a_run_minimises_the_models_own_loss():
+    cfg = load_config(None)
+    assert to_dict(cfg)["objective"] == {"name": "sft"}
+
+
+def test_an_objective_is_completed_with_its_own_defaults():
+    cfg = load_config(None, ["objective.name=dpo", "objective.loss=ipo"])
+    assert to_dict(cfg)["objective"] == {"name": "dpo", "beta": 0.1, "loss": "ipo"}
+    assert to_dict(from_dict(to_dict(cfg))) == to_dict(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective.name=dop"], r"'objective\.name' must be one of sft, dpo, got 'dop' .*did you mean 'dpo'"),
+        (
+            ["objective.name=dpo", "objective.bta=1"],
+            r"'objective\.bta' for objective 'dpo' \(did you mean "
+            r"'objective\.beta'\?\); it takes beta, loss",
+        ),
+        (["objective.beta=0.1"], r"unknown config key 'objective\.beta' for objective 'sft'"),
+        (["objective.name=dpo", "objective.loss=hinge"], r"'objective\.loss' must be sigmoid or ipo for dpo"),
+        (["objective.name=dpo", "objective.beta=0"], r"'objective\.beta' must be a positive number, got 0\.0"),
+    ],
+    ids=["name", "key", "key-of-another", "loss", "beta"],
+)
+def test_objective_mistakes_name_the_key(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)

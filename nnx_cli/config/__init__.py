@@ -33,6 +33,7 @@ from nnx_cli.config.checkpoint import CheckpointConfig
 from nnx_cli.config.data import DataConfig
 from nnx_cli.config.logging import LoggingConfig
 from nnx_cli.config.model import ModelConfig
+from nnx_cli.config.objective import ObjectiveConfig
 from nnx_cli.config.optimizer import OptimizerConfig
 from nnx_cli.config.schema import allows_mapping, build, check_type, fields, hints, unknown_key_hint
 from nnx_cli.config.sharding import ShardingConfig
@@ -46,6 +47,7 @@ __all__ = [
     "DataConfig",
     "LoggingConfig",
     "ModelConfig",
+    "ObjectiveConfig",
     "OptimizerConfig",
     "ShardingConfig",
     "TrainConfig",
@@ -73,6 +75,7 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 # --------------------------------------------------------------------------- overrides

@@ -1,0 +1,79 @@
+"""Objectives: what a training step minimises, given the model. One loop trains them all.
+
+`nnx_cli/steps.py` is the only training step there is: it builds the model
+from the train state, asks the run's objective for per-row metrics, and
+minimises the batch mean of `objective.loss_metric` (weighted by a `weight`
+metric when the objective gives one). Everything else a run has (resume,
+sharding, logging, checkpoints, evals, export) is written once, around it.
+An objective says:
+
+- which data it trains on (`data_formats`: the `data.format` values whose
+  rows it reads; :mod:`nnx_cli.data.examples` builds them),
+- its loss and metrics (`metrics(model, batch, ctx, reference)`: per row,
+  `[B]` each, inside the jitted step),
+- what its reference model is (`needs_reference`: the step then passes
+  pi_ref, the model the run started from, frozen: the same weights with the
+  adapters off under LoRA, else a copy of the starting parameters kept in the
+  train state beside them; see `steps.reference_model`)::
+
+    objective = build(cfg, model_cls)           # from the `objective` section
+    metrics = objective.metrics(model, batch, ctx, reference)    # {"loss": [B], ..., "weight": [B]}
+
+`sft` (:class:`~nnx_cli.objectives.sft.SFT`) is the model's own metrics,
+the run of every config without an `objective` section; `dpo`
+(:class:`~nnx_cli.objectives.dpo.DPO`) learns from preference pairs.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import jax
+
+import nnx
+from nnx_cli.config import Config
+
+
+class Objective(Protocol):
+    """What a training step minimises. See the module docstring."""
+
+    name: ClassVar[str]
+    """`objective.name`."""
+    needs_reference: ClassVar[bool]
+    """Whether `metrics` takes pi_ref (the step passes None otherwise)."""
+    data_formats: ClassVar[tuple[str, ...] | None]
+    """The `data.format` values it trains on; None: whatever the model reads."""
+    loss_metric: str
+    """The metric training minimises: its batch mean (weighted by `weight` when given)."""
+
+    def check(self, cfg: Config, model_cls: type) -> None:
+        """Raise a UserError, naming the key, for a config this objective cannot train."""
+
+    def metrics(
+        self, model: nnx.Module, batch: dict[str, jax.Array], ctx: nnx.Context, reference: nnx.Module | None
+    ) -> dict[str, jax.Array]:
+        """Per-row metrics of `batch` (`[B]` each), `loss_metric` among them; an optional `weight` `[B]`
+        weights the averages over rows (the targets, or the pairs, a row holds)."""
+
+
+def build(cfg: Config, model_cls: type) -> Objective:
+    """The objective of `cfg.objective`, checked against the rest of the config."""
+    from nnx_cli.objectives.sft import SFT
+
+    settings = cfg.objective.settings()
+    if cfg.objective.name == "dpo":
+        from nnx_cli.objectives.dpo import DPO
+
+        objective: Objective = DPO(beta=settings.beta, loss=settings.loss)
+    else:
+        objective = SFT(model_cls.loss_metric)
+    objective.check(cfg, model_cls)
+    return objective
+
+
+def resolve(objective: Objective | str | None) -> Objective:
+    """An objective as the steps take it: a metric name (or None, for evaluation) stands for the model's own
+    metrics, minimising that one."""
+    from nnx_cli.objectives.sft import SFT
+
+    return SFT(objective) if objective is None or isinstance(objective, str) else objective
