@@ -1,4 +1,5 @@
-"""Fine-tuning examples: chats and prompt/completion pairs as token rows with loss masks, packed or padded.
+"""Fine-tuning examples: chats, prompt/completion pairs and preference pairs as token rows with loss masks,
+packed or padded.
 
 `data.format: chat` reads a list of `{role, content}` messages per row (`data.messages_key`), renders it with
 the chat template (the model directory's, or `data.chat_template`: a file or the Jinja text) in Jinja's
@@ -7,6 +8,15 @@ sandbox, and marks as targets the tokens of the assistant turns, each through it
 end token that follows it. `data.train_on_prompt: true` marks every token. An example longer than
 `data.max_len` (default: `seq_len + 1`, which is also the most a row holds) is cut there; how many were cut
 is said once, never silently.
+
+`data.format: preference` reads `{prompt, chosen, rejected}` rows (spec posttrain.md) for objectives that
+compare two responses (DPO). A pair is one example of two sequences, the prompt with each response, in
+consecutive segments of one row (chosen first: segments 1 and 2, then 3 and 4 for the next pair of the row);
+the targets are each response's tokens. Standard rows hold text: the prompt with the tokenizer's leading
+specials, the response without, then the end token, as a completion. Conversational rows (TRL's) hold
+messages: the prompt rendered with the chat template, the response being the assistant turn through its
+end-of-turn token, as chat targets. Each sequence is cut at `data.max_len`, at most half a row, so a pair
+always fits one; a pair left with a response of no token is left out (said once).
 
 Rows hold `seq_len + 1` tokens. With `data.packing` (the default) whole examples fill each row in order;
 otherwise each example has a row of its own, padded. Each row is stored as::
@@ -45,8 +55,9 @@ from nnx_cli.data.cache import get_or_build
 from nnx_cli.data.tokenizers import load_tokenizer
 from nnx_cli.errors import UserError
 
-CHAT, COMPLETION = "chat", "completion"
-FORMATS = ("text", CHAT, COMPLETION)
+CHAT, COMPLETION, PREFERENCE = "chat", "completion", "preference"
+FORMATS = ("text", CHAT, COMPLETION, PREFERENCE)
+CHOSEN, REJECTED = "chosen", "rejected"  # the responses of a preference row
 HOLDOUT_FRACTION = 0.1  # of a single split's examples, held out as its eval split
 _COLUMNS = ("tokens", "targets", "segments", "positions")
 _LAYOUT = 2  # bump when the same options build other rows: old cache entries are then not found
@@ -118,19 +129,54 @@ def encode_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[lis
     return head + tail, [0] * len(head) + [1] * len(tail)
 
 
+def encode_response(tokenizer: Any, template: str, prompt: list[dict[str, Any]], response: list[dict[str, Any]]
+                    ) -> tuple[list[int], list[int]]:  # fmt: skip
+    """A conversation's prompt and response as ids and target flags: 1 on the response's assistant turns, through
+    each turn's end, as chat targets; the ids end with the last target (what the template writes after a turn's
+    end adds nothing to its probability)."""
+    specials = chat.special_tokens(tokenizer)
+    text, spans = chat.assistant_spans(template, [*prompt, *response], specials)
+    start = len(chat.render(template, prompt, add_generation_prompt=False, special_tokens=specials))
+    ids, offsets = _pieces(tokenizer, text)
+    targets = chat.span_targets(offsets, [(a, b) for a, b in spans if a >= start]).tolist()
+    end = max((i + 1 for i, t in enumerate(targets) if t), default=len(ids))
+    return ids[:end], targets[:end]
+
+
+def encode_pair(cfg: DataConfig, tokenizer: Any, template: str | None, example: dict[str, Any]
+                ) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+    """A preference row's two sequences (chosen, then rejected) as (ids, targets); a ValueError says what is wrong.
+
+    Text rows are a completion each (`encode_completion`); message rows, a rendered prompt and an assistant
+    turn (`encode_response`)."""
+    prompt = example[cfg.prompt_key]
+    responses = [example[CHOSEN], example[REJECTED]]
+    if isinstance(prompt, str) and all(isinstance(r, str) for r in responses):
+        return [encode_completion(tokenizer, prompt, response) for response in responses]
+    if not (isinstance(prompt, list) and all(isinstance(r, list) for r in responses)):
+        raise ValueError(
+            f"{cfg.prompt_key!r}, {CHOSEN!r} and {REJECTED!r} must all be text, or all be lists of messages (the "
+            "prompt's turns, and each response's assistant turn)"
+        )
+    if template is None:
+        raise ValueError(
+            "the row holds messages, but there is no chat template: the tokenizer has none and data.chat_template "
+            "is not set"
+        )
+    messages = chat.check_messages(prompt, cfg.prompt_key)
+    out = []
+    for key, response in zip((CHOSEN, REJECTED), responses):
+        turns = chat.check_messages(response, key)
+        if not any(m["role"] == "assistant" for m in turns):
+            raise ValueError(f"{key!r} holds no assistant turn")
+        out.append(encode_response(tokenizer, template, messages, turns))
+    return out
+
+
 def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, example: dict[str, Any],
                    number: int) -> tuple[list[int], list[int]]:  # fmt: skip
     """One row of the source as (ids, targets), before truncation; bad rows are a UserError naming `number`."""
-    keys = _columns(cfg)
-    missing = [k for k in keys if example.get(k) is None]
-    if missing:
-        option = (
-            "messages_key" if cfg.format == CHAT else "prompt_key" if missing[0] == cfg.prompt_key else "completion_key"
-        )
-        raise UserError(
-            f"config key 'data.{option}': row {number} of {cfg.source!r} has no {missing[0]!r}; columns: "
-            + ", ".join(example)
-        )
+    _check_row(cfg, example, number)
     try:
         if cfg.format == CHAT:
             ids, targets = encode_chat(
@@ -150,25 +196,60 @@ def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, exampl
     return ids, targets
 
 
+def encode_parts(cfg: DataConfig, tokenizer: Any, template: str | None, example: dict[str, Any],
+                 number: int) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+    """One row of the source as the sequences it becomes, each (ids, targets): one for chat and completion rows,
+    two for a preference pair; bad rows are a UserError naming `number`."""
+    if cfg.format != PREFERENCE:
+        return [encode_example(cfg, tokenizer, template, example, number)]
+    _check_row(cfg, example, number)
+    try:
+        return encode_pair(cfg, tokenizer, template, example)
+    except (chat.TemplateFailed, ValueError) as e:
+        raise UserError(f"row {number} of {cfg.source!r}: {e}") from None
+
+
+def _check_row(cfg: DataConfig, example: dict[str, Any], number: int) -> None:
+    """Every column the format reads is there; a UserError naming the row and the column otherwise."""
+    missing = [k for k in _columns(cfg) if example.get(k) is None]
+    if not missing:
+        return
+    if cfg.format == PREFERENCE:
+        raise UserError(
+            f"row {number} of {cfg.source!r} has no {missing[0]!r}: preference rows hold {cfg.prompt_key!r}, "
+            f"{CHOSEN!r} and {REJECTED!r}; columns: " + ", ".join(k for k, v in example.items() if v is not None)
+        )
+    option = (
+        "messages_key" if cfg.format == CHAT else "prompt_key" if missing[0] == cfg.prompt_key else "completion_key"
+    )
+    raise UserError(
+        f"config key 'data.{option}': row {number} of {cfg.source!r} has no {missing[0]!r}; columns: "
+        + ", ".join(example)
+    )
+
+
 # Rows
 # ------------------------------------------------------------------------------
 
 
-def pack(examples: Iterable[tuple[Sequence[int], Sequence[int]]], width: int, packing: bool = True
+def pack(examples: Iterable[Sequence[tuple[Sequence[int], Sequence[int]]]], width: int, packing: bool = True
          ) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
-    """Rows of `width` tokens holding `examples` (ids, targets), each whole in one row, in order.
+    """Rows of `width` tokens holding `examples`, each whole in one row, in order. An example is a list of
+    sequences (ids, targets), each a segment of its own: one for a chat or a completion, two for a pair.
 
     With `packing`, an example goes into the current row if it fits, else starts the next; without, each has a
-    row of its own. `segments` number the examples of a row from 1 (0: padding), `positions` count from 0
-    within each example::
+    row of its own. `segments` number the sequences of a row from 1 (0: padding), `positions` count from 0
+    within each sequence::
 
-        [row["segments"].tolist() for row in pack([([5, 6], [0, 1]), ([7], [1]), ([8, 9], [0, 1])], width=4)]
+        examples = [[([5, 6], [0, 1])], [([7], [1])], [([8, 9], [0, 1])]]
+        [row["segments"].tolist() for row in pack(examples, width=4)]
         # [[1, 1, 2, 0], [1, 1, 0, 0]]
     """
     row: dict[str, np.ndarray] | None = None
     fill = segment = 0
-    for ids, targets in examples:
-        n = len(ids)
+    for parts in examples:
+        parts = [(ids, targets) for ids, targets in parts if len(ids)]
+        n = sum(len(ids) for ids, _ in parts)
         if n > width:
             raise ValueError(f"an example of {n} tokens does not fit a row of {width}")
         if n == 0:
@@ -179,12 +260,14 @@ def pack(examples: Iterable[tuple[Sequence[int], Sequence[int]]], width: int, pa
         if row is None:
             row = {name: np.zeros(width, np.int64) for name in _COLUMNS}
             fill = segment = 0
-        segment += 1
-        row["tokens"][fill : fill + n] = ids
-        row["targets"][fill : fill + n] = targets
-        row["segments"][fill : fill + n] = segment
-        row["positions"][fill : fill + n] = np.arange(n)
-        fill += n
+        for ids, targets in parts:
+            k = len(ids)
+            segment += 1
+            row["tokens"][fill : fill + k] = ids
+            row["targets"][fill : fill + k] = targets
+            row["segments"][fill : fill + k] = segment
+            row["positions"][fill : fill + k] = np.arange(k)
+            fill += k
     if row is not None:
         yield row
 
@@ -196,8 +279,8 @@ def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, directory: Path, firs
     from nnx_cli.data.text import _NpyWriter, stream_dtype
 
     width = cfg.seq_len + 1
-    limit = min(cfg.max_len or width, width)
-    template = chat_template(cfg, tokenizer) if cfg.format == CHAT else None
+    limit = sequence_limit(cfg)
+    template = chat_template(cfg, tokenizer) if cfg.format in (CHAT, PREFERENCE) else None
     if cfg.format == CHAT and template is None:
         raise UserError(
             "config key 'data.format' is chat, but there is no chat template: the tokenizer has none (a model "
@@ -208,17 +291,20 @@ def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, directory: Path, firs
         chat.compile_template(template)  # a template that does not parse is the template's fault, not a row's
     counts = {"examples": 0, "rows": 0, "truncated": 0, "without_targets": 0, "tokens": 0, "target_tokens": 0}
 
-    def examples() -> Iterator[tuple[list[int], list[int]]]:
+    def examples() -> Iterator[list[tuple[list[int], list[int]]]]:
         for offset, example in enumerate(_progress(rows, len(rows))):
-            ids, targets = encode_example(cfg, tokenizer, template, example, first_row + offset)
-            if len(ids) > limit:
-                counts["truncated"] += 1
-                ids, targets = ids[:limit], targets[:limit]
-            counts["without_targets"] += not any(targets[1:])
+            parts = encode_parts(cfg, tokenizer, template, example, first_row + offset)
             counts["examples"] += 1
-            counts["tokens"] += len(ids)
-            counts["target_tokens"] += sum(targets[1:])
-            yield ids, targets
+            counts["truncated"] += any(len(ids) > limit for ids, _ in parts)
+            parts = [(ids[:limit], targets[:limit]) for ids, targets in parts]
+            empty = [not any(targets[1:]) for _, targets in parts]
+            if cfg.format == PREFERENCE and any(empty):  # a pair needs both responses: it is left out
+                counts["without_targets"] += 1
+                continue
+            counts["without_targets"] += all(empty)
+            counts["tokens"] += sum(len(ids) for ids, _ in parts)
+            counts["target_tokens"] += sum(sum(targets[1:]) for _, targets in parts)
+            yield parts
 
     dtypes = {"tokens": stream_dtype(tokenizer.vocab_size), "targets": np.uint8, "segments": np.int32,
               "positions": np.int32}  # fmt: skip
@@ -229,6 +315,14 @@ def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, directory: Path, firs
                 out[name].write(row[name])
             counts["rows"] += 1
     return counts
+
+
+def sequence_limit(cfg: DataConfig) -> int:
+    """The most tokens one sequence keeps: `data.max_len`, at most a row (`seq_len + 1`); for preference pairs,
+    whose two sequences share a row, at most half of one."""
+    width = cfg.seq_len + 1
+    most = width // 2 if cfg.format == PREFERENCE else width
+    return min(cfg.max_len or most, most)
 
 
 def _progress(rows: Any, total: int) -> Iterator[dict[str, Any]]:
@@ -321,8 +415,8 @@ class ExampleSplits:
 
 
 def is_examples(cfg: DataConfig) -> bool:
-    """Whether `cfg` describes fine-tuning examples (`data.format` chat or completion)."""
-    return cfg.format in (CHAT, COMPLETION)
+    """Whether `cfg` describes fine-tuning examples (`data.format` chat, completion or preference)."""
+    return cfg.format in (CHAT, COMPLETION, PREFERENCE)
 
 
 def load_example_splits(
@@ -362,6 +456,8 @@ def load_example_splits(
 
 
 def _columns(cfg: DataConfig) -> list[str]:
+    if cfg.format == PREFERENCE:
+        return [cfg.prompt_key, CHOSEN, REJECTED]
     return [cfg.messages_key] if cfg.format == CHAT else [cfg.prompt_key, cfg.completion_key]
 
 
@@ -369,7 +465,7 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
           name: str) -> dict[str, np.ndarray]:  # fmt: skip
     """The row arrays of `split` (or of its examples `part`), from the cache or built into it; `name` is how
     notices call them."""
-    template = chat_template(cfg, tokenizer) if cfg.format == CHAT else None
+    template = chat_template(cfg, tokenizer) if cfg.format in (CHAT, PREFERENCE) else None
     width = cfg.seq_len + 1
     parts = {
         "kind": "examples",
@@ -385,7 +481,7 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
         "tokenizer_version": tokenizer.version,
         "special_tokens": chat.special_tokens(tokenizer),  # what templates and completions end with
         "seq_len": cfg.seq_len,
-        "max_len": min(cfg.max_len or width, width),
+        "max_len": sequence_limit(cfg),
         "packing": cfg.packing,
         "train_on_prompt": cfg.train_on_prompt,
     }
@@ -405,8 +501,18 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
 def _notice_truncation(cfg: DataConfig, name: str, counts: dict[str, Any]) -> None:
     from nnx_cli.data.text import _notice
 
-    limit = min(cfg.max_len or cfg.seq_len + 1, cfg.seq_len + 1)
+    limit = sequence_limit(cfg)
     said = []
+    if cfg.format == PREFERENCE:
+        if counts["truncated"]:
+            said.append(f"{counts['truncated']:,} of {counts['examples']:,} pairs have a sequence (prompt and "
+                        f"response) longer than {limit} tokens, cut there (data.max_len; at most half of "
+                        "data.seq_len + 1)")  # fmt: skip
+        if counts["without_targets"]:
+            said.append(f"{counts['without_targets']:,} of {counts['examples']:,} pairs have a response with no "
+                        "token left after the cut and were left out")  # fmt: skip
+        _notice((cfg.source, name, "truncated"), f"notice: {name}: " + "; ".join(said))
+        return
     if counts["truncated"]:
         said.append(f"{counts['truncated']:,} of {counts['examples']:,} examples are longer than {limit} tokens and "
                     "were cut there (data.max_len, data.seq_len)")  # fmt: skip

@@ -182,8 +182,8 @@ class TextSplits:
 
 def is_text(cfg: DataConfig) -> bool:
     """Whether `cfg` describes text for a language model: documents (`data.text_key` is set) or fine-tuning
-    examples (`data.format` chat or completion)."""
-    return cfg.text_key is not None or cfg.format in ("chat", "completion")
+    examples (`data.format` chat, completion or preference)."""
+    return cfg.text_key is not None or cfg.format in ("chat", "completion", "preference")
 
 
 def is_plain_text(source: str) -> bool:
@@ -322,6 +322,12 @@ class _Source:
         ds = ds[split]
         if columns is not None:
             missing = [c for c in columns if c not in ds.column_names]
+            if missing and self.cfg.format == "preference":
+                raise UserError(
+                    f"row 0 of {self.cfg.source!r} has no {missing[0]!r}, nor has any other row: preference rows "
+                    f"hold {', '.join(map(repr, columns))}{did_you_mean(missing[0], ds.column_names)}; columns: "
+                    + ", ".join(ds.column_names)
+                )
             if missing:
                 option = "messages_key" if self.cfg.format == "chat" else "prompt_key/completion_key"
                 raise UserError(
