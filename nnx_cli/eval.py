@@ -58,6 +58,8 @@ def evaluate(
         step, state, what = None, exp.init_state(), str(exp.pretrained.directory)
     else:
         run = open_run(target, overrides or [], step, best=best)
+        if any(o.startswith("data.source=") for o in overrides or []):
+            _whole_source_without_its_split(run.cfg, overrides or [])
         runtime.configure(deterministic=run.cfg.train.deterministic)
         exp = setup(run.cfg, data="eval")
 
@@ -85,7 +87,6 @@ def _model_dir_config(target: Path, overrides: list[str]) -> Any:
     `test`) or, when the source has no such split, all of it; batches of 8 windows."""
     from nnx_cli import hf
     from nnx_cli.data import DIGITS
-    from nnx_cli.data.text import splits_of
 
     cfg = hf.model_dir_config(target, overrides, train={"batch_size": 8})
     if cfg.data.source == DIGITS:
@@ -93,11 +94,19 @@ def _model_dir_config(target: Path, overrides: list[str]) -> Any:
             "nnx-eval of a model directory needs a text to evaluate on: pass data.source=FILE (a .txt, .jsonl or "
             "parquet file, a directory of them, or a Hub dataset) and data.text_key if its column is not 'text'"
         )
-    if not any(o.startswith("data.eval_split=") for o in overrides):
+    _whole_source_without_its_split(cfg, overrides)
+    return cfg
+
+
+def _whole_source_without_its_split(cfg: Any, overrides: list[str]) -> None:
+    """A text source given to evaluate on is evaluated on its `data.eval_split`, or whole when it has no such split
+    (its train split, else its first), unless the overrides name the split."""
+    from nnx_cli.data.text import is_text, splits_of
+
+    if is_text(cfg.data) and not any(o.startswith("data.eval_split=") for o in overrides):
         splits = splits_of(cfg.data)
         if cfg.data.eval_split not in splits:
             cfg.data.eval_split = cfg.data.train_split if cfg.data.train_split in splits else splits[0]
-    return cfg
 
 
 def main() -> None:
