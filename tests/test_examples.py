@@ -83,3 +83,20 @@ def test_lora_example_trains_the_adapters_alone_and_merges_exactly():
     assert result["base_unchanged"] and result["optimizer_leaves"] == 1 + 2 * 2  # adam: a count, mu and nu of a and b
     assert np.mean(result["losses"][-10:]) < result["loss_before"] / 3
     assert result["merge_error"] < 1e-5
+
+
+def test_preferences_example_writes_pairs_the_dpo_config_reads(tmp_path):
+    from hf_support import fixture
+
+    from nnx_cli.config import load_config
+    from nnx_cli.data import examples
+
+    result = run("preferences", str(tmp_path / "prefs"))
+    seen = {row["prompt"][0]["content"] for row in result["train"]}
+    assert len(result["train"]) == 160 and len(result["test"]) == 40
+    assert not seen & {row["prompt"][0]["content"] for row in result["test"]}  # the test split asks other things
+    cfg = load_config(EXAMPLES.parent / "configs" / "dpo_lora.yaml",
+                      [f"data.source={tmp_path / 'prefs'}", f"data.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+    splits = examples.load_example_splits(cfg.data, seed=0, pretrained=str(fixture("qwen2")))
+    for split, pairs in ((splits.train, 160), (splits.eval, 40)):  # every pair, whole, as two sequences of a row
+        assert sum(int(row.max()) for row in split.stored()["segments"]) == 2 * pairs
