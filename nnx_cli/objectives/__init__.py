@@ -22,11 +22,23 @@ An objective says:
 `sft` (:class:`~nnx_cli.objectives.sft.SFT`) is the model's own metrics,
 the run of every config without an `objective` section; `dpo`
 (:class:`~nnx_cli.objectives.dpo.DPO`) learns from preference pairs.
+
+Writing one: its options are a dataclass in `nnx_cli/config/objective.py`
+(`OPTIONS`), its class a module here built in :func:`build`. Its metrics are
+per row and may carry columns the data (or the objective's own code) put in
+the batch: an objective that samples (GRPO) generates completions with
+`nnx_cli.decoding` from `steps.parameters(state)`, scores them on the host,
+and then runs `steps.train_step(moduledef, tx, objective, seed, state, sums,
+batch)` once per update on rows holding the completions with their
+advantages and old log-probabilities; whatever `metrics` returns (`reward`,
+`kl`, ...) is averaged, logged, evaluated and checkpointed with the loop's
+sums like any metric. `needs_reference` may be decided per instance (GRPO's
+`beta > 0`); `steps.reference_model` gives pi_ref as a Module inside the step.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import jax
 
@@ -37,11 +49,11 @@ from nnx_cli.config import Config
 class Objective(Protocol):
     """What a training step minimises. See the module docstring."""
 
-    name: ClassVar[str]
+    name: str
     """`objective.name`."""
-    needs_reference: ClassVar[bool]
+    needs_reference: bool
     """Whether `metrics` takes pi_ref (the step passes None otherwise)."""
-    data_formats: ClassVar[tuple[str, ...] | None]
+    data_formats: tuple[str, ...] | None
     """The `data.format` values it trains on; None: whatever the model reads."""
     loss_metric: str
     """The metric training minimises: its batch mean (weighted by `weight` when given)."""
