@@ -64,9 +64,16 @@ def full_pass_argmax(moduledef: nnx.ModuleDef, params: nnx.State, sequence: list
         (dict(scan_layers=True), False),  # the cache stacked along `layers`, decoded through nnx.Scan
         (dict(scan_layers=False), True),
         (dict(positions="rope", norm="rmsnorm"), True),
+        (dict(positions="rope", norm="rmsnorm", sliding_window=6), True),
+        (dict(positions="rope", sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+              rope_local_theta=100.0), False),
+        (dict(positions="rope", norm="gemma_rmsnorm", mlp="geglu", sliding_window=6, qk_norm=True, post_norms=True,
+              layer_types=("full_attention", "sliding_attention"), query_scale=12.0, attention_softcap=5.0,
+              logit_softcap=5.0, scale_embeddings=True, rotary_dim=8, tie_embeddings=False, scan_layers=False), True),
     ],
-    ids=["scanned", "scanned-stacked-cache", "unrolled", "rope"],
-)
+    ids=["scanned", "scanned-stacked-cache", "unrolled", "rope", "window", "window-layers-differ-stacked-cache",
+         "gemma-options-unrolled"],
+)  # fmt: skip
 def test_greedy_decoding_equals_the_argmax_of_a_full_forward_pass(options, unstack):
     params, moduledef = params_and_def(**options)
     params = lively(params)
@@ -77,6 +84,19 @@ def test_greedy_decoding_equals_the_argmax_of_a_full_forward_pass(options, unsta
         compared = min(len(predicted), len(sample))  # predicted[i] is the argmax for sample[i]
         assert compared >= 20
         assert predicted[:compared].tolist() == sample[:compared]
+
+
+def test_a_sliding_layers_cache_holds_its_window_and_a_full_layers_every_position():
+    types = ("sliding_attention", "full_attention")
+    params, moduledef = params_and_def(positions="rope", sliding_window=6, layer_types=types, scan_layers=False)
+    model = moduledef.merge(params)
+    model.init_cache(2, 64)
+    slots = [block.attention.cached_key.shape[2] for block in model.layers]
+    assert slots == [6, 64]  # a ring of the window's keys: memory stops growing with the context
+    params, moduledef = params_and_def(positions="rope", sliding_window=6)  # scanned, every layer sliding
+    every_layer = moduledef.merge(params)
+    every_layer.init_cache(2, 64)
+    assert every_layer.layers.scan_module.attention.cached_key.shape == (2, 2, 2, 6, 16)
 
 
 def test_bfloat16_cached_logits_agree_with_a_full_pass_to_1_percent_of_their_spread():

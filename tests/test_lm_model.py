@@ -284,6 +284,87 @@ def test_bad_options_name_the_model_option(options, message):
         build(**options)
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(sliding_window=4, layer_types=["sliding_attention"]), r"model\.layer_types must be a list of 2 entries"),
+        (dict(layer_types=["sliding_attention", "local"]), r"model\.layer_types has 'local'; each entry is one of"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), r"but model\.sliding_window is null"),
+        (dict(sliding_window=0), r"model\.sliding_window must hold positive sizes"),
+        (dict(positions="rope", rotary_dim=7), r"model\.rotary_dim .* must be even and at most the head size \(16\)"),
+        (dict(rope_local_theta=100.0), r"model\.rope_local_theta applies to rotary positions"),
+        (dict(query_scale=-1.0), r"model\.query_scale must be null or a positive number"),
+        (dict(logit_softcap=0.0), r"model\.logit_softcap must be null or a positive number"),
+        (dict(positions="rope", rope_scaling={"type": "linear", "factor": 0}), r"type linear needs a positive factor"),
+    ],
+)
+def test_bad_window_rotary_and_soft_cap_options_name_the_model_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerLM((SEQ_LEN,), VOCAB, **{**SMALL, **options}, ctx=nnx.context(0))
+
+
+def _layers_of(scanned: TransformerLM, unrolled: TransformerLM) -> TransformerLM:
+    """`unrolled` with `scanned`'s weights."""
+    params = scanned.unstack_layers().filter(nnx.Param)
+    unrolled.update_state(params)
+    return unrolled
+
+
+def test_a_sliding_window_hides_the_keys_further_back_than_the_window():
+    # two layers whose queries see 4 positions (themselves included) see 7 tokens back in all
+    model = build(positions="rope", sliding_window=4)
+    model.update_state(jax.tree.map(lambda w: 3.0 * w, model.filter(nnx.Param)))  # logits that move visibly
+    tokens = windows(2)["tokens"][:, :-1]
+    changed = tokens.at[:, 0].set((tokens[:, 0] + 1) % VOCAB)
+    logits = jax.jit(lambda pure, t: pure.call.logits(t))
+    before, after = logits(model.partition(), tokens), logits(model.partition(), changed)
+    moved = jnp.abs(after - before).max(axis=(0, 2))[:VOCAB]
+    assert bool(jnp.all(moved[:7] > 0)) and float(moved[7:].max()) == 0.0
+    unwindowed = _layers_of(model, build(positions="rope", scan_layers=False))
+    same = jnp.abs(logits(unwindowed.partition(), tokens) - before).max(axis=(0, 2))
+    assert float(same[:4].max()) < 1e-5 and float(same[4:].min()) > 1e-3  # the window ends at the 5th position
+
+
+def test_packed_examples_with_a_sliding_window_compute_as_each_alone():
+    model = build(positions="rope", sliding_window=3, layer_types=("sliding_attention", "full_attention"))
+    tokens = windows(1)["tokens"][:, :SEQ_LEN]
+    cut = 9
+    segments = jnp.where(jnp.arange(SEQ_LEN) < cut, 1, 2)[None]
+    positions = jnp.where(jnp.arange(SEQ_LEN) < cut, jnp.arange(SEQ_LEN), jnp.arange(SEQ_LEN) - cut)[None]
+    packed = jax.jit(lambda pure, t, p, s: pure.call.logits(t, positions=p, segments=s))(
+        model.partition(), tokens, positions, segments
+    )
+    alone = jax.jit(lambda pure, t: pure.call.logits(t))
+    first, second = alone(model.partition(), tokens[:, :cut]), alone(model.partition(), tokens[:, cut:])
+    np.testing.assert_allclose(packed[:, :cut], first, atol=1e-5)
+    np.testing.assert_allclose(packed[:, cut:], second, atol=1e-5)
+
+
+def test_scanned_layers_of_both_kinds_compute_as_unrolled_ones():
+    options = dict(positions="rope", sliding_window=3, layer_types=("sliding_attention", "full_attention"),
+                   rope_local_theta=100.0, norm="gemma_rmsnorm", mlp="geglu", post_norms=True, qk_norm=True,
+                   attention_softcap=2.0, logit_softcap=5.0, scale_embeddings=True, query_scale=8.0,
+                   rotary_dim=8)  # fmt: skip
+    scanned = build(**options)
+    unrolled = _layers_of(scanned, build(**options, scan_layers=False))
+    tokens = windows()["tokens"][:, :-1]
+    logits = jax.jit(lambda pure, t: pure.call.logits(t))
+    np.testing.assert_allclose(logits(scanned.partition(), tokens), logits(unrolled.partition(), tokens), atol=1e-5)
+    batch = windows()
+    np.testing.assert_allclose(metrics(scanned, batch)["loss"], metrics(unrolled, batch)["loss"], rtol=1e-6)
+
+
+def test_gemma_norms_scale_by_one_plus_their_weight_and_start_as_the_identity():
+    model = build(positions="rope", norm="gemma_rmsnorm", qk_norm=True, post_norms=True, scan_layers=False)
+    scales = {path: p.value for path, p in model.filter(nnx.Param).items() if path.endswith("/scale")}
+    assert len(scales) == 1 + 2 * 6 and all(not jnp.any(v) for v in scales.values())  # zeros: 1 + 0
+    norm = model.layers[0].attention_norm
+    x = jax.random.normal(jax.random.key(0), (2, 32))
+    norm.scale = jnp.full((32,), 0.5)
+    expected = x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + norm.epsilon) * 1.5
+    np.testing.assert_allclose(norm(x), expected, rtol=1e-6)
+
+
 def test_input_shape_must_be_one_window_length():
     with pytest.raises(ValueError, match=r"input_shape must be \[seq_len\], got \[8, 8, 1\]"):
         TransformerLM((8, 8, 1), VOCAB, ctx=nnx.context(0))

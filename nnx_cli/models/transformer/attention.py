@@ -4,12 +4,21 @@ Three ways through the same projections:
 
 - `__call__`: a whole sequence, causal, or within each packed example when
   given `segments`; a fused kernel where one runs (:func:`fused_attention`),
-  the attention weights written out when they take dropout;
+  the attention weights written out when they take dropout or soft-capping;
 - `prefill`: a prompt, whose keys and values fill the cache `init_cache` added;
 - `decode`: one token per row at per-row positions, attending to the cache.
 
-A new attention variant (sliding windows, soft-capped logits, other masks)
-belongs here, with its option in `options.Architecture`.
+Sliding windows (Mistral, Gemma, Phi-3): a query at position `i` sees the
+keys at `i - window + 1 .. i` (:func:`visible`, as `transformers` counts).
+The cache of a sliding layer is a ring of `window` slots, position `p` in
+slot `p % window`: memory stops growing at the window, and prompts longer
+than it keep their last `window` keys. Layers may differ (Gemma alternates
+sliding and full layers, and Gemma 3 turns them at different rotary bases):
+each method takes its layer's index, a Python int for unrolled layers, or
+traced when scanned over layers that differ (:func:`layer_window`,
+:func:`layer_frequencies`).
+
+A new attention variant belongs here, with its option in `options.Architecture`.
 """
 
 from __future__ import annotations
@@ -23,13 +32,20 @@ from jax import lax
 
 import nnx
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain
-from nnx_cli.models.transformer.norms import RMSNorm
+from nnx_cli.models.transformer.norms import RMSNorm, rms_offset
 from nnx_cli.models.transformer.options import Architecture
 from nnx_cli.models.transformer.rotary import rope_frequencies, rotate
 
 MASKED_LOGIT = -1e30
 """The float32 logit of what must never be picked (a key a query may not see, a padded vocabulary id): far below
 any real logit, finite even divided by a small temperature."""
+
+NO_WINDOW = 1 << 30
+"""The window of a full-attention layer where the layer's kind is only known at run time (scanned layers of both
+kinds): longer than any sequence."""
+
+Layer = int | jax.Array | None
+"""A layer's index: a Python int (unrolled layers), traced (scanned layers that differ), or None (not needed)."""
 
 
 def fused_attention(dtype: Any, head_dim: int) -> str:
@@ -38,9 +54,73 @@ def fused_attention(dtype: Any, head_dim: int) -> str:
     return "cudnn" if fused and head_dim % 8 == 0 and head_dim <= 128 else "xla"
 
 
+# Masks, windows and soft-capping
+# ------------------------------------------------------------------------------
+
+
+def visible(
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    *,
+    window: int | jax.Array | None = None,
+    q_segments: jax.Array | None = None,
+    k_segments: jax.Array | None = None,
+) -> jax.Array:
+    """Which keys each query attends to, `[batch, 1, queries, keys]` (bool, broadcast over heads).
+
+    A key is visible when its position is at or before the query's (causal) and not below 0 (an empty cache
+    slot), fewer than `window` positions back (a sliding window: the query at `i` sees `i - window + 1 .. i`),
+    and, for packed examples, in the query's segment. Positions are `[batch or 1, queries]` and
+    `[batch or 1, keys]`, segments the same; `window` may be traced::
+
+        visible(jnp.arange(4)[None], jnp.arange(4)[None], window=2)[0, 0]   # the diagonal and the one below it
+    """
+    q, k = q_positions[:, :, None], k_positions[:, None, :]
+    mask = (k <= q) & (k >= 0)
+    if window is not None:
+        mask = mask & (q - k < window)
+    if q_segments is not None:
+        mask = mask & (q_segments[:, :, None] == k_segments[:, None, :])
+    return mask[:, None]
+
+
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(logits / cap)`: logits squashed smoothly into `(-cap, cap)` (Gemma 2's attention and final
+    logits); unchanged when `cap` is None."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def layer_window(arch: Architecture, layer: Layer) -> int | jax.Array | None:
+    """The sliding window of layer `layer`: `arch.sliding_window` on a sliding layer, None on a full one; traced
+    (:data:`NO_WINDOW` for a full layer) when `layer` is traced and the layers differ."""
+    slides = arch.slides(layer if isinstance(layer, int) else None)
+    if slides is not None:
+        return arch.sliding_window if slides else None
+    return jnp.where(jnp.asarray(arch.sliding_layers)[layer], arch.sliding_window, NO_WINDOW)
+
+
+def layer_frequencies(arch: Architecture, layer: Layer) -> jax.Array:
+    """The rotary frequencies of layer `layer`, over `rotary_dim` (or all) features: sliding layers turn at
+    `rope_local_theta` unscaled when it is set (Gemma 3's local base), every other layer at `rope_theta` with
+    `rope_scaling`."""
+    dim = arch.rotary_dim or arch.head_dim
+    full = rope_frequencies(dim, arch.rope_theta, arch.rope_scaling)
+    if arch.rope_local_theta is None:
+        return full
+    local = rope_frequencies(dim, arch.rope_local_theta)
+    slides = arch.slides(layer if isinstance(layer, int) else None)
+    if slides is not None:
+        return local if slides else full
+    return jnp.where(jnp.asarray(arch.sliding_layers)[layer], local, full)
+
+
 class Attention(nnx.Module):
     """Causal self-attention with `num_heads` query heads sharing `num_kv_heads` key-value heads (grouped-query
-    attention; multi-head when equal); `init_cache` gives it a key-value cache for `prefill` and `decode`."""
+    attention; multi-head when equal); `init_cache` gives it a key-value cache for `prefill` and `decode`.
+
+    Every method takes `layer`, the index of the layer it is (see :data:`Layer`): what differs between layers
+    (the window, the rotary base) is looked up by it.
+    """
 
     def __init__(self, arch: Architecture, *, ctx: nnx.Context):
         embed, heads, kv_heads, head_dim = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -61,17 +141,23 @@ class Attention(nnx.Module):
             ctx=ctx,
         )
         if arch.qk_norm:
-            norm = dict(epsilon=arch.norm_eps, axis="kv", dtype=arch.dtype, ctx=ctx)
+            norm = dict(epsilon=arch.norm_eps, axis="kv", offset=rms_offset(arch), dtype=arch.dtype, ctx=ctx)
             self.query_norm = RMSNorm(head_dim, **norm)
             self.key_norm = RMSNorm(head_dim, **norm)
         self.arch = arch
         self.dtype = arch.dtype
+        self.scale = None if arch.query_scale is None else arch.query_scale**-0.5  # None: 1 / sqrt(head_dim)
         self.implementation = fused_attention(arch.dtype, head_dim)
         self.attention_dropout = nnx.Dropout(arch.attention_dropout)
         self.dropout = nnx.Dropout(arch.dropout)
 
     def _project(
-        self, x: jax.Array, positions: jax.Array, deterministic: bool = True, ctx: nnx.Context | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        deterministic: bool = True,
+        ctx: nnx.Context | None = None,
+        layer: Layer = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         train = dict(deterministic=deterministic, ctx=ctx)
         q = constrain(self.query(x, **train), ("batch", "length", "heads", "kv"))
@@ -80,9 +166,14 @@ class Attention(nnx.Module):
         if self.arch.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
         if self.arch.rope:
-            frequencies = rope_frequencies(self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+            frequencies = layer_frequencies(self.arch, layer)
             q, k = rotate(q, positions, frequencies), rotate(k, positions, frequencies)
         return q, k, v
+
+    def _scaled(self, logits: jax.Array) -> jax.Array:
+        """Attention logits scaled (`/ sqrt(head_dim)`, or `* query_scale ** -0.5`) and soft-capped."""
+        logits = logits / math.sqrt(self.arch.head_dim) if self.scale is None else logits * self.scale
+        return soft_cap(logits, self.arch.attention_softcap)
 
     def _causal(
         self,
@@ -92,21 +183,32 @@ class Attention(nnx.Module):
         deterministic: bool,
         ctx: nnx.Context | None,
         segments: jax.Array | None = None,
+        window: int | jax.Array | None = None,
     ):
-        """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids."""
-        same = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-        if deterministic or self.attention_dropout.rate == 0.0:
+        """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids;
+        with `window`, only over the last `window` positions."""
+        plain = deterministic or self.attention_dropout.rate == 0.0
+        if plain and self.arch.attention_softcap is None:
+            same = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+            local = (window - 1, 0) if isinstance(window, int) else None  # the kernels' own sliding window
+            if window is not None and local is None:  # traced: a scan over sliding and full layers
+                index = jnp.arange(q.shape[1])[None]
+                near = visible(index, index, window=window)
+                same = near if same is None else same & near
             implementation = self.implementation if q.shape[1] > 1 and same is None else "xla"
-            return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation=implementation)
-        # Dropout on the attention weights: neither fused kernel offers it, so the XLA form is written out.
+            return jax.nn.dot_product_attention(
+                q, k, v, mask=same, scale=self.scale, is_causal=True, local_window_size=local,
+                implementation=implementation,
+            )  # fmt: skip
+        # Soft-capped logits or dropout on the weights: neither fused kernel offers them, so the XLA form is written.
         groups = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-        if same is not None:
-            causal = causal & same
-        weights = jax.nn.softmax(jnp.where(causal, logits, MASKED_LOGIT), axis=-1)
-        weights = self.attention_dropout(weights, deterministic=False, ctx=ctx)
+        logits = self._scaled(jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32))
+        index = jnp.arange(q.shape[1])[None]
+        mask = visible(index, index, window=window, q_segments=segments, k_segments=segments)
+        weights = jax.nn.softmax(jnp.where(mask, logits, MASKED_LOGIT), axis=-1)
+        if not plain:
+            weights = self.attention_dropout(weights, deterministic=False, ctx=ctx)
         return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
 
     def _output(self, o: jax.Array, deterministic: bool, ctx: nnx.Context | None) -> jax.Array:
@@ -121,18 +223,24 @@ class Attention(nnx.Module):
         *,
         deterministic: bool,
         ctx: nnx.Context | None = None,
+        layer: Layer = None,
     ) -> jax.Array:
-        q, k, v = self._project(x, positions, deterministic, ctx)
-        return self._output(self._causal(q, k, v, deterministic, ctx, segments), deterministic, ctx)
+        q, k, v = self._project(x, positions, deterministic, ctx, layer)
+        window = layer_window(self.arch, layer)
+        return self._output(self._causal(q, k, v, deterministic, ctx, segments, window), deterministic, ctx)
 
     # --- decoding with a key-value cache ------------------------------------
 
-    def init_cache(self, batch_size: int, max_len: int, layers: int | None = None) -> None:
-        """Zero keys and values `[batch, kv_heads, max_len, head_dim]` (with a leading `layers` axis when stacked).
+    def init_cache(self, batch_size: int, max_len: int, layers: int | None = None, layer: Layer = None) -> None:
+        """Zero keys and values `[batch, kv_heads, slots, head_dim]` (with a leading `layers` axis when stacked).
 
-        Heads come before positions so that one query's attention reads each head's keys contiguously.
+        A full layer has a slot per position (`max_len`); a sliding layer a ring of `min(window, max_len)`.
+        Stacked layers share one size: rings only when every layer slides. Heads come before positions so
+        that one query's attention reads each head's keys contiguously.
         """
-        shape = (batch_size, self.arch.num_kv_heads, max_len, self.arch.head_dim)
+        slides = self.arch.slides(layer if isinstance(layer, int) else None)
+        slots = min(self.arch.sliding_window, max_len) if slides else max_len
+        shape = (batch_size, self.arch.num_kv_heads, slots, self.arch.head_dim)
         axes = ("batch", self.arch.kv_axis, "length", "kv")
         if layers is not None:
             shape, axes = (layers, *shape), (LAYERS, *axes)
@@ -140,27 +248,45 @@ class Attention(nnx.Module):
         self.cached_key = nnx.Cache(zeros, sharding=axes)
         self.cached_value = nnx.Cache(zeros, sharding=axes)
 
-    def prefill(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Attention over a prompt `x` `[batch, length, embed]` at positions `0..length-1`; caches keys and values."""
-        q, k, v = self._project(x, positions)
-        for name, new in (("cached_key", k), ("cached_value", v)):
+    def prefill(
+        self, x: jax.Array, positions: jax.Array, lengths: jax.Array | None = None, layer: Layer = None
+    ) -> jax.Array:
+        """Attention over a prompt `x` `[batch, length, embed]` at positions `0..length-1`; caches keys and values.
+
+        A ring shorter than the prompt keeps each row's last keys: those of its `lengths` real tokens.
+        """
+        q, k, v = self._project(x, positions, layer=layer)
+        slots = self.cached_key.shape[2]
+        if x.shape[1] > slots:  # slot s: the row's latest real position p with p % slots == s (below 0: none yet)
+            last = jnp.asarray(lengths, jnp.int32)[:, None] - 1
+            held = last - (last - jnp.arange(slots)) % slots
+            keep = jnp.clip(held, 0)[:, :, None, None]
+            k_kept, v_kept = jnp.take_along_axis(k, keep, axis=1), jnp.take_along_axis(v, keep, axis=1)
+        else:
+            k_kept, v_kept = k, v
+        for name, new in (("cached_key", k_kept), ("cached_value", v_kept)):
             cached = getattr(self, name)
             setattr(self, name, lax.dynamic_update_slice_in_dim(cached, new.swapaxes(1, 2).astype(cached.dtype), 0, 2))
-        return self._output(self._causal(q, k, v, True, None), True, None)
+        window = layer_window(self.arch, layer)
+        return self._output(self._causal(q, k, v, True, None, window=window), True, None)
 
-    def decode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """One token per row, `x` `[batch, 1, embed]` at `positions` `[batch, 1]`: caches it, attends to the cache."""
-        q, k, v = self._project(x, positions)
+    def decode(self, x: jax.Array, positions: jax.Array, layer: Layer = None) -> jax.Array:
+        """One token per row, `x` `[batch, 1, embed]` at `positions` `[batch, 1]`: caches it, attends to the cache.
+
+        Position `p` goes to slot `p % slots`: the same slot for a full cache, a ring for a sliding layer's.
+        """
+        q, k, v = self._project(x, positions, layer=layer)
         batch, _, heads, head_dim = q.shape
-        kv_heads = k.shape[2]
+        kv_heads, slots = k.shape[2], self.cached_key.shape[2]
         # One (row, head) index pair per written vector: XLA makes this a cheaper scatter than rows alone.
-        rows, each_head, at = jnp.arange(batch)[:, None], jnp.arange(kv_heads)[None, :], positions
+        rows, each_head, at = jnp.arange(batch)[:, None], jnp.arange(kv_heads)[None, :], positions % slots
         self.cached_key = self.cached_key.at[rows, each_head, at].set(k[:, 0].astype(self.dtype))
         self.cached_value = self.cached_value.at[rows, each_head, at].set(v[:, 0].astype(self.dtype))
         grouped = q[:, 0].reshape(batch, kv_heads, heads // kv_heads, head_dim)  # query heads by their key-value head
         scores = jnp.einsum("bkgd,bktd->bkgt", grouped, self.cached_key, preferred_element_type=jnp.float32)
-        visible = jnp.arange(self.cached_key.shape[2]) <= positions  # [batch, max_len]
-        scores = jnp.where(visible[:, None, None, :], scores / math.sqrt(head_dim), MASKED_LOGIT)
+        held = positions - (positions - jnp.arange(slots)) % slots  # [batch, slots]: the position in each slot
+        mask = visible(positions, held, window=layer_window(self.arch, layer))  # [batch, 1, 1, slots]
+        scores = jnp.where(mask, self._scaled(scores), MASKED_LOGIT)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         o = jnp.einsum("bkgt,bktd->bkgd", weights, self.cached_value).reshape(batch, heads, head_dim)
         return self._output(o[:, None], True, None)

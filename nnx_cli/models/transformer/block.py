@@ -1,17 +1,17 @@
-"""A pre-norm Transformer block: `h + attention(norm(h))`, then `h + mlp(norm(h))`, rematerialised on request.
+"""A Transformer block: `h + attention(norm(h))`, then `h + mlp(norm(h))`, rematerialised on request.
 
-Other layouts (sandwich norms, parallel attention and MLP) and the choice
-between an MLP and a mixture of experts belong here.
+With `post_norms` (Gemma's sandwich) each half's output is normed again
+before it joins the residual stream: `h + norm(attention(norm(h)))`. Other
+layouts (parallel attention and MLP) and the choice between an MLP and a
+mixture of experts belong here.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 import nnx
-from nnx_cli.models.transformer.attention import Attention
+from nnx_cli.models.transformer.attention import Attention, Layer
 from nnx_cli.models.transformer.dense import constrain
 from nnx_cli.models.transformer.mlp import MLP
 from nnx_cli.models.transformer.norms import make_norm
@@ -24,10 +24,14 @@ _REMAT_POLICIES = {
 
 
 class Block(nnx.Module):
-    """A pre-norm Transformer block: `h + attention(norm(h))`, then `h + mlp(norm(h))`.
+    """A pre-norm Transformer block: `h + attention(norm(h))`, then `h + mlp(norm(h))` (with `post_norms`,
+    `h + norm(attention(norm(h)))` and `h + norm(mlp(norm(h)))`).
 
-    Methods take `(h, _, positions)` and return `(h, None)`, the shape
-    `nnx.Scan` threads through stacked layers (`_`: the unused scanned input).
+    Methods take `(h, layer, positions)` and return `(h, None)`, the shape
+    `nnx.Scan` threads through stacked layers: `layer` is the scanned input,
+    the block's index (traced when scanned, None when no layer differs; a
+    Python int when unrolled), which attention looks its window and rotary
+    base up by.
     """
 
     def __init__(self, arch: Architecture, *, ctx: nnx.Context):
@@ -35,8 +39,15 @@ class Block(nnx.Module):
         self.attention = Attention(arch, ctx=ctx)
         self.mlp_norm = make_norm(arch, ctx)
         self.mlp = MLP(arch, ctx=ctx)
+        if arch.post_norms:
+            self.post_attention_norm = make_norm(arch, ctx)
+            self.post_mlp_norm = make_norm(arch, ctx)
+        self.post_norms = arch.post_norms
         self.remat = arch.remat
         self.scanned = arch.scanned
+
+    def _residual(self, h: jax.Array, out: jax.Array, post: str) -> jax.Array:
+        return h + (getattr(self, post)(out) if self.post_norms else out)
 
     def _forward(
         self,
@@ -46,15 +57,18 @@ class Block(nnx.Module):
         *,
         deterministic: bool,
         ctx: nnx.Context | None,
+        layer: Layer,
     ) -> jax.Array:
-        h = h + self.attention(self.attention_norm(h), positions, segments, deterministic=deterministic, ctx=ctx)
-        h = h + self.mlp(self.mlp_norm(h), deterministic=deterministic, ctx=ctx)
+        train = dict(deterministic=deterministic, ctx=ctx)
+        h = self._residual(h, self.attention(self.attention_norm(h), positions, segments, layer=layer, **train),
+                           "post_attention_norm")  # fmt: skip
+        h = self._residual(h, self.mlp(self.mlp_norm(h), **train), "post_mlp_norm")
         return constrain(h, ("batch", "length", "embed"))
 
     def __call__(
         self,
         h: jax.Array,
-        _: Any,
+        layer: Layer,
         positions: jax.Array,
         segments: jax.Array | None = None,
         *,
@@ -65,12 +79,13 @@ class Block(nnx.Module):
         if self.remat != "none":
             # Under lax.scan, CSE cannot undo rematerialisation, and preventing it costs speed.
             forward = nnx.remat(forward, policy=_REMAT_POLICIES[self.remat], prevent_cse=not self.scanned)
-        return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx), None
+        return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer), None
 
-    def prefill(self, h: jax.Array, _: Any, positions: jax.Array) -> tuple[jax.Array, None]:
-        h = h + self.attention.prefill(self.attention_norm(h), positions)
-        return h + self.mlp(self.mlp_norm(h), deterministic=True), None
+    def prefill(self, h: jax.Array, layer: Layer, positions: jax.Array, lengths: jax.Array) -> tuple[jax.Array, None]:
+        h = self._residual(h, self.attention.prefill(self.attention_norm(h), positions, lengths, layer),
+                           "post_attention_norm")  # fmt: skip
+        return self._residual(h, self.mlp(self.mlp_norm(h), deterministic=True), "post_mlp_norm"), None
 
-    def decode(self, h: jax.Array, _: Any, positions: jax.Array) -> tuple[jax.Array, None]:
-        h = h + self.attention.decode(self.attention_norm(h), positions)
-        return h + self.mlp(self.mlp_norm(h), deterministic=True), None
+    def decode(self, h: jax.Array, layer: Layer, positions: jax.Array) -> tuple[jax.Array, None]:
+        h = self._residual(h, self.attention.decode(self.attention_norm(h), positions, layer), "post_attention_norm")
+        return self._residual(h, self.mlp(self.mlp_norm(h), deterministic=True), "post_mlp_norm"), None

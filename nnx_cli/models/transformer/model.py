@@ -1,8 +1,9 @@
 """`TransformerLM`: the decoder-only language model, its metrics, and the decoding entry points.
 
-Token and (learned) position embeddings, a stack of blocks (scanned under
-one `nnx.Scan` or unrolled), a final norm, and logits from the tied
-embedding or a head. The vocabulary is padded to a multiple of 128
+Token and (learned) position embeddings (scaled by `sqrt(embed_dim)` with
+`scale_embeddings`, as Gemma's are), a stack of blocks (scanned under one
+`nnx.Scan` or unrolled), a final norm, and logits from the tied embedding or
+a head (soft-capped with `logit_softcap`). The vocabulary is padded to a multiple of 128
 (257 -> 384) for sharding and alignment; the padded ids get a large negative
 logit (in float32) wherever logits come out, so the loss, accuracy and
 sampling never pick them.
@@ -20,7 +21,7 @@ import optax
 
 import nnx
 from nnx_cli.models.layers import check_sizes
-from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention
+from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
 from nnx_cli.models.transformer.norms import make_norm
@@ -53,7 +54,10 @@ class TransformerLM(nnx.Module):
         model.flops_per_token()                             # 6 N + 12 num_layers seq_len embed_dim
 
     The architecture options (`num_kv_heads`, `head_dim`, `mlp`, `qkv_bias`,
-    `qk_norm`, `bias`, `norm_eps`, `rope_theta`, `rope_scaling`) default to
+    `qk_norm`, `bias`, `norm_eps`, `rope_theta`, `rope_scaling`, and Gemma's,
+    Phi-3's and Mistral's: `sliding_window`, `layer_types`, `rope_local_theta`,
+    `rotary_dim`, `query_scale`, `attention_softcap`, `logit_softcap`,
+    `post_norms`, `scale_embeddings`; see `options.architecture`) default to
     the GPT this model was first, so configs written before them keep their
     model. `max_positions` sizes the learned position table (null:
     `seq_len`; an imported GPT-2 has 1024 positions and may train on
@@ -106,6 +110,15 @@ class TransformerLM(nnx.Module):
         remat: str = "none",
         vocab_size: int | None = None,
         bits_per_byte: bool = False,
+        sliding_window: int | None = None,
+        layer_types: list[str] | None = None,
+        rope_local_theta: float | None = None,
+        rotary_dim: int | None = None,
+        query_scale: float | None = None,
+        attention_softcap: float | None = None,
+        logit_softcap: float | None = None,
+        post_norms: bool = False,
+        scale_embeddings: bool = False,
         ctx: nnx.Context,
     ):
         seq_len, vocab = _window_and_vocabulary(input_shape, num_classes, vocab_size)
@@ -131,7 +144,16 @@ class TransformerLM(nnx.Module):
             scan_layers=scan_layers,
             dtype=dtype,
             lora=lora,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            rope_local_theta=rope_local_theta,
+            rotary_dim=rotary_dim,
+            query_scale=query_scale,
+            attention_softcap=attention_softcap,
+            post_norms=post_norms,
         )
+        if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or logit_softcap <= 0):
+            raise ValueError(f"model.logit_softcap must be null or a positive number, got {logit_softcap!r}")
         self.seq_len = seq_len
         self.max_positions = _max_positions(seq_len, max_positions, positions)
         self.vocab_size = vocab
@@ -141,6 +163,9 @@ class TransformerLM(nnx.Module):
         self.bits_per_byte = bits_per_byte
         self.scan_layers = scan_layers
         self.tie_embeddings = tie_embeddings
+        self.scale_embeddings = scale_embeddings
+        self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
+        self.layers_differ = arch.layers_differ
         self._build(arch, dropout, ctx)
 
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
@@ -173,17 +198,22 @@ class TransformerLM(nnx.Module):
 
     def _embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool, ctx: nnx.Context | None):
         h = self.embedding(tokens)
+        if self.scale_embeddings:  # sqrt(embed_dim) in the compute dtype, as Gemma scales by a weight-dtype constant
+            h = h * jnp.asarray(math.sqrt(self.embed_dim), h.dtype)
         if self.positions == "learned":
             h = h + self.position_embedding(positions)
         h = constrain(h, ("batch", "length", "embed"))
         return self.dropout(h, deterministic=deterministic, ctx=ctx)
 
     def _blocks(self, method: str, h: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        """`h` through every block's `method`, each given its index: scanned over (when the layers differ), or a
+        Python int."""
         if self.scan_layers:
-            h, _ = getattr(self.layers.call, method)(h, None, *args, **kwargs)
+            index = jnp.arange(self.num_layers) if self.layers_differ else None
+            h, _ = getattr(self.layers.call, method)(h, index, *args, **kwargs)
         else:
-            for block in self.layers:
-                h, _ = getattr(block, method)(h, None, *args, **kwargs)
+            for i, block in enumerate(self.layers):
+                h, _ = getattr(block, method)(h, i, *args, **kwargs)
         return h
 
     def _logits(self, h: jax.Array) -> jax.Array:
@@ -194,7 +224,7 @@ class TransformerLM(nnx.Module):
             logits = jnp.einsum("...e,ve->...v", h, table, preferred_element_type=jnp.float32)
         else:
             logits = self.head(h)
-        logits = constrain(logits, ("batch", "length", "vocab"))
+        logits = constrain(soft_cap(logits, self.logit_softcap), ("batch", "length", "vocab"))
         return jnp.where(jnp.arange(logits.shape[-1]) < self.vocab_size, logits, MASKED_LOGIT)
 
     def logits(
@@ -295,22 +325,26 @@ class TransformerLM(nnx.Module):
         return [block.attention for block in self.layers]
 
     def init_cache(self, batch_size: int, max_len: int) -> None:
-        """Adds zero `nnx.Cache` keys and values for `batch_size` rows of up to `max_len` positions to every layer."""
+        """Adds zero `nnx.Cache` keys and values for `batch_size` rows of up to `max_len` positions to every layer
+        (a sliding layer holds its window's, unless scanned among full layers: `Attention.init_cache`)."""
         limit = self.context_limit
         if limit is not None and max_len > limit:
             raise ValueError(f"a cache of {max_len} positions exceeds the learned positions of this model ({limit})")
-        for attention in self._attentions():
-            attention.init_cache(batch_size, max_len, self.num_layers if self.scan_layers else None)
+        for i, attention in enumerate(self._attentions()):
+            if self.scan_layers:
+                attention.init_cache(batch_size, max_len, self.num_layers)
+            else:
+                attention.init_cache(batch_size, max_len, layer=i)
 
     def prefill(self, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
         """Runs prompts `tokens` `[B, P]` (right-padded; row `b` has `lengths[b]` real tokens) into an empty cache.
 
         Returns the float32 logits `[B, padded vocab]` after each prompt's last real token.
         """
-        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        h = self._blocks("prefill", self._embed(tokens, positions, True, None), positions)
-        last = jnp.take_along_axis(h, (jnp.asarray(lengths, jnp.int32) - 1)[:, None, None], axis=1)
+        h = self._blocks("prefill", self._embed(tokens, positions, True, None), positions, lengths)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)
         return self._logits(last)[:, 0]
 
     def decode(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:

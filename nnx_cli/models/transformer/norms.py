@@ -1,7 +1,10 @@
 """Normalisation layers: LayerNorm (GPT-2) and RMSNorm (Llama, and the per-head query and key norms of Qwen3).
 
 :func:`make_norm` builds the one `model.norm` names, over `embed_dim`; a new
-kind is a class here, a case there, and a name in `options.NORMS`.
+kind is a class here, a case there, and a name in `options.NORMS`. Gemma's
+RMSNorm (`gemma_rmsnorm`) stores its scale as an offset from one and
+multiplies by `1 + w`: the parameter is the tensor Gemma checkpoints hold,
+so weights go in and out unchanged.
 """
 
 from __future__ import annotations
@@ -23,25 +26,44 @@ class RMSNorm(nnx.Module):
     `kv` for the per-head query and key norms)::
 
         RMSNorm(384, dtype=jnp.bfloat16, ctx=ctx)(x)   # same shape as x, in bfloat16
+
+    With `offset=1.0` (Gemma) the scale is stored as `w` and applied as
+    `1 + w`, in float32; it starts at zero.
     """
 
-    def __init__(self, num_features: int, *, epsilon: float = 1e-5, axis: str = "embed", dtype: Any, ctx: nnx.Context):
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-5,
+        axis: str = "embed",
+        offset: float = 0.0,
+        dtype: Any,
+        ctx: nnx.Context,
+    ):
         self.epsilon = epsilon
+        self.offset = offset
         self.dtype = dtype
-        init = nnx.with_logical_partitioning(nnx.initializers.ones(), (axis,))
+        init = nnx.with_logical_partitioning(nnx.initializers.zeros() if offset else nnx.initializers.ones(), (axis,))
         self.scale = nnx.Param(init(ctx.make_rng("params"), (num_features,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        return (y * self.scale).astype(self.dtype)
+        scale = self.scale if not self.offset else self.offset + self.scale
+        return (y * scale).astype(self.dtype)
+
+
+def rms_offset(arch: Architecture) -> float:
+    """What RMSNorm adds to its stored scale: 1 for `gemma_rmsnorm`, else 0."""
+    return 1.0 if arch.norm == "gemma_rmsnorm" else 0.0
 
 
 def make_norm(arch: Architecture, ctx: nnx.Context) -> nnx.Module:
-    """The norm `arch.norm` names over `arch.embed_dim` features: `rmsnorm`, or `layernorm` (with a bias when
-    `arch.bias`)."""
-    if arch.norm == "rmsnorm":
-        return RMSNorm(arch.embed_dim, epsilon=arch.norm_eps, dtype=arch.dtype, ctx=ctx)
+    """The norm `arch.norm` names over `arch.embed_dim` features: `rmsnorm`, `gemma_rmsnorm` (scaled by
+    `1 + w`), or `layernorm` (with a bias when `arch.bias`)."""
+    if arch.norm in ("rmsnorm", "gemma_rmsnorm"):
+        return RMSNorm(arch.embed_dim, epsilon=arch.norm_eps, offset=rms_offset(arch), dtype=arch.dtype, ctx=ctx)
     return nnx.LayerNorm(
         arch.embed_dim,
         epsilon=arch.norm_eps,

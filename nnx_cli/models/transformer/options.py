@@ -29,8 +29,10 @@ from nnx_cli.models.layers import check_rate, check_sizes
 from nnx_cli.models.transformer.rotary import check_rope_scaling
 
 POSITIONS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm", "gemma_rmsnorm")
+MLPS = ("gelu", "swiglu", "geglu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+GATED = ("swiglu", "geglu")  # MLPs with a gate projection
 REMATS = ("none", "full", "dots")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -46,6 +48,8 @@ _TARGET_ALIASES = {
     **{short: [short] for short in PROJECTIONS},
     **{name: [short] for short, name in PROJECTIONS.items()},  # our module names
     **{f"{short}_proj": [short] for short in ("q", "k", "v", "o", "gate", "up", "down")},  # Hugging Face Llama's
+    "qkv_proj": ["q", "k", "v"],  # Phi-3's fused projections
+    "gate_up_proj": ["gate", "up"],
     "c_attn": ["q", "k", "v"],  # GPT-2's fused projection, and its others
     "c_fc": ["up"],
     "c_proj": ["o", "down"],
@@ -66,10 +70,11 @@ class Lora:
 
 def lora_options(value: Mapping[str, Any] | None, mlp: str) -> Lora | None:
     """`model.lora`: null, or `{rank, alpha (default rank), dropout (0), targets (every projection the model has)}`;
-    targets by our names (`q`, `query`), Hugging Face's (`q_proj`) or GPT-2's (`c_attn`)."""
+    targets by our names (`q`, `query`), Hugging Face's (`q_proj`), GPT-2's (`c_attn`) or Phi-3's (`qkv_proj`,
+    `gate_up_proj`)."""
     if value is None:
         return None
-    has = [p for p in PROJECTIONS if mlp == "swiglu" or p != "gate"]
+    has = [p for p in PROJECTIONS if mlp in GATED or p != "gate"]
     if not isinstance(value, Mapping):
         raise ValueError(f"model.lora must be null or {{rank, alpha, dropout, targets}}, got {value!r}")
     unknown = sorted(set(value) - {"rank", "alpha", "dropout", "targets"})
@@ -120,11 +125,11 @@ class Architecture:
     num_kv_heads: int
     head_dim: int
     mlp_dim: int
-    mlp: str  # gelu (tanh approximation) | swiglu
+    mlp: str  # gelu (tanh approximation) | swiglu | geglu
     qkv_bias: bool  # biases on q, k, v (also when `bias`)
     qk_norm: bool  # RMSNorm over each head's queries and keys
     bias: bool  # biases on every other projection and on LayerNorm
-    norm: str  # layernorm | rmsnorm
+    norm: str  # layernorm | rmsnorm | gemma_rmsnorm (scaled by 1 + w)
     norm_eps: float
     rope: bool
     rope_theta: float
@@ -136,6 +141,14 @@ class Architecture:
     scanned: bool
     dtype: Any  # compute dtype
     lora: Lora | None = None  # low-rank adapters on the projections it names
+    # Gemma, Phi-3 and sliding windows (see `architecture` for the options)
+    sliding_window: int | None = None  # a sliding layer's query sees this many positions, its own included
+    sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide (empty when no layer does)
+    rope_local_theta: float | None = None  # the rotary base of sliding layers (Gemma 3); None: rope_theta
+    rotary_dim: int | None = None  # the leading features of each head that rotate (Phi-3); None: all
+    query_scale: float | None = None  # attention logits scaled by query_scale ** -0.5; None: head_dim
+    attention_softcap: float | None = None  # attention logits as softcap * tanh(logits / softcap)
+    post_norms: bool = False  # norms after attention and MLP too, before the residual sums (Gemma)
 
     def adapter(self, projection: str) -> Lora | None:
         """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`), or None."""
@@ -145,6 +158,17 @@ class Architecture:
     def kv_axis(self) -> str:
         """The logical axis of key and value heads: `heads` when every query head has its own, else `kv_heads`."""
         return "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
+
+    @property
+    def layers_differ(self) -> bool:
+        """Whether some layers slide and others do not: a scanned block then takes its layer's index to tell."""
+        return len(set(self.sliding_layers)) > 1
+
+    def slides(self, layer: int | None) -> bool | None:
+        """Whether layer `layer` slides; None when that depends on a layer index not given (scanned, layers differ)."""
+        if not self.layers_differ:
+            return bool(self.sliding_layers) and self.sliding_layers[0]
+        return None if layer is None else self.sliding_layers[layer]
 
 
 def architecture(
@@ -170,8 +194,23 @@ def architecture(
     scan_layers: bool,
     dtype: str,
     lora: Mapping[str, Any] | None = None,
+    sliding_window: int | None = None,
+    layer_types: Sequence[str] | None = None,
+    rope_local_theta: float | None = None,
+    rotary_dim: int | None = None,
+    query_scale: float | None = None,
+    attention_softcap: float | None = None,
+    post_norms: bool = False,
 ) -> Architecture:
-    """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`."""
+    """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`.
+
+    Sliding windows: with `sliding_window: W` a query at position `i` sees the keys at `i - W + 1 .. i` (as
+    `transformers` counts), on every layer, or on those `layer_types` marks `sliding_attention` (one entry per
+    layer, the others `full_attention`); `rope_local_theta` gives the sliding layers their own rotary base.
+    `rotary_dim` rotates only the leading features of each head, `query_scale` scales the attention logits by
+    `query_scale ** -0.5` instead of `head_dim ** -0.5`, `attention_softcap` squashes them to
+    `softcap * tanh(logits / softcap)`, and `post_norms` adds a norm after attention and after the MLP.
+    """
     check_sizes("num_layers", [num_layers])
     check_sizes("num_heads", [num_heads])
     check_sizes("embed_dim", [embed_dim])
@@ -185,6 +224,10 @@ def architecture(
     _choice("remat", remat, REMATS)
     head_dim, kv_heads = _heads(embed_dim, num_heads, head_dim, num_kv_heads)
     _check_numbers(positions, head_dim, norm_eps, rope_theta, rope_scaling)
+    sliding = _sliding_layers(num_layers, sliding_window, layer_types)
+    _check_rotary(positions, head_dim, rope_local_theta, rotary_dim)
+    for option, value in (("query_scale", query_scale), ("attention_softcap", attention_softcap)):
+        _positive_or_null(option, value)
     return Architecture(
         embed_dim=embed_dim,
         num_heads=num_heads,
@@ -207,6 +250,13 @@ def architecture(
         scanned=scan_layers,
         dtype=DTYPES[dtype],
         lora=lora_options(lora, mlp),
+        sliding_window=sliding_window if any(sliding) else None,
+        sliding_layers=sliding if any(sliding) else (),
+        rope_local_theta=None if rope_local_theta is None else float(rope_local_theta),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        query_scale=None if query_scale is None else float(query_scale),
+        attention_softcap=None if attention_softcap is None else float(attention_softcap),
+        post_norms=post_norms,
     )
 
 
@@ -252,3 +302,43 @@ def _check_numbers(
         raise ValueError(f"model.rope_theta must be positive, got {rope_theta}")
     if rope_scaling is not None and positions != "rope":
         raise ValueError("model.rope_scaling applies to rotary positions: set model.positions=rope or drop it")
+
+
+def _positive_or_null(option: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"model.{option} must be null or a positive number, got {value!r}")
+
+
+def _sliding_layers(num_layers: int, window: int | None, layer_types: Sequence[str] | None) -> tuple[bool, ...]:
+    """Per layer, whether it attends within `sliding_window`: every layer, or those `layer_types` marks."""
+    if window is not None:
+        check_sizes("sliding_window", [window])
+    if layer_types is None:
+        return (window is not None,) * num_layers
+    if isinstance(layer_types, str) or not isinstance(layer_types, Sequence) or len(layer_types) != num_layers:
+        raise ValueError(
+            f"model.layer_types must be a list of {num_layers} entries (one per layer), each one of "
+            f"{', '.join(LAYER_TYPES)}; got {layer_types!r}"
+        )
+    unknown = [t for t in layer_types if t not in LAYER_TYPES]
+    if unknown:
+        raise ValueError(f"model.layer_types has {unknown[0]!r}; each entry is one of {', '.join(LAYER_TYPES)}")
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    if any(sliding) and window is None:
+        raise ValueError("model.layer_types has sliding_attention layers but model.sliding_window is null; set it")
+    return sliding
+
+
+def _check_rotary(positions: str, head_dim: int, local_theta: float | None, rotary_dim: int | None) -> None:
+    """`rope_local_theta` positive, `rotary_dim` even and at most `head_dim`; both only with rotary positions."""
+    for option, value in (("rope_local_theta", local_theta), ("rotary_dim", rotary_dim)):
+        if value is not None and positions != "rope":
+            raise ValueError(f"model.{option} applies to rotary positions: set model.positions=rope or drop it")
+    _positive_or_null("rope_local_theta", local_theta)
+    if rotary_dim is not None:
+        check_sizes("rotary_dim", [rotary_dim])
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(
+                f"model.rotary_dim rotates pairs of a head's leading features: it must be even and at most the "
+                f"head size ({head_dim}); got {rotary_dim}"
+            )

@@ -7,7 +7,9 @@ as Hugging Face's Llama does, so imported weights need no permutation::
     q = rotate(q, positions, frequencies)      # [batch, length, heads, 64] at positions [batch, length]
 
 A new scaling (`model.rope_scaling` of another `type`) is checked in
-:func:`check_rope_scaling` and applied in :func:`rope_frequencies`.
+:func:`check_rope_scaling` and applied in :func:`rope_frequencies`. Given
+fewer frequencies than half the head, :func:`rotate` turns only that many
+leading pairs' worth of features (Phi-3's partial rotary embedding).
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original
 
 
 def check_rope_scaling(value: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
-    """`model.rope_scaling`: null, or `{type: llama3, factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings}`; returned as `(key, float)` pairs (hashable, for the ModuleDef)."""
+    """`model.rope_scaling`: null, `{type: llama3, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}` or `{type: linear, factor}`; returned as `(key, value)` pairs (hashable,
+    for the ModuleDef)."""
     if value is None:
         return None
+    if isinstance(value, Mapping) and value.get("type") == "linear":
+        return _check_linear(value)
     if not isinstance(value, Mapping) or value.get("type") != "llama3":
         raise ValueError(
-            f"model.rope_scaling must be null or {{type: llama3, {', '.join(_ROPE_SCALING_KEYS)}}}; got {value!r}"
+            f"model.rope_scaling must be null, {{type: llama3, {', '.join(_ROPE_SCALING_KEYS)}}} or "
+            f"{{type: linear, factor}}; got {value!r}"
         )
     missing = [k for k in _ROPE_SCALING_KEYS if not isinstance(value.get(k), (int, float))]
     unknown = sorted(set(value) - {"type", *_ROPE_SCALING_KEYS})
@@ -44,6 +50,17 @@ def check_rope_scaling(value: Mapping[str, Any] | None) -> tuple[tuple[str, Any]
     return tuple((k, float(value[k])) for k in _ROPE_SCALING_KEYS)
 
 
+def _check_linear(value: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """`{type: linear, factor}`: every frequency divided by `factor` (positions interpolated)."""
+    factor = value.get("factor")
+    unknown = sorted(set(value) - {"type", "factor"})
+    if unknown:
+        raise ValueError(f"model.rope_scaling of type linear has unknown keys {', '.join(unknown)}; it takes factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError(f"model.rope_scaling of type linear needs a positive factor, got {factor!r}")
+    return (("type", "linear"), ("factor", float(factor)))
+
+
 def rope_frequencies(
     head_dim: int, theta: float = 10000.0, scaling: tuple[tuple[str, Any], ...] | None = None
 ) -> jax.Array:
@@ -52,13 +69,16 @@ def rope_frequencies(
     With `scaling` of type llama3 (Meta's Llama 3.1 recipe), wavelengths longer
     than `original_max_position_embeddings / low_freq_factor` slow down by
     `factor`, those shorter than `... / high_freq_factor` stay, and those
-    between blend the two smoothly.
+    between blend the two smoothly. With type linear, every frequency is
+    divided by `factor`.
     """
     half = head_dim // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None:
         return frequencies
     s = dict(scaling)
+    if s.get("type") == "linear":
+        return frequencies / s["factor"]
     original, low, high, factor = (
         s["original_max_position_embeddings"],
         s["low_freq_factor"],
@@ -78,10 +98,15 @@ def rotate(x: jax.Array, positions: jax.Array, frequencies: jax.Array | None = N
 
     Feature pair `(i, i + head_dim / 2)` turns by `position * frequencies[i]`
     (:func:`rope_frequencies`; by default `10000 ** (-2i / head_dim)`), in
-    float32; `positions` is `[batch, length]`.
+    float32; `positions` is `[batch, length]`. With `n` frequencies fewer
+    than `head_dim / 2`, only the first `2 n` features turn (pairs `(i, i + n)`)
+    and the rest pass through.
     """
     if frequencies is None:
         frequencies = rope_frequencies(x.shape[-1])
+    rotated = 2 * frequencies.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([rotate(x[..., :rotated], positions, frequencies), x[..., rotated:]], axis=-1)
     angles = positions.astype(jnp.float32)[:, :, None, None] * frequencies
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
