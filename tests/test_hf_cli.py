@@ -56,6 +56,15 @@ def test_inspect_counts_the_parameters_transformers_counts_and_reads_no_tensor(p
     assert keys["mesh_axes"] == [None, "data", "model", None]
 
 
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_inspect_counts_the_parameters_transformers_counts_for_post_norms_and_fused_projections(tmp_path, name):
+    from hf_support import FIXTURES, fixture
+
+    report = json.loads(run(tmp_path, "nnx-inspect", str(fixture(name)), "--json").stdout)
+    counted = json.loads((FIXTURES / f"{name}.json").read_text())["num_parameters"]  # model.num_parameters()
+    assert report["total_params"] == counted and report["vocab_padding"] > 0  # padded rows counted apart
+
+
 def test_greedy_generation_equals_the_argmax_of_full_forward_passes(project):
     result = run(project, "nnx-generate", "model", "--prompt", "the king", "--temperature", "0",
                  "--max-tokens", "6", "--json")  # fmt: skip

@@ -2,7 +2,9 @@
 
 In float32 the logits equal `transformers`' to 1e-4 of the largest logit, and greedy generation gives the
 same tokens; the same on 8 devices split FSDP x tensor-parallel; in bfloat16 within a stated tolerance.
-Prompts and chats tokenize as `transformers` tokenizes them.
+Prompts and chats tokenize as `transformers` tokenizes them. The families with sliding windows (Gemma 2 and
+3, Phi-3, Mistral and Qwen2 with windows) have windows of 8 tokens, inputs three windows long, and four
+prompts whose greedy runs of 24 tokens cross their windows in prefill and in the cache.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from nnx_cli.experiment import setup
 from nnx_cli.generate import encode_prompt, stops
 from nnx_cli.hf import chat
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
-CHATS = ["llama", "mistral", "qwen2", "qwen3"]
+WINDOWED = ["gemma2", "gemma3", "phi3", "mistral_window", "qwen2_window"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", *WINDOWED]
+CHATS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
 FLOAT32 = 1e-4  # of the largest golden logit
 BFLOAT16 = 0.025  # bfloat16 keeps 8 bits of mantissa: measured 0.75-1.1% of the largest logit, 2 layers deep
 
@@ -44,7 +47,7 @@ def test_float32_logits_equal_transformers(name):
     assert relative_error(model.logits(gold["input_ids"]), gold["logits"]) < FLOAT32
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
 def test_float32_logits_of_unrolled_layers_equal_transformers(name):
     gold = goldens(name)
     model = model_of(name, "model.scan_layers=false")
@@ -86,7 +89,7 @@ def test_chat_templates_render_and_tokenize_as_transformers(name):
     assert tokenizer.encode_plain(full).tolist() == gold["chat_full_ids"].tolist()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f not in WINDOWED])
 def test_greedy_generation_gives_transformers_tokens(name):
     from nnx_cli import decoding
 
@@ -100,11 +103,28 @@ def test_greedy_generation_gives_transformers_tokens(name):
     assert tokens == gold["greedy_0"].tolist()
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])  # every family in process above; two through the command
+@pytest.mark.parametrize("name", WINDOWED)
+def test_greedy_runs_of_four_prompts_that_cross_the_window_give_transformers_tokens(name):
+    from nnx_cli import decoding
+
+    gold, record = goldens(name), json.loads((FIXTURES / f"{name}.json").read_text())
+    prompts = [gold[f"prompt_ids_{i}"].tolist() for i in range(len(record["prompts"]))]
+    assert min(map(len, prompts)) < 8 < max(map(len, prompts))  # prefill within and past the window
+    exp = setup(hf.model_dir_config(fixture(name), []), data=None)
+    decoder = decoding.Decoder(exp.moduledef, exp.load_pretrained())  # one batch: per-row lengths and rings
+    tokenizer = hf.pretrained_tokenizer(str(fixture(name)))
+    drawn = decoder.generate(prompts, max_tokens=24, temperature=0, **stops(tokenizer)).finish()
+    for i in range(len(prompts)):
+        tokens = drawn.samples[i] + ([drawn.stopped_by[i]] if drawn.stopped_by[i] is not None else [])
+        assert tokens == gold[f"greedy_{i}"].tolist(), i
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma2"])  # every family in process above; three by command
 def test_nnx_generate_json_tokens_equal_transformers_greedy_tokens(tmp_path, name):
     gold = goldens(name)
     prompt = json.loads((FIXTURES / f"{name}.json").read_text())["prompts"][1]
-    result = cli("nnx-generate", fixture(name), "--prompt", prompt, "--temperature", "0", "--max-tokens", "20",
+    tokens = "24" if name in WINDOWED else "20"
+    result = cli("nnx-generate", fixture(name), "--prompt", prompt, "--temperature", "0", "--max-tokens", tokens,
                  "--json", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["tokens"] == [gold["greedy_1"].tolist()]
@@ -140,3 +160,38 @@ print(json.dumps(errors))
     for name in names:
         assert errors[name + "/devices"] == 8
         assert errors[name] < FLOAT32, (name, errors[name])
+
+
+_SHARDED_WINDOWS = """
+import json, sys, jax, numpy as np, nnx
+from nnx_cli import hf
+from nnx_cli.experiment import setup
+errors = {}
+for name, layers, dtype in (json.loads(a) for a in sys.argv[1:]):
+    overrides = ["sharding.mesh.data=4", "sharding.mesh.model=2", f"model.scan_layers={layers}", f"model.dtype={dtype}"]
+    exp = setup(hf.model_dir_config(f"tests/fixtures/hf/{name}", overrides), data=None)
+    params = exp.load_pretrained()  # streamed into the shardings, stacked or per layer
+    gold = np.load(f"tests/fixtures/hf/{name}.npz")
+    with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules):
+        logits = jax.jit(lambda p, t: exp.moduledef.merge(p).logits(t))(params, gold["input_ids"])
+    vocab = gold["logits"].shape[-1]
+    key = f"{name}/{layers}/{dtype}"
+    errors[key] = float(np.abs(np.asarray(logits)[..., :vocab] - gold["logits"]).max() / np.abs(gold["logits"]).max())
+    errors[key + "/devices"] = len(params["embedding/embedding"].value.sharding.device_set)
+print(json.dumps(errors))
+"""
+
+
+def test_windowed_families_on_8_devices_equal_transformers_in_float32_and_bfloat16(tmp_path):
+    from cli_support import ROOT
+
+    runs = [("gemma2", "true", "float32"), ("gemma3", "false", "float32"), ("phi3", "true", "float32"),
+            ("gemma2", "false", "bfloat16"), ("gemma3", "true", "bfloat16"), ("phi3", "true", "bfloat16")]  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", _SHARDED_WINDOWS, *map(json.dumps, runs)], cwd=ROOT,
+                            env=env(tmp_path, 8), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, layers, dtype in runs:
+        key = f"{name}/{layers}/{dtype}"
+        assert errors[key + "/devices"] == 8
+        assert errors[key] < (FLOAT32 if dtype == "float32" else BFLOAT16), (key, errors[key])

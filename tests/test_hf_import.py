@@ -87,6 +87,71 @@ def test_llama3_rope_scaling_reads_in_every_form_transformers_writes(rope):
     }  # fmt: skip
 
 
+def test_a_mistral_window_slides_every_layer_and_qwen_windows_start_at_max_window_layers():
+    mistral = options({**LLAMA_CONFIG, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert (mistral["sliding_window"], mistral["layer_types"]) == (4096, None)  # null: every layer
+    qwen = {**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3, "sliding_window": 64}
+    assert "sliding_window" not in options({**qwen, "use_sliding_window": False})  # transformers drops the window
+    windowed = options({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert windowed["sliding_window"] == 64
+    assert windowed["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert "sliding_window" not in options(LLAMA_CONFIG)  # the options of a family without windows stay as before
+
+
+GEMMA2 = {**LLAMA_CONFIG, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4, "head_dim": 16}
+
+
+def test_gemma_configs_give_gemma_options_with_transformers_defaults_for_missing_keys():
+    got = options(GEMMA2)
+    assert (got["norm"], got["mlp"], got["post_norms"], got["scale_embeddings"]) == ("gemma_rmsnorm", "geglu", True,
+                                                                                     True)  # fmt: skip
+    assert (got["query_scale"], got["attention_softcap"], got["logit_softcap"]) == (256.0, 50.0, 30.0)
+    assert got["sliding_window"] == 4096 and got["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert got["tie_embeddings"] is False and got["qk_norm"] is False  # LLAMA_CONFIG unties them
+    uncapped = options({**GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (uncapped["attention_softcap"], uncapped["logit_softcap"]) == (None, None)
+    gemma3 = options({**GEMMA2, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7})
+    assert gemma3["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]
+    assert (gemma3["qk_norm"], gemma3["attention_softcap"], gemma3["logit_softcap"]) == (True, None, None)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+        {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    ],
+    ids=["rope_local_base_freq", "rope_parameters"],
+)  # fmt: skip
+def test_gemma3_reads_its_local_and_global_rotary_settings_in_both_forms(rope):
+    got = options({**GEMMA2, "architectures": ["Gemma3ForCausalLM"], "rope_theta": None, **rope})
+    assert (got["rope_theta"], got["rope_local_theta"]) == (1e6, 1e4)
+    assert got["rope_scaling"] == {"type": "linear", "factor": 8.0}
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [{"partial_rotary_factor": 0.5}, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}],
+)
+def test_phi3_rotates_the_partial_rotary_factor_of_each_head(rope):
+    got = options({**LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"], "sliding_window": 2047, **rope})
+    assert (got["head_dim"], got["rotary_dim"], got["sliding_window"], got["layer_types"]) == (8, 4, 2047, None)
+
+
+def test_phi3_fused_projections_split_into_our_kernels(tmp_path):
+    config = {**LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"], "num_key_value_heads": 2}
+    tensors = write_model_dir(tmp_path / "phi3", config)
+    params = loaded(tmp_path / "phi3")
+    qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]  # [q | k | v, embed]: 32 + 16 + 16 rows
+    for name, rows in (("query", slice(0, 32)), ("key", slice(32, 48)), ("value", slice(48, 64))):
+        got = params[f"layers/scan_module/attention/{name}/kernel"][1]
+        np.testing.assert_array_equal(got, qkv[rows].T.reshape(32, -1, 8))
+    gate_up = tensors["model.layers.0.mlp.gate_up_proj.weight"]  # [gate | up, embed]
+    np.testing.assert_array_equal(params["layers/scan_module/mlp/gate/kernel"][0], gate_up[:64].T)
+    np.testing.assert_array_equal(params["layers/scan_module/mlp/fc/kernel"][0], gate_up[64:].T)
+
+
 def test_gpt2_config_gives_learned_positions_layernorm_and_biases():
     got = options(GPT2_CONFIG)
     assert (got["positions"], got["norm"], got["mlp"], got["bias"]) == ("learned", "layernorm", "gelu", True)
@@ -210,12 +275,21 @@ def test_a_directory_without_config_json_is_named(tmp_path, llama_dir):
     "change, message",
     [
         ({"architectures": ["BertForMaskedLM"]}, r"'BertForMaskedLM', which is not supported; supported: Llama"),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, r"'sliding_window' is 4096: sliding"),
+        ({"architectures": ["Qwen2ForCausalLM"], "layer_types": ["sliding_attention", "full_attention"]},
+         r"'layer_types' has sliding_attention layers while use_sliding_window is false"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"'rope_scaling' has rope type 'yarn'"),
         ({"hidden_act": "gelu"}, r"'hidden_act' is 'gelu': an activation other than silu"),
         ({"auto_map": {"AutoModelForCausalLM": "m.M"}}, r"'auto_map' asks to run the model directory's own code"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, r"'Gemma3ForConditionalGeneration', which is not"),
+        ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
+          "long_factor": [2.0] * 4}}, r"'rope_scaling' has rope type 'longrope'"),
+        ({"architectures": ["Gemma2ForCausalLM"], "use_bidirectional_attention": True},
+         r"'use_bidirectional_attention' is True: bidirectional attention is not supported"),
+        ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"}, r"'hidden_activation' is 'gelu'"),
+        ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": None}, r"'sliding_window' is null, but layer"),
     ],
-    ids=["architecture", "sliding-window", "rope-type", "activation", "remote-code"],
+    ids=["architecture", "sliding-window", "rope-type", "activation", "remote-code", "multimodal", "longrope",
+         "bidirectional", "gemma-activation", "window-missing"],
 )  # fmt: skip
 def test_unsupported_architectures_and_options_name_the_key_and_the_families(tmp_path, llama_dir, change, message):
     target = broken(tmp_path, llama_dir)

@@ -1,7 +1,7 @@
 """Model families: a Hugging Face `config.json` as `transformer_lm` options, and its tensors as our parameters.
 
-Llama, Mistral, Qwen2, Qwen3 and GPT-2 are one model with a few switches
-(spec hf.md, "Architectures"). For each family a table says which
+Llama, Mistral, Qwen2, Qwen3, GPT-2, Gemma 2, Gemma 3 and Phi-3 are one
+model with a few switches (spec hf.md, "Architectures"). For each family a table says which
 `config.json` keys give which option, and which Hugging Face tensor fills
 which of our parameters and how (a :class:`TensorMap`: transposed or not,
 how its rows and columns fold into our axes)::
@@ -30,13 +30,17 @@ LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = (
     "Qwen3ForCausalLM",
     "GPT2LMHeadModel",
 )
-SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2)
+GEMMA2, GEMMA3, PHI3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"
+SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, GEMMA2, GEMMA3, PHI3)
 _SUPPORTED_TEXT = "LlamaForCausalLM (Llama 2/3/3.x, SmolLM, TinyLlama), MistralForCausalLM, Qwen2ForCausalLM, "
-_SUPPORTED_TEXT += "Qwen3ForCausalLM, GPT2LMHeadModel"
+_SUPPORTED_TEXT += "Qwen3ForCausalLM, GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM (text), Phi3ForCausalLM"
 SHAPE_OPTIONS = (
     "num_layers", "num_heads", "num_kv_heads", "head_dim", "embed_dim", "mlp_dim", "vocab_size", "max_positions",
     "mlp", "qkv_bias", "qk_norm", "bias", "norm", "norm_eps", "positions", "rope_theta", "rope_scaling",
     "tie_embeddings",
+    # Gemma, Phi-3 and sliding windows
+    "sliding_window", "layer_types", "rope_local_theta", "rotary_dim", "query_scale", "attention_softcap",
+    "logit_softcap", "post_norms", "scale_embeddings",
 )  # fmt: skip
 """The options a model directory's `config.json` decides; a YAML may repeat them but not change them."""
 
@@ -103,6 +107,15 @@ class Config:
             raise self.error(key, f"must be a number, got {value!r}")
         return float(value)
 
+    def optional_float(self, key: str, default: float | None) -> float | None:
+        """A number, or None when config.json says null; `default` (the family's class default) when absent."""
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+            raise self.error(key, f"must be a positive number or null, got {value!r}")
+        return None if value is None else float(value)
+
     def bool(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
         if not isinstance(value, bool):
@@ -143,27 +156,91 @@ def options_of(data: Mapping[str, Any], path: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------
 
 
-def _rope(c: Config) -> dict[str, Any]:
+def _rope(c: Config, default_theta: float = 10000.0) -> dict[str, Any]:
     parameters = c.get("rope_parameters")
     key = "rope_parameters" if isinstance(parameters, Mapping) else "rope_scaling"
     scaling = parameters if isinstance(parameters, Mapping) else c.get("rope_scaling")
-    theta = c.float("rope_theta", 10000.0)
+    theta = c.float("rope_theta", default_theta)
     if isinstance(parameters, Mapping) and "rope_theta" in parameters:
         theta = float(parameters["rope_theta"])
+    return {"rope_theta": theta, "rope_scaling": _rope_scaling(c, key, scaling)}
+
+
+def _rope_scaling(c: Config, key: str, scaling: Any) -> dict[str, Any] | None:
+    """`model.rope_scaling` of a rotary setting `config.json` gives under `key`: None (the default rotation),
+    llama3's or linear's; another `rope_type` is a UserError naming the key."""
     if scaling is None:
-        return {"rope_theta": theta, "rope_scaling": None}
+        return None
     if not isinstance(scaling, Mapping):
         raise c.error(key, f"must be a mapping or null, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return {"rope_theta": theta, "rope_scaling": None}
+        return None
+    if kind == "linear":
+        if not isinstance(scaling.get("factor"), (int, float)):
+            raise c.error(key, "of type linear lacks factor")
+        return {"type": "linear", "factor": scaling["factor"]}
     if kind != "llama3":
-        raise c.error(key, f"has rope type {kind!r}: only the default and llama3 rotary scalings are supported")
+        raise c.error(key, f"has rope type {kind!r}: only the default, llama3 and linear rotary scalings are supported")
     names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [n for n in names if not isinstance(scaling.get(n), (int, float))]
     if missing:
         raise c.error(key, f"of type llama3 lacks {', '.join(missing)}")
-    return {"rope_theta": theta, "rope_scaling": {"type": "llama3", **{n: scaling[n] for n in names}}}
+    return {"type": "llama3", **{n: scaling[n] for n in names}}
+
+
+# Sliding windows: which layers attend within how many positions
+# ------------------------------------------------------------------------------
+
+_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(c: Config, num_layers: int, default: list[str]) -> list[str]:
+    """`layer_types` of config.json, checked (one of each entry's kinds per layer), or `default` when absent."""
+    types = c.get("layer_types")
+    if types is None:
+        return default
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in _TYPES for t in types):
+        raise c.error(
+            "layer_types", f"must list {num_layers} layer kinds, each one of {', '.join(_TYPES)}; got {types!r}"
+        )
+    return types
+
+
+def _window(c: Config, default: int | None) -> int | None:
+    """`sliding_window`: a positive integer or null; `default` (the family's class default) when absent."""
+    if "sliding_window" not in c.data:
+        return default
+    return None if c.data["sliding_window"] is None else c.int("sliding_window")
+
+
+def _windows(c: Config, types: list[str], default: int | None) -> dict[str, Any]:
+    """The `sliding_window` and `layer_types` options of layers `types` (none when no layer slides: the options of
+    a family's checkpoints without windows stay as they were)."""
+    if "sliding_attention" not in types:
+        return {}
+    window = _window(c, default)
+    if window is None:
+        raise c.error("sliding_window", "is null, but layer_types has sliding_attention layers, whose window it gives")
+    return {"sliding_window": window, "layer_types": None if all(t == "sliding_attention" for t in types) else types}
+
+
+def _llama_windows(c: Config, architecture: str, num_layers: int) -> dict[str, Any]:
+    """Mistral slides every layer by `sliding_window` when it is set; Qwen2 and Qwen3 with `use_sliding_window`
+    the layers `layer_types` names (by default those from `max_window_layers` on), as transformers reads them."""
+    if architecture == MISTRAL:  # transformers' MistralConfig slides by 4096 unless config.json says null
+        kind = "sliding_attention" if _window(c, 4096) is not None else "full_attention"
+        return _windows(c, [kind] * num_layers, 4096)
+    if architecture in (QWEN2, QWEN3):
+        if not c.bool("use_sliding_window", False):
+            types = _layer_types(c, num_layers, ["full_attention"] * num_layers)
+            if "sliding_attention" in types:
+                raise c.error("layer_types", "has sliding_attention layers while use_sliding_window is false")
+            return {}
+        first = c.int("max_window_layers", 28) if c.get("max_window_layers") != 0 else 0
+        default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return _windows(c, _layer_types(c, num_layers, default), 4096)
+    return {}
 
 
 # The Llama family: Llama, Mistral, Qwen2, Qwen3
@@ -176,13 +253,10 @@ def _llama_options(architecture: str) -> Callable[[Config], dict[str, Any]]:
         c.refuse("mlp_bias", lambda v: not v, "a bias on the MLP projections")
         if architecture != QWEN2:
             c.refuse("attention_bias", lambda v: not v, "a bias on the attention projections")
-        if architecture == MISTRAL:
-            c.refuse("sliding_window", lambda v: v is None, "sliding-window attention")
-        if architecture in (QWEN2, QWEN3):
-            c.refuse("use_sliding_window", lambda v: not v, "sliding-window attention")
         heads, embed = c.int("num_attention_heads"), c.int("hidden_size")
+        layers = c.int("num_hidden_layers")
         return {
-            "num_layers": c.int("num_hidden_layers"),
+            "num_layers": layers,
             "num_heads": heads,
             "num_kv_heads": c.int("num_key_value_heads", heads),
             "head_dim": c.int("head_dim", embed // heads),
@@ -198,6 +272,7 @@ def _llama_options(architecture: str) -> Callable[[Config], dict[str, Any]]:
             "positions": "rope",
             **_rope(c),
             "tie_embeddings": c.bool("tie_word_embeddings", False),
+            **_llama_windows(c, architecture, layers),
         }
 
     return options
@@ -303,12 +378,154 @@ def _gpt2_tensors(o: Mapping[str, Any], names: Collection[str]) -> list[TensorMa
     return maps
 
 
+# Gemma 2 and Gemma 3 (text)
+# ------------------------------------------------------------------------------
+# Llama's layout with Gemma's switches: embeddings scaled by sqrt(hidden), RMSNorms of (1 + w), norms after
+# attention and MLP too, a GeGLU MLP, attention logits scaled by query_pre_attn_scalar ** -0.5, sliding layers
+# by layer_types; Gemma 2 soft-caps attention and final logits, Gemma 3 has q/k norms and a rotary base of its
+# own for sliding layers. Defaults are those of transformers' config classes, for keys config.json leaves out.
+
+
+def _gemma_options(architecture: str) -> Callable[[Config], dict[str, Any]]:
+    gemma3 = architecture == GEMMA3
+
+    def options(c: Config) -> dict[str, Any]:
+        c.refuse("hidden_activation", lambda v: v in _TANH_GELUS, "an activation other than the tanh GELU")
+        c.refuse("attention_bias", lambda v: not v, "a bias on the attention projections")
+        c.refuse("use_bidirectional_attention", lambda v: not v, "bidirectional attention")
+        layers = c.int("num_hidden_layers")
+        period = c.int("sliding_window_pattern", 6) if gemma3 else 2  # the layer kinds' default pattern
+        default = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+        rope = _gemma3_rope(c) if gemma3 else _rope(c)
+        return {
+            "num_layers": layers,
+            "num_heads": c.int("num_attention_heads"),
+            "num_kv_heads": c.int("num_key_value_heads", 4),
+            "head_dim": c.int("head_dim", 256),
+            "embed_dim": c.int("hidden_size"),
+            "mlp_dim": c.int("intermediate_size"),
+            "vocab_size": c.int("vocab_size"),
+            "mlp": "geglu",
+            "qkv_bias": False,
+            "qk_norm": gemma3,
+            "bias": False,
+            "norm": "gemma_rmsnorm",
+            "norm_eps": c.float("rms_norm_eps", 1e-6),
+            "positions": "rope",
+            **rope,
+            "tie_embeddings": c.bool("tie_word_embeddings", True),
+            **_windows(c, _layer_types(c, layers, default), 4096),
+            "query_scale": c.float("query_pre_attn_scalar", 256.0),
+            # transformers' Gemma 3 reads attn_logit_softcapping but never applies it
+            "attention_softcap": None if gemma3 else c.optional_float("attn_logit_softcapping", 50.0),
+            "logit_softcap": c.optional_float("final_logit_softcapping", None if gemma3 else 30.0),
+            "post_norms": True,
+            "scale_embeddings": True,
+        }
+
+    return options
+
+
+def _gemma3_rope(c: Config) -> dict[str, Any]:
+    """Gemma 3's two rotary settings: full layers at `rope_theta` (1e6) with `rope_scaling`, sliding layers at
+    `rope_local_base_freq` (1e4) unscaled; or the same per layer kind in transformers 5's `rope_parameters`."""
+    parameters = c.get("rope_parameters")
+    if isinstance(parameters, Mapping) and set(parameters) & set(_TYPES):
+        full, local = parameters.get("full_attention") or {}, parameters.get("sliding_attention") or {}
+        if _rope_scaling(c, "rope_parameters", local) is not None:
+            raise c.error("rope_parameters", "scales the rotation of sliding_attention layers, which is not supported")
+        return {
+            "rope_theta": float(full.get("rope_theta", c.float("rope_theta", 1e6))),
+            "rope_scaling": _rope_scaling(c, "rope_parameters", full),
+            "rope_local_theta": float(local.get("rope_theta", c.float("rope_local_base_freq", 1e4))),
+        }
+    return {**_rope(c, default_theta=1e6), "rope_local_theta": c.float("rope_local_base_freq", 1e4)}
+
+
+def _gemma_tensors(o: Mapping[str, Any], names: Collection[str]) -> list[TensorMap]:
+    """Llama's tensors, with the norm after attention and the MLP's norms before and after it."""
+    embed, layer = o["embed_dim"], "model.layers.{i}."
+    maps = [m for m in _llama_tensors(o, names) if m.path != "mlp_norm/scale"]
+    for ours, theirs in (("post_attention_norm", "post_attention_layernorm"), ("mlp_norm", "pre_feedforward_layernorm"),
+                         ("post_mlp_norm", "post_feedforward_layernorm")):  # fmt: skip
+        maps.append(TensorMap(f"{ours}/scale", f"{layer}{theirs}.weight", (embed,), split=0))
+    return maps
+
+
+# Phi-3
+# ------------------------------------------------------------------------------
+# Llama with q, k and v fused in one qkv_proj and gate and up in one gate_up_proj (split on the way in, fused
+# on the way out: each of our kernels is a block of columns of theirs), a rotation of the first
+# partial_rotary_factor of each head, and a sliding window on every layer when sliding_window is set.
+
+
+def _phi3_options(c: Config) -> dict[str, Any]:
+    c.refuse("hidden_act", lambda v: v == "silu", "an activation other than silu")
+    heads, embed, layers = c.int("num_attention_heads"), c.int("hidden_size"), c.int("num_hidden_layers")
+    head_dim = c.int("head_dim", embed // heads)
+    parameters = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), Mapping) else {}
+    factor = parameters.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise c.error("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    rotary = int(head_dim * factor)
+    if rotary % 2:
+        raise c.error("partial_rotary_factor", f"rotates {rotary} features of each head, an odd number")
+    window = "sliding_attention" if _window(c, None) is not None else "full_attention"
+    return {
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": c.int("num_key_value_heads", heads),
+        "head_dim": head_dim,
+        "embed_dim": embed,
+        "mlp_dim": c.int("intermediate_size"),
+        "vocab_size": c.int("vocab_size"),
+        "mlp": "swiglu",
+        "qkv_bias": False,
+        "qk_norm": False,
+        "bias": False,
+        "norm": "rmsnorm",
+        "norm_eps": c.float("rms_norm_eps", 1e-5),
+        "positions": "rope",
+        **_rope(c),
+        "tie_embeddings": c.bool("tie_word_embeddings", False),
+        **_windows(c, [window] * layers, None),
+        **({"rotary_dim": rotary} if rotary != head_dim else {}),
+    }
+
+
+def _phi3_tensors(o: Mapping[str, Any], names: Collection[str]) -> list[TensorMap]:
+    embed, vocab, mlp = o["embed_dim"], o["vocab_size"], o["mlp_dim"]
+    q, kv = o["num_heads"] * o["head_dim"], o["num_kv_heads"] * o["head_dim"]
+    layer = "model.layers.{i}."
+    qkv, gate_up = (layer + "self_attn.qkv_proj.weight", (q + 2 * kv, embed)), (layer + "mlp.gate_up_proj.weight",
+                                                                              (2 * mlp, embed))  # fmt: skip
+    maps = [
+        TensorMap("embedding/embedding", "model.embed_tokens.weight", (vocab, embed), split=1),
+        TensorMap("final_norm/scale", "model.norm.weight", (embed,), split=0),
+        TensorMap("attention_norm/scale", layer + "input_layernorm.weight", (embed,), split=0),
+        TensorMap("mlp_norm/scale", layer + "post_attention_layernorm.weight", (embed,), split=0),
+        TensorMap("attention/query/kernel", *qkv, split=1, transpose=True, offset=0),
+        TensorMap("attention/key/kernel", *qkv, split=1, transpose=True, offset=q),
+        TensorMap("attention/value/kernel", *qkv, split=1, transpose=True, offset=q + kv),
+        TensorMap("attention/out/kernel", layer + "self_attn.o_proj.weight", (embed, q), split=2, transpose=True),
+        TensorMap("mlp/gate/kernel", *gate_up, split=1, transpose=True, offset=0),
+        TensorMap("mlp/fc/kernel", *gate_up, split=1, transpose=True, offset=mlp),
+        TensorMap("mlp/proj/kernel", layer + "mlp.down_proj.weight", (embed, mlp), split=1, transpose=True),
+    ]
+    if not o["tie_embeddings"]:
+        maps.append(TensorMap("head/kernel", "lm_head.weight", (vocab, embed), split=1, transpose=True))
+    return maps
+
+
 FAMILIES = {
     **{
         name: Family(name, _llama_options(name), _llama_tensors, ignored=("rotary_emb.inv_freq",))
         for name in (LLAMA, MISTRAL, QWEN2, QWEN3)
     },
     GPT2: Family(GPT2, _gpt2_options, _gpt2_tensors, ignored=(".attn.bias", ".attn.masked_bias")),
+    GEMMA2: Family(GEMMA2, _gemma_options(GEMMA2), _gemma_tensors),
+    GEMMA3: Family(GEMMA3, _gemma_options(GEMMA3), _gemma_tensors),
+    PHI3: Family(PHI3, _phi3_options, _phi3_tensors, ignored=("rotary_emb.inv_freq",)),
 }
 
 
@@ -331,6 +548,17 @@ def layout(maps: list[TensorMap], num_layers: int) -> dict[str, tuple[int, ...]]
 
 _LLAMA_SHAPE = {"positions": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
 _GPT2_SHAPE = {"positions": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
+_UNWRITTEN = {"rope_local_theta": None, "rotary_dim": None, "query_scale": None, "attention_softcap": None,
+              "logit_softcap": None, "post_norms": False, "scale_embeddings": False}  # fmt: skip
+"""Options a run from scratch exports with at these values only: Gemma's and Phi-3's (their runs from a checkpoint
+export as the family they came from)."""
+
+
+def run_architecture(options: Mapping[str, Any], pretrained: Any) -> str:
+    """The family a run exports as: the one its `model.pretrained` is, else the one its options describe."""
+    return pretrained.family.architecture if pretrained is not None else architecture_of(options)
+
+
 PEFT_MODULES = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
@@ -346,13 +574,26 @@ def architecture_of(options: Mapping[str, Any]) -> str:
         return [f"{k}: {options.get(k)!r} (the family's is {v!r})" for k, v in shape.items() if options.get(k) != v]
 
     llama, gpt2 = differ(_LLAMA_SHAPE), differ(_GPT2_SHAPE)
+    unwritten = [f"{k}: {options.get(k)!r}" for k, v in _UNWRITTEN.items() if options.get(k, v) != v]
     if not llama:
         if options.get("qkv_bias") and options.get("qk_norm"):
             raise UserError("model.qkv_bias and model.qk_norm together are in no Hugging Face family (Qwen2 has the "
                             "first, Qwen3 the second): it cannot be exported")  # fmt: skip
-        return QWEN2 if options.get("qkv_bias") else QWEN3 if options.get("qk_norm") else LLAMA
+        if unwritten:
+            raise UserError(f"options no family nnx-export writes from scratch has: {'; '.join(unwritten)} (runs "
+                            "from a Gemma or Phi-3 checkpoint export as their family)")  # fmt: skip
+        qwen = QWEN2 if options.get("qkv_bias") else QWEN3 if options.get("qk_norm") else None
+        if options.get("sliding_window") is not None and qwen is None:
+            if options.get("layer_types") is not None:
+                raise UserError(f"model.layer_types {options['layer_types']!r}: sliding and full layers together are "
+                                "in no Llama-shaped family without q/k/v biases or q/k norms (Mistral slides every "
+                                "layer)")  # fmt: skip
+            return MISTRAL
+        return qwen or LLAMA
     if not gpt2:
         extra = [f"{k}: {options.get(k)!r}" for k in ("qkv_bias", "qk_norm") if options.get(k)]
+        extra += [f"sliding_window: {options['sliding_window']!r}"] if options.get("sliding_window") else []
+        extra += unwritten
         if options.get("num_kv_heads") not in (None, options.get("num_heads")):
             extra.append(f"num_kv_heads: {options['num_kv_heads']} (GPT-2 has one key-value head per query head)")
         if options.get("head_dim") not in (None, options["embed_dim"] // options["num_heads"]):
@@ -384,9 +625,9 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
     scaling = options.get("rope_scaling")
     rope = {"rope_theta": float(options.get("rope_theta", 10000.0))}
     rope["rope_scaling"] = None if scaling is None else {
-        "rope_type": "llama3", **{k: v for k, v in scaling.items() if k != "type"}
+        "rope_type": scaling.get("type", "llama3"), **{k: v for k, v in scaling.items() if k != "type"}
     }  # fmt: skip
-    model_type = {LLAMA: "llama", QWEN2: "qwen2", QWEN3: "qwen3"}[architecture]
+    model_type = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3"}[architecture]
     config = {
         "architectures": [architecture], "model_type": model_type, "hidden_size": embed, "intermediate_size": mlp,
         "num_hidden_layers": options["num_layers"], "num_attention_heads": heads,
@@ -395,12 +636,20 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
         "max_position_embeddings": context, "rms_norm_eps": options.get("norm_eps", 1e-5), **rope,
         "tie_word_embeddings": options.get("tie_embeddings", True), "hidden_act": "silu", **ids, "dtype": dtype,
     }  # fmt: skip
+    window = options.get("sliding_window")
     if architecture == LLAMA:
         config.update({"attention_bias": False, "mlp_bias": False})
-    else:
+    elif architecture == MISTRAL:
+        config["sliding_window"] = window
+    elif window is None:
         config.update({"use_sliding_window": False, "sliding_window": None})
-        if architecture == QWEN3:
-            config["attention_bias"] = False
+    else:  # Qwen's sliding layers: those layer_types names (all when null)
+        types = options.get("layer_types") or ["sliding_attention"] * options["num_layers"]
+        first = types.index("sliding_attention")
+        config.update({"use_sliding_window": True, "sliding_window": window, "max_window_layers": first,
+                       "layer_types": list(types)})  # fmt: skip
+    if architecture == QWEN3:
+        config["attention_bias"] = False
     return config
 
 
