@@ -3,8 +3,11 @@
 The round trip a user makes, checked against the live libraries (from a separate virtualenv, `--reference`;
 tests/fixtures/README.md says how to make one):
 
-1. a LoRA and a full fine-tune of the tiny Qwen2 fixture (tests/fixtures/hf/qwen2) on a chat task of
-   question/answer facts; each question asked with `nnx-generate RUN --chat --temperature 0 --json`;
+1. a LoRA and a full fine-tune of the tiny Qwen2 fixture (tests/fixtures/hf/qwen2), and LoRA fine-tunes of
+   the Gemma 2 fixture (sliding and full layers, soft-capping, windows of 8 tokens that the chats cross) and
+   of the Phi-3 fixture (fused projections: its adapter is a block adapter on qkv_proj and gate_up_proj), on a
+   chat task of question/answer facts; each question asked with `nnx-generate RUN --chat --temperature 0
+   --json`;
 2. `nnx-export` of each (merged, float32) and of the LoRA run's adapter (`--adapter`);
 3. the same questions asked of `transformers` (the merged exports) and of `peft` (the adapter on the base),
    greedy, through the same chat template: the generated ids must be identical, and the logits of a
@@ -37,6 +40,12 @@ FACTS = [
     ("Where does the river run?", "Past the mill."),
 ]
 FIXTURE = ROOT / "tests/fixtures/hf/qwen2"
+FINE_TUNES = {  # run: (model directory, model.lora)
+    "lora": (FIXTURE, "{rank: 4}"),
+    "full": (FIXTURE, None),
+    "gemma2-lora": (ROOT / "tests/fixtures/hf/gemma2", "{rank: 4}"),
+    "phi3-lora": (ROOT / "tests/fixtures/hf/phi3", "{rank: 4}"),
+}
 
 
 def run(*command: str, cwd: Path) -> str:
@@ -87,20 +96,21 @@ def main() -> None:
         "data: {source: chats.jsonl, format: chat, seq_len: 63, eval_split: null}\n"
         f"optimizer: {{name: adamw, learning_rate: 1.0e-2}}\ntrain: {{batch_size: 4, steps: {args.steps}}}\n"
     )
-    (cwd / "lora.yaml").write_text(
-        f"model: {{name: transformer_lm, pretrained: {FIXTURE}, lora: {{rank: 4}}}}\n" + common
-    )
-    (cwd / "full.yaml").write_text(f"model: {{name: transformer_lm, pretrained: {FIXTURE}}}\n" + common)
+    for name, (directory, lora) in FINE_TUNES.items():
+        adapters = f", lora: {lora}" if lora else ""
+        (cwd / f"{name}.yaml").write_text(
+            f"model: {{name: transformer_lm, pretrained: {directory}{adapters}}}\n" + common
+        )
     questions = [q for q, _ in FACTS]
     failures, table = [], []
-    for name in ("lora", "full"):
+    for name, (directory, lora) in FINE_TUNES.items():
         run(BIN / "nnx-train", f"{name}.yaml", "--workdir", name, cwd=cwd)
         answers = [ours(name, q, cwd, chat=True) for q in questions]
         run(BIN / "nnx-export", name, "--out", f"{name}-merged", "--dtype", "float32", cwd=cwd)
         checks = [("transformers, merged", cwd / f"{name}-merged", None)]
-        if name == "lora":
-            run(BIN / "nnx-export", name, "--out", "lora-adapter", "--adapter", cwd=cwd)
-            checks.append(("peft, adapter on the base", FIXTURE, cwd / "lora-adapter"))
+        if lora:
+            run(BIN / "nnx-export", name, "--out", f"{name}-adapter", "--adapter", cwd=cwd)
+            checks.append(("peft, adapter on the base", directory, cwd / f"{name}-adapter"))
         reference_logits = our_logits(cwd / name, np.load(cwd / "ids.npy"))
         for label, model, adapter in checks:
             logits, greedy = theirs(args.reference, model, cwd, questions, chat=True, adapter=adapter)

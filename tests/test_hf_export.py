@@ -20,6 +20,7 @@ from nnx_cli.hf import peft
 from nnx_cli.hf.weights import Weights
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+WINDOWED = ["gemma2", "gemma3", "phi3", "mistral_window", "qwen2_window"]
 
 
 def tensors(directory: Path, single: str = "model.safetensors") -> dict[str, np.ndarray]:
@@ -35,7 +36,7 @@ def relative_error(logits, golden) -> float:
     return float(np.abs(np.asarray(logits)[..., : golden.shape[-1]] - golden).max() / np.abs(golden).max())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + WINDOWED)
 def test_an_imported_model_exports_to_the_tensors_and_config_transformers_wrote(tmp_path, name):
     exp = setup(hf.model_dir_config(fixture(name), []), data=None)
     arrays = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
@@ -54,7 +55,7 @@ def test_an_imported_model_exports_to_the_tensors_and_config_transformers_wrote(
         assert (tmp_path / "out" / file).read_bytes() == (fixture(name) / file).read_bytes(), file
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "gemma2", "gemma3", "phi3"])
 def test_a_reimported_export_computes_the_transformers_logits(tmp_path, name):
     exp = setup(hf.model_dir_config(fixture(name), []), data=None)  # llama: three shards in, one file out
     arrays = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
@@ -210,6 +211,37 @@ def test_gpt2_adapters_on_q_k_v_export_as_one_exact_block_adapter_on_c_attn(tmp_
         np.testing.assert_allclose(merged[weight] - stored[weight], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_phi3_adapters_export_as_exact_block_adapters_on_its_fused_projections(tmp_path):
+    cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('phi3')}", "data.text_key=text",
+                             "model.lora={rank: 2, alpha: 3, targets: [qkv_proj, up, down_proj]}"])  # fmt: skip
+    exp = setup(cfg, data=None)
+    assert exp.cfg.model.options["lora"]["targets"] == ["qkv_proj", "up", "down_proj"]  # Phi's names and ours
+    rng = np.random.default_rng(0)
+    adapters = {p: rng.normal(size=v.value.shape).astype(np.float32) for p, v in exp.abstract["params"].items()}
+    base = {p: np.asarray(v.value) for p, v in exp.load_pretrained().items()}
+    exporting.export(exp, adapters | base, tmp_path / "adapter", adapter=True, dtype=None, tokenizer=None)
+    exporting.export(exp, adapters | base, tmp_path / "merged", adapter=False, dtype="float32", tokenizer=None)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["qkv_proj", "gate_up_proj", "down_proj"]
+    patterns = {"qkv_proj": 6}, {"qkv_proj": 9.0}  # q, k and v in one module of rank 6 and alpha 9: alpha / r kept
+    assert (config["r"], config["rank_pattern"], config["alpha_pattern"]) == (2, *patterns)
+    ours, merged, stored = tensors(tmp_path / "adapter"), tensors(tmp_path / "merged"), tensors(fixture("phi3"))
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        a = {t: adapters[f"layers/scan_module/{t}/lora/a"][i].reshape(32, 2) for t in
+             ("attention/query", "attention/key", "attention/value", "mlp/fc")}  # fmt: skip
+        b = {t: adapters[f"layers/scan_module/{t}/lora/b"][i].reshape(2, -1) for t in a}
+        delta = {t: (a[t] @ b[t]).T * 1.5 for t in a}  # [out, in], as PyTorch stores it
+        qkv = np.concatenate([delta["attention/query"], delta["attention/key"], delta["attention/value"]])
+        gate_up = np.concatenate([np.zeros_like(delta["mlp/fc"]), delta["mlp/fc"]])  # gate first, not adapted
+        for module, expected, scale in (("self_attn.qkv_proj", qkv, 9.0 / 6), ("mlp.gate_up_proj", gate_up, 1.5)):
+            name = f"base_model.model.{layer}{module}."
+            update = ours[name + "lora_B.weight"] @ ours[name + "lora_A.weight"] * scale  # peft's update
+            np.testing.assert_allclose(update, expected, rtol=1e-5, atol=1e-6)
+            weight = layer + module + ".weight"
+            np.testing.assert_allclose(merged[weight] - stored[weight].astype(np.float32), expected, atol=1e-5)
+
+
 # From scratch, through the command line
 # --------------------------------------------------------------------------------------------------------------
 
@@ -282,8 +314,11 @@ def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, 
         (dict(qk_norm=True, head_dim=16, norm_eps=1e-6), "Qwen3ForCausalLM"),
         (dict(rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                 original_max_position_embeddings=16)), "LlamaForCausalLM"),
+        (dict(sliding_window=8), "MistralForCausalLM"),
+        (dict(qkv_bias=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+         "Qwen2ForCausalLM"),
     ],
-    ids=["qwen2", "qwen3", "llama3-rope"],
+    ids=["qwen2", "qwen3", "llama3-rope", "mistral-window", "qwen2-window"],
 )  # fmt: skip
 def test_a_config_json_written_from_options_reads_back_as_those_options(options, architecture):
     from nnx_cli.hf import families
@@ -318,8 +353,14 @@ def test_the_bytes_tokenizer_exports_as_an_equivalent_tokenizer_json(project):
         (dict(num_kv_heads=2), r"num_kv_heads: 2 \(GPT-2 has one key-value head per query head\)"),
         (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, qk_norm=True),
          r"model.qkv_bias and model.qk_norm together are in no Hugging Face family"),
+        (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, logit_softcap=30.0, post_norms=True),
+         r"no family nnx-export writes from scratch has: logit_softcap: 30.0; post_norms: True"),
+        (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention"]), r"sliding and full layers together are in no"),
+        (dict(sliding_window=8), r"sliding_window: 8; GPT2LMHeadModel is the closest"),
     ],
-    ids=["rope-layernorm", "learned-rmsnorm", "gpt2-gqa", "qwen2-and-3"],
+    ids=["rope-layernorm", "learned-rmsnorm", "gpt2-gqa", "qwen2-and-3", "gemma-switches", "llama-layer-kinds",
+         "gpt2-window"],
 )  # fmt: skip
 def test_options_no_family_has_are_named(options, message):
     from nnx_cli.errors import UserError

@@ -112,11 +112,13 @@ def read(directory: Path, cfg: Any, pretrained: Any, lora: Any) -> tuple[Any, li
             raise UserError(f"{path}: {key} gives some modules another {base} ({differ}); nnx's LoRA has one rank and "
                             "one alpha for all")  # fmt: skip
     options = model_options(cfg, pretrained)
-    architecture = families.architecture_of(options)
-    if architecture == families.GPT2:
+    architecture = families.run_architecture(options, pretrained)
+    if architecture in (families.GPT2, families.PHI3):
+        fused = "c_attn" if architecture == families.GPT2 else "qkv_proj (and gate and up on gate_up_proj)"
         raise UserError(
-            f"{path}: nnx reads PEFT adapters of the Llama family (Llama, Mistral, Qwen2, Qwen3); a GPT-2 adapter "
-            "on c_attn fuses q, k and v in one rank, which nnx's separate q, k and v adapters cannot hold"
+            f"{path}: nnx reads PEFT adapters of the Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma; a "
+            f"{architecture} adapter on {fused} fuses q, k and v in one rank, which nnx's separate q, k and v "
+            "adapters cannot hold"
         )
     modules = config.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else list(modules)
@@ -164,8 +166,11 @@ def adapter(exp: Any, lora: Any, params: dict[str, Any]) -> tuple[dict[str, Any]
     cfg, pretrained = exp.cfg, exp.pretrained
     options = model_options(cfg, pretrained)
     adapters = {p: v for p, v in params.items() if "/lora/" in p}
-    if families.architecture_of(options) == families.GPT2:
+    architecture = families.run_architecture(options, pretrained)
+    if architecture == families.GPT2:
         return _gpt2_adapter(cfg, pretrained, options, lora, adapters)
+    if architecture == families.PHI3:
+        return _phi3_adapter(pretrained, options, lora, adapters)
     maps = families.lora_tensors(options, lora.rank, lora.targets)
     modules = [families.PEFT_MODULES[t].split(".")[-1] for t in lora.targets]
     config = _config(pretrained, lora, modules)
@@ -232,4 +237,65 @@ def _gpt2_adapter(cfg: Any, pretrained: Any, options: dict, lora: Any, adapters:
     if len(fused) > 1:  # c_attn's rank is n r: its alpha n alpha keeps the scale alpha / r
         patterns = {"rank_pattern": {"c_attn": len(fused) * rank}, "alpha_pattern": {"c_attn": len(fused) * lora.alpha}}
     config = _config(pretrained, lora, modules, fan_in_fan_out=True, **patterns)
+    return config, {n: makers[n][0] for n in names}, ((n, makers[n][1]()) for n in names)
+
+
+_PHI3_FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+_PHI3_PLAIN = {"o": "self_attn.o_proj", "down": "mlp.down_proj"}
+
+
+def _phi3_adapter(pretrained: Any, options: dict, lora: Any, adapters: dict) -> tuple[dict, dict, Iterator]:
+    """Phi-3's fused `qkv_proj` and `gate_up_proj`: the run's adapters of rank `r` on the `n` of q, k, v (or gate
+    and up) adapted export as one exact block adapter of rank `n r` on the fused module, as GPT-2's on `c_attn`
+    (`lora_A` stacks their `a`, `lora_B` holds each `b` in its rows of the fused output; alpha `n alpha`)."""
+    embed, mlp, rank = options["embed_dim"], options["mlp_dim"], lora.rank
+    q, kv = options["num_heads"] * options["head_dim"], options["num_kv_heads"] * options["head_dim"]
+    widths = {"q": q, "k": kv, "v": kv, "gate": mlp, "up": mlp}
+    sizes = {"o": (q, embed), "down": (mlp, embed)}  # (in, out)
+
+    def ours(target: str, part: str, i: int) -> np.ndarray:
+        """Our `a` as `[in, rank]` or `b` as `[rank, out]`, of layer `i`."""
+        path = f"{_OURS[target]}/lora/{part}"
+        stacked = adapters.get("layers/scan_module/" + path)
+        value = np.asarray(stacked[i] if stacked is not None else adapters[f"layers/{i}/{path}"], np.float32)
+        return value.reshape(-1, rank) if part == "a" else value.reshape(rank, -1)
+
+    def block_b(i: int, parts: tuple[str, ...], fused: list[str]) -> np.ndarray:
+        out = np.zeros((sum(widths[t] for t in parts), len(fused) * rank), np.float32)
+        start = 0
+        for t in parts:
+            if t in fused:
+                j = fused.index(t)
+                out[start : start + widths[t], j * rank : (j + 1) * rank] = ours(t, "b", i).T
+            start += widths[t]
+        return out
+
+    makers: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+    modules, patterns = [], {"rank_pattern": {}, "alpha_pattern": {}}
+    for module, parts in _PHI3_FUSED.items():
+        fused = [t for t in parts if t in lora.targets]
+        if not fused:
+            continue
+        short = module.split(".")[-1]
+        modules.append(short)
+        if len(fused) > 1:  # the fused module's rank is n r: its alpha n alpha keeps the scale alpha / r
+            patterns["rank_pattern"][short] = len(fused) * rank
+            patterns["alpha_pattern"][short] = len(fused) * lora.alpha
+        for i in range(options["num_layers"]):
+            name = f"base_model.model.model.layers.{i}.{module}"
+            stack = lambda i=i, fused=fused: np.concatenate([ours(t, "a", i).T for t in fused])  # noqa: E731
+            makers[name + ".lora_A.weight"] = ((len(fused) * rank, embed), stack)
+            b = lambda i=i, parts=parts, fused=fused: block_b(i, parts, fused)  # noqa: E731
+            makers[name + ".lora_B.weight"] = ((sum(widths[t] for t in parts), len(fused) * rank), b)
+    for t, module in _PHI3_PLAIN.items():
+        if t not in lora.targets:
+            continue
+        modules.append(module.split(".")[-1])
+        fan_in, fan_out = sizes[t]
+        for i in range(options["num_layers"]):
+            name = f"base_model.model.model.layers.{i}.{module}"
+            makers[name + ".lora_A.weight"] = ((rank, fan_in), lambda t=t, i=i: ours(t, "a", i).T)
+            makers[name + ".lora_B.weight"] = ((fan_out, rank), lambda t=t, i=i: ours(t, "b", i).T)
+    names = sorted(makers)
+    config = _config(pretrained, lora, modules, **patterns)
     return config, {n: makers[n][0] for n in names}, ((n, makers[n][1]()) for n in names)
