@@ -3,7 +3,10 @@
 One model for the families people train today: GPT-2 (learned positions,
 LayerNorm, biases, a tanh-GELU MLP) and the Llama family (Llama 2/3, Mistral,
 Qwen2/3, SmolLM: rotary positions, RMSNorm, no biases, a SwiGLU MLP,
-grouped-query attention) differ by a few switches (spec hf.md, "Architectures")::
+grouped-query attention) differ by a few switches (spec hf.md, "Architectures"),
+and Gemma 2/3 and Phi-3 by a few more (sliding windows per layer, soft-capped
+logits, norms of `1 + w` before and after each half, GeGLU, scaled
+embeddings, partial rotary embeddings)::
 
     model = TransformerLM((256,), 257, num_layers=6, num_heads=6, embed_dim=384, ctx=nnx.context(0))   # GPT
     llama = TransformerLM((256,), 32000, num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=512,
@@ -30,11 +33,15 @@ One module per part, each building its layers from the checked options
 
 - :mod:`.model`: `TransformerLM` (embeddings, the stack of blocks, logits,
   metrics, decoding entry points) and the vocabulary padding;
-- :mod:`.block`: `Block`, the pre-norm residual layout and rematerialisation;
-- :mod:`.attention`: `Attention`, its masks and key-value cache, the choice of
-  fused kernel; :mod:`.mlp`: `MLP` (GELU, SwiGLU);
-- :mod:`.norms`: `RMSNorm` and LayerNorm; :mod:`.rotary`: rotary positions and
-  their scalings; :mod:`.dense`: `Dense` and the logical-axis helpers;
+- :mod:`.block`: `Block`, the pre-norm residual layout (and post norms) and
+  rematerialisation;
+- :mod:`.attention`: `Attention`, its masks (`visible`: causal, windowed,
+  per segment), soft-capping, key-value cache (rings for sliding layers), what
+  differs per layer, the choice of fused kernel; :mod:`.mlp`: `MLP` (GELU,
+  SwiGLU, GeGLU);
+- :mod:`.norms`: `RMSNorm` (and Gemma's `1 + w`) and LayerNorm;
+  :mod:`.rotary`: rotary positions, partial rotation and their scalings;
+  :mod:`.dense`: `Dense` and the logical-axis helpers;
 - :mod:`.options`: `Architecture`, :func:`architecture` (every option check),
   LoRA's options and projection names.
 
