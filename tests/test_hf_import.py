@@ -21,7 +21,7 @@ from nnx_cli import hf
 from nnx_cli.config import load_config
 from nnx_cli.errors import UserError
 from nnx_cli.experiment import setup
-from nnx_cli.hf import families
+from nnx_cli.hf import families, weights
 from nnx_cli.hf.weights import Weights, convert
 
 
@@ -211,6 +211,15 @@ def test_transposed_bfloat16_blocks_convert_exactly_in_tiles():
     out = np.empty((200, 300), np.float32)
     convert(source.view(np.uint16).T, out)
     np.testing.assert_array_equal(out, source.T.astype(np.float32))
+
+
+def test_bfloat16_copied_into_the_upper_halves_of_fresh_pages_is_exact_straight_and_transposed():
+    source = np.random.default_rng(0).normal(size=(700, 600)).astype(ml_dtypes.bfloat16)
+    raw = source.view(np.uint16)
+    for view, expected in ((raw, source), (raw.T, source.T)):
+        out = weights._aligned(view.shape)  # over 1 MiB: its own memory map, faulted in at once
+        convert(view, out, zeroed=True)
+        np.testing.assert_array_equal(out, expected.astype(np.float32))
 
 
 def test_loading_onto_8_devices_places_each_shard_and_matches_one_device(llama_dir, tmp_path):
