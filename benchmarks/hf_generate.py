@@ -1,18 +1,25 @@
-"""`nnx-generate` against `transformers`' `generate` on a Qwen2.5-0.5B-shaped model, CPU, batch 1.
+"""`nnx-generate` against `transformers`' `generate` on a Qwen2.5-0.5B-shaped model, CPU, batch 1 and 8.
 
 Writes a model directory with the shapes of Qwen/Qwen2.5-0.5B-Instruct (random weights, as
-benchmarks/hf_load.py does, plus a small tokenizer), then, in whole fresh processes, alternating:
+benchmarks/hf_load.py does, plus a small tokenizer), then, in whole fresh processes, in the order
+A B B A (and again for more `--runs`), so that a load that drifts hits both sides alike:
 
-- `nnx-generate DIR --prompt ... --max-tokens 128 --temperature 0 --json` (after one untimed run that fills
-  the compilation cache: "warm"), and
+- `nnx-generate DIR --prompt ... --max-tokens 128 --temperature 0 --json [--num-samples 8]` (after one
+  untimed run that fills the compilation cache: "warm"), and
 - benchmarks/reference/transformers_generate.py in a virtualenv with torch + transformers (`--reference`,
-  see tests/fixtures/README.md), float32 like nnx, greedy, 128 new tokens with its key-value cache.
+  see tests/fixtures/README.md), float32 like nnx, greedy, 128 new tokens with its key-value cache,
+  `--decode-only` so that its decode is timed apart from the prefill (that extra 1-token run is taken off
+  its whole-command time).
 
-Reports decode tokens/s (after the first token) of each, the whole command's wall time of each (imports,
-loading and generation included), and whether the greedy tokens agree. Targets (issue "Open weights in"):
-tokens/s at least transformers', whole command within 1.5x. Exit status 1 when a target is missed.
+Reports decode tokens/s (after the first token; at batch 8, tokens of all rows) of each, medians over the
+runs, the whole command's wall time of each at batch 1 (imports, loading and generation included), and
+whether the greedy tokens agree. Targets (issues "Open weights in" and "Faster than PyTorch on the same
+CPU"): tokens/s at batch 1 at least 1.2x transformers', whole command within 1.5x; batch 8 is reported.
+Exit status 1 when a target is missed. Two cores shared with other work slow the sides unequally (torch's
+threads collapse under load): the load average is printed, with a warning above 0.5; figures for the README
+come from an idle machine.
 
-    python benchmarks/hf_generate.py --reference /tmp/refvenv/bin/python [--runs 3]
+    python benchmarks/hf_generate.py --reference /tmp/refvenv/bin/python [--runs 2] [--batches 1 8]
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_load import write_model
+from hf_load import check_idle, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The river ran past the old mill, and the miller's daughter counted the boats"
@@ -66,43 +73,68 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", required=True, help="python of a virtualenv with torch and transformers")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the model (default: a temp dir)")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=2, help="runs of each side per batch size, A B B A ...")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (1 is the target)")
     args = parser.parse_args()
     directory = args.dir or Path(tempfile.mkdtemp(prefix="nnx-qwen-shaped-"))
     write_model(directory)
     write_tokenizer(directory)
+    check_idle()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    nnx = [str(Path(sys.executable).parent / "nnx-generate"), str(directory), "--prompt", PROMPT,
-           "--max-tokens", str(args.max_tokens), "--temperature", "0", "--json"]  # fmt: skip
-    reference = [args.reference, str(ROOT / "benchmarks/reference/transformers_generate.py"), str(directory),
-                 "--prompt", PROMPT, "--max-tokens", str(args.max_tokens)]  # fmt: skip
-    timed(nnx, env)  # fills the compilation cache: the runs below are warm
-    _, decode = timed([*reference, "--decode-only"], env)  # transformers' decode tokens/s, prefill separated
+    speeds: dict[int, dict[str, list[float]]] = {}
     walls: dict[str, list[float]] = {"nnx-generate": [], "transformers": []}
-    speeds, outputs = [], {}
-    for _ in range(args.runs):
-        seconds, out = timed(nnx, env)
-        walls["nnx-generate"].append(seconds)
-        speeds.append(out["tokens_per_s"])
-        outputs["nnx"] = out["tokens"][0]
-        seconds, out = timed(reference, env)
-        walls["transformers"].append(seconds)
-        outputs["transformers"] = out["tokens"]
-    ours, theirs = statistics.median(speeds), decode["tokens_per_s"]
-    wall = {k: statistics.median(v) for k, v in walls.items()}
-    print(f"model: {directory} (Qwen2.5-0.5B shapes, float32), batch 1, {args.max_tokens} new tokens, greedy")
-    print("\n| | decode tokens/s | whole command s (median of runs) |")
-    print("| --- | --- | --- |")
-    print(f"| nnx-generate (warm compilation cache) | {ours:.1f} | {wall['nnx-generate']:.2f} |")
-    print(f"| transformers generate ({decode['threads']} threads) | {theirs:.1f} | {wall['transformers']:.2f} |")
-    same = outputs["nnx"] == outputs["transformers"]
-    agree = next((i for i, (a, b) in enumerate(zip(outputs["nnx"], outputs["transformers"])) if a != b), None)
-    print(f"\ntokens/s ratio nnx / transformers: {ours / theirs:.2f}x (target >= 1.0x)")
-    print(f"whole command ratio: {wall['nnx-generate'] / wall['transformers']:.2f}x (target <= 1.5x)")
-    print(f"greedy tokens identical: {same}" + ("" if same else f" (first difference at token {agree})"))
-    ok = ours >= theirs and wall["nnx-generate"] <= 1.5 * wall["transformers"]
-    raise SystemExit(0 if ok else 1)
+    outputs: dict[int, dict[str, list]] = {}
+    threads = None
+    for batch in args.batches:
+        nnx = [str(Path(sys.executable).parent / "nnx-generate"), str(directory), "--prompt", PROMPT,
+               "--max-tokens", str(args.max_tokens), "--temperature", "0", "--json",
+               "--num-samples", str(batch)]  # fmt: skip
+        reference = [args.reference, str(ROOT / "benchmarks/reference/transformers_generate.py"), str(directory),
+                     "--prompt", PROMPT, "--max-tokens", str(args.max_tokens), "--batch", str(batch),
+                     "--decode-only"]  # fmt: skip
+        timed(nnx, env)  # fills the compilation cache: the runs below are warm
+        speeds[batch] = {"nnx-generate": [], "transformers": []}
+        outputs[batch] = {}
+        for i in range(args.runs):
+            for side in ("nnx-generate", "transformers") if i % 2 == 0 else ("transformers", "nnx-generate"):
+                seconds, out = timed(nnx if side == "nnx-generate" else reference, env)
+                speeds[batch][side].append(out["tokens_per_s"])
+                if side == "nnx-generate":
+                    outputs[batch]["nnx"] = out["tokens"]  # every row: the same prompt, greedy
+                else:
+                    seconds -= out["decode_only_s"]  # the 1-token run that separates its prefill
+                    outputs[batch]["transformers"], threads = out["tokens"], out["threads"]
+                if batch == 1:
+                    walls[side].append(seconds)
+                print(f"  batch {batch}, {side}: {out['tokens_per_s']:.1f} tokens/s, {seconds:.1f} s "
+                      f"(load average {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+    print(f"\nmodel: {directory} (Qwen2.5-0.5B shapes, float32), {args.max_tokens} new tokens per row, greedy, "
+          f"medians of {args.runs} runs; transformers with {threads} threads")  # fmt: skip
+    print("\n| batch | nnx-generate tokens/s (warm compilation cache) | transformers tokens/s | ratio |")
+    print("| --- | --- | --- | --- |")
+    ratios = {}
+    for batch, runs in speeds.items():
+        ours, theirs = statistics.median(runs["nnx-generate"]), statistics.median(runs["transformers"])
+        ratios[batch] = ours / theirs
+        print(f"| {batch} | {ours:.1f} | {theirs:.1f} | {ratios[batch]:.2f}x |")
+    wall = {k: statistics.median(v) for k, v in walls.items() if v}
+    ok = ratios.get(1, 0.0) >= 1.2
+    if 1 in ratios:
+        print(f"\ntokens/s ratio nnx / transformers at batch 1: {ratios[1]:.2f}x (target >= 1.2x)")
+        print(f"whole command at batch 1: {wall['nnx-generate']:.2f} s vs {wall['transformers']:.2f} s, "
+              f"{wall['nnx-generate'] / wall['transformers']:.2f}x (target <= 1.5x)")  # fmt: skip
+        ok = ok and wall["nnx-generate"] <= 1.5 * wall["transformers"]
+    same = True
+    for batch, out in outputs.items():
+        theirs = out["transformers"]
+        differ = [next((i for i, (a, b) in enumerate(zip(row, theirs)) if a != b), -1) for row in out["nnx"]]
+        rows = [r for r, i in enumerate(differ) if i >= 0 or len(out["nnx"][r]) != len(theirs)]
+        same = same and not rows
+        print(f"greedy tokens identical to transformers' at batch {batch}: {not rows}"
+              + (f" (row {rows[0]} differs first at token {differ[rows[0]]})" if rows else ""))  # fmt: skip
+    check_idle("at the end")
+    raise SystemExit(0 if ok and same else 1)
 
 
 if __name__ == "__main__":

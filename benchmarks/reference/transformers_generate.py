@@ -1,8 +1,9 @@
 """The `transformers` side of benchmarks/hf_generate.py: load a model directory and generate greedily.
 
 Run with a Python that has torch and transformers (never the project's virtualenv; tests/fixtures/README.md
-says how to make one). Prints one JSON object: load time, decode tokens/s (128 new tokens, with the cache),
-and the generated ids. Whole-process time is measured by the caller.
+says how to make one). Prints one JSON object: load time, decode tokens/s (128 new tokens per row, with the
+cache; `--batch` rows of the same prompt), and the generated ids of the first row. Whole-process time is
+measured by the caller; `decode_only_s` is the extra 1-token run `--decode-only` adds to it.
 
     REFERENCE_PYTHON benchmarks/reference/transformers_generate.py MODEL_DIR --prompt TEXT --max-tokens 128
 """
@@ -18,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("model")
 parser.add_argument("--prompt", required=True)
 parser.add_argument("--max-tokens", type=int, default=128)
+parser.add_argument("--batch", type=int, default=1, help="rows of the same prompt generated together")
 parser.add_argument("--decode-only", action="store_true", help="also time a 1-token run to separate the prefill")
 args = parser.parse_args()
 
@@ -25,7 +27,7 @@ start = time.perf_counter()
 tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
 model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
 loaded = time.perf_counter() - start
-ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+ids = tokenizer(args.prompt, return_tensors="pt").input_ids.repeat(args.batch, 1)
 with torch.inference_mode():
     options = dict(do_sample=False, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens)
     begin = time.perf_counter()
@@ -43,7 +45,8 @@ print(
         {
             "load_s": round(loaded, 3),
             "generate_s": round(total, 3),
-            "tokens_per_s": round((new - 1) / decode_s, 1) if decode_s else None,
+            "decode_only_s": round(first, 3) if first is not None else 0.0,
+            "tokens_per_s": round((new - 1) * args.batch / decode_s, 1) if decode_s else None,
             "tokens": out[0, ids.shape[1] :].tolist(),
             "threads": torch.get_num_threads(),
         }
