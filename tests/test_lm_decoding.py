@@ -118,6 +118,26 @@ def test_bfloat16_cached_logits_agree_with_a_full_pass_to_1_percent_of_their_spr
     assert float(jnp.max(jnp.abs(cached(params, sequence) - full))) <= 0.01 * float(jnp.std(full))
 
 
+def test_one_row_at_a_time_decodes_to_the_argmax_of_a_full_forward_pass():
+    params, moduledef = params_and_def(scan_layers=False)
+    params = lively(params)
+    for prompt in PROMPTS:  # batch 1: the tied head is read as one row against the table
+        sample = Decoder(moduledef, params).generate([prompt], max_tokens=16, temperature=0).finish().samples[0]
+        predicted = full_pass_argmax(moduledef, params, prompt + sample)[len(prompt) - 1 :]
+        assert len(set(sample)) > 5
+        assert predicted[: len(sample)].tolist() == sample
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table_bit_for_bit(rows):
+    model = TransformerLM((8,), 40_000, num_layers=1, num_heads=2, embed_dim=32, dropout=0.0, ctx=nnx.context(0))
+    h = jax.random.normal(jax.random.key(1), (rows, 1, 32))  # 40064 padded ids: two chunks, the last overlapping
+    params, moduledef = model.partition(nnx.Param)
+    chunked = jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h))(params, h)
+    whole = jax.jit(lambda p, h: moduledef.merge(p)._logits(h)[:, 0])(params, h)
+    np.testing.assert_array_equal(chunked, whole)
+
+
 _SHARDED = textwrap.dedent("""
     import json, jax, nnx
     from nnx_cli.decoding import Decoder
