@@ -212,9 +212,9 @@ def load(run: Any) -> tuple[int, Any, Any]:
     return step, decoding.Decoder(exp.moduledef, params), tokenizer
 
 
-def language_model(run: Any, what: str) -> Any:
-    """The run's experiment (no data, no mesh); a run that is not a language model is a UserError saying `what`
-    the command does with `transformer_lm` runs."""
+def language_model(run: Any, what: str, place: bool = False) -> Any:
+    """The run's experiment (no data; with `place`, its mesh and shardings); a run that is not a language model
+    is a UserError saying `what` the command does with `transformer_lm` runs."""
     from nnx_cli.data.text import is_text
     from nnx_cli.experiment import setup
 
@@ -223,7 +223,7 @@ def language_model(run: Any, what: str) -> Any:
             f"{str(run.workdir)!r} holds a {run.cfg.model.name!r} model trained on images, not a language model; "
             f"{what} transformer_lm runs"
         )
-    exp = setup(run.cfg, data=None, place=False)
+    exp = setup(run.cfg, data=None, place=place)
     if not hasattr(exp.model_cls, "init_cache"):
         raise UserError(
             f"model {run.cfg.model.name!r} is not a language model with a key-value cache; {what} transformer_lm runs"

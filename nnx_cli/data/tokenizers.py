@@ -134,6 +134,13 @@ class HFTokenizer:
         keep = (ids >= 0) & (ids < self._base_vocab) & (ids != self.eod_id)
         return self._tokenizer.decode(ids[keep].tolist(), skip_special_tokens=False)
 
+    def decode_all(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = False) -> str:
+        """The text of `ids` as `transformers` decodes them: special tokens (end-of-document included) written
+        out, or left out with `skip_special_tokens`; ids past the file's vocabulary are dropped."""
+        ids = np.asarray(ids)
+        keep = (ids >= 0) & (ids < self._base_vocab)
+        return self._tokenizer.decode(ids[keep].tolist(), skip_special_tokens=skip_special_tokens)
+
     def __getstate__(self) -> dict[str, Any]:  # for worker processes: the definition, not the Rust object
         return {"name": self.name, "definition": self._tokenizer.to_str()}
 

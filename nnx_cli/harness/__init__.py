@@ -1,0 +1,286 @@
+"""Benchmarks the field quotes: EleutherAI's lm-evaluation-harness tasks on nnx models.
+
+`nnx-eval TARGET --tasks hellaswag,arc_easy` and `eval.harness` during
+training both come here. The pieces:
+
+- :mod:`nnx_cli.harness.engine`: batched, bucketed log-likelihoods and
+  greedy generation with the jitted model (no lm-eval needed);
+- :mod:`nnx_cli.harness.backend`: `NNXLM`, lm-eval's model API over the
+  engine, registered with lm-eval as `nnx`;
+- :mod:`nnx_cli.harness.target`: a run or a Hugging Face model loaded onto
+  its mesh;
+- this module: tasks loaded with every mistake named, the evaluation run,
+  its metrics flattened for the loggers, and `evals/harness.jsonl` records.
+
+lm-eval is optional (`pip install 'nnx[eval]'`): without it these functions
+are a UserError saying what to install::
+
+    tasks = load_tasks(["arc_easy", "my_task"], include_path="my_tasks/")
+    results = evaluate(NNXLM("runs/my_run"), tasks, limit=100)
+    print(results_table(results))
+    flat_metrics(results)        # {"arc_easy/acc": 0.61, "arc_easy/acc_norm": 0.58, "my_task/exact_match": 0.2}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nnx_cli.errors import UserError, did_you_mean
+
+__all__ = [
+    "RECORDS",
+    "Tasks",
+    "evaluate",
+    "flat_metrics",
+    "load_tasks",
+    "read_records",
+    "require_lm_eval",
+    "results_table",
+    "write_records",
+]
+
+PACKAGE = "lm-eval"
+RECORDS = Path("evals") / "harness.jsonl"  # in a run's work dir: one line per task evaluated at a step
+
+
+def require_lm_eval(what: str = "the harness") -> None:
+    """A UserError naming the package to install when lm-eval is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(
+            f"{what} runs EleutherAI's lm-evaluation-harness, which is not installed: pip install 'nnx[eval]' "
+            f"(or pip install {PACKAGE})"
+        ) from None
+
+
+@dataclasses.dataclass
+class Tasks:
+    """Tasks loaded once and evaluated any number of times: lm-eval's Task and Group objects, and their manager."""
+
+    names: list[str]
+    objects: list[Any]
+    manager: Any
+
+
+def load_tasks(names: Sequence[str], include_path: str | Path | None = None) -> Tasks:
+    """lm-eval tasks or groups by name (or a task YAML's path), with their data loaded.
+
+    `include_path` is a directory of the user's own task YAMLs. An unknown
+    name, a YAML that does not parse or describes no valid task, and data
+    that cannot be read or fetched (offline, and not in the `datasets`
+    cache) are UserErrors naming the task and the file.
+    """
+    require_lm_eval()
+    names = [n.strip() for n in names if n and n.strip()]
+    if not names:
+        raise UserError("--tasks names no task: give lm-eval task or group names, comma-separated")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"--include-path {str(include_path)!r} is not a directory of task YAMLs")
+    manager = _manager(names, include_path)
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known and not (name.endswith((".yaml", ".yml")) and Path(name).is_file()):
+            raise UserError(_unknown(name, manager.all_tasks, include_path))
+    objects = []
+    for name in names:
+        objects.extend(_build(manager, name))
+    return Tasks(names, objects, manager)
+
+
+def _manager(names: list[str], include_path: str | Path | None) -> Any:
+    """A TaskManager that knows every name: the include path alone when it defines them all (indexing lm-eval's
+    own thousands of tasks takes seconds), else lm-eval's tasks and the include path."""
+    import logging
+
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if include_path is not None:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if all(name in set(local.all_tasks) for name in names):
+            return local
+    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+
+
+def _unknown(name: str, known: Sequence[str], include_path: str | Path | None) -> str:
+    """The message for a task name nothing defines, naming a YAML of the include path that may have meant to."""
+    message = f"--tasks: unknown task {name!r}{did_you_mean(name, known)}"
+    for path, problem in _unreadable_yamls(include_path):
+        if name in path.read_text(errors="replace"):
+            return f"{message}; {path} mentions it but is not valid YAML: {problem}"
+    where = f" or in --include-path {str(include_path)!r}" if include_path is not None else ""
+    return f"{message}: no lm-eval task, group or tag has that name{where} (lm-eval ls tasks lists them)"
+
+
+def _unreadable_yamls(include_path: str | Path | None) -> list[tuple[Path, str]]:
+    """The YAML files under `include_path` that do not parse, with the parser's complaint."""
+    import yaml
+
+    if include_path is None:
+        return []
+
+    class Loader(yaml.SafeLoader):  # lm-eval's `!function` tags are fine here: only the syntax is checked
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    bad = []
+    for path in sorted(Path(include_path).rglob("*.y*ml")):
+        try:
+            yaml.load(path.read_text(errors="replace"), Loader=Loader)  # a SafeLoader
+        except yaml.YAMLError as e:
+            bad.append((path, " ".join(str(e).split())))
+    return bad
+
+
+def _build(manager: Any, name: str) -> list[Any]:
+    """The Task or Group objects `name` stands for (a tag stands for several tasks), data loaded."""
+    entry = manager.task_index.get(name)
+    where = f" ({entry.yaml_path})" if entry is not None and getattr(entry, "yaml_path", None) else ""
+    try:
+        loaded = manager.load([name])
+    except (OSError, ConnectionError) as e:
+        raise UserError(_no_data(name, where, e)) from None
+    except Exception as e:  # a task's YAML and data are user input: whatever fails in them is named, not raised
+        if type(e).__module__.startswith(("datasets", "huggingface_hub", "fsspec", "requests")):
+            raise UserError(_no_data(name, where, e)) from None
+        raise UserError(f"--tasks: task {name!r}{where} cannot be built: {type(e).__name__}: {e}") from None
+    if name in loaded["groups"]:
+        return [loaded["groups"][name]]
+    return list(loaded["tasks"].values())
+
+
+def _no_data(name: str, where: str, error: BaseException) -> str:
+    return (
+        f"--tasks: task {name!r}{where} needs data that cannot be read or fetched ({type(error).__name__}: "
+        f"{' '.join(str(error).split())}); without network, download it into the datasets cache on a machine "
+        "that has one, or write a task YAML over local files (dataset_path: json, dataset_kwargs.data_files) and "
+        "pass its directory with --include-path"
+    )
+
+
+def evaluate(
+    lm: Any,
+    tasks: Tasks,
+    *,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    log_samples: bool = False,
+    apply_chat_template: bool = False,
+    bootstrap_iters: int = 100000,
+    model_args: str | None = None,
+) -> dict[str, Any]:
+    """lm-eval's `simple_evaluate` of `lm` on `tasks`: its results dict (`results`, `versions`, `n-shot`,
+    `higher_is_better`, `configs`, `config`, and `samples` with `log_samples`)."""
+    import logging
+
+    from jinja2 import TemplateError
+    from lm_eval import simple_evaluate
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if limit is not None and (limit <= 0 or (isinstance(limit, float) and limit >= 1.0 and not limit.is_integer())):
+        raise UserError(f"--limit must be a number of examples (>= 1) or a fraction in (0, 1), got {limit}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UserError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
+    try:
+        results = simple_evaluate(
+            model=lm, model_args=model_args, tasks=list(tasks.objects), task_manager=tasks.manager,
+            num_fewshot=num_fewshot, limit=limit, log_samples=log_samples, apply_chat_template=apply_chat_template,
+            fewshot_as_multiturn=apply_chat_template, bootstrap_iters=bootstrap_iters,
+        )  # fmt: skip
+    except TemplateError as e:
+        raise UserError(f"--tasks: a task's prompt template failed on a document: {e}") from None
+    assert results is not None  # one process: rank 0
+    return results
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """The results as lm-eval's command line prints them (a Markdown table, then one of the groups)."""
+    from lm_eval.utils import make_table
+
+    table = make_table(results)
+    if results.get("groups"):
+        table += "\n" + make_table(results, "groups")
+    return table
+
+
+def flat_metrics(results: dict[str, Any], stderr: bool = False) -> dict[str, float]:
+    """`{"<task>/<metric>": value}` for every task and group (a filter other than `none` stays as lm-eval writes
+    it: `gsm8k/exact_match,strict-match`); the standard errors only with `stderr`; values that are not numbers
+    (`N/A`) left out."""
+    flat = {}
+    for column in ("results", "groups"):
+        for task, metrics in results.get(column, {}).items():
+            for key, value in _task_metrics(metrics, stderr).items():
+                flat[f"{task}/{key}"] = value
+    return flat
+
+
+def _task_metrics(metrics: dict[str, Any], stderr: bool) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        name, _, filt = key.partition(",")
+        if not filt or (name.endswith("_stderr") and not stderr):
+            continue  # `alias`, `name`, `sample_len`: not metrics
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[name if filt == "none" else key] = float(value)
+    return out
+
+
+def write_records(workdir: Path, step: int | None, results: dict[str, Any], *, limit: int | float | None = None,
+                  target: str | None = None) -> Path:  # fmt: skip
+    """Append one line per task (and group) to `<workdir>/evals/harness.jsonl`: `{"step", "task", "version",
+    "num_fewshot", "limit", "metrics", "higher_is_better", "target", "time"}`, what `nnx-plot` draws against
+    the step."""
+    path = workdir / RECORDS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for column in ("results", "groups"):
+        for task, metrics in results.get(column, {}).items():
+            record = {
+                "step": step,
+                "task": task,
+                "version": results.get("versions", {}).get(task),
+                "num_fewshot": results.get("n-shot", {}).get(task),
+                "limit": limit,
+                "metrics": {k: (v if math.isfinite(v) else None) for k, v in _task_metrics(metrics, True).items()},
+                "higher_is_better": results.get("higher_is_better", {}).get(task, {}),
+                "target": target,
+                "time": time.time(),
+            }
+            lines.append(json.dumps(record, default=str) + "\n")
+    with path.open("a") as f:
+        f.write("".join(lines))
+    return path
+
+
+def read_records(workdir: Path) -> list[dict[str, Any]]:
+    """The records of `<workdir>/evals/harness.jsonl` as metric records `{"step", "split": "harness", "metrics":
+    {"<task>/<metric>": value}}`, the newest record of a task at a step (and few-shot count) winning; [] when
+    there are none."""
+    path = workdir / RECORDS
+    if not path.is_file():
+        return []
+    newest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            key = (record["step"], record["task"], record.get("num_fewshot"))
+            metrics = dict(record["metrics"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn line
+        if isinstance(record["step"], int):
+            newest[key] = {"step": record["step"], "task": record["task"], "metrics": metrics}
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in newest.values():
+        merged = by_step.setdefault(record["step"], {})
+        merged.update({f"{record['task']}/{k}": v for k, v in record["metrics"].items() if not k.endswith("_stderr")
+                       and not k.partition(",")[0].endswith("_stderr")})  # fmt: skip
+    return [{"step": step, "split": "harness", "metrics": metrics} for step, metrics in sorted(by_step.items())]
