@@ -9,6 +9,21 @@ model on that text (its `data.eval_split`, by default `test`, or the whole
 text when the source has no such split), before any training. `--json`
 prints exactly one JSON object on stdout: `{"step": N, "metrics": {...}}`
 (`"step": null` for a model directory).
+
+With `--tasks NAMES` the target is evaluated on lm-evaluation-harness
+tasks instead (`pip install 'nnx[eval]'`): comma-separated task or group
+names (`hellaswag,arc_easy,mmlu`), the user's own task YAMLs from
+`--include-path DIR`, `--num-fewshot K`, `--limit N` (examples per task, or
+a fraction below 1), `--batch-size B` (rows per model call),
+`--apply-chat-template` for chat models. A run's adapters are applied
+without merging. The results table prints as lm-eval prints it;
+`--output-path DIR` writes lm-eval's results file (and with `--log-samples`
+its per-sample files) as its own command line does; a run's work dir gets
+one line per task in `evals/harness.jsonl` (`nnx-plot RUN --metric
+arc_easy/acc` draws it against the step). `--json` prints `{"step",
+"metrics": {"<task>/<metric>": value, ...}, "results", "versions", "n-shot",
+"higher_is_better"}`. An unknown task, a task YAML that does not parse, or a
+task whose data cannot be fetched is exit 2 naming it.
 """
 
 from __future__ import annotations
@@ -39,6 +54,40 @@ def evaluate(
     step: int | None = typer.Option(None, help="Checkpoint step (default: the latest)."),
     best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    tasks: str | None = typer.Option(
+        None,
+        help="lm-evaluation-harness tasks or groups, comma-separated (e.g. hellaswag,arc_easy).",
+        show_default=False,
+        rich_help_panel="Harness",
+    ),
+    num_fewshot: int | None = typer.Option(
+        None, help="Few-shot examples per prompt (default: each task's own).", rich_help_panel="Harness"
+    ),
+    limit: float | None = typer.Option(
+        None, help="Examples per task: a count, or a fraction below 1 (default: all).", rich_help_panel="Harness"
+    ),
+    batch_size: int = typer.Option(32, help="Rows per model call.", rich_help_panel="Harness"),
+    include_path: Path | None = typer.Option(
+        None, help="A directory of your own task YAMLs.", show_default=False, rich_help_panel="Harness"
+    ),
+    output_path: Path | None = typer.Option(
+        None,
+        help="Where lm-eval's results files go (as its --output_path).",
+        show_default=False,
+        rich_help_panel="Harness",
+    ),
+    log_samples: bool = typer.Option(
+        False,
+        "--log-samples",
+        help="With --output-path: every sample's prompt and responses too.",
+        rich_help_panel="Harness",
+    ),
+    apply_chat_template: bool = typer.Option(
+        False,
+        "--apply-chat-template",
+        help="Prompts as chat turns, in the model's chat template.",
+        rich_help_panel="Harness",
+    ),
 ) -> None:
     """Evaluate a trained checkpoint and print its metrics."""
     from nnx_cli import hf, hooks, report, restore, runtime, sharding
@@ -50,6 +99,14 @@ def evaluate(
     def say(message: str) -> None:
         console.print(message, highlight=False, soft_wrap=True)
 
+    harness = dict(num_fewshot=num_fewshot, limit=limit, include_path=include_path, output_path=output_path,
+                   log_samples=log_samples, apply_chat_template=apply_chat_template)  # fmt: skip
+    if tasks is not None:
+        _harness(target, overrides or [], step, best, tasks, batch_size, as_json, say, **harness)
+        return
+    given = [f"--{k.replace('_', '-')}" for k, v in harness.items() if v not in (None, False)]
+    if given or batch_size != 32:
+        raise UserError(f"{', '.join(given) or '--batch-size'} goes with --tasks: name the harness tasks to run")
     if hf.is_model_dir(target):
         if step is not None or best:
             raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
@@ -80,6 +137,46 @@ def evaluate(
         say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {len(exp.eval)} examples")
         title = "eval of the pretrained model" if step is None else f"eval at step {step}"
         Console().print(report.metrics_table(title, metrics))
+
+
+def _harness(
+    target: Path, overrides: list[str], step: int | None, best: bool, names: str, batch_size: int, as_json: bool,
+    say: Any, *, num_fewshot: int | None, limit: float | None, include_path: Path | None, output_path: Path | None,
+    log_samples: bool, apply_chat_template: bool,
+) -> None:  # fmt: skip
+    """`--tasks`: the target on lm-evaluation-harness tasks; the table (or JSON) printed, the results written."""
+    from nnx_cli import harness, report
+
+    harness.require_lm_eval("nnx-eval --tasks")
+    if log_samples and output_path is None:
+        raise UserError("--log-samples writes the samples under --output-path: pass it too")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    count = None if limit is None else int(limit) if limit >= 1 else limit
+    tasks = harness.load_tasks(names.split(","), include_path)  # before the model: a wrong name stops us at once
+    from nnx_cli.harness.backend import NNXLM
+    from nnx_cli.harness.target import load_target
+
+    loaded = load_target(target, overrides, step=step, best=best, say=say)
+    lm = NNXLM(loaded, batch_size=batch_size)
+    tracker = harness.tracker(output_path)
+    results = harness.evaluate(
+        lm, tasks, num_fewshot=num_fewshot, limit=count, log_samples=log_samples,
+        apply_chat_template=apply_chat_template, model_args=f"pretrained={target}", tracker=tracker,
+    )  # fmt: skip
+    if tracker is not None:
+        harness.save_outputs(tracker, results, log_samples)
+    if loaded.workdir is not None:
+        harness.write_records(loaded.workdir, loaded.step, results, limit=count, target=str(target))
+    if as_json:
+        print(json.dumps({
+            "step": loaded.step, "metrics": report.json_metrics(harness.flat_metrics(results, stderr=True)),
+            **{k: results[k] for k in ("results", "groups", "versions", "n-shot", "higher_is_better") if k in results},
+        }, default=str))  # fmt: skip
+    else:
+        where = loaded.name if loaded.step is None else f"{loaded.workdir} at step {loaded.step}"
+        say(f"{where}: {', '.join(tasks.names)}" + (f", limit {count}" if count is not None else ""))
+        print(harness.results_table(results), flush=True)
 
 
 def _model_dir_config(target: Path, overrides: list[str]) -> Any:

@@ -42,6 +42,8 @@ __all__ = [
     "read_records",
     "require_lm_eval",
     "results_table",
+    "save_outputs",
+    "tracker",
     "write_records",
 ]
 
@@ -175,9 +177,11 @@ def evaluate(
     apply_chat_template: bool = False,
     bootstrap_iters: int = 100000,
     model_args: str | None = None,
+    tracker: Any = None,
 ) -> dict[str, Any]:
     """lm-eval's `simple_evaluate` of `lm` on `tasks`: its results dict (`results`, `versions`, `n-shot`,
-    `higher_is_better`, `configs`, `config`, and `samples` with `log_samples`)."""
+    `higher_is_better`, `configs`, `config`, and `samples` with `log_samples`). `tracker` (see :func:`tracker`)
+    records the run's settings for the results files."""
     import logging
 
     from jinja2 import TemplateError
@@ -192,12 +196,37 @@ def evaluate(
         results = simple_evaluate(
             model=lm, model_args=model_args, tasks=list(tasks.objects), task_manager=tasks.manager,
             num_fewshot=num_fewshot, limit=limit, log_samples=log_samples, apply_chat_template=apply_chat_template,
-            fewshot_as_multiturn=apply_chat_template, bootstrap_iters=bootstrap_iters,
+            fewshot_as_multiturn=apply_chat_template, bootstrap_iters=bootstrap_iters, evaluation_tracker=tracker,
         )  # fmt: skip
     except TemplateError as e:
         raise UserError(f"--tasks: a task's prompt template failed on a document: {e}") from None
     assert results is not None  # one process: rank 0
     return results
+
+
+def tracker(output_path: str | Path | None) -> Any:
+    """lm-eval's EvaluationTracker writing under `output_path` (None: nothing written, None returned)."""
+    if output_path is None:
+        return None
+    from lm_eval.loggers import EvaluationTracker
+
+    path = Path(output_path)
+    if path.exists() and not path.is_dir() and path.suffix != ".json":
+        raise UserError(f"--output-path {str(path)!r} is a file; give a directory (or a .json file name)")
+    return EvaluationTracker(output_path=str(path))
+
+
+def save_outputs(tracker: Any, results: dict[str, Any], log_samples: bool) -> None:
+    """lm-eval's results file (and with `log_samples` one samples file per task), as its command line writes
+    them; the samples are taken out of `results`."""
+    samples = results.pop("samples", None) if log_samples else None
+    try:
+        tracker.save_results_aggregated(results=results, samples=samples)
+        if samples is not None:
+            for task in results["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+    except OSError as e:
+        raise UserError(f"--output-path: cannot write the results ({e.strerror or e})") from None
 
 
 def results_table(results: dict[str, Any]) -> str:
