@@ -1,0 +1,174 @@
+"""lm-evaluation-harness tasks on nnx models: every response equal to what lm-eval's own `hf` model answers on
+the same directory (goldens from tests/fixtures/make_harness_fixtures.py), the engine's batching, and the
+command line around it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from harness_support import TASKS, compare, compare_metrics, copy_tasks, golden
+from hf_support import fixture
+
+from nnx_cli import harness
+from nnx_cli.harness.backend import NNXLM
+from nnx_cli.harness.engine import Engine, bucket_length
+from nnx_cli.harness.target import load_target
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The fixture tasks and data, and the directory lm-eval runs in (with a datasets cache of its own)."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("harness")
+    copy_tasks(root)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", root / "datasets")
+        yield root
+
+
+@pytest.fixture(scope="module")
+def tasks(root):
+    return harness.load_tasks(list(TASKS), include_path=root / "tasks")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_target(str(fixture("llama")))
+
+
+# Equal to lm-eval's hf model
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_every_response_equals_what_lm_evals_hf_model_answers(root, tasks, name):
+    lm = NNXLM(str(fixture(name)), batch_size=8)
+    results = harness.evaluate(lm, tasks, log_samples=True, bootstrap_iters=0)
+    compare(results["samples"], golden(name))
+    compare_metrics(harness.flat_metrics(results), golden(name))
+
+
+def test_with_the_chat_template_every_response_equals_what_lm_evals_hf_model_answers(root, llama):
+    chat_tasks = harness.load_tasks(["local_choices", "local_until"], include_path=root / "tasks")
+    results = harness.evaluate(NNXLM(llama, batch_size=8), chat_tasks, log_samples=True, apply_chat_template=True,
+                               bootstrap_iters=0)  # fmt: skip
+    compare(results["samples"], golden("llama_chat"))
+    compare_metrics(harness.flat_metrics(results), golden("llama_chat"))
+
+
+# The engine
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_loglikelihoods_sum_a_full_forward_pass_and_greedy_means_every_token_is_the_argmax(llama):
+    engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length)
+    forward = jax.jit(lambda params, tokens: engine.moduledef.merge(params).logits(tokens)[0])
+    context = [0, 40, 41, 60, 61, 70]
+    sequence = np.zeros((1, 16), np.int32)  # causal: what follows a position does not change its logits
+    sequence[0, : len(context)] = context
+    greedy = []
+    for i in range(4):  # the model's own greedy continuation, one token at a time
+        greedy.append(int(np.argmax(forward(engine.params, sequence)[len(context) - 1 + i])))
+        sequence[0, len(context) + i] = greedy[-1]
+    other = greedy[:2] + [(greedy[2] + 1) % 300] + greedy[3:]
+    sequence[0, len(context) : len(context) + 4] = other
+    logprobs = _log_softmax(np.asarray(forward(engine.params, sequence), np.float64))
+    expected = sum(logprobs[len(context) - 1 + i, t] for i, t in enumerate(other))
+    (mine, is_greedy), (theirs, not_greedy) = engine.loglikelihoods([(context, greedy), (context, other)])
+    assert is_greedy and not not_greedy
+    assert abs(theirs - expected) < 1e-5 * abs(expected)
+    assert mine > theirs
+
+
+def _counting(engine: Engine) -> list[tuple[int, ...]]:
+    """Record the shape of every batch the engine scores."""
+    shapes: list[tuple[int, ...]] = []
+    score = engine._score
+
+    def counted(moduledef, params, tokens, lengths, finals):
+        shapes.append(tuple(tokens.shape))
+        return score(moduledef, params, tokens, lengths, finals)
+
+    engine._score = counted
+    return shapes
+
+
+def test_requests_that_share_an_input_are_scored_on_one_row(llama):
+    engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=8)
+    shapes = _counting(engine)
+    question = [0, 40, 41, 60, 61, 70]
+    answers = engine.loglikelihoods([(question, [t]) for t in (80, 81, 82, 83)])
+    one_by_one = [engine.loglikelihoods([(question, [t])])[0] for t in (80, 81, 82, 83)]
+    assert shapes[0] == (1, 16)  # four choices of one token: one input
+    np.testing.assert_allclose([a for a, _ in answers], [a for a, _ in one_by_one], rtol=1e-6)
+
+
+def test_a_task_compiles_a_handful_of_shapes_not_one_per_request(llama):
+    engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=8)
+    shapes = _counting(engine)
+    rng = np.random.default_rng(0)
+    requests = [(list(rng.integers(5, 290, n)), list(rng.integers(5, 290, 3))) for n in rng.integers(20, 60, 60)]
+    engine.loglikelihoods(requests)
+    assert {width for _, width in shapes} == {32, 64}  # inputs of 22 to 61 tokens
+    assert all(rows & (rows - 1) == 0 for rows, _ in shapes)  # powers of two
+    assert len(set(shapes)) <= 4 and len(shapes) >= len(requests) // 8
+
+
+def test_padded_lengths_come_in_a_few_buckets():
+    assert [bucket_length(n) for n in (1, 16, 17, 64, 65, 129, 193, 257, 385, 700)] == [
+        16, 16, 32, 64, 128, 192, 256, 384, 512, 768,
+    ]  # fmt: skip
+    assert bucket_length(60, limit=48) == 48  # learned positions end there
+
+
+def test_generation_stops_where_the_callers_test_says_and_at_stop_tokens(llama):
+    engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=4)
+    prompts = [[0, 40, 41], [0, 60, 61, 62, 63], [0, 70]]
+    free = engine.generate(prompts, max_tokens=12)
+    assert all(len(tokens) == 12 or stop is not None for tokens, stop in free)
+    cut = engine.generate(prompts, max_tokens=12, done=lambda row, tokens: len(tokens) >= 2 + row)
+    for row, ((tokens, stop), (whole, _)) in enumerate(zip(cut, free)):
+        assert tokens == whole[: len(tokens)] and stop is None
+        assert len(tokens) == min(2 + row, len(whole))
+    stopped = engine.generate(prompts, max_tokens=12, stop_tokens=[free[0][0][3]])
+    assert stopped[0] == (free[0][0][:3], free[0][0][3])
+
+
+def test_the_engine_takes_new_parameters_without_recompiling(llama):
+    engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=4)
+    request = [([0, 40, 41], [60, 61])]
+    before = engine.loglikelihoods(request)[0][0]
+    compiled = engine._score._cache_size()
+    engine.set_params(jax.tree.map(lambda x: x * 0.5, engine.params))
+    after = engine.loglikelihoods(request)[0][0]
+    assert after != before and engine._score._cache_size() == compiled
+
+
+def test_records_and_flat_metrics_name_each_task_and_metric(tmp_path):
+    results = {
+        "results": {"a": {"alias": "a", "acc,none": 0.5, "acc_stderr,none": 0.1},
+                    "b": {"exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": "N/A"}},
+        "versions": {"a": 1.0, "b": 2.0}, "n-shot": {"a": 0, "b": 5}, "higher_is_better": {"a": {"acc": True}},
+    }  # fmt: skip
+    assert harness.flat_metrics(results) == {"a/acc": 0.5, "b/exact_match,strict-match": 0.25}
+    harness.write_records(tmp_path, 100, results, limit=10)
+    harness.write_records(tmp_path, 200, results)
+    records = [json.loads(line) for line in (tmp_path / harness.RECORDS).read_text().splitlines()]
+    assert [(r["step"], r["task"], r["version"], r["num_fewshot"], r["limit"]) for r in records] == [
+        (100, "a", 1.0, 0, 10), (100, "b", 2.0, 5, 10), (200, "a", 1.0, 0, None), (200, "b", 2.0, 5, None),
+    ]  # fmt: skip
+    assert harness.read_records(tmp_path) == [
+        {"step": 100, "split": "harness", "metrics": {"a/acc": 0.5, "b/exact_match,strict-match": 0.25}},
+        {"step": 200, "split": "harness", "metrics": {"a/acc": 0.5, "b/exact_match,strict-match": 0.25}},
+    ]
