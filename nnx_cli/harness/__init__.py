@@ -117,8 +117,8 @@ def _unknown(name: str, known: Sequence[str], include_path: str | Path | None) -
     for path, problem in _unreadable_yamls(include_path):
         if name in path.read_text(errors="replace"):
             return f"{message}; {path} mentions it but is not valid YAML: {problem}"
-    where = f" or in --include-path {str(include_path)!r}" if include_path is not None else ""
-    return f"{message}: no lm-eval task, group or tag has that name{where} (lm-eval ls tasks lists them)"
+    where = f", nor does any YAML in --include-path {str(include_path)!r}" if include_path is not None else ""
+    return f"{message}: no lm-eval task, group or tag has that name{where} (`lm-eval ls tasks` lists them)"
 
 
 def _unreadable_yamls(include_path: str | Path | None) -> list[tuple[Path, str]]:
@@ -137,7 +137,9 @@ def _unreadable_yamls(include_path: str | Path | None) -> list[tuple[Path, str]]
         try:
             yaml.load(path.read_text(errors="replace"), Loader=Loader)  # a SafeLoader
         except yaml.YAMLError as e:
-            bad.append((path, " ".join(str(e).split())))
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            bad.append((path, f"{getattr(e, 'problem', None) or e}{where}"))
     return bad
 
 

@@ -1,0 +1,148 @@
+"""`nnx-eval TARGET --tasks ...` as a user runs it: a LoRA run evaluated directly and as its merged export
+against lm-eval's `hf` model, lm-eval's files and the run's records, 8 devices, lm-eval's own command line, and
+every mistake named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_support import assert_user_error, cli, env
+from harness_support import TASKS, compare, compare_metrics, copy_tasks, golden, read_samples
+from hf_support import fixture
+
+ALL = ",".join(TASKS)
+LORA = f"""
+model: {{name: transformer_lm, pretrained: {fixture("llama")}, lora: {{rank: 4, alpha: 8}}}}
+data: {{source: text.txt, text_key: text, seq_len: 32, eval_split: null}}
+optimizer: {{name: sgd, learning_rate: 0.0}}
+train: {{batch_size: 2, steps: 1, log_every: 1}}
+checkpoint: {{init_from: {fixture("llama_lora")}}}
+"""  # the PEFT adapter's values, kept by a step of learning rate 0: what peft merged into the golden's weights
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("harness_cli")
+    copy_tasks(root)
+    words = "the river ran past the old mill and the miller's daughter counted the boats".split()
+    (root / "text.txt").write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12))
+                                             for i in range(100)))  # fmt: skip
+    (root / "lora.yaml").write_text(LORA)
+    return root
+
+
+def run(project: Path, *args: str, expect: int = 0, devices: int | None = None) -> subprocess.CompletedProcess:
+    result = cli(*args, cwd=project, timeout=300, devices=devices)
+    assert result.returncode == expect, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def lora_run(project: Path) -> Path:
+    run(project, "nnx-train", "lora.yaml", "--workdir", "lora")
+    return project / "lora"
+
+
+def test_a_lora_run_evaluated_directly_answers_as_its_merged_export_does_through_lm_evals_hf_model(project, lora_run):
+    result = run(project, "nnx-eval", "lora", "--tasks", ALL, "--include-path", "tasks", "--output-path", "direct",
+                 "--log-samples", "--json")  # fmt: skip
+    report = json.loads(result.stdout)
+    assert report["step"] == 1 and report["n-shot"] == {"local_choices": 2, "local_until": 0, "local_rolling": 0}
+    compare(read_samples(project / "direct"), golden("llama_lora_merged"))
+    compare_metrics(report["metrics"], golden("llama_lora_merged"))
+    records = [json.loads(line) for line in (lora_run / "evals" / "harness.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["task"], r["num_fewshot"]) for r in records] == [
+        (1, "local_choices", 2), (1, "local_until", 0), (1, "local_rolling", 0),
+    ]  # fmt: skip
+    assert records[0]["metrics"]["acc"] == report["metrics"]["local_choices/acc"]
+
+
+def test_the_merged_export_answers_as_the_run_does_and_the_table_prints_as_lm_eval_prints_it(project, lora_run):
+    run(project, "nnx-export", "lora", "--out", "merged")
+    result = run(project, "nnx-eval", "merged", "--tasks", ALL, "--include-path", "tasks", "--output-path",
+                 "exported", "--log-samples")  # fmt: skip
+    compare(read_samples(project / "exported"), golden("llama_lora_merged"))
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    assert lines[header].replace(" ", "") == "|Tasks|Version|Filter|n-shot|Metric||Value||Stderr|"
+    assert any(line.startswith("|local_choices") and "|acc " in line for line in lines[header:])
+    results = json.loads(next((project / "exported").rglob("results_*.json")).read_text())
+    assert (
+        results["results"]["local_choices"]["acc,none"]
+        == golden("llama_lora_merged")["metrics"]["local_choices"]["acc"]
+    )
+
+
+def test_on_eight_devices_the_requests_split_over_the_mesh_and_the_answers_stay_the_same(project):
+    result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", ALL, "--include-path", "tasks", "--output-path",
+                 "eight", "--log-samples", "--json", "--batch-size", "8", devices=8)  # fmt: skip
+    compare(read_samples(project / "eight"), golden("gpt2"))
+    compare_metrics(json.loads(result.stdout)["metrics"], golden("gpt2"))
+
+
+def test_lm_evals_own_command_line_takes_the_nnx_model(project):
+    result = subprocess.run(
+        [sys.executable, "-m", "nnx_cli.harness", "--model", "nnx", "--model_args", f"pretrained={fixture('llama')}",
+         "--tasks", "local_choices", "--include_path", "tasks", "--limit", "4", "--batch_size", "8"],
+        cwd=project, env=env(project), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nnx (" in result.stdout and "|local_choices|" in result.stdout.replace(" ", "")
+
+
+# Mistakes, named
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_task_is_exit_2_naming_it_and_the_closest_name(project):
+    result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_choicez", "--include-path", "tasks",
+                 expect=2)  # fmt: skip
+    assert_user_error(result, "unknown task 'local_choicez'", "local_choices")
+
+
+def test_a_task_yaml_that_does_not_parse_is_exit_2_naming_the_file(project):
+    (project / "broken").mkdir()
+    (project / "broken" / "local_broken.yaml").write_text(
+        "task: local_broken\noutput_type: multiple_choice\n  oops: [\n"
+    )
+    result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_broken", "--include-path", "broken",
+                 expect=2)  # fmt: skip
+    assert_user_error(result, "unknown task 'local_broken'", "local_broken.yaml", "not valid YAML")
+
+
+def test_a_task_that_is_no_valid_task_is_exit_2_naming_it_and_its_file(project):
+    (project / "invalid").mkdir()
+    text = (project / "tasks" / "local_choices.yaml").read_text().replace("local_choices", "local_invalid")
+    (project / "invalid" / "local_invalid.yaml").write_text(text.replace("multiple_choice", "multiple_chose"))
+    result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_invalid", "--include-path", "invalid",
+                 expect=2)  # fmt: skip
+    assert_user_error(result, "task 'local_invalid'", "local_invalid.yaml", "multiple_chose")
+
+
+def test_a_task_whose_data_cannot_be_fetched_offline_is_exit_2_naming_it(project):
+    (project / "hub").mkdir()
+    text = (project / "tasks" / "local_choices.yaml").read_text().replace("local_choices", "hub_choices")
+    text = text.replace("dataset_path: json", "dataset_path: nnx-tests/no-such-dataset")
+    (project / "hub" / "hub_choices.yaml").write_text(text)
+    result = cli("nnx-eval", fixture("gpt2"), "--tasks", "hub_choices", "--include-path", "hub", cwd=project,
+                 extra_env={"HF_DATASETS_OFFLINE": "1"}, timeout=300)  # fmt: skip
+    assert_user_error(result, "task 'hub_choices'", "hub_choices.yaml", "cannot be read or fetched")
+
+
+def test_without_lm_eval_the_harness_is_exit_2_naming_the_package(project):
+    script = ("import sys; sys.modules['lm_eval'] = None; from nnx_cli.eval import main; "
+              f"sys.argv = ['nnx-eval', {str(fixture('gpt2'))!r}, '--tasks', 'hellaswag']; main()")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], cwd=project, env=env(project), capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert_user_error(result, "pip install 'nnx[eval]'", "lm-eval")
+
+
+def test_harness_options_without_tasks_and_samples_without_an_output_path_are_user_errors(project):
+    assert_user_error(run(project, "nnx-eval", fixture("gpt2"), "--limit", "3", expect=2), "--limit", "--tasks")
+    result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_choices", "--include-path", "tasks",
+                 "--log-samples", expect=2)  # fmt: skip
+    assert_user_error(result, "--log-samples", "--output-path")
