@@ -5,6 +5,7 @@
 - :class:`Evaluate`     every `train.eval_every`, and at the end: eval metrics -> loggers
 - :class:`KeepBest`     with each eval, `checkpoint.keep_best`: the best step, kept
 - :class:`Samples`      with each eval, for language models: continuations of fixed prompts
+- :class:`HarnessEval`  every `eval.harness.every_steps`, and at the end: lm-evaluation-harness tasks -> loggers
 - :class:`ImageGrid`    with each eval, for image models: a PNG of inputs, reconstructions and samples
 - :class:`Tick`         every dispatch: the live progress bar moves
 - :class:`StopVote`     every dispatch (every ~10 steps across processes): Ctrl-C / SIGTERM ends the run
@@ -248,6 +249,62 @@ class Samples:
         ).finish()
         if self.directory is not None:
             write_eval_samples(self.directory / f"{loop.step}.txt", self.prompts, drawn, self.tokenizer)
+        self.done = loop.step
+
+    def end(self, loop: Loop) -> None:
+        if loop.stop_signal is None and self.done != loop.step:
+            self(loop)
+
+
+class HarnessEval:
+    """`eval.harness`: lm-evaluation-harness tasks (loaded once) on the current parameters every `every` steps and
+    at the end (not after a signal stopped the run), their metrics logged as split `harness`
+    (`<task>/<metric>`). The model's programs compile at the first one and are reused after."""
+
+    phase = "eval"
+
+    def __init__(self, every: int, exp: Any, tasks: Any, loggers: Any, guard: Guard, workdir: Path):
+        self.every = every
+        self.exp = exp
+        self.tasks = tasks
+        self.loggers = loggers
+        self.guard = guard
+        self.workdir = workdir
+        self.options = exp.cfg.eval.harness
+        self.lm: Any = None
+        self.done: int | None = None
+
+    def __call__(self, loop: Loop) -> None:
+        import random
+
+        import numpy as np
+
+        from nnx_cli import harness
+
+        self.guard.check(loop)
+        params = steps.parameters(loop.state)
+        if self.lm is None:
+            from nnx_cli.harness.backend import NNXLM
+            from nnx_cli.harness.target import training_target
+
+            target = training_target(self.exp, params, self.workdir, loop.step)
+            self.lm = NNXLM(target, batch_size=self.options.batch_size)
+        else:
+            self.lm.engine.set_params(params)
+            self.lm.target.step = loop.step
+        saved = random.getstate(), np.random.get_state()
+        try:
+            limit = self.options.limit
+            with harness.quiet():  # lm-eval's progress bars and notes: the run's console shows the results table
+                results = harness.evaluate(
+                    self.lm, self.tasks, num_fewshot=self.options.num_fewshot,
+                    limit=int(limit) if limit is not None and limit >= 1 else limit,
+                    apply_chat_template=self.options.apply_chat_template, bootstrap_iters=0,
+                )  # fmt: skip
+        finally:  # lm-eval seeds Python's and NumPy's global generators: the run's are left as they were
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+        self.loggers.log(loop.step, "harness", harness.flat_metrics(results))
         self.done = loop.step
 
     def end(self, loop: Loop) -> None:

@@ -92,11 +92,13 @@ _RATES = {"steps_per_s": "steps/s", "examples_per_s": "examples/s", "tokens_per_
 
 @runtime_checkable
 class MetricLogger(Protocol):
-    """What the training loop calls. `split` is `"train"` or `"eval"`.
+    """What the training loop calls. `split` is `"train"`, `"eval"` or `"harness"`.
 
     Train metrics are means since the previous train log and also carry
     `learning_rate`, `grad_norm`, `steps_per_s`, `examples_per_s` (and
-    `tokens_per_s` for text); eval metrics are means over the eval split.
+    `tokens_per_s` for text); eval metrics are means over the eval split;
+    harness metrics are lm-evaluation-harness results (`eval.harness`), named
+    `<task>/<metric>`.
     A logger may also have `tick(step)`, called after every step.
     """
 
@@ -238,7 +240,12 @@ class JsonlLogger:
     def __init__(self, run: LoggerRun):
         self.path = run.workdir / "metrics.jsonl"
         train = run.config.get("train", {})
-        intervals = {"train": train.get("log_every", 1), "eval": train.get("eval_every", 1)}
+        harness = run.config.get("eval", {}).get("harness", {})
+        intervals = {
+            "train": train.get("log_every", 1),
+            "eval": train.get("eval_every", 1),
+            "harness": harness.get("every_steps") or train.get("eval_every", 1),
+        }
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if _kept(line, run.start_step, intervals)]
             partial = self.path.with_name(self.path.name + ".partial")

@@ -1,8 +1,10 @@
 """`nnx-plot WORKDIR [WORKDIR ...] [--metric M] [--out FILE.png]`: training curves from metrics.jsonl.
 
 Each work dir's train logs are drawn as a line and its evals as markers in
-the same colour; several work dirs are overlaid, each named after its
-directory. The default metric is the model's loss metric (the model named in
+the same colour; lm-evaluation-harness results (`<task>/<metric>`, logged by
+`eval.harness` or recorded by `nnx-eval RUN --tasks` in
+`evals/harness.jsonl`) are diamonds; several work dirs are overlaid, each
+named after its directory. The default metric is the model's loss metric (the model named in
 the first work dir's `config.yaml`), else the first metric logged. The image
 goes to `<workdir>/plot.png` for one work dir, `./plot.png` for several, or
 `--out`; its path is printed. Needs matplotlib (`pip install matplotlib`).
@@ -64,15 +66,19 @@ def read_metrics(workdir: Path) -> list[dict[str, Any]]:
     >>> read_metrics(Path("runs/vae"))[0]
     {'step': 100, 'split': 'train', 'metrics': {'nelbo': 98.1, 'recon': 90.2, 'kl': 7.9}, 'time': 1795370000.0}
     """
+    from nnx_cli.harness import read_records
+
     path = workdir / "metrics.jsonl"
     if not workdir.is_dir():
         raise UserError(f"work dir {str(workdir)!r} does not exist; pass the work dir of an nnx-train run")
-    if not path.is_file():
+    harness = read_records(workdir)  # nnx-eval RUN --tasks: evals/harness.jsonl
+    if not path.is_file() and not harness:
         raise UserError(
             f"{str(path)!r} not found: {str(workdir)!r} is not the work dir of an nnx-train run, or its run "
             "did not list 'jsonl' in logging.loggers"
         )
-    records = [record for line in path.read_text().splitlines() if (record := _record(line)) is not None]
+    lines = path.read_text().splitlines() if path.is_file() else []
+    records = [record for line in lines if (record := _record(line)) is not None] + harness
     if not records:
         raise UserError(
             f"{str(path)!r} holds no metrics yet: its run has not reached its first log (train.log_every steps)"
@@ -170,19 +176,20 @@ def build_figure(runs: Mapping[str, Records], metric: str) -> Any:
         if steps:
             marker = "." if len(steps) == 1 else None  # one point: a line alone would not show
             ax.plot(steps, values, color=color, linewidth=1.6, marker=marker, label=f"{name} train")
-        steps, values = _series(records, "eval", metric)
-        if steps:
-            ax.plot(
-                steps,
-                values,
-                color=color,
-                linestyle="none",
-                marker="o",
-                markersize=6,
-                markeredgecolor="black",
-                markeredgewidth=0.6,
-                label=f"{name} eval",
-            )
+        for split, marker in (("eval", "o"), ("harness", "D")):
+            steps, values = _series(records, split, metric)
+            if steps:
+                ax.plot(
+                    steps,
+                    values,
+                    color=color,
+                    linestyle="none",
+                    marker=marker,
+                    markersize=6,
+                    markeredgecolor="black",
+                    markeredgewidth=0.6,
+                    label=f"{name} {split}",
+                )
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(metric if len(runs) > 1 else f"{metric}: {next(iter(runs))}")

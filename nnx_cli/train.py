@@ -28,7 +28,7 @@ from nnx_cli import distributed as _distributed
 from nnx_cli import loggers, runtime, watchdog
 from nnx_cli.config import Config, load_config, to_dict
 from nnx_cli.distributed import Signals
-from nnx_cli.errors import EXIT_INTERRUPTED, report_errors, run_app
+from nnx_cli.errors import EXIT_INTERRUPTED, UserError, report_errors, run_app
 from nnx_cli.runtime import PHASES
 
 _STOP_VOTE_EVERY = 10  # multi-process runs agree on Ctrl-C / SIGTERM about this often (in steps)
@@ -114,12 +114,13 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     check_workdir(workdir)  # before any data is read or downloaded
     exp = setup(cfg, data="train")
     factories = loggers.resolve_loggers(cfg.logging.loggers)  # an unknown or uninstalled logger stops us here
+    harness_tasks = _harness_tasks(exp)  # so does an unknown harness task, or a missing lm-eval
     session = open_session(exp, workdir, resume)
     try:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
             return 0
-        loop, feed, dispatch, hooks = prepare(exp, session, signals, factories)
+        loop, feed, dispatch, hooks = prepare(exp, session, signals, factories, harness_tasks)
         session.say(f"set-up took {PHASES.since_start():.1f} s; training from step {loop.step} to {loop.total}")
         signals.in_loop = True
         runtime.preload("orbax.checkpoint")  # imports while the first steps run (the main thread mostly waits)
@@ -263,7 +264,31 @@ def _replicated(exp: Any, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=scalar), tree)
 
 
-def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, Any]) -> tuple[Any, Any, Any, list[Any]]:
+def _harness_tasks(exp: Any) -> Any:
+    """`eval.harness.tasks` loaded (their data read), or None when there are none; a UserError for a missing
+    lm-eval, a model that is no language model, several processes, or a task that cannot be loaded."""
+    import jax
+
+    options = exp.cfg.eval.harness
+    if not options.tasks:
+        return None
+    from nnx_cli import harness
+
+    harness.require_lm_eval("config key 'eval.harness'")
+    if exp.spec.tokenizer is None or not hasattr(exp.model_cls, "init_cache"):
+        raise UserError(
+            f"config key 'eval.harness' evaluates language models; model {exp.cfg.model.name!r} on this data is not "
+            "one (set eval.harness.tasks=[] to drop it)"
+        )
+    if jax.process_count() > 1:
+        raise UserError("config key 'eval.harness' runs in single-process runs; evaluate with nnx-eval --tasks after")
+    with PHASES("data"):
+        return harness.load_tasks(options.tasks, options.include_path)
+
+
+def prepare(
+    exp: Any, session: Session, signals: Signals, factories: dict[str, Any], harness_tasks: Any = None
+) -> tuple[Any, Any, Any, list[Any]]:
     """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run."""
     import jax
 
@@ -283,6 +308,9 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
         "train.eval_every": t.eval_every,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
     }
+    harness_every = cfg.eval.harness.every_steps or t.eval_every
+    if harness_tasks is not None:
+        intervals["eval.harness.every_steps"] = harness_every
     k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
     layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
     scalar = sharding.replicated(exp.mesh)
@@ -307,6 +335,8 @@ def prepare(exp: Any, session: Session, signals: Signals, factories: dict[str, A
         if exp.spec.tokenizer is not None and hasattr(exp.model_cls, "init_cache"):
             samples = session.workdir / "samples" if session.lock is not None else None
             chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
+    if harness_tasks is not None:
+        chosen.append(hooks.HarnessEval(harness_every, exp, harness_tasks, session.loggers, guard, session.workdir))
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)

@@ -152,7 +152,7 @@ def write_best(checkpoints: Path, record: dict[str, Any]) -> None:
 # Keys that change how a run goes, not what it computes: a resume that changes them has the same config.
 OPERATIONAL = (
     "workdir", "data.workers", "data.cache_dir", "data.on_device", "logging.loggers",
-    "train.steps_per_dispatch", "train.profile", "checkpoint.async",
+    "train.steps_per_dispatch", "train.profile", "checkpoint.async", "eval.harness",
 )  # fmt: skip
 
 

@@ -146,3 +146,39 @@ def test_harness_options_without_tasks_and_samples_without_an_output_path_are_us
     result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_choices", "--include-path", "tasks",
                  "--log-samples", expect=2)  # fmt: skip
     assert_user_error(result, "--log-samples", "--output-path")
+
+
+# During training
+# --------------------------------------------------------------------------------------------------------------
+
+TUNE = f"""
+model: {{name: transformer_lm, pretrained: {fixture("llama")}}}
+data: {{source: text.txt, text_key: text, seq_len: 32, eval_split: null}}
+optimizer: {{name: adam, learning_rate: 1.0e-3}}
+train: {{batch_size: 2, steps: 4, log_every: 2}}
+eval: {{harness: {{tasks: [local_choices, local_rolling], every_steps: 2, limit: 4, include_path: tasks}}}}
+"""
+
+
+def test_a_run_logs_harness_metrics_as_it_trains_and_nnx_eval_of_its_checkpoint_agrees(project):
+    (project / "tune.yaml").write_text(TUNE)
+    run(project, "nnx-train", "tune.yaml", "--workdir", "tune")
+    lines = [json.loads(line) for line in (project / "tune" / "metrics.jsonl").read_text().splitlines()]
+    logged = {line["step"]: line["metrics"] for line in lines if line["split"] == "harness"}
+    assert sorted(logged) == [2, 4] and logged[2] != logged[4]
+    assert set(logged[4]) == {"local_choices/acc", "local_choices/acc_norm", "local_rolling/word_perplexity",
+                              "local_rolling/byte_perplexity", "local_rolling/bits_per_byte"}  # fmt: skip
+    result = run(project, "nnx-eval", "tune", "--tasks", "local_choices,local_rolling", "--include-path", "tasks",
+                 "--limit", "4", "--json")  # fmt: skip
+    evaluated = json.loads(result.stdout)["metrics"]
+    for name, value in logged[4].items():
+        assert abs(evaluated[name] - value) <= 1e-5 * abs(value), name
+    run(project, "nnx-plot", "tune", "--metric", "local_rolling/bits_per_byte", "--out", "tune.png")
+    assert (project / "tune.png").stat().st_size > 0
+
+
+def test_an_unknown_harness_task_stops_the_run_before_the_work_dir_is_touched(project):
+    (project / "bad_tune.yaml").write_text(TUNE.replace("local_rolling]", "local_rollin]"))
+    result = run(project, "nnx-train", "bad_tune.yaml", "--workdir", "bad_tune", expect=2)
+    assert_user_error(result, "unknown task 'local_rollin'", "local_rolling")
+    assert not (project / "bad_tune" / "config.yaml").exists()

@@ -31,6 +31,7 @@ import yaml
 
 from nnx_cli.config.checkpoint import CheckpointConfig
 from nnx_cli.config.data import DataConfig
+from nnx_cli.config.eval import EvalConfig, HarnessConfig
 from nnx_cli.config.logging import LoggingConfig
 from nnx_cli.config.model import ModelConfig
 from nnx_cli.config.objective import ObjectiveConfig
@@ -45,6 +46,8 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "EvalConfig",
+    "HarnessConfig",
     "LoggingConfig",
     "ModelConfig",
     "ObjectiveConfig",
@@ -76,6 +79,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------- overrides

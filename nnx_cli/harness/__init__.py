@@ -23,11 +23,15 @@ are a UserError saying what to install::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
+import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,7 @@ __all__ = [
     "evaluate",
     "flat_metrics",
     "load_tasks",
+    "quiet",
     "read_records",
     "require_lm_eval",
     "results_table",
@@ -229,6 +234,21 @@ def save_outputs(tracker: Any, results: dict[str, Any], log_samples: bool) -> No
                 tracker.save_results_samples(task_name=task, samples=samples[task])
     except OSError as e:
         raise UserError(f"--output-path: cannot write the results ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Nothing written to stderr meanwhile: lm-eval's progress bars and notes, and what the `git` it runs to
+    record a commit says outside a repository."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(io.StringIO()):
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def results_table(results: dict[str, Any]) -> str:

@@ -67,7 +67,17 @@ def _model_dir(target: str, overrides: list[str]) -> Target:
     params = exp.load_pretrained(exp.frozen_target())
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.pretrained)
     template = getattr(tokenizer, "chat_template", None)
-    return Target(target, exp, params, tokenizer, None, None, _max_length(exp), template)
+    return Target(target, exp, params, tokenizer, None, None, max_length_of(exp), template)
+
+
+def training_target(exp: Any, params: Any, workdir: Path | None, step: int) -> Target:
+    """The model a training run is training, as a Target (its current parameters)."""
+    from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.generate import run_chat_template
+
+    tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
+    template = run_chat_template(exp.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)
+    return Target(str(workdir), exp, params, tokenizer, step, workdir, max_length_of(exp), template)
 
 
 def _run(target: str | Path, overrides: list[str], step: int | None, best: bool, say: Any) -> Target:
@@ -89,10 +99,10 @@ def _run(target: str | Path, overrides: list[str], step: int | None, best: bool,
         params = params | exp.frozen_params(placed[steps.FROZEN])
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
     template = run_chat_template(run.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)
-    return Target(str(target), exp, params, tokenizer, restored, run.workdir, _max_length(exp), template)
+    return Target(str(target), exp, params, tokenizer, restored, run.workdir, max_length_of(exp), template)
 
 
-def _max_length(exp: Any) -> int:
+def max_length_of(exp: Any) -> int:
     """The longest input lm-eval's `hf` model would read from the same weights: for a model directory (or a run
     started from one) its config.json's `n_positions`, `max_position_embeddings` or `n_ctx`; for a run from
     scratch what its export's config.json says (the learned positions, or `data.seq_len` with rotary ones)."""
