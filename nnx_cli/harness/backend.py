@@ -249,8 +249,8 @@ class NNXLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered with the model's chat template (in Jinja's sandbox, as `transformers`
         renders it); without `add_generation_prompt` the last message is left open, to be continued."""
+        from nnx_cli.data import chat
         from nnx_cli.errors import UserError
-        from nnx_cli.hf import chat
 
         template = self.target.chat_template
         if template is None:
