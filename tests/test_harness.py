@@ -91,26 +91,40 @@ def test_loglikelihoods_sum_a_full_forward_pass_and_greedy_means_every_token_is_
     assert mine > theirs
 
 
-def _counting(engine: Engine) -> list[tuple[int, ...]]:
-    """Record the shape of every batch the engine scores."""
-    shapes: list[tuple[int, ...]] = []
-    score = engine._score
+def _counting(engine: Engine, name: str = "_score") -> list[tuple[tuple[int, ...], ...]]:
+    """Record the shapes of every batch the engine scores (by `_score`, or `_score_shared`)."""
+    shapes: list[tuple[tuple[int, ...], ...]] = []
+    score = getattr(engine, name)
 
-    def counted(moduledef, params, tokens, lengths, finals):
-        shapes.append(tuple(tokens.shape))
-        return score(moduledef, params, tokens, lengths, finals)
+    def counted(*args):
+        shapes.append(tuple(np.shape(a) for a in args[2 if name == "_score" else 3 :]))
+        return score(*args)
 
-    engine._score = counted
+    setattr(engine, name, counted)
     return shapes
 
 
-def test_requests_that_share_an_input_are_scored_on_one_row(llama):
+def test_continuations_of_one_context_are_scored_after_one_pass_over_it(llama):
     engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=8)
-    shapes = _counting(engine)
+    shared = _counting(engine, "_score_shared")
     question = [0, 40, 41, 60, 61, 70]
-    answers = engine.loglikelihoods([(question, [t]) for t in (80, 81, 82, 83)])
-    one_by_one = [engine.loglikelihoods([(question, [t])])[0] for t in (80, 81, 82, 83)]
-    assert shapes[0] == (1, 16)  # four choices of one token: one input
+    choices = [[80], [81, 82], [83, 84, 85, 86, 87], [88, 89, 90]]
+    answers = engine.loglikelihoods([(question, choice) for choice in choices])
+    (contexts, _, rows, continuations, _), *more = shared
+    assert not more and contexts == (1, 16) and rows == (4,) and continuations == (4, 8)
+    one_by_one = [engine.loglikelihoods([(question, choice)])[0] for choice in choices]  # a pass over each
+    np.testing.assert_allclose([a for a, _ in answers], [a for a, _ in one_by_one], rtol=1e-5)
+    assert [g for _, g in answers] == [g for _, g in one_by_one]
+
+
+def test_requests_whose_inputs_are_the_same_tokens_share_a_row(llama):
+    engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=8)
+    alone = _counting(engine)
+    context = [0, 40, 41, 60, 61, 70]  # the same input, other final tokens: one row (no shared context: cut off)
+    requests = [(context * 50, [80, t]) for t in (81, 82, 83)]
+    answers = engine.loglikelihoods(requests)
+    assert alone == [((1, 256), (1,), (1, 4))]
+    one_by_one = [engine.loglikelihoods([request])[0] for request in requests]
     np.testing.assert_allclose([a for a, _ in answers], [a for a, _ in one_by_one], rtol=1e-6)
 
 
@@ -120,8 +134,8 @@ def test_a_task_compiles_a_handful_of_shapes_not_one_per_request(llama):
     rng = np.random.default_rng(0)
     requests = [(list(rng.integers(5, 290, n)), list(rng.integers(5, 290, 3))) for n in rng.integers(20, 60, 60)]
     engine.loglikelihoods(requests)
-    assert {width for _, width in shapes} == {32, 64}  # inputs of 22 to 61 tokens
-    assert all(rows & (rows - 1) == 0 for rows, _ in shapes)  # powers of two
+    assert {tokens[1] for tokens, _, _ in shapes} == {32, 64}  # inputs of 22 to 61 tokens
+    assert all(tokens[0] & (tokens[0] - 1) == 0 for tokens, _, _ in shapes)  # powers of two
     assert len(set(shapes)) <= 4 and len(shapes) >= len(requests) // 8
 
 

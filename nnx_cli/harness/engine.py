@@ -95,6 +95,47 @@ def _score(moduledef: nnx.ModuleDef, params: nnx.State, tokens: jax.Array, lengt
     return along, argmax == following, final, best
 
 
+def _gather_rows(cache: nnx.State, rows: jax.Array) -> nnx.State:
+    """The key-value cache with its rows (the logical `batch` axis of each entry) taken in the order `rows`."""
+    return nnx.State({
+        path: variable.replace(value=jnp.take(variable.value, rows, axis=list(variable.sharding).index("batch")))
+        for path, variable in cache.items()
+    })  # fmt: skip
+
+
+def _score_shared(
+    moduledef: nnx.ModuleDef, cache_len: int, params: nnx.State, contexts: jax.Array, lengths: jax.Array,
+    rows: jax.Array, continuations: jax.Array, counts: jax.Array,
+):  # fmt: skip
+    """Continuations scored after shared contexts: each context of `contexts` `[U, P]` (right-padded, `lengths`
+    real tokens) goes through the model once, its keys and values are copied to the continuations that follow it
+    (`rows` `[R]`: a context per continuation), and the continuations `[R, K]` (`counts` real tokens) are fed
+    one token per step through the cache. Per continuation: its log-probability and whether every token of it is
+    the argmax."""
+    model = moduledef.merge(params)
+    model.init_cache(contexts.shape[0], cache_len)
+    (weights, cache), cachedef = model.partition(nnx.Param, nnx.Cache)
+    after, (state, _) = cachedef.apply(weights, cache).prefill(contexts, lengths)  # [U, V] after each context
+    cache = _gather_rows(state.filter(nnx.Cache), rows)
+
+    def scored(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logprobs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+        return logprobs, jnp.argmax(logits, axis=-1) == targets
+
+    total, greedy = scored(after[rows], continuations[:, 0])
+    positions = lengths[rows]
+
+    def step(carry, t):
+        cache, total, greedy = carry
+        logits, (state, _) = cachedef.apply(weights, cache).decode(continuations[:, t], positions + t)
+        logprobs, matches = scored(logits, continuations[:, t + 1])
+        live = t + 1 < counts
+        return (state.filter(nnx.Cache), total + jnp.where(live, logprobs, 0.0), greedy & (matches | ~live)), None
+
+    (_, total, greedy), _ = jax.lax.scan(step, (cache, total, greedy), jnp.arange(continuations.shape[1] - 1))
+    return total, greedy
+
+
 class Engine:
     """Batched log-likelihoods and greedy generation with one model; see the module docstring.
 
@@ -128,6 +169,7 @@ class Engine:
         self._padded_vocab = int(logits.shape[-1])
         self._ways, self._rows_sharding = self._batch_split()
         self._score = jax.jit(_score, static_argnums=0)
+        self._score_shared = jax.jit(_score_shared, static_argnums=(0, 1))
         self._decoder: Any = None
 
     def _batch_split(self) -> tuple[int, Any]:
@@ -153,8 +195,10 @@ class Engine:
 
         The context must not be empty (lm-eval puts a prefix token there); a
         continuation longer than `max_length` is an error, as in lm-eval.
+        Continuations that follow the same context (the choices of a
+        multiple-choice question) are scored after one pass over it; the
+        others in one pass over context and continuation.
         """
-        rows: dict[tuple[int, ...], _Row] = {}
         for i, (context, continuation) in enumerate(requests):
             if not context or not continuation:
                 raise ValueError(f"request {i}: the context and the continuation must each hold a token")
@@ -163,13 +207,30 @@ class Engine:
                     f"request {i}: a continuation of {len(continuation)} tokens exceeds the {self.max_length} "
                     "positions the model reads"
                 )
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        contexts: dict[tuple[int, ...], list[int]] = {}
+        for i, (context, continuation) in enumerate(requests):
+            if len(context) + len(continuation) <= self.max_length + 1:  # nothing cut off the left
+                contexts.setdefault(tuple(context), []).append(i)
+        shared = {context: group for context, group in contexts.items() if len(group) > 1}
+        if shared:
+            self._loglikelihoods_shared(requests, shared, results, progress)
+        alone = sorted(set(range(len(requests))) - {i for group in shared.values() for i in group})
+        self._loglikelihoods_alone(requests, alone, results, progress)
+        return results
+
+    def _loglikelihoods_alone(self, requests, indices, results, progress) -> None:
+        """Requests scored in one pass over the last `max_length` tokens of context and continuation; those whose
+        inputs are the same tokens share a row."""
+        rows: dict[tuple[int, ...], _Row] = {}
+        for i in indices:
+            context, continuation = requests[i]
             whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
             key = tuple(whole[:-1])
             row = rows.setdefault(key, _Row(list(key)))
             row.requests.append((i, len(continuation), whole[-1]))
         ordered = sorted(rows.values(), key=lambda r: (-len(r.tokens), r.tokens))
         finals = _ceil_power_of_two(max(len({f for _, _, f in r.requests}) for r in ordered)) if ordered else 1
-        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         for batch, width, size in self._batches(ordered, lambda r: len(r.tokens)):
             for row, along, matches, final, best in zip(batch, *self._score_batch(batch, width, size, finals)):
                 candidates = list(dict.fromkeys(f for _, _, f in row.requests))
@@ -182,15 +243,55 @@ class Engine:
                     results[request] = (logprob, greedy)
                 if progress is not None:
                     progress(len(row.requests))
-        return results
 
-    def _batches(self, items: list[Any], length: Callable[[Any], int]):
+    def _loglikelihoods_shared(self, requests, shared, results, progress) -> None:
+        """Continuations after shared contexts: a batch of contexts (longest first) through the model once each,
+        then their continuations, as many rows as they are, one token per step through the copied cache."""
+        ordered = sorted(shared.items(), key=lambda item: (-len(item[0]), item[0]))
+        for batch, width, size in self._batches(ordered, lambda item: len(item[0]), shared=True):
+            members = [i for _, group in batch for i in group]
+            longest = max(len(requests[i][1]) for i in members)
+            steps = _ceil_power_of_two(longest)
+            count = max(self._ways, _ceil_power_of_two(len(members)))
+            count = -(-count // self._ways) * self._ways
+            contexts = np.zeros((size, width), np.int32)
+            lengths = np.ones((size,), np.int32)
+            rows = np.zeros((count,), np.int32)
+            continuations = np.zeros((count, steps), np.int32)
+            counts = np.ones((count,), np.int32)
+            r = 0
+            for u, (context, group) in enumerate(batch):
+                contexts[u, : len(context)] = context
+                lengths[u] = len(context)
+                for i in group:
+                    continuation = requests[i][1]
+                    rows[r], counts[r] = u, len(continuation)
+                    continuations[r, : len(continuation)] = continuation
+                    r += 1
+            cache_len = width + steps
+            if self.context_limit is not None:
+                cache_len = min(cache_len, self.context_limit)
+            inputs = (contexts, lengths, rows, continuations, counts)
+            if self._rows_sharding is not None:
+                inputs = jax.device_put(inputs, self._rows_sharding)
+            with self._context():
+                out = self._score_shared(self.moduledef, cache_len, self.params, *inputs)
+            total, greedy = (np.asarray(x) for x in jax.device_get(out))
+            for r, i in enumerate(members):
+                results[i] = (float(total[r]), bool(greedy[r]))
+            if progress is not None:
+                progress(len(members))
+
+    def _batches(self, items: list[Any], length: Callable[[Any], int], shared: bool = False):
         """`(items, padded length, rows)` per batch: consecutive items of the same length bucket, as many as
-        fit; a bucket's last batch is padded up to a power of two rows only."""
+        fit; a bucket's last batch is padded up to a power of two rows only. Shared contexts keep no logits
+        but the last ones: `batch_size` of them per batch."""
         start = 0
         while start < len(items):
             width = bucket_length(length(items[start]), self.max_length)
-            rows = self._rows(width)
+            rows = (
+                self._rows(width) if not shared else -(-_floor_power_of_two(self.batch_size) // self._ways) * self._ways
+            )
             stop = start
             while (
                 stop < len(items)
