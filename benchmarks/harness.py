@@ -147,8 +147,8 @@ def main() -> None:
         cells = []
         for result in baselines.values():
             rate = result[task]["requests"] / result[task]["seconds"]
-            cells += [f"{rate:.1f}", f"{warm / rate:.2f}x"]
-        print(f"| {task} | {requests} | {cold:.1f} | {warm:.1f} | {' | '.join(cells)} |")
+            cells += [f"{rate:.3g}", f"{warm / rate:.2f}x"]
+        print(f"| {task} | {requests} | {cold:.3g} | {warm:.3g} | {' | '.join(cells)} |")
     threads = next(iter(baselines.values()))["threads"]
     print(f"\nhf: torch with {threads} threads. Agreement with hf batch {args.batch_size}: "
           f"{agreement(mine, baselines[args.batch_size])}")  # fmt: skip

@@ -186,3 +186,21 @@ def test_records_and_flat_metrics_name_each_task_and_metric(tmp_path):
         {"step": 100, "split": "harness", "metrics": {"a/acc": 0.5, "b/exact_match,strict-match": 0.25}},
         {"step": 200, "split": "harness", "metrics": {"a/acc": 0.5, "b/exact_match,strict-match": 0.25}},
     ]
+
+
+def test_the_example_task_of_ones_own_runs_as_its_comments_say(root, llama, monkeypatch):
+    repository = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(repository)
+    tasks = harness.load_tasks(["valley_qa"], include_path=repository / "examples" / "harness")
+    results = harness.evaluate(NNXLM(llama, batch_size=8), tasks, limit=3, bootstrap_iters=0)
+    assert set(harness.flat_metrics(results)) == {"valley_qa/acc", "valley_qa/acc_norm"}
+    assert results["n-samples"]["valley_qa"] == {"original": 8, "effective": 3}
+
+
+def test_num_fewshot_and_limit_override_what_each_task_says(root, llama):
+    tasks = harness.load_tasks(["local_choices"], include_path=root / "tasks")
+    results = harness.evaluate(NNXLM(llama, batch_size=8), tasks, num_fewshot=0, limit=3, log_samples=True,
+                               bootstrap_iters=0)  # fmt: skip
+    assert results["n-shot"]["local_choices"] == 0 and len(results["samples"]["local_choices"]) == 3
+    first = results["samples"]["local_choices"][0]
+    assert first["arguments"][0][0] == first["doc"]["question"]  # no examples before the question
