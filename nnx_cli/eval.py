@@ -89,7 +89,8 @@ def evaluate(
         rich_help_panel="Harness",
     ),
 ) -> None:
-    """Evaluate a trained checkpoint and print its metrics."""
+    """Evaluate a trained checkpoint and print its metrics; with --tasks, on lm-evaluation-harness tasks
+    (lm-eval, the eval extra), the results table as lm-eval prints it."""
     from nnx_cli import hf, hooks, report, restore, runtime, sharding
     from nnx_cli.experiment import setup
     from nnx_cli.workdir import open_run
