@@ -252,8 +252,7 @@ class Engine:
             members = [i for _, group in batch for i in group]
             longest = max(len(requests[i][1]) for i in members)
             steps = _ceil_power_of_two(longest)
-            count = max(self._ways, _ceil_power_of_two(len(members)))
-            count = -(-count // self._ways) * self._ways
+            count = self._split(max(self._ways, _ceil_power_of_two(len(members))))
             contexts = np.zeros((size, width), np.int32)
             lengths = np.ones((size,), np.int32)
             rows = np.zeros((count,), np.int32)
@@ -289,9 +288,7 @@ class Engine:
         start = 0
         while start < len(items):
             width = bucket_length(length(items[start]), self.max_length)
-            rows = (
-                self._rows(width) if not shared else -(-_floor_power_of_two(self.batch_size) // self._ways) * self._ways
-            )
+            rows = self._split(_floor_power_of_two(self.batch_size)) if shared else self._rows(width)
             stop = start
             while (
                 stop < len(items)
@@ -300,8 +297,7 @@ class Engine:
             ):
                 stop += 1
             count = stop - start
-            size = rows if count == rows else max(self._ways, _ceil_power_of_two(count))
-            size = -(-size // self._ways) * self._ways
+            size = rows if count == rows else self._split(max(self._ways, _ceil_power_of_two(count)))
             yield items[start:stop], width, size
             start = stop
 
@@ -309,7 +305,10 @@ class Engine:
         """Rows per batch of inputs padded to `width`: `batch_size`, fewer when their logits would exceed the
         budget; a power of two, and a multiple of the ways the batch splits."""
         budget = max(1, LOGITS_BUDGET // (width * self._padded_vocab * 4))
-        rows = _floor_power_of_two(min(self.batch_size, budget))
+        return self._split(_floor_power_of_two(min(self.batch_size, budget)))
+
+    def _split(self, rows: int) -> int:
+        """`rows` rounded up to a multiple of the ways a batch splits over the mesh."""
         return -(-rows // self._ways) * self._ways
 
     def _score_batch(self, batch: list[_Row], width: int, size: int, finals: int):
