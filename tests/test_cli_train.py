@@ -92,8 +92,8 @@ def test_saved_config_is_fully_resolved(reference: Path):
     saved = yaml.safe_load((reference / "config.yaml").read_text())
     assert saved["model"]["input_shape"] == [8, 8, 1]
     assert saved["train"]["steps"] == STEPS and saved["checkpoint"]["async"] is True
-    assert set(saved) == {"seed", "workdir", "model", "data", "optimizer", "train", "sharding", "checkpoint", "logging",
-                          "objective"}  # fmt: skip
+    sections = {"seed", "workdir", "model", "data", "optimizer", "train", "sharding", "checkpoint", "logging"}
+    assert set(saved) == sections | {"objective", "eval"}
     assert saved["objective"] == {"name": "sft"}
 
 

@@ -204,3 +204,19 @@ def test_num_fewshot_and_limit_override_what_each_task_says(root, llama):
     assert results["n-shot"]["local_choices"] == 0 and len(results["samples"]["local_choices"]) == 3
     first = results["samples"]["local_choices"][0]
     assert first["arguments"][0][0] == first["doc"]["question"]  # no examples before the question
+
+
+def test_a_group_runs_its_tasks_and_reports_its_own_aggregate(root, llama, tmp_path):
+    (root / "tasks" / "local_group.yaml").write_text(
+        "group: local_group\ntask: [local_choices]\n"
+        "aggregate_metric_list: [{metric: acc, aggregation: mean, weight_by_size: true}]\nmetadata: {version: 1.0}\n"
+    )
+    tasks = harness.load_tasks(["local_group"], include_path=root / "tasks")
+    results = harness.evaluate(NNXLM(llama, batch_size=8), tasks, limit=2, bootstrap_iters=0)
+    metrics = harness.flat_metrics(results)
+    assert metrics["local_group/acc"] == metrics["local_choices/acc"]
+    harness.write_records(tmp_path, 7, results)
+    assert [r["task"] for r in map(json.loads, (tmp_path / harness.RECORDS).read_text().splitlines())] == [
+        "local_choices", "local_group",
+    ]  # fmt: skip
+    assert "local_group" in harness.results_table(results)

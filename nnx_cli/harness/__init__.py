@@ -111,17 +111,31 @@ def _manager(names: list[str], include_path: str | Path | None) -> Any:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     if include_path is not None:
         local = TaskManager(include_path=str(include_path), include_defaults=False)
-        if all(name in set(local.all_tasks) for name in names):
+        missing = [name for name in names if name not in set(local.all_tasks)]
+        if not missing:
             return local
+        for name in missing:  # meant to be defined there, in a file that does not parse: no need to look further
+            broken = _broken_yaml(name, include_path)
+            if broken:
+                raise UserError(f"--tasks: unknown task {name!r}{did_you_mean(name, local.all_tasks)}; {broken}")
     return TaskManager(include_path=str(include_path) if include_path is not None else None)
+
+
+def _broken_yaml(name: str, include_path: str | Path | None) -> str | None:
+    """`<path> mentions it but is not valid YAML: <why>` for a YAML of the include path that mentions `name`
+    and does not parse; None when there is none."""
+    for path, problem in _unreadable_yamls(include_path):
+        if name in path.read_text(errors="replace"):
+            return f"{path} mentions it but is not valid YAML: {problem}"
+    return None
 
 
 def _unknown(name: str, known: Sequence[str], include_path: str | Path | None) -> str:
     """The message for a task name nothing defines, naming a YAML of the include path that may have meant to."""
     message = f"--tasks: unknown task {name!r}{did_you_mean(name, known)}"
-    for path, problem in _unreadable_yamls(include_path):
-        if name in path.read_text(errors="replace"):
-            return f"{message}; {path} mentions it but is not valid YAML: {problem}"
+    broken = _broken_yaml(name, include_path)
+    if broken:
+        return f"{message}; {broken}"
     where = f", nor does any YAML in --include-path {str(include_path)!r}" if include_path is not None else ""
     return f"{message}: no lm-eval task, group or tag has that name{where} (`lm-eval ls tasks` lists them)"
 
@@ -266,11 +280,15 @@ def flat_metrics(results: dict[str, Any], stderr: bool = False) -> dict[str, flo
     it: `gsm8k/exact_match,strict-match`); the standard errors only with `stderr`; values that are not numbers
     (`N/A`) left out."""
     flat = {}
-    for column in ("results", "groups"):
-        for task, metrics in results.get(column, {}).items():
-            for key, value in _task_metrics(metrics, stderr).items():
-                flat[f"{task}/{key}"] = value
+    for task, metrics in _tasks_and_groups(results).items():
+        for key, value in _task_metrics(metrics, stderr).items():
+            flat[f"{task}/{key}"] = value
     return flat
+
+
+def _tasks_and_groups(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each task's and group's metrics, once (lm-eval lists groups among the results too)."""
+    return {**results.get("results", {}), **results.get("groups", {})}
 
 
 def _task_metrics(metrics: dict[str, Any], stderr: bool) -> dict[str, float]:
@@ -293,20 +311,19 @@ def write_records(workdir: Path, step: int | None, results: dict[str, Any], *, l
     path = workdir / RECORDS
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for column in ("results", "groups"):
-        for task, metrics in results.get(column, {}).items():
-            record = {
-                "step": step,
-                "task": task,
-                "version": results.get("versions", {}).get(task),
-                "num_fewshot": results.get("n-shot", {}).get(task),
-                "limit": limit,
-                "metrics": {k: (v if math.isfinite(v) else None) for k, v in _task_metrics(metrics, True).items()},
-                "higher_is_better": results.get("higher_is_better", {}).get(task, {}),
-                "target": target,
-                "time": time.time(),
-            }
-            lines.append(json.dumps(record, default=str) + "\n")
+    for task, metrics in _tasks_and_groups(results).items():
+        record = {
+            "step": step,
+            "task": task,
+            "version": results.get("versions", {}).get(task),
+            "num_fewshot": results.get("n-shot", {}).get(task),
+            "limit": limit,
+            "metrics": {k: (v if math.isfinite(v) else None) for k, v in _task_metrics(metrics, True).items()},
+            "higher_is_better": results.get("higher_is_better", {}).get(task, {}),
+            "target": target,
+            "time": time.time(),
+        }
+        lines.append(json.dumps(record, default=str) + "\n")
     with path.open("a") as f:
         f.write("".join(lines))
     return path
