@@ -17,9 +17,12 @@ Requests are sorted by length (longest first) and batched in buckets of
 padded lengths (16, 32, 64, 128, 192, 256, 384, ...): a task compiles a
 handful of shapes, not one per request. Rows of one batch are split over the
 mesh axes of the logical `batch` axis (data parallel); a batch's row count is
-a power of two that those axes divide. Requests whose inputs are the same
-tokens (the choices of a multiple-choice question whose answers are single
-tokens) share one row::
+a power of two that those axes divide. Continuations that follow the same
+context (the choices of a multiple-choice question) are scored after one
+pass over it: the context is prefilled into the key-value cache once, the
+cache copied to each continuation's row, and the continuations fed one token
+per step. Other requests are scored in one pass over context and
+continuation, and those whose inputs are the same tokens share a row::
 
     engine = Engine(moduledef, params, max_length=2048, batch_size=32)
     engine.loglikelihoods([([1, 5, 9], [12]), ([1, 5, 9], [14, 15])])   # [(-3.2, False), (-7.9, False)]
