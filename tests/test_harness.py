@@ -117,6 +117,22 @@ def test_continuations_of_one_context_are_scored_after_one_pass_over_it(llama):
     assert [g for _, g in answers] == [g for _, g in one_by_one]
 
 
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2"])
+def test_with_sliding_windows_continuations_after_a_shared_context_score_as_one_pass_does(name):
+    target = load_target(str(fixture(name)))  # windows of 8: a ring cache on every layer, or alternating layers
+    engine = Engine(target.exp.moduledef, target.params, max_length=target.max_length, batch_size=8)
+    shared = _counting(engine, "_score_shared")
+    rng = np.random.default_rng(1)
+    questions = [[2, *rng.integers(5, 300, 19)], [2, 40, 41, 60]]  # longer, and shorter, than the window
+    choices = [list(rng.integers(5, 300, n)) for n in (1, 3, 6, 11)]  # the longest runs past the window itself
+    requests = [(question, choice) for question in questions for choice in choices]
+    answers = engine.loglikelihoods(requests)
+    assert [contexts for contexts, *_ in shared] == [(1, 32), (1, 16)]  # each question's context once
+    one_pass = [engine.loglikelihoods([request])[0] for request in requests]  # the whole input through the model
+    np.testing.assert_allclose([a for a, _ in answers], [a for a, _ in one_pass], rtol=1e-5)
+    assert [g for _, g in answers] == [g for _, g in one_pass]
+
+
 def test_requests_whose_inputs_are_the_same_tokens_share_a_row(llama):
     engine = Engine(llama.exp.moduledef, llama.params, max_length=llama.max_length, batch_size=8)
     alone = _counting(engine)

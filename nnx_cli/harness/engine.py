@@ -139,6 +139,12 @@ def _score_shared(
     return total, greedy
 
 
+# Compiled once per process for each model structure and shape, whichever engine calls them (a training run's
+# evaluations, several engines over one model).
+_SCORE = jax.jit(_score, static_argnums=0)
+_SCORE_SHARED = jax.jit(_score_shared, static_argnums=(0, 1))
+
+
 class Engine:
     """Batched log-likelihoods and greedy generation with one model; see the module docstring.
 
@@ -171,8 +177,7 @@ class Engine:
         logits = jax.eval_shape(lambda p: self.moduledef.merge(p).logits(one), self.params)
         self._padded_vocab = int(logits.shape[-1])
         self._ways, self._rows_sharding = self._batch_split()
-        self._score = jax.jit(_score, static_argnums=0)
-        self._score_shared = jax.jit(_score_shared, static_argnums=(0, 1))
+        self._score, self._score_shared = _SCORE, _SCORE_SHARED
         self._decoder: Any = None
 
     def _batch_split(self) -> tuple[int, Any]:
