@@ -42,13 +42,18 @@ def llama():
     return load_target(str(fixture("llama")))
 
 
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_target(str(fixture("gpt2")))
+
+
 # Equal to lm-eval's hf model
 # --------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_every_response_equals_what_lm_evals_hf_model_answers(root, tasks, name):
-    lm = NNXLM(str(fixture(name)), batch_size=8)
+def test_every_response_equals_what_lm_evals_hf_model_answers(root, tasks, name, request):
+    lm = NNXLM(request.getfixturevalue(name), batch_size=8)
     results = harness.evaluate(lm, tasks, log_samples=True, bootstrap_iters=0)
     compare(results["samples"], golden(name))
     compare_metrics(harness.flat_metrics(results), golden(name))

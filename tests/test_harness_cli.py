@@ -47,7 +47,7 @@ def lora_run(project: Path) -> Path:
     return project / "lora"
 
 
-def test_a_lora_run_evaluated_directly_answers_as_its_merged_export_does_through_lm_evals_hf_model(project, lora_run):
+def test_a_lora_run_evaluated_directly_and_its_merged_export_answer_as_lm_evals_hf_model_does(project, lora_run):
     result = run(project, "nnx-eval", "lora", "--tasks", ALL, "--include-path", "tasks", "--output-path", "direct",
                  "--log-samples", "--json")  # fmt: skip
     report = json.loads(result.stdout)
@@ -60,8 +60,7 @@ def test_a_lora_run_evaluated_directly_answers_as_its_merged_export_does_through
     ]  # fmt: skip
     assert records[0]["metrics"]["acc"] == report["metrics"]["local_choices/acc"]
 
-
-def test_the_merged_export_answers_as_the_run_does_and_the_table_prints_as_lm_eval_prints_it(project, lora_run):
+    # The same adapters merged by nnx-export; the results table as lm-eval prints it, and lm-eval's results file.
     run(project, "nnx-export", "lora", "--out", "merged")
     result = run(project, "nnx-eval", "merged", "--tasks", ALL, "--include-path", "tasks", "--output-path",
                  "exported", "--log-samples")  # fmt: skip
@@ -87,7 +86,7 @@ def test_on_eight_devices_the_requests_split_over_the_mesh_and_the_answers_stay_
 def test_lm_evals_own_command_line_takes_the_nnx_model(project):
     result = subprocess.run(
         [sys.executable, "-m", "nnx_cli.harness", "--model", "nnx", "--model_args", f"pretrained={fixture('llama')}",
-         "--tasks", "local_choices", "--include_path", "tasks", "--limit", "4", "--batch_size", "8"],
+         "--tasks", "local_choices", "--include_path", "tasks", "--limit", "2", "--batch_size", "8"],
         cwd=project, env=env(project), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -177,8 +176,11 @@ def test_a_run_logs_harness_metrics_as_it_trains_and_nnx_eval_of_its_checkpoint_
     assert (project / "tune.png").stat().st_size > 0
 
 
-def test_an_unknown_harness_task_stops_the_run_before_the_work_dir_is_touched(project):
-    (project / "bad_tune.yaml").write_text(TUNE.replace("local_rolling]", "local_rollin]"))
+def test_a_harness_task_that_cannot_be_loaded_stops_the_run_before_the_work_dir_is_touched(project):
+    (project / "bad_tasks").mkdir()  # local_choices as it is, local_rolling's YAML broken
+    (project / "bad_tasks" / "local_choices.yaml").write_text((project / "tasks" / "local_choices.yaml").read_text())
+    (project / "bad_tasks" / "local_rolling.yaml").write_text("task: local_rolling\n  oops: [\n")
+    (project / "bad_tune.yaml").write_text(TUNE.replace("include_path: tasks", "include_path: bad_tasks"))
     result = run(project, "nnx-train", "bad_tune.yaml", "--workdir", "bad_tune", expect=2)
-    assert_user_error(result, "unknown task 'local_rollin'", "local_rolling")
+    assert_user_error(result, "unknown task 'local_rolling'", "local_rolling.yaml", "not valid YAML")
     assert not (project / "bad_tune" / "config.yaml").exists()
