@@ -282,7 +282,8 @@ def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: Trai
     if cfg.model.num_classes is None:
         cfg.model.num_classes = spec.num_classes
     if cfg.sharding.rules is None:
-        cfg.sharding.rules = [list(r) for r in getattr(model_cls, "default_rules", sharding.DEFAULT_RULES)]
+        rules = [list(r) for r in getattr(model_cls, "default_rules", sharding.DEFAULT_RULES)]
+        cfg.sharding.rules = sharding.default_rules(rules, cfg.sharding.mesh)
 
 
 def _total_steps(cfg: Config, train: TrainSplit | None) -> int | None:

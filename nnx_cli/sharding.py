@@ -31,6 +31,25 @@ from nnx_cli.errors import UserError
 DEFAULT_RULES = [["batch", "data"], ["hidden", "model"]]  # a model class may declare its own `default_rules`
 
 
+def default_rules(rules: list[list[Any]], mesh: dict[str, int]) -> list[list[Any]]:
+    """A model's default `rules` for a mesh with the axes of `mesh`: each rule keeps the mesh axes the mesh has,
+    a rule left with none is dropped, and one mesh axis is written alone. A model may so name axes that only
+    some meshes have::
+
+        default_rules([["batch", "data"], ["expert", "expert"]], {"data": -1, "model": 1})
+        # [["batch", "data"]]
+    """
+    out = []
+    for logical, axes in rules:
+        if axes is None:
+            out.append([logical, None])
+            continue
+        kept = [a for a in ([axes] if isinstance(axes, str) else axes) if a in mesh]
+        if kept:
+            out.append([logical, kept[0] if len(kept) == 1 else kept])
+    return out
+
+
 def axis_rules(cfg: ShardingConfig) -> list[tuple[str, Any]]:
     """`sharding.rules` (null: :data:`DEFAULT_RULES`) as `(logical_axis, mesh_axis_or_axes_or_None)` pairs."""
     rules = cfg.rules if cfg.rules is not None else DEFAULT_RULES

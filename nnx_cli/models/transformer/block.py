@@ -1,12 +1,14 @@
 """A Transformer block: `h + attention(norm(h))`, then `h + mlp(norm(h))`, rematerialised on request.
 
 With `post_norms` (Gemma's sandwich) each half's output is normed again
-before it joins the residual stream: `h + norm(attention(norm(h)))`. Other
-layouts (parallel attention and MLP) and the choice between an MLP and a
-mixture of experts belong here.
+before it joins the residual stream: `h + norm(attention(norm(h)))`. A
+`sparse` block has a mixture of experts where another has its MLP. Other
+layouts (parallel attention and MLP) belong here.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 
@@ -14,6 +16,7 @@ import nnx
 from nnx_cli.models.transformer.attention import Attention, Layer
 from nnx_cli.models.transformer.dense import constrain
 from nnx_cli.models.transformer.mlp import MLP
+from nnx_cli.models.transformer.moe import MoE
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture
 
@@ -27,27 +30,42 @@ class Block(nnx.Module):
     """A pre-norm Transformer block: `h + attention(norm(h))`, then `h + mlp(norm(h))` (with `post_norms`,
     `h + norm(attention(norm(h)))` and `h + norm(mlp(norm(h)))`).
 
-    Methods take `(h, layer, positions)` and return `(h, None)`, the shape
-    `nnx.Scan` threads through stacked layers: `layer` is the scanned input,
-    the block's index (traced when scanned, None when no layer differs; a
-    Python int when unrolled), which attention looks its window and rotary
-    base up by.
+    Methods take `(h, layer, positions)` and return `(h, statistics)`, the
+    shape `nnx.Scan` threads through stacked layers: `layer` is the scanned
+    input, the block's index (traced when scanned, None when no layer
+    differs; a Python int when unrolled), which attention looks its window
+    and rotary base up by. `statistics` are a `sparse` block's router
+    statistics in training (for the load-balancing loss; None otherwise).
+    A `sparse` block has a mixture of experts, `moe`, where another has its
+    `mlp`.
     """
 
-    def __init__(self, arch: Architecture, *, ctx: nnx.Context):
+    def __init__(self, arch: Architecture, *, sparse: bool = False, ctx: nnx.Context):
         self.attention_norm = make_norm(arch, ctx)
         self.attention = Attention(arch, ctx=ctx)
         self.mlp_norm = make_norm(arch, ctx)
-        self.mlp = MLP(arch, ctx=ctx)
+        if sparse:
+            self.moe = MoE(arch, ctx=ctx)
+        else:
+            self.mlp = MLP(arch, ctx=ctx)
         if arch.post_norms:
             self.post_attention_norm = make_norm(arch, ctx)
             self.post_mlp_norm = make_norm(arch, ctx)
+        self.sparse = sparse
         self.post_norms = arch.post_norms
         self.remat = arch.remat
         self.scanned = arch.scanned
 
     def _residual(self, h: jax.Array, out: jax.Array, post: str) -> jax.Array:
         return h + (getattr(self, post)(out) if self.post_norms else out)
+
+    def _feed_forward(
+        self, x: jax.Array, segments: jax.Array | None = None, *, deterministic: bool, ctx: nnx.Context | None = None
+    ) -> tuple[jax.Array, Any]:
+        """The MLP, or the experts and their router statistics (over the tokens of real examples)."""
+        if not self.sparse:
+            return self.mlp(x, deterministic=deterministic, ctx=ctx), None
+        return self.moe(x, None if segments is None else segments > 0, deterministic=deterministic, ctx=ctx)
 
     def _forward(
         self,
@@ -58,12 +76,12 @@ class Block(nnx.Module):
         deterministic: bool,
         ctx: nnx.Context | None,
         layer: Layer,
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, Any]:
         train = dict(deterministic=deterministic, ctx=ctx)
         h = self._residual(h, self.attention(self.attention_norm(h), positions, segments, layer=layer, **train),
                            "post_attention_norm")  # fmt: skip
-        h = self._residual(h, self.mlp(self.mlp_norm(h), **train), "post_mlp_norm")
-        return constrain(h, ("batch", "length", "embed"))
+        y, statistics = self._feed_forward(self.mlp_norm(h), segments, **train)
+        return constrain(self._residual(h, y, "post_mlp_norm"), ("batch", "length", "embed")), statistics
 
     def __call__(
         self,
@@ -74,18 +92,18 @@ class Block(nnx.Module):
         *,
         deterministic: bool,
         ctx: nnx.Context | None = None,
-    ) -> tuple[jax.Array, None]:
+    ) -> tuple[jax.Array, Any]:
         forward = type(self)._forward
         if self.remat != "none":
             # Under lax.scan, CSE cannot undo rematerialisation, and preventing it costs speed.
             forward = nnx.remat(forward, policy=_REMAT_POLICIES[self.remat], prevent_cse=not self.scanned)
-        return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer), None
+        return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer)
 
     def prefill(self, h: jax.Array, layer: Layer, positions: jax.Array, lengths: jax.Array) -> tuple[jax.Array, None]:
         h = self._residual(h, self.attention.prefill(self.attention_norm(h), positions, lengths, layer),
                            "post_attention_norm")  # fmt: skip
-        return self._residual(h, self.mlp(self.mlp_norm(h), deterministic=True), "post_mlp_norm"), None
+        return self._residual(h, self._feed_forward(self.mlp_norm(h), deterministic=True)[0], "post_mlp_norm"), None
 
     def decode(self, h: jax.Array, layer: Layer, positions: jax.Array) -> tuple[jax.Array, None]:
         h = self._residual(h, self.attention.decode(self.attention_norm(h), positions, layer), "post_attention_norm")
-        return self._residual(h, self.mlp(self.mlp_norm(h), deterministic=True), "post_mlp_norm"), None
+        return self._residual(h, self._feed_forward(self.mlp_norm(h), deterministic=True)[0], "post_mlp_norm"), None

@@ -7,6 +7,10 @@ a head (soft-capped with `logit_softcap`). The vocabulary is padded to a multipl
 (257 -> 384) for sharding and alignment; the padded ids get a large negative
 logit (in float32) wherever logits come out, so the loss, accuracy and
 sampling never pick them.
+
+With `moe` (`model.moe`), blocks hold a mixture of experts instead of an
+MLP (:mod:`.moe`); their routers' load-balancing loss (`aux_loss`) is a
+metric, and training minimises `loss + router_aux_loss_coef * aux_loss`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
+from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture, architecture
 
@@ -69,6 +74,16 @@ class TransformerLM(nnx.Module):
     whose parameters have the same per-block layout. `remat` rematerialises
     each block in the backward pass (`full`: nothing saved; `dots`: weight
     matmul results saved) without changing parameter paths.
+
+    `moe: {num_experts, top_k, mlp_dim, normalize, dense_layers}` makes the
+    blocks a sparse mixture of experts (Mixtral, Qwen3-MoE): expert weights
+    stacked along the logical axis `expert`, which the default rules put on a
+    mesh axis `expert` when there is one. A stack that mixes dense and expert
+    blocks (`dense_layers`) is unrolled whatever `scan_layers` says. The
+    metrics gain `aux_loss`, the routers' load-balancing loss as
+    `transformers` computes it; `loss` stays the cross-entropy (what
+    perplexity and dense models report), while its gradient in training is
+    that of `loss + router_aux_loss_coef * aux_loss`.
     """
 
     loss_metric: ClassVar[str] = "loss"
@@ -79,6 +94,7 @@ class TransformerLM(nnx.Module):
         ["kv_heads", "model"],
         ["mlp", "model"],
         ["vocab", "model"],
+        ["expert", "expert"],  # dropped where the mesh has no axis `expert` (sharding.default_rules)
     ]
 
     def __init__(
@@ -101,6 +117,8 @@ class TransformerLM(nnx.Module):
         rope_scaling: dict[str, Any] | None = None,
         max_positions: int | None = None,
         lora: dict[str, Any] | None = None,
+        moe: dict[str, Any] | None = None,
+        router_aux_loss_coef: float = 0.001,
         dropout: float = 0.2,
         attention_dropout: float = 0.0,
         positions: str = "learned",
@@ -152,6 +170,8 @@ class TransformerLM(nnx.Module):
             query_scale=query_scale,
             attention_softcap=attention_softcap,
             post_norms=post_norms,
+            moe=moe,
+            router_aux_loss_coef=router_aux_loss_coef,
         )
         if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or logit_softcap <= 0):
             raise ValueError(f"model.logit_softcap must be null or a positive number, got {logit_softcap!r}")
@@ -162,11 +182,13 @@ class TransformerLM(nnx.Module):
         self.embed_dim = embed_dim
         self.positions = positions
         self.bits_per_byte = bits_per_byte
-        self.scan_layers = scan_layers
+        self.scan_layers = arch.scanned  # not when dense and expert blocks mix
         self.tie_embeddings = tie_embeddings
         self.scale_embeddings = scale_embeddings
         self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         self.layers_differ = arch.layers_differ
+        self.moe = arch.moe
+        self.aux_loss_coef = arch.router_aux_loss_coef
         self._build(arch, dropout, ctx)
 
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
@@ -206,16 +228,19 @@ class TransformerLM(nnx.Module):
         h = constrain(h, ("batch", "length", "embed"))
         return self.dropout(h, deterministic=deterministic, ctx=ctx)
 
-    def _blocks(self, method: str, h: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+    def _blocks(self, method: str, h: jax.Array, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
         """`h` through every block's `method`, each given its index: scanned over (when the layers differ), or a
-        Python int."""
+        Python int; and the expert blocks' router statistics summed (None: none)."""
         if self.scan_layers:
             index = jnp.arange(self.num_layers) if self.layers_differ else None
-            h, _ = getattr(self.layers.call, method)(h, index, *args, **kwargs)
-        else:
-            for i, block in enumerate(self.layers):
-                h, _ = getattr(block, method)(h, i, *args, **kwargs)
-        return h
+            h, statistics = getattr(self.layers.call, method)(h, index, *args, **kwargs)
+            return h, jax.tree.map(lambda x: jnp.sum(x, axis=0), statistics)
+        each = []
+        for i, block in enumerate(self.layers):
+            h, statistics = getattr(block, method)(h, i, *args, **kwargs)
+            each.append(statistics)
+        each = [s for s in each if s is not None]
+        return h, jax.tree.map(lambda *x: sum(x), *each) if each else None
 
     def _logits(self, h: jax.Array) -> jax.Array:
         """Float32 logits over the padded vocabulary, padded ids masked."""
@@ -269,6 +294,16 @@ class TransformerLM(nnx.Module):
         give their own `positions` `[B, T]` (each example from 0) and `segments` `[B, T]` (an id per example):
         attention then stays within a segment, so each example is computed as if alone.
         """
+        return self._forward(tokens, ctx, positions, segments)[0]
+
+    def _forward(
+        self,
+        tokens: jax.Array,
+        ctx: nnx.Context | None = None,
+        positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """The logits, and the routers' load-balancing loss over the real tokens (None without experts)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         length = tokens.shape[1]
         if self.positions == "learned" and length > self.max_positions:
@@ -279,11 +314,21 @@ class TransformerLM(nnx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         h = self._embed(tokens, positions, deterministic, ctx)
         if segments is None:
-            h = self._blocks("__call__", h, positions, deterministic=deterministic, ctx=ctx)
+            h, statistics = self._blocks("__call__", h, positions, deterministic=deterministic, ctx=ctx)
         else:
             segments = jnp.asarray(segments, jnp.int32)
-            h = self._blocks("__call__", h, positions, segments, deterministic=deterministic, ctx=ctx)
-        return self._logits(h)
+            h, statistics = self._blocks("__call__", h, positions, segments, deterministic=deterministic, ctx=ctx)
+        aux = None if statistics is None else load_balancing_loss(statistics, self.moe.num_experts)
+        return self._logits(h), aux
+
+    def _with_aux_loss(self, out: dict[str, jax.Array], aux: jax.Array | None) -> dict[str, jax.Array]:
+        """`aux_loss` beside the metrics (the batch's, on every row), and its gradient, times the coefficient,
+        in the loss's: `loss` keeps the cross-entropy's value."""
+        if aux is None:
+            return out
+        rows = out["loss"].shape
+        hidden = self.aux_loss_coef * (aux - jax.lax.stop_gradient(aux))  # zero, with aux's gradient
+        return {**out, "loss": out["loss"] + hidden, "aux_loss": jnp.broadcast_to(aux, rows)}
 
     def metrics(self, batch: Batch, ctx: nnx.Context) -> dict[str, jax.Array]:
         """Per window of `batch["tokens"]` `[B, seq_len + 1]`: `loss`, `accuracy` (and `bits_per_byte`), each `[B]`.
@@ -296,7 +341,7 @@ class TransformerLM(nnx.Module):
             return self._example_metrics(batch, ctx)
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         targets = tokens[:, 1:]
-        logits = self.logits(tokens[:, :-1], ctx)
+        logits, aux = self._forward(tokens[:, :-1], ctx)
         token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         out = {
             "loss": jnp.mean(token_loss, axis=-1),
@@ -306,7 +351,7 @@ class TransformerLM(nnx.Module):
             is_byte = targets < _BYTES
             nats = jnp.sum(jnp.where(is_byte, token_loss, 0.0), axis=-1) / jnp.maximum(jnp.sum(is_byte, axis=-1), 1)
             out["bits_per_byte"] = nats / math.log(2)
-        return out
+        return self._with_aux_loss(out, aux)
 
     def _example_metrics(self, batch: Batch, ctx: nnx.Context) -> dict[str, jax.Array]:
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
@@ -314,25 +359,37 @@ class TransformerLM(nnx.Module):
         targets = tokens[:, 1:]
         # a target counts when marked, and when it continues the same (real) example as the token before it
         counts = batch["targets"][:, 1:].astype(bool) & (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
-        logits = self.logits(tokens[:, :-1], ctx, positions=batch["positions"][:, :-1], segments=segments[:, :-1])
+        logits, aux = self._forward(tokens[:, :-1], ctx, batch["positions"][:, :-1], segments[:, :-1])
         token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         weight = jnp.sum(counts, axis=-1, dtype=jnp.float32)
         per_row = lambda x: jnp.sum(jnp.where(counts, x, 0.0), axis=-1) / jnp.maximum(weight, 1.0)  # noqa: E731
-        return {
+        out = {
             "loss": per_row(token_loss),
             "accuracy": per_row((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)),
             "weight": weight,
         }
+        return self._with_aux_loss(out, aux)
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: `6 N + 12 num_layers seq_len embed_dim`, N the parameters outside the embeddings.
+        """Training FLOPs per token: `6 N + 12 num_layers seq_len embed_dim`, N the parameters outside the embeddings
+        that a token uses (of the experts' weights, `top_k / num_experts`).
 
         Works on a model built under `jax.eval_shape` (it reads shapes only).
         """
+        return 6 * self.active_params() + 12 * self.num_layers * self.seq_len * self.embed_dim
+
+    def active_params(self) -> int:
+        """The parameters outside the embeddings that one token computes with: all but the experts a token is not
+        routed to (each expert block's weights count `top_k / num_experts`). Reads shapes only."""
         params = self.filter(nnx.Param)
         embeddings = ("embedding/embedding", "position_embedding/embedding")
-        n = sum(math.prod(p.value.shape) for path, p in params.items() if path not in embeddings)
-        return 6 * n + 12 * self.num_layers * self.seq_len * self.embed_dim
+        n = 0.0
+        for path, p in params.items():
+            if path in embeddings:
+                continue
+            share = self.moe.top_k / self.moe.num_experts if _is_expert(path) else 1.0
+            n += math.prod(p.value.shape) * share
+        return round(n)
 
     def padding_params(self) -> int:
         """Parameters that only pad the vocabulary to a multiple of 128: zero rows of the embedding (and head)."""
@@ -371,14 +428,14 @@ class TransformerLM(nnx.Module):
         """
         tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        h = self._blocks("prefill", self._embed(tokens, positions, True, None), positions, lengths)
+        h, _ = self._blocks("prefill", self._embed(tokens, positions, True, None), positions, lengths)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)
         return self._last_logits(last)
 
     def decode(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """Feeds one token per row (`tokens`, `positions`: `[B]`) through the cache; returns the logits `[B, vocab]`."""
         tokens, positions = jnp.asarray(tokens, jnp.int32)[:, None], jnp.asarray(positions, jnp.int32)[:, None]
-        h = self._blocks("decode", self._embed(tokens, positions, True, None), positions)
+        h, _ = self._blocks("decode", self._embed(tokens, positions, True, None), positions)
         return self._last_logits(h)
 
     def unstack_layers(self) -> TransformerLM:
@@ -427,12 +484,17 @@ def _max_positions(seq_len: int, max_positions: int | None, positions: str) -> i
 
 def _stack(arch: Architecture, num_layers: int, ctx: nnx.Context) -> nnx.Module:
     """`num_layers` blocks: stacked under one `nnx.Scan` (a leading `layers` axis), or an `nnx.Sequence`."""
-    if arch.scanned:
+    if arch.scanned:  # blocks all alike (architecture() sees to it)
         return nnx.Scan(
             Block,
             variable_axes={nnx.Param: 0, nnx.Cache: 0},
             split_rngs=("params", "dropout"),
             length=num_layers,
             metadata_params={nnx.PARTITION_NAME: LAYERS},
-        )(arch, ctx=ctx)
-    return nnx.Sequence([Block(arch, ctx=ctx) for _ in range(num_layers)])
+        )(arch, sparse=arch.sparse(0), ctx=ctx)
+    return nnx.Sequence([Block(arch, sparse=arch.sparse(i), ctx=ctx) for i in range(num_layers)])
+
+
+def _is_expert(path: str) -> bool:
+    """Whether parameter `path` is an expert's weight (or its adapter), not the router's."""
+    return "/moe/" in f"/{path}" and "/moe/router/" not in f"/{path}"

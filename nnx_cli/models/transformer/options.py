@@ -44,6 +44,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "out", "gate": "gate", "up": "fc", "down": "proj"}
 """The projections LoRA can adapt, by the short names `model.lora.targets` uses, and their module names here."""
 
+EXPERT_PROJECTIONS = {"expert_gate": "gate", "expert_up": "fc", "expert_down": "proj"}
+"""Each expert's projections (a mixture of experts' `moe/<name>`), adapted only when `model.lora.targets` names them."""
+
 _TARGET_ALIASES = {
     **{short: [short] for short in PROJECTIONS},
     **{name: [short] for short, name in PROJECTIONS.items()},  # our module names
@@ -55,6 +58,11 @@ _TARGET_ALIASES = {
     "c_proj": ["o", "down"],
     "attn.c_proj": ["o"],
     "mlp.c_proj": ["down"],
+    **{short: [short] for short in EXPERT_PROJECTIONS},
+    "experts": list(EXPERT_PROJECTIONS),  # every expert projection
+    "w1": ["expert_gate"],  # Mixtral's expert projections
+    "w3": ["expert_up"],
+    "w2": ["expert_down"],
 }
 
 
@@ -68,13 +76,19 @@ class Lora:
     targets: tuple[str, ...]
 
 
-def lora_options(value: Mapping[str, Any] | None, mlp: str) -> Lora | None:
+def lora_options(value: Mapping[str, Any] | None, mlp: str, moe: Mapping[str, Any] | Moe | None = None) -> Lora | None:
     """`model.lora`: null, or `{rank, alpha (default rank), dropout (0), targets (every projection the model has)}`;
     targets by our names (`q`, `query`), Hugging Face's (`q_proj`), GPT-2's (`c_attn`) or Phi-3's (`qkv_proj`,
-    `gate_up_proj`)."""
+    `gate_up_proj`). With `moe` (`model.moe`), the dense MLP's projections exist only when some layers keep one,
+    and each expert's projections (`experts`, or `expert_gate`, `expert_up`, `expert_down`; Mixtral's `w1`, `w3`,
+    `w2`) are adapted only when named."""
     if value is None:
         return None
-    has = [p for p in PROJECTIONS if mlp in GATED or p != "gate"]
+    if isinstance(moe, Mapping):
+        moe = moe_options(moe, 1 << 30)  # its layers are checked where the model is built
+    dense_mlp = moe is None or bool(moe.dense_layers)
+    has = [p for p in PROJECTIONS if (p in ("q", "k", "v", "o") or dense_mlp) and (mlp in GATED or p != "gate")]
+    experts = list(EXPERT_PROJECTIONS) if moe is not None else []
     if not isinstance(value, Mapping):
         raise ValueError(f"model.lora must be null or {{rank, alpha, dropout, targets}}, got {value!r}")
     unknown = sorted(set(value) - {"rank", "alpha", "dropout", "targets"})
@@ -88,24 +102,81 @@ def lora_options(value: Mapping[str, Any] | None, mlp: str) -> Lora | None:
         raise ValueError(f"model.lora.alpha must be a positive number, got {alpha!r}")
     dropout = value.get("dropout", 0.0)
     check_rate("lora.dropout", dropout)
-    return Lora(rank, float(alpha), float(dropout), _lora_targets(value.get("targets", has), has))
+    return Lora(rank, float(alpha), float(dropout), _lora_targets(value.get("targets", has), has, experts))
 
 
-def _lora_targets(names: Any, has: list[str]) -> tuple[str, ...]:
-    """`model.lora.targets` as short names, in the order of :data:`PROJECTIONS`; `has` is what the model has."""
+def _lora_targets(names: Any, has: list[str], experts: list[str] = ()) -> tuple[str, ...]:
+    """`model.lora.targets` as short names, in the order of :data:`PROJECTIONS` then :data:`EXPERT_PROJECTIONS`;
+    `has` is what the model has (and adapts by default), `experts` its expert projections."""
     if isinstance(names, str) or not isinstance(names, Sequence) or not names:
         raise ValueError(f"model.lora.targets must be a list of projection names, got {names!r}")
     targets: list[str] = []
     for name in names:
         shorts = _TARGET_ALIASES.get(name) if isinstance(name, str) else None
-        missing = [t for t in shorts or [] if t not in has]
+        missing = [t for t in shorts or [] if t not in has and t not in experts]
         if shorts is None or missing:
+            also = f"; and each expert's {', '.join(experts)} (or all as experts)" if experts else ""
             raise ValueError(
                 f"model.lora.targets: this model has no projection {name!r}; it has {', '.join(has)} (also as "
-                f"{', '.join(PROJECTIONS[p] for p in has)} or {', '.join(p + '_proj' for p in has)})"
+                f"{', '.join(PROJECTIONS[p] for p in has)} or {', '.join(p + '_proj' for p in has)}){also}"
             )
         targets += [t for t in shorts if t not in targets]
-    return tuple(t for t in PROJECTIONS if t in targets)
+    return tuple(t for t in (*PROJECTIONS, *EXPERT_PROJECTIONS) if t in targets)
+
+
+# Mixture of experts
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Moe:
+    """`model.moe`, checked: a sparse mixture of SwiGLU experts in place of the MLP (see :func:`moe_options`)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    mlp_dim: int | None  # each expert's hidden width; None: model.mlp_dim
+    normalize: bool  # the top-k routing weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (model.mlp_dim wide)
+
+
+_MOE_KEYS = ("num_experts", "top_k", "mlp_dim", "normalize", "dense_layers")
+
+
+def moe_options(value: Mapping[str, Any] | None, num_layers: int) -> Moe | None:
+    """`model.moe`: null (a dense MLP in every layer), or `{num_experts, top_k, mlp_dim (null: model.mlp_dim),
+    normalize (true), dense_layers ([])}`: each token goes to the `top_k` experts of highest router probability,
+    their outputs weighted by those probabilities (renormalised to sum to 1 when `normalize`: Mixtral always,
+    Qwen3-MoE and OLMoE by `norm_topk_prob`); `dense_layers` keep a dense MLP (Qwen3-MoE's `mlp_only_layers`)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"model.moe must be null or {{{', '.join(_MOE_KEYS)}}}, got {value!r}")
+    unknown = sorted(set(value) - set(_MOE_KEYS))
+    if unknown:
+        raise ValueError(f"model.moe has unknown keys {', '.join(unknown)}; it takes {', '.join(_MOE_KEYS)}")
+    sizes = {}
+    for key in ("num_experts", "top_k", "mlp_dim"):
+        size = value.get(key)
+        if size is None and key == "mlp_dim":
+            continue
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"model.moe.{key} must be a positive integer, got {size!r}")
+        sizes[key] = size
+    if sizes["top_k"] > sizes["num_experts"]:
+        raise ValueError(
+            f"model.moe.top_k ({sizes['top_k']}) must be at most model.moe.num_experts ({sizes['num_experts']})"
+        )
+    normalize = value.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"model.moe.normalize must be true or false, got {normalize!r}")
+    dense = value.get("dense_layers") or []
+    if (
+        isinstance(dense, str)
+        or not isinstance(dense, Sequence)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense)
+    ):
+        raise ValueError(f"model.moe.dense_layers must list layer indices below model.num_layers, got {dense!r}")
+    return Moe(sizes["num_experts"], sizes["top_k"], sizes.get("mlp_dim"), normalize, tuple(sorted(set(dense))))
 
 
 # The architecture
@@ -149,10 +220,23 @@ class Architecture:
     query_scale: float | None = None  # attention logits scaled by query_scale ** -0.5; None: head_dim
     attention_softcap: float | None = None  # attention logits as softcap * tanh(logits / softcap)
     post_norms: bool = False  # norms after attention and MLP too, before the residual sums (Gemma)
+    # mixtures of experts
+    moe: Moe | None = None  # a mixture of experts in place of the MLP (but in moe.dense_layers)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
 
     def adapter(self, projection: str) -> Lora | None:
-        """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`), or None."""
+        """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`, `expert_gate`,
+        `expert_up`, `expert_down`), or None."""
         return self.lora if self.lora is not None and projection in self.lora.targets else None
+
+    def sparse(self, layer: int) -> bool:
+        """Whether block `layer` holds a mixture of experts (else a dense MLP)."""
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @property
+    def expert_mlp_dim(self) -> int:
+        """The hidden width of each expert: `moe.mlp_dim`, or `mlp_dim`."""
+        return self.moe.mlp_dim or self.mlp_dim if self.moe is not None else self.mlp_dim
 
     @property
     def kv_axis(self) -> str:
@@ -201,6 +285,8 @@ def architecture(
     query_scale: float | None = None,
     attention_softcap: float | None = None,
     post_norms: bool = False,
+    moe: Mapping[str, Any] | None = None,
+    router_aux_loss_coef: float = 0.0,
 ) -> Architecture:
     """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`.
 
@@ -210,6 +296,9 @@ def architecture(
     `rotary_dim` rotates only the leading features of each head, `query_scale` scales the attention logits by
     `query_scale ** -0.5` instead of `head_dim ** -0.5`, `attention_softcap` squashes them to
     `softcap * tanh(logits / softcap)`, and `post_norms` adds a norm after attention and after the MLP.
+
+    Blocks are scanned when `scan_layers` asks and they are alike: a mixture of experts with `dense_layers`
+    mixes two kinds of block, which are then unrolled.
     """
     check_sizes("num_layers", [num_layers])
     check_sizes("num_heads", [num_heads])
@@ -228,6 +317,7 @@ def architecture(
     _check_rotary(positions, head_dim, rope_local_theta, rotary_dim)
     for option, value in (("query_scale", query_scale), ("attention_softcap", attention_softcap)):
         _positive_or_null(option, value)
+    experts = _experts(moe, num_layers, mlp, router_aux_loss_coef)
     return Architecture(
         embed_dim=embed_dim,
         num_heads=num_heads,
@@ -247,9 +337,9 @@ def architecture(
         attention_dropout=attention_dropout,
         out_std=0.02 / math.sqrt(2 * num_layers),
         remat=remat,
-        scanned=scan_layers,
+        scanned=scan_layers and (experts is None or len(experts.dense_layers) in (0, num_layers)),
         dtype=DTYPES[dtype],
-        lora=lora_options(lora, mlp),
+        lora=lora_options(lora, mlp, experts),
         sliding_window=sliding_window if any(sliding) else None,
         sliding_layers=sliding if any(sliding) else (),
         rope_local_theta=None if rope_local_theta is None else float(rope_local_theta),
@@ -257,7 +347,20 @@ def architecture(
         query_scale=None if query_scale is None else float(query_scale),
         attention_softcap=None if attention_softcap is None else float(attention_softcap),
         post_norms=post_norms,
+        moe=experts,
+        router_aux_loss_coef=float(router_aux_loss_coef),
     )
+
+
+def _experts(moe: Mapping[str, Any] | None, num_layers: int, mlp: str, router_aux_loss_coef: float) -> Moe | None:
+    """`model.moe` checked: SwiGLU experts; `router_aux_loss_coef` a number at least 0."""
+    experts = moe_options(moe, num_layers)
+    if experts is not None and mlp != "swiglu":
+        raise ValueError("model.moe: the experts are SwiGLU MLPs; set model.mlp=swiglu")
+    coef = router_aux_loss_coef
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
+        raise ValueError(f"model.router_aux_loss_coef must be a number at least 0, got {coef!r}")
+    return experts
 
 
 def _choice(option: str, value: str, allowed: Sequence[str]) -> str:

@@ -1,0 +1,257 @@
+"""A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE, OLMoE): each token goes to `top_k` of
+`num_experts` SwiGLU MLPs, picked by a router.
+
+The router's logits `x @ router` give probabilities `softmax(logits)` (in float32); each token takes the `top_k`
+experts of highest probability, and its output is the sum of theirs weighted by those probabilities
+(renormalised to sum to 1 when `moe.normalize`). Experts' weights are stacked along a leading logical axis
+`expert` (`gate` and `fc` `[expert, embed, mlp]`, `proj` `[expert, mlp, embed]`), which the default rules put
+on a mesh axis named `expert` when the mesh has one.
+
+Dispatch sorts the (token, expert) assignments by expert, so that each expert multiplies only the rows sent to
+it (grouped matmuls), never every token:
+
+- `ragged`: :func:`jax.lax.ragged_dot` over the sorted rows, where the platform has a grouped kernel (GPU, TPU);
+- `blocks`: on CPU, where `ragged_dot` computes every expert on every row (as slow as running all experts),
+  each expert's rows are padded to whole blocks and one `lax.scan` multiplies each block by its expert's
+  weights, skipping the blocks past the last one in use.
+
+Both give the same numbers (to float rounding); `MoE.implementation` says which runs. The router also returns
+what the load-balancing loss needs (:func:`load_balancing_loss`, as `transformers` computes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import nnx
+from nnx_cli.models.transformer.dense import Dense, constrain, normal
+from nnx_cli.models.transformer.options import Architecture, Lora
+
+EXPERT = "expert"
+"""The logical axis of the experts' stacked weights."""
+
+_MAX_BLOCK = 256  # rows per block of the CPU dispatch, at most
+_MIN_BLOCK = 8
+
+
+def grouped_implementation() -> str:
+    """`ragged` (`lax.ragged_dot`) where the platform has a grouped matmul kernel (GPU, TPU), else `blocks`."""
+    return "ragged" if jax.default_backend() in ("gpu", "tpu") else "blocks"
+
+
+# Routing
+# ------------------------------------------------------------------------------
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(weights [N, top_k], experts [N, top_k], probabilities [N, E])` of router `logits` `[N, E]`, in float32:
+    the `top_k` experts of highest probability, weighted by it (renormalised over the chosen when `normalize`)."""
+    probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = lax.top_k(probabilities, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts, probabilities
+
+
+def router_statistics(experts: jax.Array, probabilities: jax.Array, mask: jax.Array | None) -> dict[str, jax.Array]:
+    """One layer's share of the load-balancing loss: `counts` `[E]` (times each expert was chosen), `probabilities`
+    `[E]` (summed over tokens) and `rows` (tokens counted), over the tokens `mask` `[N]` marks (all when None)."""
+    num_experts = probabilities.shape[-1]
+    weight = jnp.ones(experts.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    chosen = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=1)  # [N, E]
+    return {
+        "counts": weight @ chosen,
+        "probabilities": weight @ probabilities,
+        "rows": jnp.sum(weight),
+    }
+
+
+def load_balancing_loss(statistics: dict[str, jax.Array], num_experts: int) -> jax.Array:
+    """Switch Transformer's auxiliary loss (Fedus et al., 2021, eqs. 4-6) as `transformers` computes it over
+    layers: `E * sum_e f_e P_e`, `f_e` the fraction of top-k choices that went to expert `e` and `P_e` its mean
+    router probability, both summed over the layers' statistics (:func:`router_statistics`) before dividing by
+    all their rows. With `top_k` choices per token `sum_e f_e = top_k`: a uniform router gives `top_k`."""
+    rows = jnp.maximum(statistics["rows"], 1.0)
+    return num_experts * jnp.sum((statistics["counts"] / rows) * (statistics["probabilities"] / rows))
+
+
+# Grouped matmuls
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """How sorted (token, expert) assignments lie in the grouped layout a :class:`GroupedDense` reads.
+
+    `sizes` `[E]`: rows per expert. `ragged`: rows are the assignments sorted by expert. `blocks`: each
+    expert's rows padded to whole blocks of `block` rows; `block_experts` `[blocks]` the expert of each block,
+    `used` the number of blocks in use (the rest are zeros, and skipped).
+    """
+
+    sizes: jax.Array
+    block: int = 0
+    block_experts: jax.Array | None = None
+    used: jax.Array | None = None
+
+    def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """`x` `[rows, in]` in this layout times each row's expert's `w[e]` (`w` `[E, in, out]`): `[rows, out]`."""
+        if self.block_experts is None:
+            return lax.ragged_dot(x, w, self.sizes)
+        blocks = self.block_experts.shape[0]
+        zeros = jnp.zeros((self.block, w.shape[-1]), jnp.result_type(x, w))
+
+        def one(_: None, inputs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+            index, rows, expert = inputs
+            product = lambda: rows @ lax.dynamic_index_in_dim(w, expert, keepdims=False)  # noqa: E731
+            return None, lax.cond(index < self.used, product, lambda: zeros)
+
+        inputs = (jnp.arange(blocks), x.reshape(blocks, self.block, x.shape[-1]), self.block_experts)
+        _, y = lax.scan(one, None, inputs)
+        return y.reshape(blocks * self.block, w.shape[-1])
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int, implementation: str) -> tuple[Groups, jax.Array, jax.Array]:
+    """Sort the assignments `experts` `[N, k]` by expert: `(groups, sources, positions)`, `sources` `[rows]`
+    the token each row of the grouped layout reads (`N`: a padding row of zeros), `positions` `[N, k]` the row
+    that holds each assignment's result."""
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignment of each sorted row (token-major within an expert)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    count = flat.shape[0]
+    rank = jnp.zeros(count, jnp.int32).at[order].set(jnp.arange(count, dtype=jnp.int32))  # sorted row of each
+    if implementation == "ragged":
+        return Groups(sizes), order // k, rank.reshape(tokens, k)
+    block = _block_size(count, num_experts)
+    padded = -(-sizes // block) * block
+    ends = jnp.cumsum(padded)
+    starts, sorted_starts = ends - padded, jnp.cumsum(sizes) - sizes
+    expert_of = flat[order]
+    destination = starts[expert_of] + jnp.arange(count) - sorted_starts[expert_of]  # padded row of sorted row
+    blocks = -(-count // block) + min(num_experts, count)  # each used expert wastes less than one block
+    sources = jnp.full(blocks * block, tokens, jnp.int32).at[destination].set(order // k)
+    block_experts = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), num_experts - 1)
+    groups = Groups(sizes, block, block_experts.astype(jnp.int32), ends[-1] // block)
+    return groups, sources, destination[rank].reshape(tokens, k)
+
+
+def _block_size(rows: int, num_experts: int) -> int:
+    """Rows per block: the power of two nearest a balanced expert's share, within [8, 256]."""
+    share = max(1, rows // num_experts)
+    return int(min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << (share.bit_length() - 1))))
+
+
+class GroupedDense(nnx.Module):
+    """`num_experts` stacked kernels `[expert, in, out]` applied to rows in a grouped layout (:class:`Groups`),
+    each row by its expert's kernel; with `lora`, a low-rank adapter per expert (`a` `[expert, in, rank]`,
+    normal init as `nnx.LoRA`'s; `b` `[expert, rank, out]`, zeros)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        features: tuple[int, int],
+        axes: tuple[str, str],
+        *,
+        std: float,
+        dtype: Any,
+        lora: Lora | None,
+        ctx: nnx.Context,
+    ):
+        key = ctx.make_rng("params")
+        shape = (num_experts, *features)
+        self.kernel = nnx.Param(normal(std, (EXPERT, *axes))(key, shape, jnp.float32))
+        self.dtype = dtype
+        if lora is not None:  # drawn from the kernel's key: the frozen weights are the same with or without it
+            self.lora = ExpertLoRA(num_experts, features, axes, lora, dtype, jax.random.fold_in(key, 1))
+        else:
+            self.lora = None
+
+    def __call__(
+        self, x: jax.Array, groups: Groups, *, deterministic: bool = True, ctx: nnx.Context | None = None
+    ) -> jax.Array:
+        y = groups.matmul(x.astype(self.dtype), self.kernel.astype(self.dtype))
+        if self.lora is not None:
+            y = y + self.lora(x, groups, deterministic=deterministic, ctx=ctx).astype(y.dtype)
+        return y
+
+
+class ExpertLoRA(nnx.Module):
+    """Each expert's low-rank update `dropout(x) @ a[e] @ b[e] * (alpha / rank)`, on rows in a grouped layout."""
+
+    def __init__(self, num_experts: int, features: tuple[int, int], axes: tuple[str, str], lora: Lora, dtype: Any,
+                 key: jax.Array):  # fmt: skip
+        fan_in, fan_out = features
+        a_key, b_key = jax.random.split(key)
+        a_init = nnx.with_logical_partitioning(nnx.initializers.normal((3 * fan_in) ** -0.5), (EXPERT, axes[0], None))
+        b_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), (EXPERT, None, axes[1]))
+        self.a = nnx.LoRAParam(a_init(a_key, (num_experts, fan_in, lora.rank), jnp.float32))
+        self.b = nnx.LoRAParam(b_init(b_key, (num_experts, lora.rank, fan_out), jnp.float32))
+        self.scale = lora.alpha / lora.rank
+        self.dtype = dtype
+        self.dropout = nnx.Dropout(lora.dropout)
+
+    def __call__(
+        self, x: jax.Array, groups: Groups, *, deterministic: bool = True, ctx: nnx.Context | None = None
+    ) -> jax.Array:
+        x = self.dropout(x, deterministic=deterministic, ctx=ctx).astype(self.dtype)
+        low = groups.matmul(x, self.a.astype(self.dtype))
+        return groups.matmul(low, self.b.astype(self.dtype)) * jnp.asarray(self.scale, self.dtype)
+
+    def delta(self) -> jax.Array:
+        """Each expert's update as a full matrix `[expert, in, out]`, in float32: what merging adds to the kernel."""
+        return jnp.matmul(self.a, self.b) * self.scale
+
+
+# The layer
+# ------------------------------------------------------------------------------
+
+
+class MoE(nnx.Module):
+    """A router over `moe.num_experts` SwiGLU experts, each `moe.mlp_dim` wide; each token is sent to `top_k` of
+    them (see the module docstring). Returns the output and the router's :func:`router_statistics`."""
+
+    def __init__(self, arch: Architecture, *, implementation: str | None = None, ctx: nnx.Context):
+        moe, embed, hidden = arch.moe, arch.embed_dim, arch.expert_mlp_dim
+        assert moe is not None
+        self.router = Dense((embed,), (moe.num_experts,), ("embed",), (None,), std=0.02, dtype=arch.dtype,
+                            use_bias=False, out_dtype=jnp.float32, ctx=ctx)  # fmt: skip
+        experts = dict(std=0.02, dtype=arch.dtype, ctx=ctx)
+        up = ("embed", "mlp")
+        self.gate = GroupedDense(moe.num_experts, (embed, hidden), up, lora=arch.adapter("expert_gate"), **experts)
+        self.fc = GroupedDense(moe.num_experts, (embed, hidden), up, lora=arch.adapter("expert_up"), **experts)
+        self.proj = GroupedDense(moe.num_experts, (hidden, embed), ("mlp", "embed"), std=arch.out_std,
+                                 dtype=arch.dtype, lora=arch.adapter("expert_down"), ctx=ctx)  # fmt: skip
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.normalize = moe.normalize
+        self.dtype = arch.dtype
+        self.implementation = implementation or grouped_implementation()
+        self.dropout = nnx.Dropout(arch.dropout)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array | None = None,
+        *,
+        deterministic: bool,
+        ctx: nnx.Context | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`x` `[batch, length, embed]` through the experts; `mask` `[batch, length]` marks the tokens the
+        load-balancing statistics count (all when None)."""
+        train = dict(deterministic=deterministic, ctx=ctx)
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, experts, probabilities = route(self.router(tokens), self.top_k, self.normalize)
+        statistics = router_statistics(experts, probabilities, None if mask is None else mask.reshape(-1))
+        groups, sources, positions = sort_by_expert(experts, self.num_experts, self.implementation)
+        rows = jnp.concatenate([tokens, jnp.zeros((1, shape[-1]), tokens.dtype)])[sources]
+        hidden = nnx.silu(self.gate(rows, groups, **train)) * self.fc(rows, groups, **train)
+        out = self.proj(hidden.astype(self.dtype), groups, **train)  # [rows, embed]
+        combined = jnp.einsum("tk,tke->te", weights, out[positions].astype(jnp.float32))
+        y = constrain(combined.astype(self.dtype).reshape(shape), ("batch", "length", "embed"))
+        return self.dropout(y, deterministic=deterministic, ctx=ctx), statistics
