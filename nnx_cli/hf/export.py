@@ -41,39 +41,38 @@ def check_out(out: Path) -> None:
 
 def merged(params: Mapping[str, Any], scale: float) -> dict[str, Any]:
     """The parameters with each adapted kernel replaced by `kernel + a b scale` (the adapter's `delta()`) and the
-    adapters dropped. The sums are computed as each kernel is read (layer by layer when layers are stacked),
-    never all at once: the model is not held twice."""
+    adapters dropped. The sums are computed as each kernel is read (layer by layer when layers are stacked, expert
+    by expert for experts' kernels), never all at once: the model is not held twice."""
     out = {p: v for p, v in params.items() if "/lora/" not in p}
     for path in params:
         if path.endswith("/lora/a"):
             dense = path.removesuffix("/lora/a")
-            stacked = path.startswith("layers/scan_module/")
+            lead = int(path.startswith("layers/scan_module/")) + int("/moe/" in f"/{path}")  # layers, experts
             out[dense + "/kernel"] = _Merged(params[dense + "/kernel"], params[path],
-                                             params[dense + "/lora/b"], scale, stacked)  # fmt: skip
+                                             params[dense + "/lora/b"], scale, lead)  # fmt: skip
     return out
 
 
 class _Merged:
-    """`kernel + tensordot(a, b) scale`, made when read: whole (`np.asarray`) or one stacked layer (`[i]`)."""
+    """`kernel + tensordot(a, b) scale`, made when read: whole (`np.asarray`), or by an index into its `lead`
+    stacked axes (layers, experts: `[i]`, `[i, e]`), each of which has its own adapter."""
 
-    def __init__(self, kernel: Any, a: Any, b: Any, scale: float, stacked: bool):
-        self.kernel, self.a, self.b, self.scale, self.stacked = kernel, a, b, np.float32(scale), stacked
+    def __init__(self, kernel: Any, a: Any, b: Any, scale: float, lead: int):
+        self.kernel, self.a, self.b, self.scale, self.lead = kernel, a, b, np.float32(scale), lead
         self.shape = np.shape(kernel)
 
-    def _sum(self, kernel: Any, a: Any, b: Any) -> np.ndarray:
-        kernel = np.asarray(kernel)
-        delta = np.tensordot(np.asarray(a, np.float32), np.asarray(b, np.float32), axes=1) * self.scale
+    def __getitem__(self, index: int | tuple[int, ...]) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        assert len(index) <= self.lead
+        if len(index) < self.lead:
+            return np.stack([self[(*index, i)] for i in range(self.shape[len(index)])])
+        kernel = np.asarray(self.kernel[index])
+        a, b = np.asarray(self.a[index], np.float32), np.asarray(self.b[index], np.float32)
+        delta = np.tensordot(a, b, axes=1) * self.scale
         return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        assert self.stacked
-        return self._sum(self.kernel[i], self.a[i], self.b[i])
-
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        if self.stacked:
-            whole = np.stack([self[i] for i in range(self.shape[0])])
-        else:
-            whole = self._sum(self.kernel, self.a, self.b)
+        whole = self[()]
         return whole if dtype is None else whole.astype(dtype)
 
 

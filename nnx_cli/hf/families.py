@@ -31,9 +31,11 @@ LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = (
     "GPT2LMHeadModel",
 )
 GEMMA2, GEMMA3, PHI3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"
-SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, GEMMA2, GEMMA3, PHI3)
+MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, GEMMA2, GEMMA3, PHI3, MIXTRAL, QWEN3_MOE)
 _SUPPORTED_TEXT = "LlamaForCausalLM (Llama 2/3/3.x, SmolLM, TinyLlama), MistralForCausalLM, Qwen2ForCausalLM, "
-_SUPPORTED_TEXT += "Qwen3ForCausalLM, GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM (text), Phi3ForCausalLM"
+_SUPPORTED_TEXT += "Qwen3ForCausalLM, GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM (text), Phi3ForCausalLM, "
+_SUPPORTED_TEXT += "MixtralForCausalLM, Qwen3MoeForCausalLM"
 SHAPE_OPTIONS = (
     "num_layers", "num_heads", "num_kv_heads", "head_dim", "embed_dim", "mlp_dim", "vocab_size", "max_positions",
     "mlp", "qkv_bias", "qk_norm", "bias", "norm", "norm_eps", "positions", "rope_theta", "rope_scaling",
@@ -41,6 +43,8 @@ SHAPE_OPTIONS = (
     # Gemma, Phi-3 and sliding windows
     "sliding_window", "layer_types", "rope_local_theta", "rotary_dim", "query_scale", "attention_softcap",
     "logit_softcap", "post_norms", "scale_embeddings",
+    # mixtures of experts
+    "moe",
 )  # fmt: skip
 """The options a model directory's `config.json` decides; a YAML may repeat them but not change them."""
 
@@ -57,7 +61,10 @@ class TensorMap:
     tensor). Our matrix may be larger than the tensor's (the padded
     vocabulary): the rest is zeros.
 
-    `name` holds `{i}` for the layer index of a per-layer parameter.
+    `name` holds `{i}` for the layer index of a per-layer parameter (of the
+    blocks in `layers`, or of every block), and `{e}` for the expert index of
+    one of `experts` stacked along our parameter's leading axis (after the
+    `layers` axis), each expert a tensor of its own.
     """
 
     path: str  # ours, relative to a block for per-layer parameters: "attention/query/kernel"
@@ -66,10 +73,18 @@ class TensorMap:
     split: int
     transpose: bool = False
     offset: int = 0
+    experts: int = 0  # >0: our parameter stacks this many experts' tensors ("...experts.{e}.w1.weight")
+    layers: tuple[int, ...] | None = None  # the blocks that have this parameter (None: every block)
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.name
+
+    def names(self, num_layers: int) -> list[str]:
+        """Every tensor name this map reads, its layers' and experts' indices filled in."""
+        layers = (self.layers if self.layers is not None else range(num_layers)) if self.per_layer else [None]
+        experts = range(self.experts) if self.experts else [None]
+        return [self.name.format(i=i, e=e) for i in layers for e in experts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,11 +241,18 @@ def _windows(c: Config, types: list[str], default: int | None) -> dict[str, Any]
 
 
 def _llama_windows(c: Config, architecture: str, num_layers: int) -> dict[str, Any]:
-    """Mistral slides every layer by `sliding_window` when it is set; Qwen2 and Qwen3 with `use_sliding_window`
-    the layers `layer_types` names (by default those from `max_window_layers` on), as transformers reads them."""
+    """Mistral and Mixtral slide every layer by `sliding_window` when it is set (Mistral's default 4096, Mixtral's
+    none); Qwen3-MoE every layer with `use_sliding_window`; Qwen2 and Qwen3 with `use_sliding_window` the layers
+    `layer_types` names (by default those from `max_window_layers` on), as transformers reads them."""
     if architecture == MISTRAL:  # transformers' MistralConfig slides by 4096 unless config.json says null
         kind = "sliding_attention" if _window(c, 4096) is not None else "full_attention"
         return _windows(c, [kind] * num_layers, 4096)
+    if architecture == MIXTRAL:  # MixtralConfig slides every layer only when config.json sets the window
+        kind = "sliding_attention" if _window(c, None) is not None else "full_attention"
+        return _windows(c, [kind] * num_layers, None)
+    if architecture == QWEN3_MOE:  # Qwen3MoeConfig slides every layer by sliding_window with use_sliding_window
+        on = c.bool("use_sliding_window", False) and _window(c, 4096) is not None
+        return _windows(c, ["sliding_attention" if on else "full_attention"] * num_layers, 4096)
     if architecture in (QWEN2, QWEN3):
         if not c.bool("use_sliding_window", False):
             types = _layer_types(c, num_layers, ["full_attention"] * num_layers)
@@ -265,7 +287,7 @@ def _llama_options(architecture: str) -> Callable[[Config], dict[str, Any]]:
             "vocab_size": c.int("vocab_size"),
             "mlp": "swiglu",
             "qkv_bias": architecture == QWEN2,
-            "qk_norm": architecture == QWEN3,
+            "qk_norm": architecture in (QWEN3, QWEN3_MOE),
             "bias": False,
             "norm": "rmsnorm",
             "norm_eps": c.float("rms_norm_eps", 1e-6),
@@ -517,6 +539,84 @@ def _phi3_tensors(o: Mapping[str, Any], names: Collection[str]) -> list[TensorMa
     return maps
 
 
+# Mixtures of experts: Mixtral, Qwen3-MoE
+# ------------------------------------------------------------------------------
+
+
+def _mixtral_options(c: Config) -> dict[str, Any]:
+    """Mistral's attention (every layer sliding by `sliding_window` when it is set), a mixture of
+    `num_local_experts` in every layer, the top-k weights always renormalised."""
+    c.refuse("router_jitter_noise", lambda v: not v, "router jitter noise")
+    options = _llama_options(MIXTRAL)(c)
+    experts = c.int("num_local_experts")
+    options["moe"] = {"num_experts": experts, "top_k": _top_k(c, experts), "mlp_dim": c.int("intermediate_size"),
+                      "normalize": True, "dense_layers": []}  # fmt: skip
+    options["router_aux_loss_coef"] = c.float("router_aux_loss_coef", 0.001)
+    return options
+
+
+def _qwen3_moe_options(c: Config) -> dict[str, Any]:
+    """Qwen3's attention (every layer sliding by `sliding_window` with `use_sliding_window`); experts
+    `moe_intermediate_size` wide in the layers `decoder_sparse_step` picks (`i + 1` a multiple of it) outside
+    `mlp_only_layers`, which keep a dense MLP `intermediate_size` wide."""
+    options = _llama_options(QWEN3_MOE)(c)
+    key = "num_experts" if "num_experts" in c.data else "num_local_experts"  # transformers 5 saves the second
+    experts = c.int(key)
+    layers, step = options["num_layers"], c.int("decoder_sparse_step", 1)
+    only = c.get("mlp_only_layers", [])
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise c.error("mlp_only_layers", f"must be a list of layer indices, got {only!r}")
+    dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    options["moe"] = {"num_experts": experts, "top_k": _top_k(c, experts), "mlp_dim": c.int("moe_intermediate_size"),
+                      "normalize": c.bool("norm_topk_prob", False), "dense_layers": dense}  # fmt: skip
+    options["router_aux_loss_coef"] = c.float("router_aux_loss_coef", 0.001)
+    return options
+
+
+def _top_k(c: Config, experts: int) -> int:
+    top_k = c.int("num_experts_per_tok")
+    if top_k > experts:
+        raise c.error("num_experts_per_tok", f"is {top_k}, more than the {experts} experts")
+    return top_k
+
+
+_EXPERT_NAMES = {  # our expert projection: (Mixtral's, Qwen3-MoE's) tensor within an expert
+    "gate": ("w1", "gate_proj"),
+    "fc": ("w3", "up_proj"),
+    "proj": ("w2", "down_proj"),
+}
+
+
+def _moe_tensors(architecture: str) -> Callable[[Mapping[str, Any], Collection[str]], list[TensorMap]]:
+    """The Llama family's tensors, with `block_sparse_moe.` (Mixtral) or `mlp.` (Qwen3-MoE) holding the router
+    `gate` and the experts `experts.{e}.<w1|gate_proj ...>` of the expert layers, each expert's tensors stacked
+    into ours; dense layers keep their `mlp.` tensors."""
+
+    def tensors(o: Mapping[str, Any], names: Collection[str]) -> list[TensorMap]:
+        moe, layers, embed = o["moe"], o["num_layers"], o["embed_dim"]
+        experts, hidden = moe["num_experts"], moe.get("mlp_dim") or o["mlp_dim"]
+        dense = tuple(moe.get("dense_layers") or ())
+        sparse = tuple(i for i in range(layers) if i not in dense)
+        maps = []
+        for m in _llama_tensors(o, names):
+            if not m.path.startswith("mlp/"):
+                maps.append(m)
+            elif dense:
+                maps.append(dataclasses.replace(m, layers=dense))
+        prefix = "model.layers.{i}." + ("block_sparse_moe." if architecture == MIXTRAL else "mlp.")
+        which = 0 if architecture == MIXTRAL else 1
+        maps.append(TensorMap("moe/router/kernel", prefix + "gate.weight", (experts, embed), split=1, transpose=True,
+                              layers=sparse))  # fmt: skip
+        for ours, theirs in _EXPERT_NAMES.items():
+            shape = (embed, hidden) if ours == "proj" else (hidden, embed)
+            name = f"{prefix}experts.{{e}}.{theirs[which]}.weight"
+            maps.append(TensorMap(f"moe/{ours}/kernel", name, shape, split=1, transpose=True, experts=experts,
+                                  layers=sparse))  # fmt: skip
+        return maps
+
+    return tensors
+
+
 FAMILIES = {
     **{
         name: Family(name, _llama_options(name), _llama_tensors, ignored=("rotary_emb.inv_freq",))
@@ -526,20 +626,19 @@ FAMILIES = {
     GEMMA2: Family(GEMMA2, _gemma_options(GEMMA2), _gemma_tensors),
     GEMMA3: Family(GEMMA3, _gemma_options(GEMMA3), _gemma_tensors),
     PHI3: Family(PHI3, _phi3_options, _phi3_tensors, ignored=("rotary_emb.inv_freq",)),
+    MIXTRAL: Family(MIXTRAL, _mixtral_options, _moe_tensors(MIXTRAL), ignored=("rotary_emb.inv_freq",)),
+    QWEN3_MOE: Family(QWEN3_MOE, _qwen3_moe_options, _moe_tensors(QWEN3_MOE), ignored=("rotary_emb.inv_freq",)),
 }
 
 
 def parameter_count(maps: list[TensorMap], num_layers: int) -> int:
     """Elements of the tensors `maps` read (GPT-2's fused q, k, v counted once)."""
-    seen: dict[str, int] = {}
-    for m in maps:
-        seen[m.name] = math.prod(m.shape) * (num_layers if m.per_layer else 1)
-    return sum(seen.values())
+    return sum(math.prod(shape) for shape in layout(maps, num_layers).values())
 
 
 def layout(maps: list[TensorMap], num_layers: int) -> dict[str, tuple[int, ...]]:
     """`{tensor name: shape}` of the tensors `maps` write, in name order (as `weights.tensors_of` yields them)."""
-    shapes = {m.name.format(i=i): m.shape for m in maps for i in (range(num_layers) if m.per_layer else [None])}
+    shapes = {name: m.shape for m in maps for name in m.names(num_layers)}
     return dict(sorted(shapes.items()))
 
 

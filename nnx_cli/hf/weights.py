@@ -101,10 +101,7 @@ class Weights:
         float dtype; every tensor in the files accounted for. Reads headers only."""
         num_layers = options["num_layers"]
         maps = family.tensors(options, self.files)
-        expected: dict[str, tuple[int, ...]] = {}
-        for m in maps:
-            for i in range(num_layers) if m.per_layer else [None]:
-                expected[m.name.format(i=i)] = m.shape
+        expected: dict[str, tuple[int, ...]] = {name: m.shape for m in maps for name in m.names(num_layers)}
         for name, shape in expected.items():
             if name not in self.files:
                 raise UserError(
@@ -272,11 +269,17 @@ def _layer_and_path(path: str) -> tuple[bool, int | None, str]:
 
 
 def block(
-    weights: Weights, m: TensorMap, layer: int | None, ours: tuple[int, ...], index: tuple[slice, ...], out: np.ndarray
+    weights: Weights,
+    m: TensorMap,
+    layer: int | None,
+    ours: tuple[int, ...],
+    index: tuple[slice, ...],
+    out: np.ndarray,
+    expert: int | None = None,
 ) -> None:
-    """Fill `out` (float32, all zeros) with the block `index` of our (unstacked) parameter of shape `ours`, read
-    from its tensor."""
-    name = m.name.format(i=layer)
+    """Fill `out` (float32, all zeros) with the block `index` of our (unstacked) parameter of shape `ours` (of one
+    expert for a map of stacked experts), read from its tensor."""
+    name = m.name.format(i=layer, e=expert)
     rows_shape, cols_shape = ours[: m.split], ours[m.split :]
     row_index, col_index = index[: m.split], index[m.split :]
     # Whole sub-rows and sub-columns: the leading axis of each side is sliced on disk, the others in memory.
@@ -374,7 +377,8 @@ def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spe
     import jax
 
     shape = tuple(spec.shape)
-    ours = shape[1:] if stacked else shape
+    lead = int(stacked) + int(m.experts > 0)  # the layers and experts axes, each a tensor per index
+    ours = shape[lead:]
     done: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
 
     def fill(index: tuple[slice, ...]) -> np.ndarray:
@@ -382,11 +386,13 @@ def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spe
         key = tuple(s.indices(n) for s, n in zip(index, shape))
         if key not in done:
             buffer = _aligned(tuple(stop - start for start, stop, _ in key))
-            if stacked:
-                for j, i in enumerate(range(*key[0][:2])):  # each layer straight into its slot
-                    block(weights, m, i, ours, index[1:], buffer[j])
-            else:
-                block(weights, m, layer, ours, index, buffer)
+            spans = [range(*k[:2]) for k in key[:lead]]
+            layers = spans.pop(0) if stacked else [layer]
+            experts = spans.pop(0) if m.experts else [None]
+            for j, i in enumerate(layers):  # each layer's (and expert's) tensor straight into its slot
+                for k, e in enumerate(experts):
+                    slot = buffer[(j,) * stacked + (k,) * (e is not None)]
+                    block(weights, m, i, ours, index[lead:], slot, expert=e)
             done[key] = buffer if spec.dtype == np.float32 else buffer.astype(spec.dtype)
         return done[key]
 
@@ -449,16 +455,18 @@ def tensors_of(params: Mapping[str, Any], maps: list[TensorMap]) -> Iterator[tup
     array), in name order: the inverse of :func:`load`, padded vocabulary rows dropped. Only the tensor being
     yielded is held beside the parameters."""
     by_path = {m.path: m for m in maps}
-    parts: dict[str, list[tuple[TensorMap, str, int | None]]] = {}  # tensor name -> (map, our path, stacked index)
+    parts: dict[str, list[tuple[TensorMap, str, tuple[int, ...]]]] = {}  # tensor name -> (map, our path, index)
     for path, value in params.items():
         stacked, layer, relative = _layer_and_path(path)
         m = by_path[relative]
         for j, i in enumerate(range(np.shape(value)[0]) if stacked else [layer]):
-            parts.setdefault(m.name.format(i=i), []).append((m, path, j if stacked else None))
+            for k, e in enumerate(range(m.experts) if m.experts else [None]):
+                index = (j,) * stacked + (k,) * (e is not None)
+                parts.setdefault(m.name.format(i=i, e=e), []).append((m, path, index))
     for name in sorted(parts):
         view = None
-        for m, path, j in parts[name]:
-            ours = np.asarray(params[path][j] if j is not None else params[path])
+        for m, path, index in parts[name]:
+            ours = _part(params[path], index)
             theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
             view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
             if view is None:
@@ -468,6 +476,11 @@ def tensors_of(params: Mapping[str, Any], maps: list[TensorMap]) -> Iterator[tup
             view[:, m.offset : m.offset + cols] = matrix[:view_rows, :cols]
         # contiguous: safetensors writes an array's buffer as it lies in memory, a transposed view included
         yield name, np.ascontiguousarray(view[0] if len(m.shape) == 1 else (view.T if m.transpose else view))
+
+
+def _part(value: Any, index: tuple[int, ...]) -> np.ndarray:
+    """`value[index]` (one layer's, one expert's) as a host array; a merged adapter makes only that part."""
+    return np.asarray(value[index] if index else value)
 
 
 def to_tensors(params: Mapping[str, Any], maps: list[TensorMap]) -> dict[str, np.ndarray]:
