@@ -195,3 +195,89 @@ def test_windowed_families_on_8_devices_equal_transformers_in_float32_and_bfloat
         key = f"{name}/{layers}/{dtype}"
         assert errors[key + "/devices"] == 8
         assert errors[key] < (FLOAT32 if dtype == "float32" else BFLOAT16), (key, errors[key])
+
+
+# Mixtures of experts: Mixtral (scanned, every layer sparse) and Qwen3-MoE (layer 1 dense, so unrolled)
+# ------------------------------------------------------------------------------
+
+MOE = ["mixtral", "qwen3_moe"]
+MOE_TOKENS = 24  # greedy tokens after each of 4 prompts
+
+
+def greedy_runs(name: str, exp, params) -> list[list[int]]:
+    """The greedy tokens after each of the fixture's prompts, all four decoded as one batch."""
+    from nnx_cli import decoding
+
+    gold, count = goldens(name), len(json.loads((FIXTURES / f"{name}.json").read_text())["prompts"])
+    tokenizer = hf.pretrained_tokenizer(str(fixture(name)))
+    prompts = [gold[f"prompt_ids_{i}"].tolist() for i in range(count)]
+    drawn = decoding.Decoder(exp.moduledef, params).generate(prompts, max_tokens=MOE_TOKENS, temperature=0,
+                                                             **stops(tokenizer))  # fmt: skip
+    drawn.finish()
+    return [s + ([stop] if stop is not None else []) for s, stop in zip(drawn.samples, drawn.stopped_by)]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_mixture_of_experts_float32_logits_equal_transformers(name):
+    gold = goldens(name)
+    assert relative_error(model_of(name).logits(gold["input_ids"]), gold["logits"]) < FLOAT32
+
+
+def test_mixture_of_experts_float32_logits_of_unrolled_layers_equal_transformers():
+    gold = goldens("mixtral")
+    model = model_of("mixtral", "model.scan_layers=false")
+    assert relative_error(model.logits(gold["input_ids"]), gold["logits"]) < FLOAT32
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_mixture_of_experts_bfloat16_logits_agree_with_transformers_float32_within_tolerance(name):
+    gold = goldens(name)
+    error = relative_error(model_of(name, "model.dtype=bfloat16").logits(gold["input_ids"]), gold["logits"])
+    assert error < BFLOAT16, error
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_mixture_of_experts_load_balancing_loss_equals_transformers(name):
+    gold = goldens(name)
+    tokens = np.concatenate([gold["input_ids"], gold["input_ids"][:, :1]], axis=1)  # any next token: not counted
+    metrics = model_of(name).metrics({"tokens": tokens}, None)
+    np.testing.assert_allclose(np.asarray(metrics["aux_loss"]), gold["aux_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_mixture_of_experts_greedy_generation_gives_transformers_tokens_after_four_prompts(name):
+    gold = goldens(name)
+    exp = setup(hf.model_dir_config(fixture(name), ["model.scan_layers=false"]), data=None)
+    runs = greedy_runs(name, exp, exp.load_pretrained())
+    assert runs == [gold[f"greedy_{i}"].tolist() for i in range(len(runs))]
+    assert len(runs) == 4 and max(map(len, runs)) == MOE_TOKENS
+
+
+def test_experts_split_over_an_expert_mesh_axis_generate_the_tokens_of_one_device(tmp_path):
+    script = """
+import json, sys, jax, numpy as np
+sys.path.insert(0, "tests")
+from test_hf_equality import greedy_runs
+from nnx_cli import hf
+from nnx_cli.experiment import setup
+out = {}
+for name in sys.argv[1:]:
+    exp = setup(hf.model_dir_config(f"tests/fixtures/hf/{name}", ["sharding.mesh.expert=4", "sharding.mesh.data=2",
+                                    "model.scan_layers=false"]), data=None)
+    params = exp.load_pretrained()
+    kernel = next(v.value for p, v in params.items() if p.endswith("moe/gate/kernel"))  # [expert, embed, mlp]
+    out[name] = {"tokens": greedy_runs(name, exp, params), "devices": len(kernel.sharding.device_set),
+                 "experts_per_device": kernel.sharding.shard_shape(kernel.shape)[0], "experts": kernel.shape[0]}
+print(json.dumps(out))
+"""
+    from cli_support import ROOT
+
+    result = subprocess.run([sys.executable, "-c", script, *MOE], cwd=ROOT, env=env(tmp_path, 8),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in MOE:
+        gold = goldens(name)
+        assert out[name]["tokens"] == [gold[f"greedy_{i}"].tolist() for i in range(4)], name  # one device's too
+        assert out[name]["devices"] == 8
+        assert out[name]["experts_per_device"] * 4 == out[name]["experts"]  # each device holds a quarter

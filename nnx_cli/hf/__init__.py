@@ -32,7 +32,17 @@ __all__ = ["Pretrained", "apply_pretrained", "is_model_dir", "model_dir_config",
 
 _UNSET = object()
 # Options a config may set for a pretrained model: they change how it runs, not what it computes.
-_FREE = ("dtype", "scan_layers", "remat", "dropout", "attention_dropout", "bits_per_byte", "lora")
+_FREE = (
+    "dtype",
+    "scan_layers",
+    "remat",
+    "dropout",
+    "attention_dropout",
+    "bits_per_byte",
+    "lora",
+    "router_aux_loss_coef",
+)
+# Of these, config.json may give a default that the YAML overrides (a mixture of experts' router_aux_loss_coef).
 
 
 @dataclasses.dataclass
@@ -140,6 +150,9 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
         cfg.model.pretrained = str(pretrained.directory)
     config_json = pretrained.directory / "config.json"
     for key, value in pretrained.options.items():
+        if key in _FREE:
+            cfg.model.options.setdefault(key, value)
+            continue
         given = cfg.model.options.get(key, _UNSET)
         if given is not _UNSET and not _same(given, value):
             raise UserError(
