@@ -19,7 +19,7 @@ from nnx_cli.hf import export as exporting
 from nnx_cli.hf import peft
 from nnx_cli.hf.weights import Weights
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe"]
 WINDOWED = ["gemma2", "gemma3", "phi3", "mistral_window", "qwen2_window"]
 
 
@@ -283,6 +283,26 @@ def test_a_model_with_gpt2_options_exports_as_gpt2_with_the_same_logits(tmp_path
     assert relative_error(theirs.moduledef.merge(theirs.load_pretrained()).logits(ids), reference) < 1e-4
 
 
+def test_a_mixture_of_experts_from_scratch_exports_as_mixtral_with_the_same_logits(tmp_path):
+    from nnx_cli.data.tokenizers import BytesTokenizer
+
+    options = ["model.name=transformer_lm", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.embed_dim=32", "model.positions=rope", "model.norm=rmsnorm", "model.mlp=swiglu",
+               "model.bias=false", "model.moe={num_experts: 4, top_k: 2, mlp_dim: 24}", "model.dropout=0.0",
+               "data.text_key=text", "data.seq_len=32"]  # fmt: skip
+    exp = setup(load_config(None, options), data=None)
+    params = exp.init_state()["params"]
+    arrays = {p: np.asarray(v.value) for p, v in params.items()}
+    exporting.export(exp, arrays, tmp_path / "mixtral", adapter=False, dtype=None, tokenizer=BytesTokenizer())
+    config = json.loads((tmp_path / "mixtral" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in tensors(tmp_path / "mixtral")
+    ids = np.asarray([list(b"the quick brown fox")], np.int32)
+    theirs = setup(hf.model_dir_config(tmp_path / "mixtral", []), data=None)
+    reference = np.asarray(exp.moduledef.merge(params).logits(ids))[..., :257]
+    assert relative_error(theirs.moduledef.merge(theirs.load_pretrained()).logits(ids), reference) < 1e-4
+
+
 @pytest.mark.parametrize("name, architecture", [("llama", "LlamaForCausalLM")])
 def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, name, architecture):
     result = cli("nnx-export", name, "--out", f"{name}-hf", cwd=project)
@@ -317,8 +337,12 @@ def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, 
         (dict(sliding_window=8), "MistralForCausalLM"),
         (dict(qkv_bias=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
          "Qwen2ForCausalLM"),
+        (dict(moe=dict(num_experts=4, top_k=2, mlp_dim=48, normalize=True, dense_layers=[]), mlp_dim=48,
+              router_aux_loss_coef=0.02), "MixtralForCausalLM"),  # intermediate_size: one width for all
+        (dict(qk_norm=True, head_dim=16, router_aux_loss_coef=0.001,
+              moe=dict(num_experts=8, top_k=2, mlp_dim=24, normalize=False, dense_layers=[0])), "Qwen3MoeForCausalLM"),
     ],
-    ids=["qwen2", "qwen3", "llama3-rope", "mistral-window", "qwen2-window"],
+    ids=["qwen2", "qwen3", "llama3-rope", "mistral-window", "qwen2-window", "mixtral", "qwen3-moe"],
 )  # fmt: skip
 def test_a_config_json_written_from_options_reads_back_as_those_options(options, architecture):
     from nnx_cli.hf import families
@@ -358,9 +382,14 @@ def test_the_bytes_tokenizer_exports_as_an_equivalent_tokenizer_json(project):
         (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, sliding_window=8,
               layer_types=["sliding_attention", "full_attention"]), r"sliding and full layers together are in no"),
         (dict(sliding_window=8), r"sliding_window: 8; GPT2LMHeadModel is the closest"),
+        (dict(mlp="swiglu", moe=dict(num_experts=4, top_k=2)),
+         r"positions: 'learned' \(the family's is 'rope'\).*; mixtures of experts are of the Llama family"),
+        (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+              moe=dict(num_experts=4, top_k=2, normalize=False)),
+         r"model.moe with normalize false or dense_layers, without model.qk_norm, is in no Hugging Face family"),
     ],
     ids=["rope-layernorm", "learned-rmsnorm", "gpt2-gqa", "qwen2-and-3", "gemma-switches", "llama-layer-kinds",
-         "gpt2-window"],
+         "gpt2-window", "experts-gpt2", "experts-unnormalised"],
 )  # fmt: skip
 def test_options_no_family_has_are_named(options, message):
     from nnx_cli.errors import UserError

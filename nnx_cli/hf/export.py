@@ -190,7 +190,7 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
 
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
-    lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"))
+    lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if adapter:

@@ -674,6 +674,8 @@ def architecture_of(options: Mapping[str, Any]) -> str:
 
     llama, gpt2 = differ(_LLAMA_SHAPE), differ(_GPT2_SHAPE)
     unwritten = [f"{k}: {options.get(k)!r}" for k, v in _UNWRITTEN.items() if options.get(k, v) != v]
+    if options.get("moe"):
+        return _moe_architecture(options, llama, unwritten)
     if not llama:
         if options.get("qkv_bias") and options.get("qk_norm"):
             raise UserError("model.qkv_bias and model.qk_norm together are in no Hugging Face family (Qwen2 has the "
@@ -726,7 +728,8 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
     rope["rope_scaling"] = None if scaling is None else {
         "rope_type": scaling.get("type", "llama3"), **{k: v for k, v in scaling.items() if k != "type"}
     }  # fmt: skip
-    model_type = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3"}[architecture]
+    model_type = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3", MIXTRAL: "mixtral",
+                  QWEN3_MOE: "qwen3_moe"}[architecture]  # fmt: skip
     config = {
         "architectures": [architecture], "model_type": model_type, "hidden_size": embed, "intermediate_size": mlp,
         "num_hidden_layers": options["num_layers"], "num_attention_heads": heads,
@@ -740,6 +743,8 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
         config.update({"attention_bias": False, "mlp_bias": False})
     elif architecture == MISTRAL:
         config["sliding_window"] = window
+    elif architecture in (MIXTRAL, QWEN3_MOE):
+        config.update(_moe_config(options, architecture))
     elif window is None:
         config.update({"use_sliding_window": False, "sliding_window": None})
     else:  # Qwen's sliding layers: those layer_types names (all when null)
@@ -752,9 +757,50 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
     return config
 
 
+def _moe_architecture(options: Mapping[str, Any], llama: list[str], unwritten: list[str]) -> str:
+    """Qwen3-MoE with q/k norms (any top-k weighting, dense layers), else Mixtral (renormalised top-k, no dense
+    layers); experts need the Llama family's shape, and a window slides every layer in both."""
+    moe = options["moe"]
+    if llama:
+        raise UserError(f"options no Hugging Face family has: {'; '.join(llama)}; mixtures of experts are of the "
+                        "Llama family (rope, rmsnorm, swiglu, bias false)")  # fmt: skip
+    if unwritten:
+        raise UserError(f"options no mixture of experts nnx-export writes from scratch has: {'; '.join(unwritten)}")
+    if options.get("sliding_window") is not None and options.get("layer_types") is not None:
+        raise UserError(f"model.layer_types {options['layer_types']!r}: sliding and full layers together are in no "
+                        "mixture of experts' family (Mixtral and Qwen3-MoE slide every layer)")  # fmt: skip
+    if options.get("qkv_bias"):
+        raise UserError("model.qkv_bias with model.moe is in no Hugging Face family (Mixtral and Qwen3-MoE have no "
+                        "q/k/v biases): it cannot be exported")  # fmt: skip
+    if options.get("qk_norm"):
+        return QWEN3_MOE
+    if not moe.get("normalize", True) or moe.get("dense_layers"):
+        raise UserError("model.moe with normalize false or dense_layers, without model.qk_norm, is in no Hugging "
+                        "Face family (Mixtral renormalises the top-k weights and has experts in every layer; "
+                        "Qwen3-MoE has q/k norms): it cannot be exported")  # fmt: skip
+    return MIXTRAL
+
+
+def _moe_config(options: Mapping[str, Any], architecture: str) -> dict[str, Any]:
+    """The `config.json` keys of the experts (see :func:`config_json`)."""
+    moe = options["moe"]
+    width = moe.get("mlp_dim") or options.get("mlp_dim") or 4 * options["embed_dim"]
+    window = options.get("sliding_window")  # on every layer (architecture_of saw to it)
+    common = {"num_experts_per_tok": moe["top_k"], "router_aux_loss_coef": options.get("router_aux_loss_coef", 0.001),
+              "sliding_window": window}  # fmt: skip
+    if architecture == MIXTRAL:
+        return {**common, "num_local_experts": moe["num_experts"], "intermediate_size": width,
+                "router_jitter_noise": 0.0}  # fmt: skip
+    return {**common, "num_experts": moe["num_experts"], "moe_intermediate_size": width,
+            "norm_topk_prob": moe.get("normalize", True), "decoder_sparse_step": 1,
+            "mlp_only_layers": list(moe.get("dense_layers") or []), "attention_bias": False,
+            "use_sliding_window": window is not None}  # fmt: skip
+
+
 def lora_tensors(options: Mapping[str, Any], rank: int, targets: Collection[str]) -> list[TensorMap]:
     """PEFT's tensors of LoRA adapters on a Llama-family model: `lora_A.weight` `[rank, in]` and `lora_B.weight`
-    `[out, rank]` per adapted projection, read as our `a` `[in..., rank]` and `b` `[rank, out...]`."""
+    `[out, rank]` per adapted projection, read as our `a` `[in..., rank]` and `b` `[rank, out...]` (a mixture of
+    experts' dense MLP projections in its dense layers only)."""
     embed, mlp = options["embed_dim"], options["mlp_dim"]
     q, kv = options["num_heads"] * options["head_dim"], options["num_kv_heads"] * options["head_dim"]
     sizes = {"q": (embed, q), "k": (embed, kv), "v": (embed, kv), "o": (q, embed),
@@ -766,8 +812,10 @@ def lora_tensors(options: Mapping[str, Any], rank: int, targets: Collection[str]
         (fan_in, fan_out), path = sizes[target], ours[target]
         in_rank = 2 if target == "o" else 1  # the output projection reads (heads, head_dim)
         name = f"base_model.model.model.layers.{{i}}.{PEFT_MODULES[target]}"
+        dense = options.get("moe") and path.startswith("mlp/")
+        layers = tuple(options["moe"].get("dense_layers") or ()) if dense else None  # a MoE's dense MLP layers
         maps += [
-            TensorMap(f"{path}/lora/a", f"{name}.lora_A.weight", (rank, fan_in), split=in_rank, transpose=True),
-            TensorMap(f"{path}/lora/b", f"{name}.lora_B.weight", (fan_out, rank), split=1, transpose=True),
+            TensorMap(f"{path}/lora/a", f"{name}.lora_A.weight", (rank, fan_in), in_rank, True, layers=layers),
+            TensorMap(f"{path}/lora/b", f"{name}.lora_B.weight", (fan_out, rank), 1, True, layers=layers),
         ]
     return maps

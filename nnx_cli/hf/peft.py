@@ -66,7 +66,7 @@ def _lora_of(exp: Any) -> Any:
     from nnx_cli.models.transformer import lora_options
 
     options = exp.cfg.model.options
-    return lora_options(options.get("lora"), options.get("mlp", "gelu"))
+    return lora_options(options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
 
 
 # In: checkpoint.init_from an adapter directory
@@ -155,6 +155,12 @@ def check_exportable(cfg: Any, pretrained: Any, lora: Any) -> None:
         raise UserError(
             "--adapter writes an adapter for the base model.pretrained names, and this run has none (its frozen "
             "weights are its own initialisation); drop --adapter to export the merged weights"
+        )
+    experts = [t for t in lora.targets if t.startswith("expert_")]
+    if experts:
+        raise UserError(
+            f"--adapter: model.lora.targets adapts each expert's projections ({', '.join(experts)}), which PEFT "
+            "files of transformers' fused experts do not hold; drop --adapter to export the merged weights"
         )
 
 
