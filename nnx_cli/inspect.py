@@ -8,7 +8,8 @@ memory is allocated and no dataset is read: input shapes come from
 entry: path, Variable type, shape, dtype, element count, bytes, logical
 sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
 totals per Variable type (`total_params` leaves out a language model's padded
-vocabulary rows, so it equals the count `transformers` gives). `--json`
+vocabulary rows, so it equals the count `transformers` gives; a mixture of
+experts adds `active_params`, those a token computes with). `--json`
 prints::
 
     {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N,
@@ -79,6 +80,9 @@ def inspect_state(
             )
         entries = [e for e in entries if e["type"] == filter_type]
     summary = summarize(entries, _padding(exp) if filter_type in (None, "Param") else 0)
+    idle = _idle(exp)
+    if idle and filter_type in (None, "Param"):
+        summary["active_params"] = summary["total_params"] - idle
     if as_json:
         print(json.dumps({**summary, "entries": entries}))
     else:
@@ -137,6 +141,14 @@ def _padding(exp: Any) -> int:
     return model.padding_params() if hasattr(model, "padding_params") else 0
 
 
+def _idle(exp: Any) -> int:
+    """Parameters a token does not compute with (a mixture of experts' unrouted experts); 0 for other models."""
+    from nnx_cli import steps
+
+    model = exp.moduledef.merge(*steps.model_states(exp.abstract))
+    return model.idle_params() if hasattr(model, "idle_params") else 0
+
+
 def _axis(axis: Any) -> Any:
     return list(axis) if isinstance(axis, tuple) else axis
 
@@ -171,6 +183,9 @@ def _print_tables(
             "vocabulary to a multiple of 128",
             highlight=False,
         )
+    if "active_params" in summary:
+        console.print(f"{summary['active_params']:,} parameters active per token (the experts it is routed to)",
+                      highlight=False)  # fmt: skip
 
 
 def _rows(entries: list[dict[str, Any]], depth: int | None) -> list[tuple[str, ...]]:

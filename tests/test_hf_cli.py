@@ -142,3 +142,24 @@ def test_a_markdown_file_trains_a_pretrained_model_without_text_key_as_eval_read
 
 def test_eval_of_a_model_directory_needs_a_text(project):
     assert_user_error(cli("nnx-eval", "model", cwd=project), "needs a text to evaluate on", "data.source=")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_inspect_of_a_mixture_of_experts_counts_what_transformers_counts_and_shows_the_expert_axis(tmp_path, name):
+    from hf_support import fixture
+
+    from nnx_cli.hf.weights import Weights
+
+    weights = Weights.open(fixture(name))
+    shapes = {n: weights.info(n)[1] for n in weights.files}
+    result = cli("nnx-inspect", fixture(name), "sharding.mesh.expert=2", "sharding.mesh.data=-1", "--json",
+                 cwd=tmp_path, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["total_params"] == sum(int(np.prod(s)) for s in shapes.values())  # every tensor transformers saved
+    experts = sum(int(np.prod(s)) for n, s in shapes.items() if ".experts." in n)
+    config = json.loads((fixture(name) / "config.json").read_text())
+    share = config["num_experts_per_tok"] / config["num_local_experts"]
+    assert report["active_params"] == report["total_params"] - round(experts * (1 - share))
+    gate = next(e for e in report["entries"] if e["path"].endswith("moe/gate/kernel"))
+    assert gate["sharding"][-3:] == ["expert", "embed", "mlp"] and gate["mesh_axes"][-3:] == ["expert", "data", "model"]

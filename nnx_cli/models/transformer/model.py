@@ -379,17 +379,19 @@ class TransformerLM(nnx.Module):
         return 6 * self.active_params() + 12 * self.num_layers * self.seq_len * self.embed_dim
 
     def active_params(self) -> int:
-        """The parameters outside the embeddings that one token computes with: all but the experts a token is not
-        routed to (each expert block's weights count `top_k / num_experts`). Reads shapes only."""
+        """The parameters outside the embeddings that one token computes with. Reads shapes only."""
         params = self.filter(nnx.Param)
         embeddings = ("embedding/embedding", "position_embedding/embedding")
-        n = 0.0
-        for path, p in params.items():
-            if path in embeddings:
-                continue
-            share = self.moe.top_k / self.moe.num_experts if _is_expert(path) else 1.0
-            n += math.prod(p.value.shape) * share
-        return round(n)
+        n = sum(math.prod(p.value.shape) for path, p in params.items() if path not in embeddings)
+        return n - self.idle_params()
+
+    def idle_params(self) -> int:
+        """The parameters one token does not compute with: the experts it is not routed to, `1 - top_k /
+        num_experts` of every expert block's weights (0 without experts). Reads shapes only."""
+        if self.moe is None:
+            return 0
+        experts = sum(math.prod(p.value.shape) for path, p in self.filter(nnx.Param).items() if _is_expert(path))
+        return round(experts * (1 - self.moe.top_k / self.moe.num_experts))
 
     def padding_params(self) -> int:
         """Parameters that only pad the vocabulary to a multiple of 128: zero rows of the embedding (and head)."""
