@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from cli_support import assert_user_error, cli
-from hf_support import GPT2_CONFIG, LLAMA_CONFIG, write_model_dir
+from hf_support import GPT2_CONFIG, LLAMA_CONFIG, fixture, write_model_dir
 
 from nnx_cli import hf
 from nnx_cli.config import load_config
@@ -64,6 +64,49 @@ def test_qwen2_has_qkv_biases_and_qwen3_query_key_norms_and_its_own_head_dim():
     qwen3 = options({**LLAMA_CONFIG, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16})
     assert (qwen2["qkv_bias"], qwen2["qk_norm"]) == (True, False)
     assert (qwen3["qkv_bias"], qwen3["qk_norm"], qwen3["head_dim"]) == (False, True, 16)
+
+
+def test_mixtral_has_its_experts_in_every_layer_with_the_top_k_renormalised():
+    config = json.loads((fixture("mixtral") / "config.json").read_text())
+    got = options(config)
+    assert got["moe"] == {"num_experts": 4, "top_k": 2, "mlp_dim": 48, "normalize": True, "dense_layers": []}
+    assert got["router_aux_loss_coef"] == 0.02 and got["qk_norm"] is False
+
+
+@pytest.mark.parametrize(
+    "step, only, dense", [(1, [], []), (2, [], [0, 2]), (1, [3], [3]), (2, [1, 3], [0, 1, 2, 3]), (3, [0], [0, 1, 3])]
+)
+def test_qwen3_moe_keeps_a_dense_mlp_in_the_layers_decoder_sparse_step_and_mlp_only_layers_name(step, only, dense):
+    config = json.loads((fixture("qwen3_moe") / "config.json").read_text())
+    got = options({**config, "num_hidden_layers": 4, "decoder_sparse_step": step, "mlp_only_layers": only})
+    assert got["moe"]["dense_layers"] == dense  # transformers: experts where (i + 1) % step == 0, i not in only
+    assert (got["moe"]["mlp_dim"], got["mlp_dim"], got["moe"]["normalize"], got["qk_norm"]) == (24, 64, False, True)
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("mixtral", {"sliding_window": 4096}, r"'sliding_window' is 4096: sliding-window attention is not supported"),
+        ("mixtral", {"router_jitter_noise": 0.1}, r"'router_jitter_noise' is 0.1: router jitter noise"),
+        ("mixtral", {"num_experts_per_tok": 5}, r"'num_experts_per_tok' is 5, more than the 4 experts"),
+        ("qwen3_moe", {"use_sliding_window": True}, r"'use_sliding_window' is True: sliding-window attention"),
+        ("qwen3_moe", {"mlp_only_layers": "all"}, r"'mlp_only_layers' must be a list of layer indices"),
+        ("qwen3_moe", {"num_local_experts": 0}, r"'num_local_experts' must be a positive integer, got 0"),
+    ],
+    ids=["mixtral-window", "jitter", "top-k", "qwen3-moe-window", "mlp-only-layers", "no-experts"],
+)  # fmt: skip
+def test_what_a_mixture_of_experts_cannot_be_is_named(name, change, message):
+    config = json.loads((fixture(name) / "config.json").read_text())
+    with pytest.raises(UserError, match=message):
+        options({**config, **change})
+
+
+def test_a_mixtral_with_a_sliding_window_is_exit_2_naming_the_key(tmp_path):
+    target = tmp_path / "mixtral"
+    shutil.copytree(fixture("mixtral"), target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    assert_user_error(cli("nnx-inspect", target, cwd=tmp_path), "config.json: key 'sliding_window' is 8: sliding")
 
 
 @pytest.mark.parametrize(
