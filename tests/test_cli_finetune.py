@@ -143,3 +143,35 @@ def test_a_gpt2_lora_target_list_uses_its_own_names(tmp_path):
                              "data.text_key=text", "model.lora={rank: 2, targets: [c_attn, gate]}"])  # fmt: skip
     with pytest.raises(UserError, match=r"no projection 'gate'; it has q, k, v, o, up, down"):
         setup(cfg, data=None)
+
+
+def test_lora_on_a_mixture_of_experts_over_an_expert_mesh_axis_exports_merged_with_the_runs_logits(project):
+    """Mixtral with adapters on attention and on each expert, 8 devices (experts four ways): the load-balancing
+    loss is logged, the merged export computes the run's logits."""
+    config = CONFIG.replace(str(fixture("qwen2")), str(fixture("mixtral"))).replace(
+        "lora: {rank: 4, alpha: 8}", "lora: {rank: 4, alpha: 8, targets: [q, k, v, o, experts]}"
+    )
+    (project / "moe.yaml").write_text(config)
+    result = cli("nnx-train", "moe.yaml", "--workdir", "moe", "train.steps=8", "sharding.mesh.expert=4",
+                 "sharding.mesh.data=2", "sharding.mesh.model=1", cwd=project, devices=8, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (project / "moe" / "metrics.jsonl").read_text().splitlines()]
+    train = [r["metrics"] for r in records if r["split"] == "train"]
+    assert train and all(1.0 <= m["aux_loss"] <= 4.0 for m in train)  # top_k 2 of 4: balanced is 2
+    result = cli("nnx-export", "moe", "--out", "moe-hf", cwd=project, timeout=240)
+    assert result.returncode == 0, result.stderr
+    import jax
+
+    from nnx_cli import hf
+    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.workdir import open_run
+
+    run = open_run(project / "moe")
+    exp = language_model(run, "")
+    _, params = restore_parameters(run, exp, jax.devices()[0])
+    assert any("/moe/gate/lora/" in p for p in params)
+    ids = np.asarray([[5, 80, 120, 7, 33, 250, 9, 41]], np.int32)
+    ours = np.asarray(exp.moduledef.merge(params).logits(ids))[..., :300]
+    theirs = setup(hf.model_dir_config(project / "moe-hf", []), data=None)
+    exported = np.asarray(theirs.moduledef.merge(theirs.load_pretrained()).logits(ids))[..., :300]
+    assert np.abs(exported - ours).max() / np.abs(ours).max() < 1e-5
