@@ -3,12 +3,14 @@
 The round trip a user makes, checked against the live libraries (from a separate virtualenv, `--reference`;
 tests/fixtures/README.md says how to make one):
 
-1. a LoRA and a full fine-tune of the tiny Qwen2 fixture (tests/fixtures/hf/qwen2), and LoRA fine-tunes of
-   the Gemma 2 fixture (sliding and full layers, soft-capping, windows of 8 tokens that the chats cross) and
-   of the Phi-3 fixture (fused projections: its adapter is a block adapter on qkv_proj and gate_up_proj), on a
-   chat task of question/answer facts; each question asked with `nnx-generate RUN --chat --temperature 0
-   --json`;
-2. `nnx-export` of each (merged, float32) and of the LoRA run's adapter (`--adapter`);
+1. a LoRA and a full fine-tune of the tiny Qwen2 fixture (tests/fixtures/hf/qwen2), LoRA fine-tunes of the
+   Gemma 2 fixture (sliding and full layers, soft-capping, windows of 8 tokens that the chats cross) and of the
+   Phi-3 fixture (fused projections: its adapter is a block adapter on qkv_proj and gate_up_proj), and LoRA
+   fine-tunes of the mixtures of experts (tests/fixtures/hf/mixtral and qwen3_moe) adapting attention and every
+   expert's projections, on a chat task of question/answer facts; each question asked with
+   `nnx-generate RUN --chat --temperature 0 --json`;
+2. `nnx-export` of each (merged, float32) and of each LoRA run's adapter (`--adapter`; not of the mixtures of
+   experts, whose adapted experts PEFT has no module for);
 3. the same questions asked of `transformers` (the merged exports) and of `peft` (the adapter on the base),
    greedy, through the same chat template: the generated ids must be identical, and the logits of a
    fixed batch equal to 1e-4 of the largest;
@@ -40,11 +42,14 @@ FACTS = [
     ("Where does the river run?", "Past the mill."),
 ]
 FIXTURE = ROOT / "tests/fixtures/hf/qwen2"
+EXPERTS = "{rank: 4, targets: [q, k, v, o, experts]}"  # attention and each expert's projections: no PEFT adapter
 FINE_TUNES = {  # run: (model directory, model.lora)
     "lora": (FIXTURE, "{rank: 4}"),
     "full": (FIXTURE, None),
     "gemma2-lora": (ROOT / "tests/fixtures/hf/gemma2", "{rank: 4}"),
     "phi3-lora": (ROOT / "tests/fixtures/hf/phi3", "{rank: 4}"),
+    "mixtral-lora": (ROOT / "tests/fixtures/hf/mixtral", EXPERTS),
+    "qwen3-moe-lora": (ROOT / "tests/fixtures/hf/qwen3_moe", EXPERTS),
 }
 
 
@@ -108,7 +113,7 @@ def main() -> None:
         answers = [ours(name, q, cwd, chat=True) for q in questions]
         run(BIN / "nnx-export", name, "--out", f"{name}-merged", "--dtype", "float32", cwd=cwd)
         checks = [("transformers, merged", cwd / f"{name}-merged", None)]
-        if lora:
+        if lora and lora != EXPERTS:
             run(BIN / "nnx-export", name, "--out", f"{name}-adapter", "--adapter", cwd=cwd)
             checks.append(("peft, adapter on the base", directory, cwd / f"{name}-adapter"))
         reference_logits = our_logits(cwd / name, np.load(cwd / "ids.npy"))
