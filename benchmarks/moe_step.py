@@ -10,6 +10,7 @@ default) and `ragged` (`jax.lax.ragged_dot`, the GPU/TPU default).
 
     python benchmarks/moe_step.py                    # 4 layers, embed 256, 8 experts of 512, top 2
     python benchmarks/moe_step.py --experts 64 --top-k 8 --width 128
+    python benchmarks/moe_step.py --vocab 4096          # the blocks' share of the step larger
 """
 
 from __future__ import annotations
@@ -51,18 +52,19 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512, help="each expert's hidden width")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     common = dict(num_layers=args.layers, num_heads=args.embed // 64, embed_dim=args.embed, positions="rope",
                   norm="rmsnorm", mlp="swiglu", bias=False, dropout=0.0)  # fmt: skip
     experts = {"num_experts": args.experts, "top_k": args.top_k, "mlp_dim": args.width}
-    models = {"dense": TransformerLM((args.seq_len,), 32000, mlp_dim=args.top_k * args.width, **common,
+    models = {"dense": TransformerLM((args.seq_len,), args.vocab, mlp_dim=args.top_k * args.width, **common,
                                      ctx=nnx.context(0))}  # fmt: skip
     for implementation in ("blocks", "ragged"):
-        model = TransformerLM((args.seq_len,), 32000, moe=experts, **common, ctx=nnx.context(0))
+        model = TransformerLM((args.seq_len,), args.vocab, moe=experts, **common, ctx=nnx.context(0))
         model.layers.scan_module.moe.implementation = implementation
         models[f"experts ({implementation})"] = model
-    batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, 32000)}
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)}
     steps, times = {}, {name: [] for name in models}
     for name, model in models.items():
         step, params = step_function(model)
@@ -78,8 +80,8 @@ def main() -> None:
             jax.block_until_ready(step(params, batch))
             times[name].append(time.perf_counter() - start)
     dense = statistics.median(times["dense"])
-    print(f"\n{jax.default_backend()}, {jax.device_count()} device(s), load average {os.getloadavg()[0]:.1f}; "
-          f"{args.layers} layers, embed {args.embed}, batch {args.batch} x {args.seq_len} tokens")  # fmt: skip
+    shape = f"{args.layers} layers, embed {args.embed}, vocabulary {args.vocab}, batch {args.batch} x {args.seq_len}"
+    print(f"\n{jax.default_backend()}, {jax.device_count()} device(s), load average {os.getloadavg()[0]:.1f}; {shape}")
     mixture = models["experts (blocks)"]
     total = sum(p.value.size for p in mixture.filter(nnx.Param).values())
     print(f"parameters a token computes with (outside embeddings): dense {models['dense'].active_params():,}, "
