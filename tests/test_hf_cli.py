@@ -144,7 +144,7 @@ def test_eval_of_a_model_directory_needs_a_text(project):
     assert_user_error(cli("nnx-eval", "model", cwd=project), "needs a text to evaluate on", "data.source=")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
 def test_inspect_of_a_mixture_of_experts_counts_what_transformers_counts_and_shows_the_expert_axis(tmp_path, name):
     from hf_support import fixture
 
@@ -159,7 +159,7 @@ def test_inspect_of_a_mixture_of_experts_counts_what_transformers_counts_and_sho
     assert report["total_params"] == sum(int(np.prod(s)) for s in shapes.values())  # every tensor transformers saved
     experts = sum(int(np.prod(s)) for n, s in shapes.items() if ".experts." in n)
     config = json.loads((fixture(name) / "config.json").read_text())
-    share = config["num_experts_per_tok"] / config["num_local_experts"]
+    share = config["num_experts_per_tok"] / config.get("num_local_experts", config.get("num_experts"))
     assert report["active_params"] == report["total_params"] - round(experts * (1 - share))
     gate = next(e for e in report["entries"] if e["path"].endswith("moe/gate/kernel"))
     assert gate["sharding"][-3:] == ["expert", "embed", "mlp"] and gate["mesh_axes"][-3:] == ["expert", "data", "model"]

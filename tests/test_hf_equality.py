@@ -197,10 +197,10 @@ def test_windowed_families_on_8_devices_equal_transformers_in_float32_and_bfloat
         assert errors[key] < (FLOAT32 if dtype == "float32" else BFLOAT16), (key, errors[key])
 
 
-# Mixtures of experts: Mixtral (scanned, every layer sparse) and Qwen3-MoE (layer 1 dense, so unrolled)
+# Mixtures of experts: Mixtral and OLMoE (scanned, every layer sparse), Qwen3-MoE (layer 0 dense, so unrolled)
 # ------------------------------------------------------------------------------
 
-MOE = ["mixtral", "qwen3_moe"]
+MOE = ["mixtral", "qwen3_moe", "olmoe"]
 MOE_TOKENS = 24  # greedy tokens after each of 4 prompts
 
 

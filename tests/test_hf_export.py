@@ -19,7 +19,7 @@ from nnx_cli.hf import export as exporting
 from nnx_cli.hf import peft
 from nnx_cli.hf.weights import Weights
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "olmoe"]
 WINDOWED = ["gemma2", "gemma3", "phi3", "mistral_window", "qwen2_window"]
 
 
@@ -341,8 +341,10 @@ def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, 
               router_aux_loss_coef=0.02), "MixtralForCausalLM"),  # intermediate_size: one width for all
         (dict(qk_norm=True, head_dim=16, router_aux_loss_coef=0.001,
               moe=dict(num_experts=8, top_k=2, mlp_dim=24, normalize=False, dense_layers=[0])), "Qwen3MoeForCausalLM"),
+        (dict(qk_norm=True, qk_norm_scope="projection", router_aux_loss_coef=0.01, mlp_dim=24,
+              moe=dict(num_experts=8, top_k=2, mlp_dim=24, normalize=False, dense_layers=[])), "OlmoeForCausalLM"),
     ],
-    ids=["qwen2", "qwen3", "llama3-rope", "mistral-window", "qwen2-window", "mixtral", "qwen3-moe"],
+    ids=["qwen2", "qwen3", "llama3-rope", "mistral-window", "qwen2-window", "mixtral", "qwen3-moe", "olmoe"],
 )  # fmt: skip
 def test_a_config_json_written_from_options_reads_back_as_those_options(options, architecture):
     from nnx_cli.hf import families
@@ -387,9 +389,12 @@ def test_the_bytes_tokenizer_exports_as_an_equivalent_tokenizer_json(project):
         (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False,
               moe=dict(num_experts=4, top_k=2, normalize=False)),
          r"model.moe with normalize false or dense_layers, without model.qk_norm, is in no Hugging Face family"),
+        (dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, qk_norm_scope="projection",
+              head_dim=16, moe=dict(num_experts=4, top_k=2)),
+         r"model.head_dim 16 with model.qk_norm_scope projection is in no Hugging Face family"),
     ],
     ids=["rope-layernorm", "learned-rmsnorm", "gpt2-gqa", "qwen2-and-3", "gemma-switches", "llama-layer-kinds",
-         "gpt2-window", "experts-gpt2", "experts-unnormalised"],
+         "gpt2-window", "experts-gpt2", "experts-unnormalised", "olmoe-head-dim"],
 )  # fmt: skip
 def test_options_no_family_has_are_named(options, message):
     from nnx_cli.errors import UserError

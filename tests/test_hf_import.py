@@ -73,6 +73,14 @@ def test_mixtral_has_its_experts_in_every_layer_with_the_top_k_renormalised():
     assert got["router_aux_loss_coef"] == 0.02 and got["qk_norm"] is False
 
 
+def test_olmoe_normalises_all_query_heads_together_and_all_key_heads_together():
+    got = options(json.loads((fixture("olmoe") / "config.json").read_text()))
+    assert (got["qk_norm"], got["qk_norm_scope"], got["head_dim"]) == (True, "projection", 8)
+    assert got["moe"] == {"num_experts": 8, "top_k": 2, "mlp_dim": 24, "normalize": False, "dense_layers": []}
+    maps = {m.path: m for m in families.FAMILIES["OlmoeForCausalLM"].tensors(got, [])}
+    assert maps["attention/query_norm/scale"].shape == (32,) and maps["attention/key_norm/scale"].shape == (16,)
+
+
 @pytest.mark.parametrize(
     "step, only, dense", [(1, [], []), (2, [], [0, 2]), (1, [3], [3]), (2, [1, 3], [0, 1, 2, 3]), (3, [0], [0, 1, 3])]
 )
@@ -92,8 +100,9 @@ def test_qwen3_moe_keeps_a_dense_mlp_in_the_layers_decoder_sparse_step_and_mlp_o
         ("qwen3_moe", {"use_sliding_window": True}, r"'use_sliding_window' is True: sliding-window attention"),
         ("qwen3_moe", {"mlp_only_layers": "all"}, r"'mlp_only_layers' must be a list of layer indices"),
         ("qwen3_moe", {"num_local_experts": 0}, r"'num_local_experts' must be a positive integer, got 0"),
+        ("olmoe", {"clip_qkv": 8.0}, r"'clip_qkv' is 8.0: clipping q, k and v \(clip_qkv\) is not supported"),
     ],
-    ids=["mixtral-window", "jitter", "top-k", "qwen3-moe-window", "mlp-only-layers", "no-experts"],
+    ids=["mixtral-window", "jitter", "top-k", "qwen3-moe-window", "mlp-only-layers", "no-experts", "clip-qkv"],
 )  # fmt: skip
 def test_what_a_mixture_of_experts_cannot_be_is_named(name, change, message):
     config = json.loads((fixture(name) / "config.json").read_text())

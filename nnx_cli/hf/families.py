@@ -31,11 +31,11 @@ LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = (
     "GPT2LMHeadModel",
 )
 GEMMA2, GEMMA3, PHI3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"
-MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
-SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, GEMMA2, GEMMA3, PHI3, MIXTRAL, QWEN3_MOE)
+MIXTRAL, QWEN3_MOE, OLMOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"
+SUPPORTED = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, GEMMA2, GEMMA3, PHI3, MIXTRAL, QWEN3_MOE, OLMOE)
 _SUPPORTED_TEXT = "LlamaForCausalLM (Llama 2/3/3.x, SmolLM, TinyLlama), MistralForCausalLM, Qwen2ForCausalLM, "
 _SUPPORTED_TEXT += "Qwen3ForCausalLM, GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM (text), Phi3ForCausalLM, "
-_SUPPORTED_TEXT += "MixtralForCausalLM, Qwen3MoeForCausalLM"
+_SUPPORTED_TEXT += "MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM"
 SHAPE_OPTIONS = (
     "num_layers", "num_heads", "num_kv_heads", "head_dim", "embed_dim", "mlp_dim", "vocab_size", "max_positions",
     "mlp", "qkv_bias", "qk_norm", "bias", "norm", "norm_eps", "positions", "rope_theta", "rope_scaling",
@@ -44,7 +44,7 @@ SHAPE_OPTIONS = (
     "sliding_window", "layer_types", "rope_local_theta", "rotary_dim", "query_scale", "attention_softcap",
     "logit_softcap", "post_norms", "scale_embeddings",
     # mixtures of experts
-    "moe",
+    "moe", "qk_norm_scope",
 )  # fmt: skip
 """The options a model directory's `config.json` decides; a YAML may repeat them but not change them."""
 
@@ -573,6 +573,19 @@ def _qwen3_moe_options(c: Config) -> dict[str, Any]:
     return options
 
 
+def _olmoe_options(c: Config) -> dict[str, Any]:
+    """Llama's attention with one RMSNorm over all query heads and one over all key heads (`clip_qkv` refused),
+    `num_experts` experts `intermediate_size` wide in every layer."""
+    c.refuse("clip_qkv", lambda v: v is None, "clipping q, k and v (clip_qkv)")
+    options = _llama_options(OLMOE)(c)
+    experts = c.int("num_experts") if "num_experts" in c.data else c.int("num_local_experts")
+    options.update(qk_norm=True, qk_norm_scope="projection")
+    options["moe"] = {"num_experts": experts, "top_k": _top_k(c, experts), "mlp_dim": c.int("intermediate_size"),
+                      "normalize": c.bool("norm_topk_prob", False), "dense_layers": []}  # fmt: skip
+    options["router_aux_loss_coef"] = c.float("router_aux_loss_coef", 0.01)
+    return options
+
+
 def _top_k(c: Config, experts: int) -> int:
     top_k = c.int("num_experts_per_tok")
     if top_k > experts:
@@ -580,6 +593,7 @@ def _top_k(c: Config, experts: int) -> int:
     return top_k
 
 
+_QK_NORMS = ("attention/query_norm/scale", "attention/key_norm/scale")
 _EXPERT_NAMES = {  # our expert projection: (Mixtral's, Qwen3-MoE's) tensor within an expert
     "gate": ("w1", "gate_proj"),
     "fc": ("w3", "up_proj"),
@@ -599,7 +613,10 @@ def _moe_tensors(architecture: str) -> Callable[[Mapping[str, Any], Collection[s
         sparse = tuple(i for i in range(layers) if i not in dense)
         maps = []
         for m in _llama_tensors(o, names):
-            if not m.path.startswith("mlp/"):
+            if m.path in _QK_NORMS and o.get("qk_norm_scope") == "projection":  # OLMoE's: [heads * head_dim]
+                heads = o["num_heads"] if m.path.startswith("attention/query") else o["num_kv_heads"]
+                maps.append(dataclasses.replace(m, shape=(heads * o["head_dim"],)))
+            elif not m.path.startswith("mlp/"):
                 maps.append(m)
             elif dense:
                 maps.append(dataclasses.replace(m, layers=dense))
@@ -628,6 +645,7 @@ FAMILIES = {
     PHI3: Family(PHI3, _phi3_options, _phi3_tensors, ignored=("rotary_emb.inv_freq",)),
     MIXTRAL: Family(MIXTRAL, _mixtral_options, _moe_tensors(MIXTRAL), ignored=("rotary_emb.inv_freq",)),
     QWEN3_MOE: Family(QWEN3_MOE, _qwen3_moe_options, _moe_tensors(QWEN3_MOE), ignored=("rotary_emb.inv_freq",)),
+    OLMOE: Family(OLMOE, _olmoe_options, _moe_tensors(OLMOE), ignored=("rotary_emb.inv_freq",)),
 }
 
 
@@ -729,7 +747,7 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
         "rope_type": scaling.get("type", "llama3"), **{k: v for k, v in scaling.items() if k != "type"}
     }  # fmt: skip
     model_type = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3", MIXTRAL: "mixtral",
-                  QWEN3_MOE: "qwen3_moe"}[architecture]  # fmt: skip
+                  QWEN3_MOE: "qwen3_moe", OLMOE: "olmoe"}[architecture]  # fmt: skip
     config = {
         "architectures": [architecture], "model_type": model_type, "hidden_size": embed, "intermediate_size": mlp,
         "num_hidden_layers": options["num_layers"], "num_attention_heads": heads,
@@ -743,7 +761,7 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
         config.update({"attention_bias": False, "mlp_bias": False})
     elif architecture == MISTRAL:
         config["sliding_window"] = window
-    elif architecture in (MIXTRAL, QWEN3_MOE):
+    elif architecture in (MIXTRAL, QWEN3_MOE, OLMOE):
         config.update(_moe_config(options, architecture))
     elif window is None:
         config.update({"use_sliding_window": False, "sliding_window": None})
@@ -758,8 +776,9 @@ def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bo
 
 
 def _moe_architecture(options: Mapping[str, Any], llama: list[str], unwritten: list[str]) -> str:
-    """Qwen3-MoE with q/k norms (any top-k weighting, dense layers), else Mixtral (renormalised top-k, no dense
-    layers); experts need the Llama family's shape, and a window slides every layer in both."""
+    """Qwen3-MoE with q/k norms of each head (any top-k weighting, dense layers), OLMoE with q/k norms of each
+    projection (experts in every layer), else Mixtral (renormalised top-k, no dense layers); experts need the
+    Llama family's shape, and a window slides every layer (OLMoE has none)."""
     moe = options["moe"]
     if llama:
         raise UserError(f"options no Hugging Face family has: {'; '.join(llama)}; mixtures of experts are of the "
@@ -772,6 +791,18 @@ def _moe_architecture(options: Mapping[str, Any], llama: list[str], unwritten: l
     if options.get("qkv_bias"):
         raise UserError("model.qkv_bias with model.moe is in no Hugging Face family (Mixtral and Qwen3-MoE have no "
                         "q/k/v biases): it cannot be exported")  # fmt: skip
+    if options.get("qk_norm") and options.get("qk_norm_scope", "head") == "projection":
+        if moe.get("dense_layers"):
+            raise UserError("model.moe.dense_layers with model.qk_norm_scope projection is in no Hugging Face family "
+                            "(OLMoE has experts in every layer): it cannot be exported")  # fmt: skip
+        if options.get("sliding_window") is not None:
+            raise UserError(f"model.sliding_window {options['sliding_window']} with model.qk_norm_scope projection "
+                            "is in no Hugging Face family (OLMoE has no window): it cannot be exported")  # fmt: skip
+        if options.get("head_dim") not in (None, options["embed_dim"] // options["num_heads"]):
+            raise UserError(f"model.head_dim {options['head_dim']} with model.qk_norm_scope projection is in no "
+                            "Hugging Face family (OLMoE's heads are embed_dim / num_heads): it cannot be "
+                            "exported")  # fmt: skip
+        return OLMOE
     if options.get("qk_norm"):
         return QWEN3_MOE
     if not moe.get("normalize", True) or moe.get("dense_layers"):
@@ -791,6 +822,10 @@ def _moe_config(options: Mapping[str, Any], architecture: str) -> dict[str, Any]
     if architecture == MIXTRAL:
         return {**common, "num_local_experts": moe["num_experts"], "intermediate_size": width,
                 "router_jitter_noise": 0.0}  # fmt: skip
+    if architecture == OLMOE:
+        return {"num_experts_per_tok": moe["top_k"], "router_aux_loss_coef": options.get("router_aux_loss_coef", 0.01),
+                "num_experts": moe["num_experts"], "intermediate_size": width, "clip_qkv": None,
+                "norm_topk_prob": moe.get("normalize", True), "attention_bias": False}  # fmt: skip
     return {**common, "num_experts": moe["num_experts"], "moe_intermediate_size": width,
             "norm_topk_prob": moe.get("normalize", True), "decoder_sparse_step": 1,
             "mlp_only_layers": list(moe.get("dense_layers") or []), "attention_bias": False,

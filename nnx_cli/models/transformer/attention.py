@@ -140,7 +140,11 @@ class Attention(nnx.Module):
             lora=arch.adapter("o"),
             ctx=ctx,
         )
-        if arch.qk_norm:
+        if arch.qk_norm and arch.qk_norm_scope == "projection":  # OLMoE: all heads of a projection together
+            norm = dict(epsilon=arch.norm_eps, axis=None, offset=rms_offset(arch), dtype=arch.dtype, ctx=ctx)
+            self.query_norm = RMSNorm(heads * head_dim, **norm)
+            self.key_norm = RMSNorm(kv_heads * head_dim, **norm)
+        elif arch.qk_norm:
             norm = dict(epsilon=arch.norm_eps, axis="kv", offset=rms_offset(arch), dtype=arch.dtype, ctx=ctx)
             self.query_norm = RMSNorm(head_dim, **norm)
             self.key_norm = RMSNorm(head_dim, **norm)
@@ -163,7 +167,10 @@ class Attention(nnx.Module):
         q = constrain(self.query(x, **train), ("batch", "length", "heads", "kv"))
         kv_axes = ("batch", "length", self.arch.kv_axis, "kv")
         k, v = constrain(self.key(x, **train), kv_axes), constrain(self.value(x, **train), kv_axes)
-        if self.arch.qk_norm:
+        if self.arch.qk_norm and self.arch.qk_norm_scope == "projection":
+            flat = lambda norm, y: norm(y.reshape(*y.shape[:-2], -1)).reshape(y.shape)  # noqa: E731
+            q, k = flat(self.query_norm, q), flat(self.key_norm, k)
+        elif self.arch.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
         if self.arch.rope:
             frequencies = layer_frequencies(self.arch, layer)

@@ -83,7 +83,9 @@ class TransformerLM(nnx.Module):
     metrics gain `aux_loss`, the routers' load-balancing loss as
     `transformers` computes it; `loss` stays the cross-entropy (what
     perplexity and dense models report), while its gradient in training is
-    that of `loss + router_aux_loss_coef * aux_loss`.
+    that of `loss + router_aux_loss_coef * aux_loss`. `qk_norm_scope:
+    projection` normalises all heads of the query (and of the key)
+    projection together (OLMoE) where `head` (Qwen3) normalises each head.
     """
 
     loss_metric: ClassVar[str] = "loss"
@@ -119,6 +121,7 @@ class TransformerLM(nnx.Module):
         lora: dict[str, Any] | None = None,
         moe: dict[str, Any] | None = None,
         router_aux_loss_coef: float = 0.001,
+        qk_norm_scope: str = "head",
         dropout: float = 0.2,
         attention_dropout: float = 0.0,
         positions: str = "learned",
@@ -172,6 +175,7 @@ class TransformerLM(nnx.Module):
             post_norms=post_norms,
             moe=moe,
             router_aux_loss_coef=router_aux_loss_coef,
+            qk_norm_scope=qk_norm_scope,
         )
         if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or logit_softcap <= 0):
             raise ValueError(f"model.logit_softcap must be null or a positive number, got {logit_softcap!r}")

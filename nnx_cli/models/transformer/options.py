@@ -34,6 +34,7 @@ MLPS = ("gelu", "swiglu", "geglu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 GATED = ("swiglu", "geglu")  # MLPs with a gate projection
 REMATS = ("none", "full", "dots")
+QK_NORM_SCOPES = ("head", "projection")  # each head's queries (Qwen3), or a projection's all heads at once (OLMoE)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -223,6 +224,7 @@ class Architecture:
     # mixtures of experts
     moe: Moe | None = None  # a mixture of experts in place of the MLP (but in moe.dense_layers)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
+    qk_norm_scope: str = "head"  # what qk_norm normalises: each head, or each projection's heads together
 
     def adapter(self, projection: str) -> Lora | None:
         """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`, `expert_gate`,
@@ -287,6 +289,7 @@ def architecture(
     post_norms: bool = False,
     moe: Mapping[str, Any] | None = None,
     router_aux_loss_coef: float = 0.0,
+    qk_norm_scope: str = "head",
 ) -> Architecture:
     """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`.
 
@@ -318,6 +321,7 @@ def architecture(
     for option, value in (("query_scale", query_scale), ("attention_softcap", attention_softcap)):
         _positive_or_null(option, value)
     experts = _experts(moe, num_layers, mlp, router_aux_loss_coef)
+    _choice("qk_norm_scope", qk_norm_scope, QK_NORM_SCOPES)
     return Architecture(
         embed_dim=embed_dim,
         num_heads=num_heads,
@@ -349,6 +353,7 @@ def architecture(
         post_norms=post_norms,
         moe=experts,
         router_aux_loss_coef=float(router_aux_loss_coef),
+        qk_norm_scope=qk_norm_scope,
     )
 
 
