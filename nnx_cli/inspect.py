@@ -142,11 +142,12 @@ def _padding(exp: Any) -> int:
 
 
 def _idle(exp: Any) -> int:
-    """Parameters a token does not compute with (a mixture of experts' unrouted experts); 0 for other models."""
+    """Parameters (not adapters) a token does not compute with (a mixture of experts' unrouted experts); 0 for
+    other models."""
     from nnx_cli import steps
 
     model = exp.moduledef.merge(*steps.model_states(exp.abstract))
-    return model.idle_params() if hasattr(model, "idle_params") else 0
+    return model.idle_params(adapters=False) if hasattr(model, "idle_params") else 0
 
 
 def _axis(axis: Any) -> Any:

@@ -180,7 +180,10 @@ def test_lora_adapts_attention_by_default_and_each_expert_on_request():
     assert dense_too.targets == ("q", "k", "v", "o", "gate", "up", "down")
     w = lora_options({"rank": 2, "targets": ["w1", "w2"]}, "swiglu", EXPERTS)
     assert w.targets == ("expert_gate", "expert_down")  # Mixtral's names
-    adapters = build(lora={"rank": 2, "targets": ["q", "experts"]}).filter(nnx.LoRAParam)
+    model = build(lora={"rank": 2, "targets": ["q", "experts"]})
+    adapters = model.filter(nnx.LoRAParam)
+    experts = 2 * 3 * 4 * 32 * 24  # layers, projections, experts, embed, width
+    assert model.idle_params(adapters=False) == experts // 2 < model.idle_params()  # the adapters of idle experts
     assert adapters["layers/scan_module/moe/gate/lora/a"].value.shape == (2, 4, 32, 2)  # layers, experts, in, rank
     assert adapters["layers/scan_module/moe/proj/lora/b"].value.shape == (2, 4, 2, 32)
     with pytest.raises(ValueError, match=r"this model has no projection 'gate'.*and each expert's expert_gate"):

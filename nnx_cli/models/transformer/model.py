@@ -389,12 +389,14 @@ class TransformerLM(nnx.Module):
         n = sum(math.prod(p.value.shape) for path, p in params.items() if path not in embeddings)
         return n - self.idle_params()
 
-    def idle_params(self) -> int:
+    def idle_params(self, adapters: bool = True) -> int:
         """The parameters one token does not compute with: the experts it is not routed to, `1 - top_k /
-        num_experts` of every expert block's weights (0 without experts). Reads shapes only."""
+        num_experts` of every expert block's weights, their LoRA adapters too unless not `adapters` (0 without
+        experts). Reads shapes only."""
         if self.moe is None:
             return 0
-        experts = sum(math.prod(p.value.shape) for path, p in self.filter(nnx.Param).items() if _is_expert(path))
+        params = self.filter(nnx.Param if adapters else nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+        experts = sum(math.prod(p.value.shape) for path, p in params.items() if _is_expert(path))
         return round(experts * (1 - self.moe.top_k / self.moe.num_experts))
 
     def padding_params(self) -> int:
