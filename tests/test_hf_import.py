@@ -94,15 +94,13 @@ def test_qwen3_moe_keeps_a_dense_mlp_in_the_layers_decoder_sparse_step_and_mlp_o
 @pytest.mark.parametrize(
     "name, change, message",
     [
-        ("mixtral", {"sliding_window": 4096}, r"'sliding_window' is 4096: sliding-window attention is not supported"),
         ("mixtral", {"router_jitter_noise": 0.1}, r"'router_jitter_noise' is 0.1: router jitter noise"),
         ("mixtral", {"num_experts_per_tok": 5}, r"'num_experts_per_tok' is 5, more than the 4 experts"),
-        ("qwen3_moe", {"use_sliding_window": True}, r"'use_sliding_window' is True: sliding-window attention"),
         ("qwen3_moe", {"mlp_only_layers": "all"}, r"'mlp_only_layers' must be a list of layer indices"),
         ("qwen3_moe", {"num_local_experts": 0}, r"'num_local_experts' must be a positive integer, got 0"),
         ("olmoe", {"clip_qkv": 8.0}, r"'clip_qkv' is 8.0: clipping q, k and v \(clip_qkv\) is not supported"),
     ],
-    ids=["mixtral-window", "jitter", "top-k", "qwen3-moe-window", "mlp-only-layers", "no-experts", "clip-qkv"],
+    ids=["jitter", "top-k", "mlp-only-layers", "no-experts", "clip-qkv"],
 )  # fmt: skip
 def test_what_a_mixture_of_experts_cannot_be_is_named(name, change, message):
     config = json.loads((fixture(name) / "config.json").read_text())
@@ -110,12 +108,21 @@ def test_what_a_mixture_of_experts_cannot_be_is_named(name, change, message):
         options({**config, **change})
 
 
-def test_a_mixtral_with_a_sliding_window_is_exit_2_naming_the_key(tmp_path):
-    target = tmp_path / "mixtral"
-    shutil.copytree(fixture("mixtral"), target)
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
-    assert_user_error(cli("nnx-inspect", target, cwd=tmp_path), "config.json: key 'sliding_window' is 8: sliding")
+@pytest.mark.parametrize(
+    "name, change, window",
+    [
+        ("mixtral", {}, None),  # MixtralConfig: no window unless config.json sets one
+        ("mixtral", {"sliding_window": 8}, 8),
+        ("qwen3_moe", {"sliding_window": 8}, None),  # use_sliding_window false: transformers drops the window
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, 8),
+        ("qwen3_moe", {"use_sliding_window": True}, 4096),  # Qwen3MoeConfig's default window
+    ],
+    ids=["mixtral-none", "mixtral-window", "qwen3-moe-unused", "qwen3-moe-window", "qwen3-moe-default"],
+)  # fmt: skip
+def test_mixtures_of_experts_slide_every_layer_by_the_window_transformers_reads(name, change, window):
+    config = {k: v for k, v in json.loads((fixture(name) / "config.json").read_text()).items() if k != "sliding_window"}
+    got = options({**config, **change})
+    assert got.get("sliding_window") == window and got.get("layer_types") is None  # None: every layer slides
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,22 @@ def test_dense_layers_among_expert_layers_are_unrolled_with_an_mlp_each():
     assert build().scan_layers  # alike: scanned
 
 
+def test_a_sliding_window_holds_in_expert_blocks_decoded_through_its_ring_cache():
+    from nnx_cli.decoding import Decoder
+
+    params, moduledef = build(sliding_window=6).partition(nnx.Param)  # every layer slides: caches of 6 slots
+    params = jax.tree.map(lambda w: 10.0 * w, params)  # logits spread as a trained model's: greedy tokens vary
+    prompts = [[72, 105, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    run = Decoder(moduledef, params).generate(prompts, max_tokens=12, temperature=0).finish()
+    sequences = [prompt + sample for prompt, sample in zip(prompts, run.samples)]
+    padded = [s + [0] * (21 - len(s)) for s in sequences]  # one full pass for both (causal: the zeros come after)
+    full = jax.jit(lambda p, t: moduledef.apply(p).logits(t)[0])(params, jnp.asarray(padded))
+    for row, (prompt, sample) in enumerate(zip(prompts, run.samples)):
+        assert len(sample) == 12 and len(set(sample)) > 3
+        predicted = np.asarray(jnp.argmax(full[row], axis=-1))[len(prompt) - 1 : len(prompt) + 11]
+        assert predicted.tolist() == sample  # 12 tokens past a window of 6: the ring kept the right keys
+
+
 def test_expert_weights_carry_the_expert_axis_and_flops_count_the_routed_experts():
     model = build()
     params = model.filter(nnx.Param)
