@@ -202,6 +202,7 @@ def test_windowed_families_on_8_devices_equal_transformers_in_float32_and_bfloat
 
 MOE = ["mixtral", "qwen3_moe", "olmoe"]
 MOE_TOKENS = 24  # greedy tokens after each of 4 prompts
+SHARDED_MOE = ["qwen3_moe"]  # on 8 devices: 2 of its 8 experts each, beside a dense layer (one subprocess, kept short)
 
 
 def greedy_runs(name: str, exp, params) -> list[list[int]]:
@@ -221,12 +222,6 @@ def greedy_runs(name: str, exp, params) -> list[list[int]]:
 def test_mixture_of_experts_float32_logits_equal_transformers(name):
     gold = goldens(name)
     assert relative_error(model_of(name).logits(gold["input_ids"]), gold["logits"]) < FLOAT32
-
-
-def test_mixture_of_experts_float32_logits_of_unrolled_layers_equal_transformers():
-    gold = goldens("mixtral")
-    model = model_of("mixtral", "model.scan_layers=false")
-    assert relative_error(model.logits(gold["input_ids"]), gold["logits"]) < FLOAT32
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -272,11 +267,11 @@ print(json.dumps(out))
 """
     from cli_support import ROOT
 
-    result = subprocess.run([sys.executable, "-c", script, *MOE], cwd=ROOT, env=env(tmp_path, 8),
+    result = subprocess.run([sys.executable, "-c", script, *SHARDED_MOE], cwd=ROOT, env=env(tmp_path, 8),
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    for name in MOE:
+    for name in SHARDED_MOE:
         gold = goldens(name)
         assert out[name]["tokens"] == [gold[f"greedy_{i}"].tolist() for i in range(4)], name  # one device's too
         assert out[name]["devices"] == 8
