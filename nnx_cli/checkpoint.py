@@ -132,7 +132,7 @@ class Checkpointer:
         self._settle()
         items = {_ITEM: ocp.args.StandardSave(to_named_tree(state))}
         if loop is not None:
-            items[LOOP] = ocp.args.StandardSave(to_named_tree(loop))
+            items[LOOP] = ocp.args.StandardSave(to_named_tree(loop, paths=False))
         manifest = {"format": FORMAT, "step": step, "items": sorted([*items, MANIFEST])}
         if base is not None:
             manifest["base"] = base
@@ -188,12 +188,12 @@ class Checkpointer:
         """Restore one item other than the train state into `target`'s structure; None when the checkpoint lacks it."""
         if item not in self.items(step):
             return None
-        abstract = to_named_tree(jax.tree.map(_as_abstract, target))
+        abstract = to_named_tree(jax.tree.map(_as_abstract, target), paths=False)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)}))
         except Exception as e:
             raise self._unreadable(step, "restored", e) from None
-        return from_named_tree(restored[item], target)
+        return from_named_tree(restored[item], target, paths=False)
 
     def _commit_and_seal(self, step: int) -> None:
         stage = "write"
@@ -390,11 +390,14 @@ def _quiet_absl() -> None:
     logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
-def to_named_tree(tree: Any) -> dict[str, Any]:
-    """A nested dict whose keys spell each leaf's key path (`Param.value` wrappers dropped)."""
+def to_named_tree(tree: Any, paths: bool = True) -> dict[str, Any]:
+    """A nested dict whose keys spell each leaf's key path (`Param.value` wrappers dropped).
+
+    With `paths`, a dict key with slashes (a `State` path) is a path of nested keys; without, the slashes are
+    part of the name (as `%2F`: metric names such as `reward/correct` beside `reward`)."""
     out: dict[str, Any] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = _names(path)
+        names = _names(path, paths)
         node = out
         for name in names[:-1]:
             node = node.setdefault(name, {})
@@ -406,23 +409,24 @@ def to_named_tree(tree: Any) -> dict[str, Any]:
     return out
 
 
-def from_named_tree(named: dict[str, Any], target: Any) -> Any:
+def from_named_tree(named: dict[str, Any], target: Any, paths: bool = True) -> Any:
     """Inverse of :func:`to_named_tree`: put the leaves of `named` into `target`'s structure."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     leaves = []
-    for path, _ in paths:
+    for path, _ in flat:
         node: Any = named
-        for name in _names(path):
+        for name in _names(path, paths):
             node = node[name]
         leaves.append(node)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _names(path: tuple) -> list[str]:
+def _names(path: tuple, paths: bool = True) -> list[str]:
     names: list[str] = []
     for i, entry in enumerate(path):
         if isinstance(entry, jax.tree_util.DictKey):
-            names.extend(str(entry.key).split("/"))
+            key = str(entry.key)
+            names.extend(key.split("/") if paths else [key.replace("/", "%2F")])
         elif isinstance(entry, jax.tree_util.GetAttrKey):
             if not (entry.name == "value" and i == len(path) - 1):
                 names.append(entry.name)
