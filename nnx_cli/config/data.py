@@ -22,9 +22,9 @@ class DataConfig:
     workers: int | None = None  # input-pipeline worker processes; null: the machine's cores, 0: none
     cache_dir: str | None = None  # decoded / tokenized caches; null: under the `datasets` cache
     on_device: bool | str = "auto"  # keep the training split on the devices: auto, true or false
-    format: str = "text"  # text (documents in data.text_key) | chat | completion | preference (text_key unused)
+    format: str = "text"  # text (documents in data.text_key) | chat | completion | preference | prompt
     messages_key: str = "messages"  # chat: the column of {role, content} message lists
-    prompt_key: str = "prompt"  # completion: the prompt ...
+    prompt_key: str = "prompt"  # completion, preference, prompt: the prompt ...
     completion_key: str = "completion"  # ... and what the model should learn to answer
     train_on_prompt: bool = False  # chat/completion: loss on every token, not only the answers
     max_len: int | None = None  # chat/completion: longer examples are cut (counted, said); null: seq_len + 1
@@ -34,10 +34,11 @@ class DataConfig:
 
     def check(self) -> None:
         positive("data.seq_len", self.seq_len)
-        if self.format not in ("text", "chat", "completion", "preference"):
+        if self.format not in ("text", "chat", "completion", "preference", "prompt"):
             raise UserError(
                 "config key 'data.format' must be text, chat or completion (documents, or examples to fine-tune on), "
-                f"or preference (pairs, for objective.name=dpo); got {show(self.format)}"
+                "preference (pairs, for objective.name=dpo) or prompt (prompts, for objective.name=grpo); got "
+                f"{show(self.format)}"
             )
         if self.max_len is not None and self.max_len < 2:
             raise UserError(

@@ -12,8 +12,10 @@
 Images (:mod:`nnx_cli.data.images`) are decoded once into a uint8 cache,
 text (:mod:`nnx_cli.data.text`, when `data.text_key` is set) is tokenized
 once into a token stream, and fine-tuning examples
-(:mod:`nnx_cli.data.examples`, `data.format: chat | completion`) into rows
-with loss targets; all are memory-mapped by every later run
+(:mod:`nnx_cli.data.examples`, `data.format: chat | completion | preference`)
+into rows with loss targets, and prompts to sample from
+(:mod:`nnx_cli.data.prompts`, `data.format: prompt`) into token ids; all are
+memory-mapped by every later run
 (:mod:`nnx_cli.data.cache`). The loop reads them through the interface in
 :mod:`nnx_cli.data.base`, fed by :mod:`nnx_cli.data.pipeline`::
 
@@ -85,8 +87,10 @@ def spec_from_config(cfg: Config) -> DataSpec | None:
 
 def train_split(cfg: Config) -> TrainSplit:
     """The training split of `cfg.data`, addressed by `(cfg.seed, epoch)`."""
-    from nnx_cli.data import examples, images, text
+    from nnx_cli.data import examples, images, prompts, text
 
+    if cfg.data.format == prompts.PROMPT:
+        return prompts.load_prompt_splits(cfg, ("train",)).train
     if examples.is_examples(cfg.data):
         return examples.load_example_splits(cfg.data, cfg.seed, ("train",), pretrained=cfg.model.pretrained).train
     if text.is_text(cfg.data):
@@ -96,8 +100,10 @@ def train_split(cfg: Config) -> TrainSplit:
 
 def eval_split(cfg: Config) -> EvalSplit:
     """The evaluation split of `cfg.data`, read in order."""
-    from nnx_cli.data import examples, images, text
+    from nnx_cli.data import examples, images, prompts, text
 
+    if cfg.data.format == prompts.PROMPT:
+        return prompts.load_prompt_splits(cfg, ("eval",)).eval
     if examples.is_examples(cfg.data):
         return examples.load_example_splits(cfg.data, cfg.seed, ("eval",), pretrained=cfg.model.pretrained).eval
     if text.is_text(cfg.data):

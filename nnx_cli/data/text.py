@@ -182,8 +182,8 @@ class TextSplits:
 
 def is_text(cfg: DataConfig) -> bool:
     """Whether `cfg` describes text for a language model: documents (`data.text_key` is set) or fine-tuning
-    examples (`data.format` chat, completion or preference)."""
-    return cfg.text_key is not None or cfg.format in ("chat", "completion", "preference")
+    examples (`data.format` chat, completion or preference) or prompts to sample completions of."""
+    return cfg.text_key is not None or cfg.format in ("chat", "completion", "preference", "prompt")
 
 
 def is_plain_text(source: str) -> bool:
@@ -309,7 +309,7 @@ class _Source:
 
     def dataset(self, split: str, key: str, columns: list[str] | None = None) -> Any:
         """The `datasets.Dataset` of `split`, with its text column checked (or, given `columns`, those columns
-        selected: fine-tuning examples)."""
+        selected: fine-tuning examples; prompts keep every column, the rewards read them)."""
         import datasets
 
         ds = self._dataset_dict()
@@ -328,6 +328,13 @@ class _Source:
                     f"hold {', '.join(map(repr, columns))}{did_you_mean(missing[0], ds.column_names)}; columns: "
                     + ", ".join(ds.column_names)
                 )
+            if missing and self.cfg.format == "prompt":
+                raise UserError(
+                    f"config key 'data.prompt_key': dataset {self.cfg.source!r} has no column {missing[0]!r}"
+                    f"{did_you_mean(missing[0], ds.column_names)}; columns: {', '.join(ds.column_names)}"
+                )
+            if self.cfg.format == "prompt":  # every column goes to the reward functions
+                return ds
             if missing:
                 option = "messages_key" if self.cfg.format == "chat" else "prompt_key/completion_key"
                 raise UserError(
