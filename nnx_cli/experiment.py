@@ -4,7 +4,7 @@
 
     exp = setup(cfg, data="train")     # or "eval", or None (shapes from the config alone)
     exp.model_cls, exp.spec, exp.tx, exp.total_steps
-    exp.objective                      # what training minimises (nnx_cli.objectives): sft, dpo
+    exp.objective                      # what training minimises (nnx_cli.objectives): sft, dpo, grpo
     exp.moduledef, exp.abstract        # the train state's structure, shapes and dtypes (nothing allocated)
     exp.mesh, exp.rules, exp.shardings # where every array lives
     state = exp.init_state()           # a fresh state, created on the devices in its shardings
@@ -193,10 +193,10 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     with PHASES("data"):
         train, evals, spec = _setup_data(cfg, data)
     _fill_model_shapes(cfg, model_cls, spec, train)
-    total_steps = _total_steps(cfg, train)
+    objective = objectives.build(cfg, model_cls)
+    total_steps = _total_steps(cfg, train, getattr(objective, "steps_per_batch", 1))
     tx, schedule = _setup_optimizer(cfg, total_steps)
     build = models.model_factory(cfg.model, spec)
-    objective = objectives.build(cfg, model_cls)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(build, tx, cfg.seed))
     if _keeps_reference(cfg, objective, abstract):
         abstract = {**abstract, steps.REFERENCE: abstract["params"]}
@@ -204,7 +204,7 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     weighted = steps.WEIGHT in metric_names
     metric_names = [name for name in metric_names if name != steps.WEIGHT]
     if data == "train":
-        _check_keep_best(cfg, metric_names, spec, evals)
+        _check_keep_best(cfg, getattr(objective, "eval_metric_names", metric_names), spec, evals)
     rules = sharding.axis_rules(cfg.sharding)
     mesh = sharding.make_mesh(cfg.sharding) if place else None
     shardings = sharding.state_shardings(abstract, mesh, rules) if place else None
@@ -286,12 +286,14 @@ def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: Trai
         cfg.sharding.rules = sharding.default_rules(rules, cfg.sharding.mesh)
 
 
-def _total_steps(cfg: Config, train: TrainSplit | None) -> int | None:
+def _total_steps(cfg: Config, train: TrainSplit | None, steps_per_batch: int = 1) -> int | None:
+    """`train.steps`, else `train.epochs` passes over the training split (an objective may take several
+    optimizer steps on each batch: GRPO's `num_iterations`)."""
     if train is None:
         return None
     if cfg.train.steps:
         return cfg.train.steps
-    return cfg.train.epochs * train.steps_per_epoch(cfg.train.batch_size)  # type: ignore[operator]
+    return cfg.train.epochs * train.steps_per_epoch(cfg.train.batch_size) * steps_per_batch  # type: ignore[operator]
 
 
 def _setup_optimizer(cfg: Config, total_steps: int | None) -> tuple[optax.GradientTransformation, optim.Schedule]:
@@ -318,11 +320,14 @@ def _check_step(
     cfg: Config, moduledef: nnx.ModuleDef, tx: Any, abstract: Any, split: Any, objective: objectives.Objective
 ) -> list[str]:
     """Trace one train step on shapes alone (a batch of the data's shapes); return the metric names."""
+    size = cfg.train.batch_size // cfg.train.grad_accum_steps
+    if hasattr(objective, "abstract_batch"):  # the objective makes its batches: GRPO's completions of prompts
+        batch = objective.abstract_batch(size, split.width)
+        return steps.check_step(moduledef, tx, cfg.model.name, abstract, batch, objective)
     if isinstance(split, TrainSplit):
         rows = split.read(split.epoch_keys(0)[:1])
     else:
         rows = {k: v for k, v in next(split.eval_batches(1)).items() if k != "mask"}
-    size = cfg.train.batch_size // cfg.train.grad_accum_steps
     stored = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items()}
     batch = jax.eval_shape(split.prepare, stored)
     return steps.check_step(moduledef, tx, cfg.model.name, abstract, batch, objective)

@@ -113,10 +113,14 @@ def inputs(exp: Any, layout: Any, plan: list[tuple[int, int]]) -> tuple[Iterator
     `pipeline.keep_on_device`) the training split is put on the devices once,
     and each dispatch gets only the int32 keys of its `k` batches; otherwise
     Grain reads the stored rows of each dispatch in `data.workers` processes
-    and they are placed on the devices two dispatches ahead.
+    and they are placed on the devices two dispatches ahead. An objective that
+    makes its own batches gives its own feed and dispatch (GRPO: sampled
+    completions, `layout` unused).
     """
     from nnx_cli.data import pipeline
 
+    if hasattr(exp.objective, "inputs"):  # an objective that makes its own batches (GRPO samples them)
+        return exp.objective.inputs(exp, plan)
     split, cfg = exp.train, exp.cfg
     common = (steps.train_dispatch, exp.moduledef, exp.tx, exp.objective, cfg.seed, split.prepare)
     scalar = NamedSharding(exp.mesh, PartitionSpec())

@@ -311,12 +311,16 @@ def prepare(
     harness_every = cfg.eval.harness.every_steps or t.eval_every
     if harness_tasks is not None:
         intervals["eval.harness.every_steps"] = harness_every
-    k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
-    layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
+    sampling = hasattr(exp.objective, "inputs")  # the objective makes its batches: one per dispatch
+    if sampling:
+        k = exp.objective.steps_per_batch
+    else:
+        k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
+    layout = None if sampling else sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
     scalar = sharding.replicated(exp.mesh)
     feed, dispatch = loops.inputs(exp, layout, pipeline.dispatches(session.start, exp.total_steps, k))
     guard = hooks.Guard(session.checkpointer, session.workdir / "checkpoints")
-    tokens = cfg.data.seq_len if exp.spec.tokenizer else 0
+    tokens = cfg.data.seq_len if exp.spec.tokenizer and not sampling else 0  # GRPO: rows of their own length
     log = hooks.LogMetrics(t.log_every, session.loggers, guard, batch_size=t.batch_size, tokens_per_example=tokens)
     save = hooks.Checkpoint(
         cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start, base=exp.base_record()
@@ -334,7 +338,10 @@ def prepare(
             chosen.append(hooks.ImageGrid(t.eval_every, hooks.image_maker(exp, eval_layout, scalar), images, guard))
         if exp.spec.tokenizer is not None and hasattr(exp.model_cls, "init_cache"):
             samples = session.workdir / "samples" if session.lock is not None else None
-            chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
+            if hasattr(exp.objective, "samples"):  # completions with their rewards (GRPO)
+                chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard))
+            else:
+                chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
     if harness_tasks is not None:
         chosen.append(hooks.HarnessEval(harness_every, exp, harness_tasks, session.loggers, guard, session.workdir))
     if t.profile is not None:

@@ -188,7 +188,7 @@ def test_an_objective_is_completed_with_its_own_defaults():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["objective.name=dop"], r"'objective\.name' must be one of sft, dpo, got 'dop' .*did you mean 'dpo'"),
+        (["objective.name=dop"], r"'objective\.name' must be one of sft, dpo, grpo, got 'dop' .*did you mean 'dpo'"),
         (
             ["objective.name=dpo", "objective.bta=1"],
             r"'objective\.bta' for objective 'dpo' \(did you mean "

@@ -21,7 +21,14 @@ An objective says:
 
 `sft` (:class:`~nnx_cli.objectives.sft.SFT`) is the model's own metrics,
 the run of every config without an `objective` section; `dpo`
-(:class:`~nnx_cli.objectives.dpo.DPO`) learns from preference pairs.
+(:class:`~nnx_cli.objectives.dpo.DPO`) learns from preference pairs; `grpo`
+(:class:`~nnx_cli.objectives.grpo.GRPO`) from rewards of completions it
+samples.
+
+An objective that makes its own batches (GRPO samples them) also gives the
+loop its feed and dispatch (`inputs(exp, plan)`, in place of the data
+pipeline's), the evals (`evaluator(exp)`), the samples hook and the eval
+metric names; `steps_per_batch` optimizer steps make one dispatch.
 
 Writing one: its options are a dataclass in `nnx_cli/config/objective.py`
 (`OPTIONS`), its class a module here built in :func:`build`. Its metrics are
@@ -77,6 +84,10 @@ def build(cfg: Config, model_cls: type) -> Objective:
         from nnx_cli.objectives.dpo import DPO
 
         objective: Objective = DPO(beta=settings.beta, loss=settings.loss)
+    elif cfg.objective.name == "grpo":
+        from nnx_cli.objectives.grpo import GRPO
+
+        objective = GRPO(settings)
     else:
         objective = SFT(model_cls.loss_metric)
     objective.check(cfg, model_cls)

@@ -35,6 +35,11 @@ class SFT:
                 "config key 'data.format' is preference, whose rows are pairs to prefer one of, but objective.name "
                 "is sft; set objective.name=dpo to learn from them"
             )
+        if cfg.data.format == "prompt":
+            raise UserError(
+                "config key 'data.format' is prompt, whose rows hold no answers to learn, but objective.name is sft; "
+                "set objective.name=grpo (with objective.rewards) to learn from rewards of sampled completions"
+            )
 
     def metrics(
         self, model: nnx.Module, batch: dict[str, jax.Array], ctx: nnx.Context, reference: Any = None
