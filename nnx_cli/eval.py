@@ -127,7 +127,8 @@ def evaluate(
 
         step, state = restore.from_run(run, read, say)
         state, what = exp.with_reference(exp.with_frozen(state), say), str(run.checkpoints / str(step))
-    layout = sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
+    sampling = hasattr(exp.objective, "evaluator")  # it lays out its own batches (GRPO's completions)
+    layout = None if sampling else sharding.eval_batch_layout(exp.mesh, exp.rules, exp.cfg.train)
     metrics = hooks.evaluator(exp, layout, sharding.replicated(exp.mesh))(state)
 
     if as_json:

@@ -393,7 +393,8 @@ def _device_memory() -> dict[str, float]:
 
 
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
-    """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches)."""
+    """`state -> eval metrics` over the eval split (or its first `train.eval_max_batches` batches); an objective that
+    evaluates by sampling gives its own (`layout` unused)."""
     from nnx_cli.data import pipeline
     from nnx_cli.experiment import reports_perplexity
 

@@ -327,7 +327,7 @@ def prepare(
     )
     chosen = [log, save]
     if exp.eval is not None:
-        eval_layout = sharding.eval_batch_layout(exp.mesh, exp.rules, t)
+        eval_layout = None if sampling else sharding.eval_batch_layout(exp.mesh, exp.rules, t)
         evaluate = hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard)
         chosen.append(evaluate)
         if cfg.checkpoint.keep_best is not None:
