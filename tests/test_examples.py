@@ -88,6 +88,7 @@ def test_lora_example_trains_the_adapters_alone_and_merges_exactly():
 def test_preferences_example_writes_pairs_the_dpo_config_reads(tmp_path):
     from hf_support import fixture
 
+    import nnx_cli.hf  # noqa: F401  (reads tokenizers of model directories)
     from nnx_cli.config import load_config
     from nnx_cli.data import examples
 
@@ -100,3 +101,29 @@ def test_preferences_example_writes_pairs_the_dpo_config_reads(tmp_path):
     splits = examples.load_example_splits(cfg.data, seed=0, pretrained=str(fixture("qwen2")))
     for split, pairs in ((splits.train, 160), (splits.eval, 40)):  # every pair, whole, as two sequences of a row
         assert sum(int(row.max()) for row in split.stored()["segments"]) == 2 * pairs
+
+
+def test_math_prompts_example_writes_prompts_and_rewards_the_grpo_config_reads(tmp_path, monkeypatch):
+    from hf_support import fixture
+
+    import nnx_cli.hf  # noqa: F401  (reads tokenizers of model directories)
+    from nnx_cli.config import load_config
+    from nnx_cli.data import prompts
+    from nnx_cli.objectives import rewards
+
+    monkeypatch.chdir(tmp_path)
+    result = run("math_prompts", "data/math")
+    asked = {row["prompt"][0]["content"] for row in result["train"]}
+    assert len(result["train"]) == 200 and len(result["test"]) == 40
+    assert not asked & {row["prompt"][0]["content"] for row in result["test"]}  # the test split asks other sums
+    cfg = load_config(EXAMPLES.parent / "configs" / "grpo_lora.yaml",
+                      [f"model.pretrained={fixture('qwen2')}", f"data.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+    splits = prompts.load_prompt_splits(cfg)
+    assert (len(splits.train), len(splits.eval)) == (200, 40)
+    questions, columns = splits.eval.columns([0, 1])
+    assert questions == [row["prompt"] for row in result["test"][:2]] and list(columns) == ["answer"]
+    loaded = rewards.load(cfg.objective.options["rewards"])  # my_rewards.short from the current directory
+    answer = result["test"][0]["answer"]
+    right, wrong = f"That makes {answer}.", "Let me think about it for a long while. " * 8 + "It is 1000001."
+    scores = [[r.fn(questions[:1] * 2, [right, wrong], answer=[answer] * 2)] for r in loaded]
+    assert [r.name for r in loaded] == ["math_answer", "short"] and scores == [[[1.0, 0.0]], [[1.0, 0.0]]]
