@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 
@@ -112,6 +113,7 @@ def test_math_prompts_example_writes_prompts_and_rewards_the_grpo_config_reads(t
     from nnx_cli.objectives import rewards
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's module of that name
     result = run("math_prompts", "data/math")
     asked = {row["prompt"][0]["content"] for row in result["train"]}
     assert len(result["train"]) == 200 and len(result["test"]) == 40
@@ -123,6 +125,7 @@ def test_math_prompts_example_writes_prompts_and_rewards_the_grpo_config_reads(t
     questions, columns = splits.eval.columns([0, 1])
     assert questions == [row["prompt"] for row in result["test"][:2]] and list(columns) == ["answer"]
     loaded = rewards.load(cfg.objective.options["rewards"])  # my_rewards.short from the current directory
+    del sys.modules["my_rewards"]  # a later test's module of that name imports its own
     answer = result["test"][0]["answer"]
     right, wrong = f"That makes {answer}.", "Let me think about it for a long while. " * 8 + "It is 1000001."
     scores = [[r.fn(questions[:1] * 2, [right, wrong], answer=[answer] * 2)] for r in loaded]
