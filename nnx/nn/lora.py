@@ -23,13 +23,13 @@ parameter (counting them, decoding with them) still see the adapters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from nnx import spmd
 from nnx.containers import Param
@@ -48,6 +48,29 @@ class LoRAParam(Param):
 
 def _shape(features: Shape) -> tuple[int, ...]:
     return (features,) if isinstance(features, int) else tuple(features)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _low_rank(x: Array, a: Array, b: Array, scale: float) -> Array:
+    """``x @ a @ b * scale`` for ``x`` ``[tokens, in]``, ``a`` ``[in, rank]``, ``b`` ``[rank, out]``."""
+    return (x @ a @ b) * jnp.asarray(scale, x.dtype)
+
+
+def _low_rank_forward(x: Array, a: Array, b: Array, scale: float) -> tuple[Array, tuple[Array, ...]]:
+    low = x @ a
+    return (low @ b) * jnp.asarray(scale, x.dtype), (x, a, b, low)
+
+
+def _low_rank_backward(scale: float, saved: tuple[Array, ...], g: Array) -> tuple[Array, Array, Array]:
+    # The weight gradients written out as 2D matmuls over [tokens, features], dB = low^T g and
+    # dA = x^T (g B^T): left to autodiff, XLA writes large activation gradients transposed only to feed them.
+    x, a, b, low = saved
+    scale = jnp.asarray(scale, x.dtype)
+    g_low = (g @ b.T) * scale
+    return g_low @ a.T, x.T @ g_low, (low.T @ g) * scale
+
+
+_low_rank.defvjp(_low_rank_forward, _low_rank_backward)
 
 
 class LoRA(Module):
@@ -117,10 +140,12 @@ class LoRA(Module):
     def __call__(self, x: Array, *, deterministic: bool | None = True, ctx: Context | None = None) -> Array:
         dtype = self.dtype or x.dtype
         x = self.dropout(x, deterministic=deterministic, ctx=ctx)
-        contract = tuple(range(x.ndim - self.in_rank, x.ndim)), tuple(range(self.in_rank))
-        low = lax.dot_general(x.astype(dtype), self.a.astype(dtype), (contract, ((), ())))
-        y = lax.dot_general(low, self.b.astype(dtype), (((low.ndim - 1,), (0,)), ((), ())))
-        return y * jnp.asarray(self.scale, dtype)
+        tokens, out_shape = x.shape[: x.ndim - self.in_rank], self.b.shape[1:]
+        a = self.a.astype(dtype).reshape(-1, self.rank)
+        y = _low_rank(
+            x.astype(dtype).reshape(-1, a.shape[0]), a, self.b.astype(dtype).reshape(self.rank, -1), self.scale
+        )
+        return y.reshape(*tokens, *out_shape)
 
     def delta(self) -> Array:
         """The update as a full matrix, ``in_features + out_features``, in float32: what merging adds to ``W``."""
