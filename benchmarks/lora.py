@@ -5,7 +5,9 @@ float32 by both sides), sequence 256, batch 4, AdamW, CPU. `nnx-train` with LoRA
 seven projections) and fully, against `benchmarks/reference/peft_train.py` doing the same with `peft` and
 without it. Steady-state training tokens/s (compilation and the first steps left out) and peak memory (the
 process's resident high-water mark) of each; the size of a LoRA checkpoint against a full one. Targets:
-tokens/s at least 1.0x, peak memory no higher, a LoRA checkpoint under 5% of a full one.
+tokens/s at least 1.0x, peak memory no higher, a LoRA checkpoint under 5% of a full one. Each side runs twice,
+alternating (nnx, theirs, theirs, nnx), and the medians are over both runs' steps. Speed means nothing on a busy
+machine: part 1 prints the load average and refuses to start above 0.5 (`--force` measures anyway, warning).
 
 Part 2 (learning): a small random Llama-shaped model with a ChatML template and 24 question/answer facts as
 chats. `peft` and nnx start from the same adapter (peft's initialisation, saved and given to nnx through
@@ -14,7 +16,7 @@ chats. `peft` and nnx start from the same adapter (peft's initialisation, saved 
 every fact learnt by LoRA and by full fine-tuning, and nnx's LoRA eval loss within 10% of peft's at every
 eval (after the first 100 steps, where both are still near the start).
 
-    python benchmarks/lora.py --reference /tmp/refvenv/bin/python [--part 1|2]
+    python benchmarks/lora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--force]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ SMOLLM2 = {
     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
     "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+MAX_LOAD = 0.5  # the 1-minute load average above which speed is not measured (see check_idle)
 SMALL = {
     **SMOLLM2, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
@@ -137,6 +140,40 @@ def size_mib(path: Path) -> float:
 # ------------------------------------------------------------------------------
 
 
+def ours(cwd: Path, config: Path, workdir: Path, steps: int) -> tuple[list[float], float, float]:
+    """One `nnx-train` run: its steady-state tokens/s of each logged step, its peak memory, its checkpoint's size."""
+    _, peak = run([BIN / "nnx-train", config, "--workdir", workdir], cwd)
+    records = train_records(workdir, "train")
+    speeds = [r["metrics"]["tokens_per_s"] for r in records[1:]]  # after compiling
+    return speeds, peak, size_mib(workdir / "checkpoints" / str(steps))
+
+
+def theirs(reference: str, cwd: Path, model: Path, lora: bool) -> tuple[list[float], float, int]:
+    """One `peft_train.py` run on the same batches: tokens/s of each step after the first two, peak, threads."""
+    extra = ["--lora", "16", "32"] if lora else []
+    _, peak = run([reference, REFERENCE, model, cwd / "speed.npz", cwd / "speed.json",
+                   "--learning-rate", "1e-4", *extra], cwd)  # fmt: skip
+    result = json.loads((cwd / "speed.json").read_text())
+    return [4 * 256 / s for s in result["seconds"][2:]], peak, result["threads"]
+
+
+def check_idle(force: bool) -> None:
+    """Print the load average; refuse to measure above MAX_LOAD (with `force`, warn loudly and go on).
+
+    With two cores, torch's threads collapse when another process shares them (steps 5 s -> 30-60 s under a
+    load of 4) while XLA slows about 1.8x: a busy machine reads anything from 0.6x to 3.7x.
+    """
+    load = os.getloadavg()[0]
+    print(f"load average (1 min): {load:.2f}")
+    if load <= MAX_LOAD:
+        return
+    message = (f"the machine is busy (load average {load:.2f} > {MAX_LOAD}): speed ratios measured now are "
+               "meaningless; run on an idle machine")  # fmt: skip
+    if not force:
+        raise SystemExit(f"refusing to measure: {message} (or pass --force)")
+    print(f"\n{'!' * 100}\nWARNING: {message}. Figures below are NOT comparable.\n{'!' * 100}\n")
+
+
 def part1(reference: str, cwd: Path, steps: int) -> bool:
     model = cwd / "smollm2-135m-shaped"
     count = write_model(model, SMOLLM2)
@@ -145,7 +182,10 @@ def part1(reference: str, cwd: Path, steps: int) -> bool:
     text = " ".join(rng.choice(words, 200_000))
     write_tokenizer(model, text[:200_000], 4000)
     (cwd / "text.txt").write_text(text)
-    print(f"model: SmolLM2-135M shapes ({count / 1e6:.1f} M parameters), sequence 256, batch 4, AdamW, {steps} steps")
+    print(f"model: SmolLM2-135M shapes ({count / 1e6:.1f} M parameters), sequence 256, batch 4, AdamW, {steps} steps; "
+          "each side runs twice, in the order nnx, theirs, theirs, nnx")  # fmt: skip
+    tokens = rng.integers(0, 4000, (steps, 4, 257))
+    np.savez(cwd / "speed.npz", tokens=tokens, targets=np.ones_like(tokens, np.uint8))
     rows = []
     for name, lora in (("LoRA r16", "lora: {rank: 16, alpha: 32}, "), ("full", "")):
         config = cwd / f"speed-{len(rows)}.yaml"
@@ -156,26 +196,27 @@ def part1(reference: str, cwd: Path, steps: int) -> bool:
             f"train: {{batch_size: 4, steps: {steps}, log_every: 2, steps_per_dispatch: 1}}\n"
             f"checkpoint: {{every_steps: {steps}}}\n"
         )
-        workdir = cwd / f"speed-{len(rows)}"
-        _, ours_peak = run([BIN / "nnx-train", config, "--workdir", workdir], cwd)
-        records = train_records(workdir, "train")
-        ours = statistics.median(r["metrics"]["tokens_per_s"] for r in records[1:])  # after compiling
-        checkpoint = size_mib(workdir / "checkpoints" / str(steps))
-        tokens = rng.integers(0, 4000, (steps, 4, 257))
-        np.savez(cwd / "speed.npz", tokens=tokens, targets=np.ones_like(tokens, np.uint8))
-        extra = ["--lora", "16", "32"] if lora else []
-        _, theirs_peak = run([reference, REFERENCE, model, cwd / "speed.npz", cwd / "speed.json",
-                              "--learning-rate", "1e-4", *extra], cwd)  # fmt: skip
-        result = json.loads((cwd / "speed.json").read_text())
-        theirs = 4 * 256 / statistics.median(result["seconds"][2:])
-        rows.append((name, ours, theirs, ours_peak, theirs_peak, checkpoint, result["threads"]))
+        speeds = {"nnx": [], "theirs": []}
+        peaks = {"nnx": 0.0, "theirs": 0.0}
+        for i, side in enumerate(("nnx", "theirs", "theirs", "nnx")):  # A B B A: drifting load hits both alike
+            if side == "nnx":
+                got, peak, checkpoint = ours(cwd, config, cwd / f"speed-{len(rows)}-{i}", steps)
+            else:
+                got, peak, threads = theirs(reference, cwd, model, bool(lora))
+            print(f"  {name}, {side}: {statistics.median(got):,.0f} tokens/s, peak {peak:,.0f} MiB "
+                  f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
+            speeds[side] += got
+            peaks[side] = max(peaks[side], peak)
+        rows.append((name, statistics.median(speeds["nnx"]), statistics.median(speeds["theirs"]), peaks["nnx"],
+                     peaks["theirs"], checkpoint, threads))  # fmt: skip
     print("\n| fine-tuning | nnx tokens/s | peft/transformers tokens/s | ratio | nnx peak RSS MiB | theirs MiB | "
           "nnx checkpoint MiB |\n| --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
-    for name, ours, theirs, ours_peak, theirs_peak, checkpoint, threads in rows:
-        print(f"| {name} | {ours:,.0f} | {theirs:,.0f} ({threads} threads) | {ours / theirs:.2f}x | "
-              f"{ours_peak:,.0f} | {theirs_peak:,.0f} | {checkpoint:,.1f} |")  # fmt: skip
+    for name, speed, their_speed, peak, their_peak, checkpoint, threads in rows:
+        print(f"| {name} | {speed:,.0f} | {their_speed:,.0f} ({threads} threads) | {speed / their_speed:.2f}x | "
+              f"{peak:,.0f} | {their_peak:,.0f} | {checkpoint:,.1f} |")  # fmt: skip
     share = rows[0][5] / rows[1][5]
     print(f"\nLoRA checkpoint / full checkpoint: {share:.1%} (target under 5%)")
+    print(f"load average at the end (1 min, this benchmark's own runs included): {os.getloadavg()[0]:.2f}")
     return all(r[1] >= r[2] and r[3] <= r[4] for r in rows) and share < 0.05
 
 
@@ -271,10 +312,12 @@ def main() -> None:
     parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
     parser.add_argument("--speed-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--force", action="store_true", help="measure speed even on a busy machine (warns)")
     args = parser.parse_args()
     cwd = Path(tempfile.mkdtemp(prefix="nnx-lora-"))
     ok = True
     if args.part in (None, 1):
+        check_idle(args.force)
         ok &= part1(args.reference, cwd, args.speed_steps)
     if args.part in (None, 2):
         ok &= part2(args.reference, cwd, args.steps)
