@@ -196,6 +196,7 @@ class Classifier:
                        for n in names):  # fmt: skip
                     return part
         ops = {opcode, *self.computations.get(called, [])} - {"parameter", "constant", "tuple", "get-tuple-element"}
+        ops = ops - {"fusion"} if len(ops) > 1 else ops
         if "dot" in ops or "convolution" in ops or opcode == "custom-call":
             return "matmuls"
         stack = self.stack(frame)
