@@ -63,7 +63,7 @@ LLAMA = dict(mlp="swiglu", bias=False, norm="rmsnorm", norm_eps=1e-5, positions=
 # An operation traced inside one of them belongs to that part, whatever it computes; the innermost such
 # function decides.
 PARTS = {
-    "attention": ("Attention._causal", "attention_core", "dot_product_attention"),
+    "attention": ("Attention._causal", "attention_core", "_core_forward", "_core_backward", "dot_product_attention"),
     "head": ("TransformerLM._logits", "TransformerLM.metrics", "TransformerLM._example_metrics",
              "softmax_cross_entropy_with_integer_labels", "Embed.attend", "TransformerLM._embed", "head_logits",
              "tied_logits"),

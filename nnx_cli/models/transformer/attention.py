@@ -4,7 +4,8 @@ Three ways through the same projections:
 
 - `__call__`: a whole sequence, causal, or within each packed example when
   given `segments`; a fused kernel where one runs (:func:`fused_attention`),
-  the attention weights written out when they take dropout or soft-capping;
+  else :func:`.attention_core.attention_core` (no attention weights saved for
+  the backward pass), the weights written out when they take dropout;
 - `prefill`: a prompt, whose keys and values fill the cache `init_cache` added;
 - `decode`: one token per row at per-row positions, attending to the cache.
 
@@ -18,7 +19,8 @@ each method takes its layer's index, a Python int for unrolled layers, or
 traced when scanned over layers that differ (:func:`layer_window`,
 :func:`layer_frequencies`).
 
-A new attention variant belongs here, with its option in `options.Architecture`.
+A new attention variant belongs here, with its option in `options.Architecture`
+(and in the core, when it changes the scores or the mask).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import nnx
+from nnx_cli.models.transformer.attention_core import attention_core
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain
 from nnx_cli.models.transformer.norms import RMSNorm, rms_offset
 from nnx_cli.models.transformer.options import Architecture
@@ -193,21 +196,21 @@ class Attention(nnx.Module):
         window: int | jax.Array | None = None,
     ):
         """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids;
-        with `window`, only over the last `window` positions."""
+        with `window`, only over the last `window` positions.
+
+        cuDNN's fused kernel where it runs (no segments, no soft cap); else :func:`attention_core`, which saves no
+        attention weights for the backward pass. Dropout on the weights needs them written out, and so, at this
+        commit, does a window known only at run time (scanned layers that differ): then the XLA form below.
+        """
         plain = deterministic or self.attention_dropout.rate == 0.0
-        if plain and self.arch.attention_softcap is None:
-            same = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-            local = (window - 1, 0) if isinstance(window, int) else None  # the kernels' own sliding window
-            if window is not None and local is None:  # traced: a scan over sliding and full layers
-                index = jnp.arange(q.shape[1])[None]
-                near = visible(index, index, window=window)
-                same = near if same is None else same & near
-            implementation = self.implementation if q.shape[1] > 1 and same is None else "xla"
-            return jax.nn.dot_product_attention(
-                q, k, v, mask=same, scale=self.scale, is_causal=True, local_window_size=local,
-                implementation=implementation,
-            )  # fmt: skip
-        # Soft-capped logits or dropout on the weights: neither fused kernel offers them, so the XLA form is written.
+        softcap = self.arch.attention_softcap
+        if plain and (window is None or isinstance(window, int)):
+            if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None:
+                local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
+                return jax.nn.dot_product_attention(
+                    q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
+                )
+            return attention_core(q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale)
         groups = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         logits = self._scaled(jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32))

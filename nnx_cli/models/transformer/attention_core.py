@@ -1,0 +1,203 @@
+"""The attention core, `softmax(q k^T * scale + mask) v`, with a hand-written backward pass that saves no weights.
+
+:func:`attention_core` takes queries `[batch, length, heads, head_dim]` and keys
+and values `[batch, length, kv_heads, head_dim]` (grouped-query attention when
+`kv_heads < heads`) and attends causally; the masks and variants are its
+arguments, so that a new one drops in here:
+
+    o = attention_core(q, k, v)                                  # causal
+    o = attention_core(q, k, v, segments=segments)               # and within each packed example
+    o = attention_core(q, k, v, window=4096, softcap=50.0)       # a sliding window, soft-capped scores
+
+Left to autodiff, attention saves its weights `[batch, heads, length, length]`
+for the backward pass, and under the layer scan every layer's copy is
+stacked into one zero-filled `[layers, ...]` buffer: the largest residual of
+a training step. Here the forward pass keeps only its output and the
+log-sum-exp of each query's scores; the backward pass recomputes the weights
+from them (one more `q k^T`, as flash attention does) and writes each
+gradient in the layout its matmul reads.
+
+Queries are taken in blocks of `block` positions (a static loop): a block
+attends only to the keys its causal (and sliding-window) mask can reach,
+which skips the masked half of the work on long sequences and bounds the
+scores held at once to `[batch, heads, block, length]`. Scores and softmax
+are float32; the forward weighted sum runs in the inputs' dtype, as
+`jax.nn.dot_product_attention` computes it, the backward pass in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASKED = -1e30
+"""The score of a key a query may not see (finite: a masked score minus the maximum stays finite)."""
+
+
+class _Static(typing.NamedTuple):
+    """What shapes the computation, beside the arrays: hashable, so that it can be a static argument."""
+
+    groups: int  # query heads per key-value head
+    scale: float
+    window: int | None
+    softcap: float | None
+    block: int
+
+
+def attention_core(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segments: jax.Array | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    block: int = 512,
+) -> jax.Array:
+    """Causal softmax attention of `q` `[B, T, H, D]` over `k`, `v` `[B, T, K, D]` (`H` a multiple of `K`).
+
+    Args:
+      segments: `[B, T]` example ids of packed rows: a query sees only keys of its own id.
+      window: a query at position `i` sees keys `i - window + 1 .. i` only (a sliding window).
+      softcap: scores pass through `softcap * tanh(score / softcap)` before the mask (Gemma 2).
+      scale: multiplies `q k^T` (default `1 / sqrt(D)`).
+      block: queries per block (see the module docstring); any positive size gives the same result.
+
+    Returns `[B, T, H, D]` in `v`'s dtype.
+    """
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    static = _Static(heads // kv_heads, 1.0 / math.sqrt(d) if scale is None else float(scale), window, softcap,
+                     max(1, min(block, t)))  # fmt: skip
+    # [B, K, G, T, D]: the query heads that share a key-value head sit together, positions along rows
+    grouped = q.reshape(b, t, kv_heads, static.groups, d).transpose(0, 2, 3, 1, 4)
+    if segments is not None:
+        segments = jnp.asarray(segments, jnp.int32)
+    o = _core(grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, static)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+
+
+def _blocks(length: int, static: _Static) -> list[tuple[int, int, int]]:
+    """`(first query, end of queries, first key)` of each block: keys run from the first one a query of the
+    block may see (0, or the window's start) to the block's last query."""
+    out = []
+    for start in range(0, length, static.block):
+        end = min(start + static.block, length)
+        first_key = 0 if static.window is None else max(0, start - static.window + 1)
+        out.append((start, end, first_key))
+    return out
+
+
+def _visible(start: int, end: int, first_key: int, segments: jax.Array | None, static: _Static, transposed: bool):
+    """Which keys `first_key .. end - 1` the queries `start .. end - 1` see: `[B|1, 1, G * rows, keys]`, rows
+    ordered (group, query); `transposed`: `[B|1, 1, keys, G * rows]`."""
+    queries = jnp.tile(jnp.arange(start, end), static.groups)
+    keys = jnp.arange(first_key, end)
+    queries, keys = (queries[None, :], keys[:, None]) if transposed else (queries[:, None], keys[None, :])
+    mask = keys <= queries
+    if static.window is not None:
+        mask = mask & (queries - keys < static.window)
+    mask = mask[None, None]
+    if segments is None:
+        return mask
+    query_ids = jnp.tile(segments[:, start:end], (1, static.groups))[:, None]
+    key_ids = segments[:, first_key:end][:, None]
+    same = (
+        key_ids[..., :, None] == query_ids[..., None, :]
+        if transposed
+        else query_ids[..., :, None] == key_ids[..., None, :]
+    )
+    return mask & same
+
+
+def _dot(a: jax.Array, b: jax.Array, contract_a: int, contract_b: int, dtype=jnp.float32) -> jax.Array:
+    """A matmul batched over the two leading axes (batch, key-value head)."""
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0, 1), (0, 1))), preferred_element_type=dtype)
+
+
+def _scores(a: jax.Array, b: jax.Array, static: _Static) -> tuple[jax.Array, jax.Array | None]:
+    """Float32 `a b^T * scale`, soft-capped; and the tanh the cap's derivative needs (None without a cap)."""
+    s = _dot(a, b, 3, 3) * static.scale
+    if static.softcap is None:
+        return s, None
+    tanh = jnp.tanh(s / static.softcap)
+    return static.softcap * tanh, tanh
+
+
+def _rows(q: jax.Array, start: int, end: int) -> jax.Array:
+    """The queries `start .. end - 1` of `q` `[B, K, G, T, D]` as rows `[B, K, G * (end - start), D]`."""
+    b, kv, g, _, d = q.shape
+    return q[:, :, :, start:end].reshape(b, kv, g * (end - start), d)
+
+
+def _forward(q, k, v, segments, static: _Static) -> tuple[jax.Array, jax.Array]:
+    """The output `[B, K, G, T, D]` and the log-sum-exp of each query's scores `[B, K, G, T]`."""
+    b, kv, g, t, d = q.shape
+    outputs, lses = [], []
+    for start, end, first_key in _blocks(t, static):
+        s, _ = _scores(_rows(q, start, end), k[:, :, first_key:end], static)
+        s = jnp.where(_visible(start, end, first_key, segments, static, transposed=False), s, MASKED)
+        peak = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - peak)
+        total = jnp.sum(p, axis=-1, keepdims=True)
+        o = _dot((p / total).astype(v.dtype), v[:, :, first_key:end], 3, 2, v.dtype)
+        outputs.append(o.reshape(b, kv, g, end - start, d))
+        lses.append((peak + jnp.log(total)).reshape(b, kv, g, end - start))
+    if len(outputs) == 1:
+        return outputs[0], lses[0]
+    return jnp.concatenate(outputs, axis=3), jnp.concatenate(lses, axis=3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _core(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, static: _Static) -> jax.Array:
+    return _forward(q, k, v, segments, static)[0]
+
+
+def _core_forward(q, k, v, segments, static: _Static):
+    o, lse = _forward(q, k, v, segments, static)
+    return o, (q, k, v, segments, o, lse)
+
+
+def _core_backward(static: _Static, saved: tuple, do: jax.Array):
+    """Each block's weights recomputed from the saved log-sum-exp, transposed (`[keys, rows]`): the value and
+    key gradients then read them as laid out, and so does the query gradient's matmul. All in float32 (16-bit
+    inputs are widened: the weights and their gradients never round to 16 bits)."""
+    q_in, k_in, v_in, segments, o, lse = saved
+    q, k, v, do = (x.astype(jnp.float32) for x in (q_in, k_in, v_in, do))
+    b, kv, g, t, d = q.shape
+    # delta_i = sum_j P_ij dP_ij = do_i . o_i: the softmax's backward, per query
+    delta = jnp.sum(do * o.astype(jnp.float32), axis=-1)
+    dq_blocks = []
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for start, end, first_key in _blocks(t, static):
+        rows, do_rows = _rows(q, start, end), _rows(do, start, end)
+        keys, values = k[:, :, first_key:end], v[:, :, first_key:end]
+        st, tanh = _scores(keys, rows, static)  # [B, K, keys, G * rows]
+        visible = _visible(start, end, first_key, segments, static, transposed=True)
+        lse_rows = lse[:, :, :, start:end].reshape(b, kv, 1, -1)
+        pt = jnp.where(visible, jnp.exp(st - lse_rows), 0.0)
+        dv_block = _dot(pt, do_rows, 3, 2)  # [B, K, keys, D]
+        dpt = _dot(values, do_rows, 3, 3)  # [B, K, keys, G * rows]
+        dst = pt * (dpt - delta[:, :, :, start:end].reshape(b, kv, 1, -1))
+        if tanh is not None:
+            dst = dst * (1.0 - tanh * tanh)
+        dst = dst * static.scale
+        dk_block = _dot(dst, rows, 3, 2)  # [B, K, keys, D]
+        dq_blocks.append(_dot(dst, keys, 2, 2).reshape(b, kv, g, end - start, d))
+        if first_key == 0 and end == t:
+            dk, dv = dk + dk_block, dv + dv_block
+        else:
+            dk = dk.at[:, :, first_key:end].add(dk_block)
+            dv = dv.at[:, :, first_key:end].add(dv_block)
+    dq = dq_blocks[0] if len(dq_blocks) == 1 else jnp.concatenate(dq_blocks, axis=3)
+    no_segments = None if segments is None else jnp.zeros(segments.shape, jax.dtypes.float0)
+    return dq.astype(q_in.dtype), dk.astype(k_in.dtype), dv.astype(v_in.dtype), no_segments
+
+
+_core.defvjp(_core_forward, _core_backward)
