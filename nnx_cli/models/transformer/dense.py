@@ -8,6 +8,7 @@ constrained to logical axes at the seams (:func:`constrain`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,21 @@ def normal(std: float, axes: tuple[str, ...]) -> Any:
 def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """`x` constrained to the logical `axes` (one name per dimension)."""
     return nnx.with_logical_constraint(x, axes)
+
+
+def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None) -> jax.Array:
+    """`x @ kernel` contracting the trailing `in_rank` axes of `x` with the leading ones of `kernel`, as one 2D
+    matmul `[tokens, in] @ [in, out]`.
+
+    Autodiff then writes the weight gradient as the 2D matmul `x^T g` over
+    `[tokens, features]`; contracted over the batch and length axes at once,
+    XLA copied the output gradient transposed to feed it (the SwiGLU gradient
+    as `[mlp, tokens]`, the tied head's as `[vocab, tokens]`).
+    """
+    tokens, out_shape = x.shape[: x.ndim - in_rank], kernel.shape[in_rank:]
+    x2 = x.reshape(math.prod(tokens), -1)
+    y = lax.dot_general(x2, kernel.reshape(x2.shape[1], -1), (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    return y.reshape(*tokens, *out_shape)
 
 
 class Dense(nnx.Module):
@@ -87,9 +103,7 @@ class Dense(nnx.Module):
             self.lora = None
 
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
-        kernel = self.kernel.astype(self.dtype)
-        contract = tuple(range(x.ndim - self.in_rank, x.ndim)), tuple(range(self.in_rank))
-        y = lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())), preferred_element_type=self.out_dtype)
+        y = matmul(x.astype(self.dtype), self.kernel.astype(self.dtype), self.in_rank, self.out_dtype)
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
         return y if self.bias is None else y + self.bias.astype(y.dtype)

@@ -27,7 +27,7 @@ import nnx
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
-from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
+from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, matmul, normal
 from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture, architecture
@@ -251,7 +251,7 @@ class TransformerLM(nnx.Module):
         h = self.final_norm(h)
         if self.tie_embeddings:  # `embedding.attend(h)`, accumulated and returned in float32
             table = self.embedding.embedding.astype(h.dtype)
-            logits = jnp.einsum("...e,ve->...v", h, table, preferred_element_type=jnp.float32)
+            logits = matmul(h, table.T, 1, jnp.float32)
         else:
             logits = self.head(h)
         logits = constrain(soft_cap(logits, self.logit_softcap), ("batch", "length", "vocab"))
