@@ -167,9 +167,13 @@ class Attention(nnx.Module):
         layer: Layer = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         train = dict(deterministic=deterministic, ctx=ctx)
-        q = constrain(self.query(x, **train), ("batch", "length", "heads", "kv"))
+        batch, length = x.shape[:2]
+        # One [tokens, embed] operand for the three projections: the backward pass keeps one copy of it, not three.
+        tokens = x.reshape(batch * length, -1)
+        project = lambda dense: dense(tokens, **train).reshape(batch, length, -1, self.arch.head_dim)  # noqa: E731
+        q = constrain(project(self.query), ("batch", "length", "heads", "kv"))
         kv_axes = ("batch", "length", self.arch.kv_axis, "kv")
-        k, v = constrain(self.key(x, **train), kv_axes), constrain(self.value(x, **train), kv_axes)
+        k, v = constrain(project(self.key), kv_axes), constrain(project(self.value), kv_axes)
         if self.arch.qk_norm and self.arch.qk_norm_scope == "projection":
             flat = lambda norm, y: norm(y.reshape(*y.shape[:-2], -1)).reshape(y.shape)  # noqa: E731
             q, k = flat(self.query_norm, q), flat(self.key_norm, k)

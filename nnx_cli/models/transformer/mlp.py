@@ -6,11 +6,58 @@ architecture.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
+import jax.numpy as jnp
 
 import nnx
 from nnx_cli.models.transformer.dense import Dense, constrain
 from nnx_cli.models.transformer.options import GATED, Architecture
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gated(gate: jax.Array, up: jax.Array, kind: str) -> jax.Array:
+    """`act(gate) * up` with `act` silu (`kind` swiglu) or the tanh GELU (geglu), whose backward pass keeps `gate`
+    and `up` only and recomputes the activation's derivative: autodiff kept five `[tokens, mlp_dim]` arrays per
+    layer (the sigmoid or tanh, the activation, their product's factors)."""
+    return (nnx.silu(gate) if kind == "swiglu" else nnx.gelu(gate)) * up
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`silu(gate) * up` (Llama's), with :func:`gated`'s backward pass."""
+    return gated(gate, up, "swiglu")
+
+
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`gelu(gate) * up`, the tanh GELU (Gemma's), with :func:`gated`'s backward pass."""
+    return gated(gate, up, "geglu")
+
+
+_GELU_C = math.sqrt(2 / math.pi)  # gelu(x) = x / 2 (1 + tanh(c (x + 0.044715 x^3)))
+
+
+def _gated_forward(gate: jax.Array, up: jax.Array, kind: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return gated(gate, up, kind), (gate, up)
+
+
+def _gated_backward(kind: str, saved: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    gate, up = saved
+    if kind == "swiglu":
+        sigmoid = jax.nn.sigmoid(gate)
+        act = gate * sigmoid
+        # d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))
+        d_act = sigmoid * (1 + gate * (1 - sigmoid))
+    else:
+        tanh = jnp.tanh(_GELU_C * (gate + 0.044715 * gate**3))
+        act = 0.5 * gate * (1 + tanh)
+        # d gelu(x) / dx = (1 + t) / 2 + x / 2 (1 - t^2) c (1 + 3 * 0.044715 x^2)
+        d_act = 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh * tanh) * _GELU_C * (1 + 3 * 0.044715 * gate * gate)
+    return g * up * d_act, g * act
+
+
+gated.defvjp(_gated_forward, _gated_backward)
 
 
 class MLP(nnx.Module):
@@ -33,11 +80,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None) -> jax.Array:
         train = dict(deterministic=deterministic, ctx=ctx)
-        up = self.fc(x, **train)
-        if self.gated:
-            gate = self.gate(x, **train)
-            h = (nnx.silu(gate) if self.kind == "swiglu" else nnx.gelu(gate)) * up
-        else:
-            h = nnx.gelu(up)
-        h = constrain(h, ("batch", "length", "mlp"))
+        batch, length = x.shape[:2]
+        tokens = x.reshape(batch * length, -1)  # one operand for the up and gate projections, one saved copy
+        up = self.fc(tokens, **train)
+        h = gated(self.gate(tokens, **train), up, self.kind) if self.gated else nnx.gelu(up)
+        h = constrain(h.reshape(batch, length, -1), ("batch", "length", "mlp"))
         return self.dropout(self.proj(h, **train), deterministic=deterministic, ctx=ctx)

@@ -9,6 +9,7 @@ so weights go in and out unchanged.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -48,15 +49,48 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(init(ctx.make_rng("params"), (num_features,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        scale = self.scale if not self.offset else self.offset + self.scale
-        return (y * scale).astype(self.dtype)
+        return rms_norm(x, self.scale, self.epsilon, self.dtype, self.offset)
 
 
 def rms_offset(arch: Architecture) -> float:
     """What RMSNorm adds to its stored scale: 1 for `gemma_rmsnorm`, else 0."""
     return 1.0 if arch.norm == "gemma_rmsnorm" else 0.0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def rms_norm(x: jax.Array, scale: jax.Array, epsilon: float, dtype: Any, offset: float = 0.0) -> jax.Array:
+    """`x / sqrt(mean(x^2) + epsilon) * (offset + scale)` over the last axis, in float32, returned in `dtype`.
+
+    The backward pass keeps `x` and the per-row `1 / rms` only and recomputes
+    the normalised `x`: autodiff kept that too, one more `[tokens, features]`
+    array per norm and layer.
+    """
+    return _rms_norm_forward(x, scale, epsilon, dtype, offset)[0]
+
+
+def _inverse_rms(x32: jax.Array, epsilon: float) -> jax.Array:
+    return lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon)
+
+
+def _rms_norm_forward(x: jax.Array, scale: jax.Array, epsilon: float, dtype: Any, offset: float):
+    x32 = x.astype(jnp.float32)
+    inverse = _inverse_rms(x32, epsilon)
+    applied = scale if not offset else offset + scale
+    return (x32 * inverse * applied).astype(dtype), (x, scale, inverse)
+
+
+def _rms_norm_backward(epsilon: float, dtype: Any, offset: float, saved: tuple, g: jax.Array):
+    x, scale, inverse = saved
+    y = x.astype(jnp.float32) * inverse
+    g = g.astype(jnp.float32)
+    d_scale = jnp.sum(g * y, axis=tuple(range(g.ndim - 1)))  # d (offset + scale) / d scale = 1
+    gy = g * (scale if not offset else offset + scale)
+    # y = x r with r = (mean(x^2) + eps)^(-1/2): dx = r (gy - y mean(gy y))
+    dx = inverse * (gy - y * jnp.mean(gy * y, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
 
 
 def make_norm(arch: Architecture, ctx: nnx.Context) -> nnx.Module:

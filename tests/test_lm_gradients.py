@@ -1,0 +1,55 @@
+"""transformer_lm's hand-written backward passes equal autodiff of the formulas they stand for.
+
+The model's projections, SwiGLU and RMSNorm define their own gradients so that a training step saves fewer
+activations and writes no transposed copies of them; these tests hold those gradients to autodiff's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnx_cli.models.transformer.dense import matmul
+from nnx_cli.models.transformer.mlp import swiglu
+from nnx_cli.models.transformer.norms import rms_norm
+
+
+def random(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def assert_same_gradients(ours, formula, *args):
+    """Equal values, and equal gradients of a random projection of the output with respect to every argument."""
+    cotangent = random(jnp.shape(ours(*args)), 99)
+    np.testing.assert_allclose(ours(*args), formula(*args), rtol=1e-5, atol=1e-6)
+    argnums = tuple(range(len(args)))
+
+    def gradients(f):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cotangent), argnums))(*args)
+
+    got, want = gradients(ours), gradients(formula)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x_shape, kernel_shape, in_rank",
+    [((2, 3, 5), (5, 4), 1), ((2, 3, 5), (5, 2, 4), 1), ((2, 3, 2, 4), (2, 4, 5), 2)],
+    ids=["dense", "into-heads", "out-of-heads"],
+)
+def test_matmul_gradients_equal_autodiff_of_the_contraction(x_shape, kernel_shape, in_rank):
+    formula = lambda x, kernel: jnp.tensordot(x, kernel, axes=in_rank)  # noqa: E731
+    assert_same_gradients(lambda x, kernel: matmul(x, kernel, in_rank), formula, random(x_shape, 0),
+                          random(kernel_shape, 1))  # fmt: skip
+
+
+def test_swiglu_gradients_equal_autodiff_of_silu_times_up():
+    assert_same_gradients(swiglu, lambda gate, up: jax.nn.silu(gate) * up, random((6, 7), 0), random((6, 7), 1))
+
+
+def test_rms_norm_gradients_equal_autodiff_of_its_formula():
+    def formula(x, scale):
+        return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+    ours = lambda x, scale: rms_norm(x, scale, 1e-5, jnp.float32)  # noqa: E731
+    assert_same_gradients(ours, formula, random((2, 3, 8), 0), 1.0 + 0.1 * random((8,), 1))
