@@ -22,12 +22,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 import nnx
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
-from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, matmul, normal
+from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
 from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture, architecture
@@ -250,8 +251,12 @@ class TransformerLM(nnx.Module):
         """Float32 logits over the padded vocabulary, padded ids masked."""
         h = self.final_norm(h)
         if self.tie_embeddings:  # `embedding.attend(h)`, accumulated and returned in float32
+            # One 2D product over [tokens, embed], contracting the table's own rows as `_last_logits` does (their
+            # logits stay bitwise equal): the table's gradient is then `g^T h` with no transposed copy of `g`.
             table = self.embedding.embedding.astype(h.dtype)
-            logits = matmul(h, table.T, 1, jnp.float32)
+            rows = h.reshape(-1, h.shape[-1])
+            logits = lax.dot_general(rows, table, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            logits = logits.reshape(*h.shape[:-1], -1)
         else:
             logits = self.head(h)
         logits = constrain(soft_cap(logits, self.logit_softcap), ("batch", "length", "vocab"))
