@@ -44,8 +44,17 @@ ALL = {"segments": PACKED, "window": 4, "softcap": 1.5}
         ({"softcap": 2.0}, 6, 2, 512),
         (ALL, 6, 2, 4),
         (ALL, 4, 4, 512),
+        ({"window": jnp.asarray(3), "segments": PACKED}, 6, 2, 4),  # an array: masks, skips no key
     ],
-    ids=["causal", "segments-blocks", "window-blocks", "softcap", "all-blocks", "all-multi-head"],
+    ids=[
+        "causal",
+        "segments-blocks",
+        "window-blocks",
+        "softcap",
+        "all-blocks",
+        "all-multi-head",
+        "traced-window",
+    ],
 )
 def test_attention_core_and_its_gradients_equal_plain_attention(options, heads, kv_heads, block):
     q, k, v = random((2, 9, heads, 8), 0), random((2, 9, kv_heads, 8), 1), random((2, 9, kv_heads, 8), 2)

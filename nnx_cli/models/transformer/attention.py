@@ -202,14 +202,15 @@ class Attention(nnx.Module):
         """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids;
         with `window`, only over the last `window` positions.
 
-        cuDNN's fused kernel where it runs (no segments, no soft cap); else :func:`attention_core`, which saves no
-        attention weights for the backward pass. Dropout on the weights needs them written out, and so, at this
-        commit, does a window known only at run time (scanned layers that differ): then the XLA form below.
+        cuDNN's fused kernel where it runs (no segments, no soft cap, a window known at trace time); else
+        :func:`attention_core`, which saves no attention weights for the backward pass (a traced window too:
+        scanned layers that differ). Dropout on the weights needs them written out: then the XLA form below.
         """
         plain = deterministic or self.attention_dropout.rate == 0.0
         softcap = self.arch.attention_softcap
-        if plain and (window is None or isinstance(window, int)):
-            if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None:
+        if plain:
+            fixed = window is None or isinstance(window, int)
+            if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
                 local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
                 return jax.nn.dot_product_attention(
                     q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"

@@ -8,6 +8,7 @@ arguments, so that a new one drops in here:
     o = attention_core(q, k, v)                                  # causal
     o = attention_core(q, k, v, segments=segments)               # and within each packed example
     o = attention_core(q, k, v, window=4096, softcap=50.0)       # a sliding window, soft-capped scores
+    o = attention_core(q, k, v, window=jnp.where(sliding, 4096, 1 << 30))   # a window known at run time
 
 Left to autodiff, attention saves its weights `[batch, heads, length, length]`
 for the backward pass, and under the layer scan every layer's copy is
@@ -20,7 +21,9 @@ gradient in the layout its matmul reads.
 Queries are taken in blocks of `block` positions (a static loop): a block
 attends only to the keys its causal (and sliding-window) mask can reach,
 which skips the masked half of the work on long sequences and bounds the
-scores held at once to `[batch, heads, block, length]`. Scores and softmax
+scores held at once to `[batch, heads, block, length]`. A traced window (a
+scan over layers that slide and layers that do not) masks the same keys but
+skips none: which keys are out of reach is then unknown at trace time. Scores and softmax
 are float32; the forward weighted sum runs in the inputs' dtype, as
 `jax.nn.dot_product_attention` computes it, the backward pass in float32.
 """
@@ -55,7 +58,7 @@ def attention_core(
     v: jax.Array,
     *,
     segments: jax.Array | None = None,
-    window: int | None = None,
+    window: int | jax.Array | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     block: int = 512,
@@ -64,7 +67,8 @@ def attention_core(
 
     Args:
       segments: `[B, T]` example ids of packed rows: a query sees only keys of its own id.
-      window: a query at position `i` sees keys `i - window + 1 .. i` only (a sliding window).
+      window: a query at position `i` sees keys `i - window + 1 .. i` only (a sliding window); a Python int, or
+        an integer array (traced: the mask only, no key skipped).
       softcap: scores pass through `softcap * tanh(score / softcap)` before the mask (Gemma 2).
       scale: multiplies `q k^T` (default `1 / sqrt(D)`).
       block: queries per block (see the module docstring); any positive size gives the same result.
@@ -73,13 +77,14 @@ def attention_core(
     """
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
-    static = _Static(heads // kv_heads, 1.0 / math.sqrt(d) if scale is None else float(scale), window, softcap,
-                     max(1, min(block, t)))  # fmt: skip
+    limit = None if window is None or isinstance(window, int) else jnp.asarray(window, jnp.int32)
+    static = _Static(heads // kv_heads, 1.0 / math.sqrt(d) if scale is None else float(scale),
+                     None if limit is not None else window, softcap, max(1, min(block, t)))  # fmt: skip
     # [B, K, G, T, D]: the query heads that share a key-value head sit together, positions along rows
     grouped = q.reshape(b, t, kv_heads, static.groups, d).transpose(0, 2, 3, 1, 4)
     if segments is not None:
         segments = jnp.asarray(segments, jnp.int32)
-    o = _core(grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, static)
+    o = _core(grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, limit, static)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
 
 
@@ -94,15 +99,17 @@ def _blocks(length: int, static: _Static) -> list[tuple[int, int, int]]:
     return out
 
 
-def _visible(start: int, end: int, first_key: int, segments: jax.Array | None, static: _Static, transposed: bool):
+def _visible(start: int, end: int, first_key: int, segments, limit, static: _Static, transposed: bool):
     """Which keys `first_key .. end - 1` the queries `start .. end - 1` see: `[B|1, 1, G * rows, keys]`, rows
-    ordered (group, query); `transposed`: `[B|1, 1, keys, G * rows]`."""
+    ordered (group, query); `transposed`: `[B|1, 1, keys, G * rows]`. `limit`: a traced window, or None."""
     queries = jnp.tile(jnp.arange(start, end), static.groups)
     keys = jnp.arange(first_key, end)
     queries, keys = (queries[None, :], keys[:, None]) if transposed else (queries[:, None], keys[None, :])
     mask = keys <= queries
     if static.window is not None:
         mask = mask & (queries - keys < static.window)
+    if limit is not None:
+        mask = mask & (queries - keys < limit)
     mask = mask[None, None]
     if segments is None:
         return mask
@@ -136,13 +143,13 @@ def _rows(q: jax.Array, start: int, end: int) -> jax.Array:
     return q[:, :, :, start:end].reshape(b, kv, g * (end - start), d)
 
 
-def _forward(q, k, v, segments, static: _Static) -> tuple[jax.Array, jax.Array]:
+def _forward(q, k, v, segments, limit, static: _Static) -> tuple[jax.Array, jax.Array]:
     """The output `[B, K, G, T, D]` and the log-sum-exp of each query's scores `[B, K, G, T]`."""
     b, kv, g, t, d = q.shape
     outputs, lses = [], []
     for start, end, first_key in _blocks(t, static):
         s, _ = _scores(_rows(q, start, end), k[:, :, first_key:end], static)
-        s = jnp.where(_visible(start, end, first_key, segments, static, transposed=False), s, MASKED)
+        s = jnp.where(_visible(start, end, first_key, segments, limit, static, transposed=False), s, MASKED)
         peak = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - peak)
         total = jnp.sum(p, axis=-1, keepdims=True)
@@ -154,21 +161,21 @@ def _forward(q, k, v, segments, static: _Static) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate(outputs, axis=3), jnp.concatenate(lses, axis=3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _core(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, static: _Static) -> jax.Array:
-    return _forward(q, k, v, segments, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _core(q: jax.Array, k: jax.Array, v: jax.Array, segments, limit, static: _Static) -> jax.Array:
+    return _forward(q, k, v, segments, limit, static)[0]
 
 
-def _core_forward(q, k, v, segments, static: _Static):
-    o, lse = _forward(q, k, v, segments, static)
-    return o, (q, k, v, segments, o, lse)
+def _core_forward(q, k, v, segments, limit, static: _Static):
+    o, lse = _forward(q, k, v, segments, limit, static)
+    return o, (q, k, v, segments, limit, o, lse)
 
 
 def _core_backward(static: _Static, saved: tuple, do: jax.Array):
     """Each block's weights recomputed from the saved log-sum-exp, transposed (`[keys, rows]`): the value and
     key gradients then read them as laid out, and so does the query gradient's matmul. All in float32 (16-bit
     inputs are widened: the weights and their gradients never round to 16 bits)."""
-    q_in, k_in, v_in, segments, o, lse = saved
+    q_in, k_in, v_in, segments, limit, o, lse = saved
     q, k, v, do = (x.astype(jnp.float32) for x in (q_in, k_in, v_in, do))
     b, kv, g, t, d = q.shape
     # delta_i = sum_j P_ij dP_ij = do_i . o_i: the softmax's backward, per query
@@ -179,7 +186,7 @@ def _core_backward(static: _Static, saved: tuple, do: jax.Array):
         rows, do_rows = _rows(q, start, end), _rows(do, start, end)
         keys, values = k[:, :, first_key:end], v[:, :, first_key:end]
         st, tanh = _scores(keys, rows, static)  # [B, K, keys, G * rows]
-        visible = _visible(start, end, first_key, segments, static, transposed=True)
+        visible = _visible(start, end, first_key, segments, limit, static, transposed=True)
         lse_rows = lse[:, :, :, start:end].reshape(b, kv, 1, -1)
         pt = jnp.where(visible, jnp.exp(st - lse_rows), 0.0)
         dv_block = _dot(pt, do_rows, 3, 2)  # [B, K, keys, D]
@@ -197,7 +204,8 @@ def _core_backward(static: _Static, saved: tuple, do: jax.Array):
             dv = dv.at[:, :, first_key:end].add(dv_block)
     dq = dq_blocks[0] if len(dq_blocks) == 1 else jnp.concatenate(dq_blocks, axis=3)
     no_segments = None if segments is None else jnp.zeros(segments.shape, jax.dtypes.float0)
-    return dq.astype(q_in.dtype), dk.astype(k_in.dtype), dv.astype(v_in.dtype), no_segments
+    no_limit = None if limit is None else jnp.zeros(limit.shape, jax.dtypes.float0)
+    return dq.astype(q_in.dtype), dk.astype(k_in.dtype), dv.astype(v_in.dtype), no_segments, no_limit
 
 
 _core.defvjp(_core_forward, _core_backward)
