@@ -1,7 +1,8 @@
 """transformer_lm's hand-written backward passes equal autodiff of the formulas they stand for.
 
-The model's projections, SwiGLU and RMSNorm define their own gradients so that a training step saves fewer
-activations and writes no transposed copies of them; these tests hold those gradients to autodiff's.
+The model's projections, SwiGLU, GeGLU and RMSNorm (Gemma's `1 + w` too) define their own gradients so that a
+training step saves fewer activations and writes no transposed copies of them; these tests hold those gradients to
+autodiff's.
 """
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from nnx_cli.models.transformer.dense import matmul
-from nnx_cli.models.transformer.mlp import swiglu
+from nnx_cli.models.transformer.mlp import geglu, swiglu
 from nnx_cli.models.transformer.norms import rms_norm
 
 
@@ -47,9 +48,22 @@ def test_swiglu_gradients_equal_autodiff_of_silu_times_up():
     assert_same_gradients(swiglu, lambda gate, up: jax.nn.silu(gate) * up, random((6, 7), 0), random((6, 7), 1))
 
 
+def test_geglu_gradients_equal_autodiff_of_tanh_gelu_times_up():
+    formula = lambda gate, up: jax.nn.gelu(gate, approximate=True) * up  # noqa: E731
+    assert_same_gradients(geglu, formula, 2.0 * random((6, 7), 0), random((6, 7), 1))
+
+
 def test_rms_norm_gradients_equal_autodiff_of_its_formula():
     def formula(x, scale):
         return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
 
     ours = lambda x, scale: rms_norm(x, scale, 1e-5, jnp.float32)  # noqa: E731
     assert_same_gradients(ours, formula, random((2, 3, 8), 0), 1.0 + 0.1 * random((8,), 1))
+
+
+def test_gemma_rms_norm_gradients_equal_autodiff_of_its_formula_with_one_plus_w():
+    def formula(x, scale):
+        return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (1.0 + scale)
+
+    ours = lambda x, scale: rms_norm(x, scale, 1e-6, jnp.float32, 1.0)  # noqa: E731
+    assert_same_gradients(ours, formula, random((2, 3, 8), 0), 0.1 * random((8,), 1))
