@@ -4,10 +4,13 @@ Part 1 (speed, memory, size): a SmolLM2-135M-shaped model (random bfloat16 weigh
 float32 by both sides), sequence 256, batch 4, AdamW, CPU. `nnx-train` with LoRA (rank 16, alpha 32, all
 seven projections) and fully, against `benchmarks/reference/peft_train.py` doing the same with `peft` and
 without it. Steady-state training tokens/s (compilation and the first steps left out) and peak memory (the
-process's resident high-water mark) of each; the size of a LoRA checkpoint against a full one. Targets:
-tokens/s at least 1.0x, peak memory no higher, a LoRA checkpoint under 5% of a full one. Each side runs twice,
-alternating (nnx, theirs, theirs, nnx), and the medians are over both runs' steps. Speed means nothing on a busy
-machine: part 1 prints the load average and refuses to start above 0.5 (`--force` measures anyway, warning).
+process's resident high-water mark) of each; the size of a LoRA checkpoint against a full one. Then the same
+on a held-out shape the speed work was not tuned on (`--shapes` picks): Qwen2-like, grouped-query attention
+with biases on q, k and v, an untied head, sequence 1024, batch 2. Targets, on both shapes: tokens/s at least
+1.0x, peak memory no higher (full fine-tuning's is printed on its own line), a LoRA checkpoint under 5% of a
+full one. Each side runs twice, alternating (nnx, theirs, theirs, nnx), and the medians are over both runs'
+steps. Speed means nothing on a busy machine: part 1 prints the load average and refuses to start above 0.5
+(`--force` measures anyway, warning).
 
 Part 2 (learning): a small random Llama-shaped model with a ChatML template and 24 question/answer facts as
 chats. `peft` and nnx start from the same adapter (peft's initialisation, saved and given to nnx through
@@ -16,7 +19,7 @@ chats. `peft` and nnx start from the same adapter (peft's initialisation, saved 
 every fact learnt by LoRA and by full fine-tuning, and nnx's LoRA eval loss within 10% of peft's at every
 eval (after the first 100 steps, where both are still near the start).
 
-    python benchmarks/lora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--force]
+    python benchmarks/lora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--shapes smollm2,held-out] [--force]
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ SMOLLM2 = {
     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
     "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+HELD_OUT = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1536,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+SHAPES = {  # name: (description, config.json, sequence length, batch size)
+    "smollm2": ("SmolLM2-135M shapes", SMOLLM2, 256, 4),
+    "held-out": ("held out: Qwen2-like, GQA 8/2 with q/k/v biases, untied head", HELD_OUT, 1024, 2),
+}
 MAX_LOAD = 0.5  # the 1-minute load average above which speed is not measured (see check_idle)
 SMALL = {
     **SMOLLM2, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -148,13 +161,14 @@ def ours(cwd: Path, config: Path, workdir: Path, steps: int) -> tuple[list[float
     return speeds, peak, size_mib(workdir / "checkpoints" / str(steps))
 
 
-def theirs(reference: str, cwd: Path, model: Path, lora: bool) -> tuple[list[float], float, int]:
-    """One `peft_train.py` run on the same batches: tokens/s of each step after the first two, peak, threads."""
+def theirs(reference: str, cwd: Path, model: Path, batches: Path, lora: bool) -> tuple[list[float], float, int]:
+    """One `peft_train.py` run on `batches`: tokens/s of each step after the first two, peak, threads."""
     extra = ["--lora", "16", "32"] if lora else []
-    _, peak = run([reference, REFERENCE, model, cwd / "speed.npz", cwd / "speed.json",
-                   "--learning-rate", "1e-4", *extra], cwd)  # fmt: skip
+    _, peak = run([reference, REFERENCE, model, batches, cwd / "speed.json", "--learning-rate", "1e-4", *extra],
+                  cwd)  # fmt: skip
     result = json.loads((cwd / "speed.json").read_text())
-    return [4 * 256 / s for s in result["seconds"][2:]], peak, result["threads"]
+    _, batch, length = np.load(batches)["tokens"].shape
+    return [batch * (length - 1) / s for s in result["seconds"][2:]], peak, result["threads"]
 
 
 def check_idle(force: bool) -> None:
@@ -174,50 +188,66 @@ def check_idle(force: bool) -> None:
     print(f"\n{'!' * 100}\nWARNING: {message}. Figures below are NOT comparable.\n{'!' * 100}\n")
 
 
-def part1(reference: str, cwd: Path, steps: int) -> bool:
-    model = cwd / "smollm2-135m-shaped"
-    count = write_model(model, SMOLLM2)
+def part1(reference: str, cwd: Path, steps: int, shapes: list[str]) -> bool:
     rng = np.random.default_rng(0)
     words = [f"w{i}" for i in range(3000)]
     text = " ".join(rng.choice(words, 200_000))
-    write_tokenizer(model, text[:200_000], 4000)
     (cwd / "text.txt").write_text(text)
-    print(f"model: SmolLM2-135M shapes ({count / 1e6:.1f} M parameters), sequence 256, batch 4, AdamW, {steps} steps; "
-          "each side runs twice, in the order nnx, theirs, theirs, nnx")  # fmt: skip
-    tokens = rng.integers(0, 4000, (steps, 4, 257))
-    np.savez(cwd / "speed.npz", tokens=tokens, targets=np.ones_like(tokens, np.uint8))
-    rows = []
-    for name, lora in (("LoRA r16", "lora: {rank: 16, alpha: 32}, "), ("full", "")):
-        config = cwd / f"speed-{len(rows)}.yaml"
-        config.write_text(
-            f"model: {{name: transformer_lm, pretrained: {model}, {lora}scan_layers: true}}\n"
-            "data: {source: text.txt, text_key: text, seq_len: 256, eval_split: null}\n"
-            "optimizer: {name: adamw, learning_rate: 1.0e-4, weight_decay: 0.0}\n"
-            f"train: {{batch_size: 4, steps: {steps}, log_every: 2, steps_per_dispatch: 1}}\n"
-            f"checkpoint: {{every_steps: {steps}}}\n"
-        )
-        speeds = {"nnx": [], "theirs": []}
-        peaks = {"nnx": 0.0, "theirs": 0.0}
-        for i, side in enumerate(("nnx", "theirs", "theirs", "nnx")):  # A B B A: drifting load hits both alike
-            if side == "nnx":
-                got, peak, checkpoint = ours(cwd, config, cwd / f"speed-{len(rows)}-{i}", steps)
-            else:
-                got, peak, threads = theirs(reference, cwd, model, bool(lora))
-            print(f"  {name}, {side}: {statistics.median(got):,.0f} tokens/s, peak {peak:,.0f} MiB "
-                  f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
-            speeds[side] += got
-            peaks[side] = max(peaks[side], peak)
-        rows.append((name, statistics.median(speeds["nnx"]), statistics.median(speeds["theirs"]), peaks["nnx"],
-                     peaks["theirs"], checkpoint, threads))  # fmt: skip
-    print("\n| fine-tuning | nnx tokens/s | peft/transformers tokens/s | ratio | nnx peak RSS MiB | theirs MiB | "
-          "nnx checkpoint MiB |\n| --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
-    for name, speed, their_speed, peak, their_peak, checkpoint, threads in rows:
-        print(f"| {name} | {speed:,.0f} | {their_speed:,.0f} ({threads} threads) | {speed / their_speed:.2f}x | "
-              f"{peak:,.0f} | {their_peak:,.0f} | {checkpoint:,.1f} |")  # fmt: skip
-    share = rows[0][5] / rows[1][5]
-    print(f"\nLoRA checkpoint / full checkpoint: {share:.1%} (target under 5%)")
-    print(f"load average at the end (1 min, this benchmark's own runs included): {os.getloadavg()[0]:.2f}")
-    return all(r[1] >= r[2] and r[3] <= r[4] for r in rows) and share < 0.05
+    print(f"AdamW, {steps} steps; each side runs twice, in the order nnx, theirs, theirs, nnx")
+    rows, ok = [], True
+    for shape in shapes:
+        description, config, length, batch = SHAPES[shape]
+        model = cwd / shape
+        count = write_model(model, config)
+        write_tokenizer(model, text[:200_000], 4000)
+        print(f"\n{description} ({count / 1e6:.1f} M parameters), sequence {length}, batch {batch}")
+        batches = cwd / f"speed-{shape}.npz"
+        tokens = rng.integers(0, 4000, (steps, batch, length + 1))
+        np.savez(batches, tokens=tokens, targets=np.ones_like(tokens, np.uint8))
+        measured = [speed_row(reference, cwd, model, batches, shape, lora, steps) for lora in (True, False)]
+        rows += measured
+        full = measured[1]
+        print(f"full fine-tuning peak memory ({shape}): nnx {full[4]:,.0f} MiB, theirs {full[5]:,.0f} MiB "
+              f"({full[4] / full[5]:.2f}x; target at most 1.00x)")  # fmt: skip
+        share = measured[0][6] / measured[1][6]
+        print(f"LoRA checkpoint / full checkpoint ({shape}): {share:.1%} (target under 5%)")
+        ok &= share < 0.05
+    print("\n| shape | fine-tuning | nnx tokens/s | peft/transformers tokens/s | ratio | nnx peak RSS MiB | "
+          "theirs MiB | nnx checkpoint MiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    for shape, name, speed, their_speed, peak, their_peak, checkpoint, threads in rows:
+        print(f"| {shape} | {name} | {speed:,.0f} | {their_speed:,.0f} ({threads} threads) | "
+              f"{speed / their_speed:.2f}x | {peak:,.0f} | {their_peak:,.0f} | {checkpoint:,.1f} |")  # fmt: skip
+    print(f"\nload average at the end (1 min, this benchmark's own runs included): {os.getloadavg()[0]:.2f}")
+    return ok and all(r[2] >= r[3] and r[4] <= r[5] for r in rows)
+
+
+def speed_row(reference: str, cwd: Path, model: Path, batches: Path, shape: str, lora: bool, steps: int) -> tuple:
+    """LoRA (rank 16, alpha 32, every projection) or full fine-tuning of `model` on both sides, A B B A: `(shape,
+    name, nnx tokens/s, theirs, nnx peak MiB, theirs, nnx checkpoint MiB, their threads)`, medians over runs."""
+    name = "LoRA r16" if lora else "full"
+    _, batch, length = np.load(batches)["tokens"].shape
+    config = cwd / f"speed-{shape}-{name[:4]}.yaml"
+    config.write_text(
+        f"model: {{name: transformer_lm, pretrained: {model}, {'lora: {rank: 16, alpha: 32}, ' if lora else ''}"
+        "scan_layers: true}\n"
+        f"data: {{source: text.txt, text_key: text, seq_len: {length - 1}, eval_split: null}}\n"
+        "optimizer: {name: adamw, learning_rate: 1.0e-4, weight_decay: 0.0}\n"
+        f"train: {{batch_size: {batch}, steps: {steps}, log_every: 2, steps_per_dispatch: 1}}\n"
+        f"checkpoint: {{every_steps: {steps}}}\n"
+    )
+    speeds = {"nnx": [], "theirs": []}
+    peaks = {"nnx": 0.0, "theirs": 0.0}
+    for i, side in enumerate(("nnx", "theirs", "theirs", "nnx")):  # A B B A: drifting load hits both alike
+        if side == "nnx":
+            got, peak, checkpoint = ours(cwd, config, cwd / f"speed-{shape}-{name[:4]}-{i}", steps)
+        else:
+            got, peak, threads = theirs(reference, cwd, model, batches, lora)
+        print(f"  {name}, {side}: {statistics.median(got):,.0f} tokens/s, peak {peak:,.0f} MiB "
+              f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
+        speeds[side] += got
+        peaks[side] = max(peaks[side], peak)
+    return (shape, name, statistics.median(speeds["nnx"]), statistics.median(speeds["theirs"]), peaks["nnx"],
+            peaks["theirs"], checkpoint, threads)  # fmt: skip
 
 
 # Part 2: learning 24 facts, with the same start and the same batches
@@ -311,6 +341,7 @@ def main() -> None:
     parser.add_argument("--reference", required=True, help="python of a virtualenv with torch, transformers, peft")
     parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
     parser.add_argument("--speed-steps", type=int, default=10)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"part 1's shapes, of {', '.join(SHAPES)}")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--force", action="store_true", help="measure speed even on a busy machine (warns)")
     args = parser.parse_args()
@@ -318,7 +349,11 @@ def main() -> None:
     ok = True
     if args.part in (None, 1):
         check_idle(args.force)
-        ok &= part1(args.reference, cwd, args.speed_steps)
+        shapes = args.shapes.split(",")
+        unknown = [s for s in shapes if s not in SHAPES]
+        if unknown:
+            parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+        ok &= part1(args.reference, cwd, args.speed_steps, shapes)
     if args.part in (None, 2):
         ok &= part2(args.reference, cwd, args.steps)
     raise SystemExit(0 if ok else 1)
