@@ -197,6 +197,21 @@ def test_the_padded_vocabulary_is_masked_out_of_logits_loss_and_accuracy():
     np.testing.assert_allclose(metrics(model, batch)["loss"], expected, rtol=1e-5)
 
 
+def test_loss_and_accuracy_read_the_soft_capped_logits():
+    capped = build(logit_softcap=1e-3)  # logits of about +-10, which a cap of 1e-3 squashes to two values
+    capped.embedding.embedding = 100.0 * capped.embedding.embedding
+    batch = windows()
+    logits = jax.jit(lambda pure, t: pure.call.logits(t))(capped.partition(), batch["tokens"][:, :-1])[..., :VOCAB]
+    assert float(jnp.max(jnp.abs(logits))) <= np.float32(1e-3)
+    targets = batch["tokens"][:, 1:]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    out = metrics(capped, batch)
+    np.testing.assert_allclose(out["loss"], -jnp.mean(target_logit - jax.nn.logsumexp(logits, -1), -1), rtol=1e-5)
+    predicted = jnp.mean(target_logit >= jnp.max(logits, -1), axis=-1)  # targets tied at the cap count as predicted
+    np.testing.assert_allclose(out["accuracy"], predicted, rtol=1e-6)
+    assert float(jnp.min(out["accuracy"])) > 0.2  # about half the targets: those of positive logits (uncapped: 1/257)
+
+
 def test_bits_per_byte_counts_byte_targets_only():
     model = build(bits_per_byte=True)
     tokens = np.asarray(windows()["tokens"]).copy()
