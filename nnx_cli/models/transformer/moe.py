@@ -30,6 +30,7 @@ from jax import lax
 
 import nnx
 from nnx_cli.models.transformer.dense import Dense, constrain, normal
+from nnx_cli.models.transformer.mlp import swiglu
 from nnx_cli.models.transformer.options import Architecture, Lora
 
 EXPERT = "expert"
@@ -250,7 +251,7 @@ class MoE(nnx.Module):
         statistics = router_statistics(experts, probabilities, None if mask is None else mask.reshape(-1))
         groups, sources, positions = sort_by_expert(experts, self.num_experts, self.implementation)
         rows = jnp.concatenate([tokens, jnp.zeros((1, shape[-1]), tokens.dtype)])[sources]
-        hidden = nnx.silu(self.gate(rows, groups, **train)) * self.fc(rows, groups, **train)
+        hidden = swiglu(self.gate(rows, groups, **train), self.fc(rows, groups, **train))  # keeps gate and up only
         out = self.proj(hidden.astype(self.dtype), groups, **train)  # [rows, embed]
         combined = jnp.einsum("tk,tke->te", weights, out[positions].astype(jnp.float32))
         y = constrain(combined.astype(self.dtype).reshape(shape), ("batch", "length", "embed"))
