@@ -1,7 +1,7 @@
 """Drawing text from a language model with a key-value cache.
 
-A prompt goes through one jitted *prefill* (compiled per power-of-two
-prompt-length bucket), then one jitted *decode step* per token, compiled once
+A prompt goes through one jitted *prefill* (compiled per prompt-length
+bucket: :func:`bucket_length`), then one jitted *decode step* per token, compiled once
 per batch size and cache length and reused for every token. Both are pure
 functions of the parameters (a `State` of `nnx.Param`, as restored from a
 checkpoint) and the cache; the model's `ModuleDef` is their static argument::
@@ -45,7 +45,7 @@ import nnx
 from nnx_cli.errors import UserError
 
 MIN_BUCKET = 16
-"""The smallest prompt bucket: prompts are right-padded to a power of two at least this long."""
+"""The smallest prompt bucket: prompts are right-padded to a :func:`bucket_length` at least this long."""
 
 trace_counts: collections.Counter[str] = collections.Counter()
 """How many times `prefill` and `decode` were traced (compiled): one more per new shape, never one per token."""
@@ -53,8 +53,20 @@ trace_counts: collections.Counter[str] = collections.Counter()
 _MASKED = -1e30
 
 
-def _bucket(length: int) -> int:
-    return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+def bucket_length(length: int, limit: int | None = None) -> int:
+    """The padded length of `length` tokens: 16, 32, 64, 128, 192, 256, 384, 512, 768, ... (at most `limit`).
+
+    Powers of two, with their midpoints from 128 on: a handful of compiled shapes, and at most a third of a
+    long prompt (or cache) spent on padding rather than half.
+
+    >>> [bucket_length(n) for n in (1, 17, 100, 129, 200, 300)]
+    [16, 32, 128, 192, 256, 384]
+    """
+    bucket = MIN_BUCKET
+    while bucket < length:
+        power = 1 << (bucket.bit_length() - 1)
+        bucket = power * 3 // 2 if bucket == power and power >= 128 else power * 2
+    return min(bucket, limit) if limit is not None else bucket
 
 
 # Sampling
@@ -146,7 +158,9 @@ def _prefill_impl(cachedef, treedef, leaves, cache, tokens, lengths, keys, sampl
     trace_counts["prefill"] += 1
     logits, (state, _) = cachedef.apply(treedef.unflatten(leaves), cache).prefill(tokens, lengths)
     first = _sample(logits, keys, jnp.int32(0), *sampling, **dict(flags))
-    return first, state.filter(nnx.Cache)
+    # The decode step's first positions and draw index come out of here, not from the host: arguments made
+    # on the host are placed differently from a jitted step's outputs, so the step compiled a second time.
+    return first, state.filter(nnx.Cache), lengths, jnp.int32(1)
 
 
 def _decode_impl(cachedef, treedef, cache_len, leaves, cache, tokens, positions, index, keys, sampling, flags):
@@ -217,8 +231,8 @@ class Decoder:
         if self.context_limit is not None:
             cache_len = self.context_limit
         else:
-            cache_len = _bucket(longest + max_tokens - 1)
-        width = min(_bucket(longest), cache_len)
+            cache_len = bucket_length(longest + max_tokens - 1)
+        width = min(bucket_length(longest), cache_len)
         tokens = np.zeros((len(prompts), width), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
@@ -302,8 +316,9 @@ class Generation(Iterator[tuple[int | None, ...]]):
         batch = len(lengths)
         cache, cachedef = _new_cache(decoder.moduledef, decoder.params, batch, cache_len)
         leaves, treedef = decoder._leaves, decoder._treedef
-        drawn, cache = _prefill(cachedef, treedef, leaves, cache, tokens, lengths, keys, sampling, flags)
-        positions, index = jnp.asarray(lengths), jnp.int32(1)
+        drawn, cache, positions, index = _prefill(
+            cachedef, treedef, leaves, cache, tokens, lengths, keys, sampling, flags
+        )
         # `fed[b]`: where sample b's latest token goes if it is fed back; it fits while fed[b] < cache_len.
         fed = [int(n) for n in lengths]
         for t in range(max_tokens):

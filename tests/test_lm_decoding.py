@@ -91,12 +91,14 @@ def test_a_sliding_layers_cache_holds_its_window_and_a_full_layers_every_positio
     params, moduledef = params_and_def(positions="rope", sliding_window=6, layer_types=types, scan_layers=False)
     model = moduledef.merge(params)
     model.init_cache(2, 64)
-    slots = [block.attention.cached_key.shape[2] for block in model.layers]
+    slots = [block.attention.cached_value.shape[2] for block in model.layers]
     assert slots == [6, 64]  # a ring of the window's keys: memory stops growing with the context
     params, moduledef = params_and_def(positions="rope", sliding_window=6)  # scanned, every layer sliding
     every_layer = moduledef.merge(params)
     every_layer.init_cache(2, 64)
-    assert every_layer.layers.scan_module.attention.cached_key.shape == (2, 2, 2, 6, 16)
+    attention = every_layer.layers.scan_module.attention
+    assert attention.cached_value.shape == (2, 2, 2, 6, 16)  # [layers, batch, kv heads, slots, head_dim]
+    assert attention.cached_key.shape == (2, 2, 2, 16, 6)  # keys transposed: [..., head_dim, slots]
 
 
 def test_bfloat16_cached_logits_agree_with_a_full_pass_to_1_percent_of_their_spread():
@@ -222,12 +224,25 @@ def test_the_decode_step_compiles_once_for_every_token_and_prompt_in_a_bucket():
     before = dict(decoding.trace_counts)
     model = Decoder(moduledef, params)
     first = model.generate([[1, 2, 3]], max_tokens=20, temperature=0.7, seed=0).finish()
+    assert decoding.trace_counts["decode"] - before.get("decode", 0) == 1  # the first step's inputs included
     second = model.generate([[9, 8, 7, 6, 5, 4]], max_tokens=20, temperature=1.3, top_k=5, seed=1).finish()
     assert len(first.samples[0]) == len(second.samples[0]) == 20
     assert decoding.trace_counts["decode"] - before.get("decode", 0) == 2  # one per top_k on/off, not per token
     assert decoding.trace_counts["prefill"] - before.get("prefill", 0) == 2
     model.generate([[5]], max_tokens=20, temperature=0.5, top_k=3, seed=2).finish()
     assert decoding.trace_counts["decode"] - before.get("decode", 0) == 2
+
+
+def test_the_decode_step_compiles_once_for_weights_placed_on_a_mesh():
+    """Weights placed with a sharding (as a restored or harness-loaded model's are): the first decode step's
+    inputs come out of the jitted prefill, so the step does not compile again for the second token."""
+    params, moduledef = params_and_def(num_heads=2, num_kv_heads=1)  # a configuration no other test compiles
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    before = dict(decoding.trace_counts)
+    run = Decoder(moduledef, params).generate([[1, 2, 3], [4, 5]], max_tokens=6, temperature=0).finish()
+    assert [len(s) for s in run.samples] == [6, 6]
+    assert decoding.trace_counts["decode"] - before.get("decode", 0) == 1
 
 
 def test_padded_vocabulary_ids_are_never_sampled():

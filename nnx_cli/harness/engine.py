@@ -42,27 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import nnx
+from nnx_cli.decoding import bucket_length
 
-# Padded lengths of scored inputs: powers of two with their midpoints from 128 on.
-_SMALLEST = 16
 # Most bytes a batch's float32 logits may take (they are the largest array of a scoring call).
 LOGITS_BUDGET = 1 << 30
 
 Progress = Callable[[int], None]
-
-
-def bucket_length(length: int, limit: int | None = None) -> int:
-    """The padded length of an input of `length` tokens: 16, 32, 64, 128, 192, 256, 384, 512, 768, ... (at most
-    `limit`, the model's learned positions).
-
-    >>> [bucket_length(n) for n in (1, 17, 100, 129, 200, 300)]
-    [16, 32, 128, 192, 256, 384]
-    """
-    bucket = _SMALLEST
-    while bucket < length:
-        power = 1 << (bucket.bit_length() - 1)
-        bucket = power * 3 // 2 if bucket == power and power >= 128 else (power * 2)
-    return min(bucket, limit) if limit is not None else bucket
 
 
 def _floor_power_of_two(n: int) -> int:
@@ -375,7 +360,9 @@ class Engine:
         rows = _floor_power_of_two(self.batch_size)
         for start in range(0, len(order), rows):
             chosen = order[start : start + rows]
-            size = rows if len(chosen) == rows else _ceil_power_of_two(len(chosen))
+            # A short last batch is padded to a multiple of 8 rows, not a power of two: every row is a prompt
+            # prefilled in full (24 prompts in 32 rows spent a third of the prefill on copies).
+            size = min(rows, -(-len(chosen) // 8) * 8)
             batch = [list(prompts[i]) for i in chosen] + [list(prompts[chosen[0]])] * (size - len(chosen))
             drawn = self._decoder.generate(
                 batch, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
