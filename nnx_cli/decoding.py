@@ -36,6 +36,7 @@ import codecs
 import collections
 import functools
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -413,3 +414,11 @@ def decode_bytes(tokens: Iterable[int]) -> str:
     """Text of a whole list of byte tokens (invalid UTF-8 as U+FFFD)."""
     text = Utf8Decoder()
     return text.decode(tokens) + text.flush()
+
+
+def text_of(tokenizer: Any, tokens: list[int]) -> str:
+    """Tokens as text, by the data's tokenizer; for bytes (a tokenizer with `to_bytes`), invalid UTF-8 shows as
+    U+FFFD."""
+    if hasattr(tokenizer, "to_bytes"):
+        return decode_bytes(tokens)
+    return tokenizer.decode(tokens)

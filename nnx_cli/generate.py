@@ -88,6 +88,8 @@ def generate(
     if stream:
         _stream(drawn, shown, tokenizer)
     drawn.finish()
+    from nnx_cli.decoding import text_of
+
     texts = [text_of(tokenizer, sample) for sample in drawn.samples]
     if as_json:
         speed = drawn.tokens_per_s()
@@ -253,15 +255,6 @@ def restore_parameters(run: Any, exp: Any, device: Any) -> tuple[int, Any]:
     return step, params
 
 
-def text_of(tokenizer: Any, tokens: list[int]) -> str:
-    """Tokens as text; for bytes, invalid UTF-8 shows as U+FFFD."""
-    from nnx_cli import decoding
-
-    if hasattr(tokenizer, "to_bytes"):
-        return decoding.decode_bytes(tokens)
-    return tokenizer.decode(tokens)
-
-
 def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
     """Print the prompt, then each token of the first sample as it is drawn."""
     from nnx_cli import decoding
@@ -309,6 +302,8 @@ def eval_prompts(exp: Any) -> list[list[int]]:
 
 def write_eval_samples(path: Path, prompts: list[list[int]], drawn: Any, tokenizer: Any) -> None:
     """`samples/<step>.txt`: each prompt and its continuation."""
+    from nnx_cli.decoding import text_of
+
     blocks = []
     for i, (prompt, sample) in enumerate(zip(prompts, drawn.samples)):
         blocks.append(f"--- sample {i}\n{text_of(tokenizer, prompt)}{text_of(tokenizer, sample)}\n")

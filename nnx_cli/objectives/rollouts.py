@@ -113,7 +113,7 @@ def stop_ids(tokenizer: Any) -> tuple[int, ...]:
 def completion_texts(tokenizer: Any, drawn: dict[str, np.ndarray]) -> list[str]:
     """Each completion's text (`completions`, `lengths`, `stopped` as `sample_completions` gives them): without the
     prompt and without its stop token."""
-    from nnx_cli.generate import text_of
+    from nnx_cli.decoding import text_of
 
     out = []
     for ids, n, stopped in zip(drawn["completions"], drawn["lengths"], drawn["stopped"]):
@@ -318,7 +318,7 @@ class Samples:
         self.done: int | None = None
 
     def __call__(self, loop: Any) -> None:
-        from nnx_cli.generate import text_of
+        from nnx_cli.decoding import text_of
 
         self.guard.check(loop)
         batch = next(self.exp.eval.eval_batches(self.size))
