@@ -259,18 +259,14 @@ class Attention(nnx.Module):
         """
         slides = self.arch.slides(layer if isinstance(layer, int) else None)
         slots = min(self.arch.sliding_window, max_len) if slides else max_len
-        batch_heads = (batch_size, self.arch.num_kv_heads)
-        key_shape, value_shape = (*batch_heads, self.arch.head_dim, slots), (*batch_heads, slots, self.arch.head_dim)
-        key_axes, value_axes = (
-            ("batch", self.arch.kv_axis, "kv", "length"),
-            ("batch", self.arch.kv_axis, "length", "kv"),
-        )
+        shape = (batch_size, self.arch.num_kv_heads, slots, self.arch.head_dim)
+        axes = ("batch", self.arch.kv_axis, "length", "kv")
         if layers is not None:
-            key_shape, value_shape = (layers, *key_shape), (layers, *value_shape)
-            key_axes, value_axes = (LAYERS, *key_axes), (LAYERS, *value_axes)
-        for name, shape, axes in (("cached_key", key_shape, key_axes), ("cached_value", value_shape, value_axes)):
-            zeros = nnx.with_logical_constraint(jnp.zeros(shape, self.dtype), axes)
-            setattr(self, name, nnx.Cache(zeros, sharding=axes))
+            shape, axes = (layers, *shape), (LAYERS, *axes)
+        swap = lambda t: (*t[:-2], t[-1], t[-2])  # noqa: E731  [..., slots, head_dim] -> [..., head_dim, slots]
+        for name, cache_shape, cache_axes in (("cached_key", swap(shape), swap(axes)), ("cached_value", shape, axes)):
+            zeros = nnx.with_logical_constraint(jnp.zeros(cache_shape, self.dtype), cache_axes)
+            setattr(self, name, nnx.Cache(zeros, sharding=cache_axes))
 
     def prefill(
         self, x: jax.Array, positions: jax.Array, lengths: jax.Array | None = None, layer: Layer = None
