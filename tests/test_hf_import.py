@@ -8,7 +8,9 @@ every tensor lands where the family's table says, sharded or not, and every brok
 from __future__ import annotations
 
 import json
+import resource
 import shutil
+import threading
 from pathlib import Path
 
 import ml_dtypes
@@ -279,6 +281,35 @@ def test_bfloat16_copied_into_the_upper_halves_of_fresh_pages_is_exact_straight_
         out = weights._aligned(view.shape)  # over 1 MiB: its own memory map, faulted in at once
         convert(view, out, zeroed=True)
         np.testing.assert_array_equal(out, expected.astype(np.float32))
+
+
+def test_parameters_over_a_mebibyte_are_faulted_in_ahead_and_filled_layer_by_layer(tmp_path):
+    config = {**LLAMA_CONFIG, "hidden_size": 256, "intermediate_size": 1152, "num_attention_heads": 8}
+    tensors = write_model_dir(tmp_path / "wide", config, dtype="bfloat16")  # each layer's MLP kernel: 1.1 MiB
+    params = loaded(tmp_path / "wide")
+    for i in range(config["num_hidden_layers"]):
+        expected = tensors[f"model.layers.{i}.mlp.down_proj.weight"].astype(np.float32).T
+        np.testing.assert_array_equal(params["layers/scan_module/mlp/proj/kernel"][i], expected)
+    np.testing.assert_array_equal(
+        params["embedding/embedding"][:300], tensors["model.embed_tokens.weight"].astype(np.float32)
+    )
+    assert not [t for t in threading.enumerate() if t.name.startswith("nnx-load")]  # none left running
+
+
+def test_a_prefaulted_buffer_is_written_without_a_page_fault_and_a_stop_releases_its_waiters():
+    def faults_writing(buffer: np.ndarray) -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        buffer[...] = 1.0
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+    ahead, fresh = weights._aligned((4096, 512), populate=False), weights._aligned((4096, 512), populate=False)
+    with weights._Prefault([ahead]) as memory:
+        memory.wait(ahead, ahead[-1])
+        assert faults_writing(ahead) < 8 < 2048 <= faults_writing(fresh)  # 8 MiB: 2048 pages of 4 KiB
+    unstarted = weights._Prefault([weights._aligned((4096, 512), populate=False)])
+    unstarted._stop = True
+    with unstarted as memory:  # stops at once, before faulting anything in: a wait still returns
+        memory.wait(unstarted._mapped[0], unstarted._mapped[0][-1])
 
 
 def test_loading_onto_8_devices_places_each_shard_and_matches_one_device(llama_dir, tmp_path):

@@ -45,6 +45,7 @@ _LAYERS = "layers/scan_module/"
 _HASH_BUFFER = 8 << 20
 _BAND = 64  # columns of `out` per band of a transposed conversion
 _MAPPED = 1 << 20  # bytes from which a parameter buffer is its own memory map
+_PREFAULT = 4 << 20  # bytes of a buffer faulted in at a time ahead of the conversions
 
 
 class Weights:
@@ -345,7 +346,9 @@ def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any =
 
     Parameters are filled by a few threads at once (one per core, at most 4): the work is converting mapped
     pages into new float32 buffers, which NumPy does without the GIL, so a load goes about as many times
-    faster as there are cores, and holds at most that many tensors beyond the parameters."""
+    faster as there are cores, and holds at most that many tensors beyond the parameters. The float32
+    buffers are made first, and one more thread faults their pages in ahead of the conversions
+    (:class:`_Prefault`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import nnx
@@ -354,13 +357,19 @@ def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any =
     for path in abstract:
         if _layer_and_path(path)[2] not in by_path:
             raise UserError(f"no tensor of the model directory fills parameter {path!r}")  # a model/table mismatch
+    # largest first, so that no thread is left with a big parameter at the end while the others are idle
+    order = sorted(abstract, key=lambda p: -math.prod(abstract[p].value.shape))
+    buffers = {path: _buffers(abstract[path].value) for path in order}
     out = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="nnx-load") as pool:
+    with (
+        _Prefault([b for path in order for b in buffers[path].values()]) as memory,
+        ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="nnx-load") as pool,
+    ):
         jobs = {}
-        # largest first, so that no thread is left with a big parameter at the end while the others are idle
-        for path in sorted(abstract, key=lambda p: -math.prod(abstract[p].value.shape)):
+        for path in order:
             stacked, layer, relative = _layer_and_path(path)
-            jobs[path] = pool.submit(_array, weights, by_path[relative], stacked, layer, abstract[path].value)
+            spec = abstract[path].value
+            jobs[path] = pool.submit(_array, weights, by_path[relative], stacked, layer, spec, buffers[path], memory)
         jobs = {path: jobs[path] for path in abstract}
         try:
             for path, job in jobs.items():  # in order: the first failure is the one raised
@@ -373,7 +382,86 @@ def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any =
     return nnx.State(out) if not isinstance(abstract, dict) else out
 
 
-def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spec: Any) -> Any:
+def _keys(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[tuple[int, int, int], ...]:
+    """The block `index` of an array of `shape` as `(start, stop, step)` per axis (devices holding the same
+    block have the same key)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
+def _buffers(spec: Any) -> dict[tuple, np.ndarray]:
+    """The float32 buffers, not yet faulted in, of the blocks of `spec` this process's devices hold (none for
+    another dtype: those are converted from a temporary float32 block)."""
+    if spec.dtype != np.float32:
+        return {}
+    shape = tuple(spec.shape)
+    out = {}
+    for index in spec.sharding.addressable_devices_indices_map(shape).values():
+        key = _keys(shape, index)
+        if key not in out:
+            out[key] = _aligned(tuple(stop - start for start, stop, _ in key), populate=False)
+    return out
+
+
+class _Prefault:
+    """A thread that faults in the pages of fresh buffers (those of :func:`_aligned` made with
+    `populate=False`), in order, a few MB at a time; :meth:`wait` until a buffer's first bytes are in.
+
+    On two cores, the kernel's work of handing out 2 GB of fresh pages (a Qwen2.5-0.5B's float32 parameters)
+    takes about as long as converting the tensors into them. Both use one core at most: the kernel's page
+    allocation contends with itself across threads. One thread faulting the pages in while the others only
+    convert keeps both kinds of work going at once; the conversions wait for their pages rather than fault
+    them in themselves (benchmarks/hf_load.py: 0.85 s to 0.75 s)."""
+
+    def __init__(self, buffers: list[np.ndarray]):
+        import threading
+
+        self._mapped = [b for b in buffers if b.nbytes >= _MAPPED]
+        self._done = {b.ctypes.data: 0 for b in self._mapped}  # buffer address -> bytes faulted in
+        self._changed = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="nnx-load-memory", daemon=True)
+
+    def __enter__(self) -> _Prefault:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            for buffer in self._mapped:
+                flat = buffer.reshape(-1).view(np.uint8)
+                for start in range(0, flat.nbytes, _PREFAULT):
+                    if self._stop:
+                        return
+                    _populate(flat[start : start + _PREFAULT])
+                    with self._changed:
+                        self._done[buffer.ctypes.data] = min(flat.nbytes, start + _PREFAULT)
+                        self._changed.notify_all()
+        finally:  # stopped, or failed: nobody waits any more (an unpopulated page faults in when written)
+            with self._changed:
+                self._done = {address: math.inf for address in self._done}
+                self._changed.notify_all()
+
+    def wait(self, buffer: np.ndarray, part: np.ndarray) -> None:
+        """Until the pages of `buffer` up to the end of `part` (a view into it) are faulted in."""
+        end = part.ctypes.data + part.nbytes - buffer.ctypes.data
+        with self._changed:
+            self._changed.wait_for(lambda: self._done.get(buffer.ctypes.data, math.inf) >= end)
+
+
+def _array(
+    weights: Weights,
+    m: TensorMap,
+    stacked: bool,
+    layer: int | None,
+    spec: Any,
+    buffers: dict[tuple, np.ndarray],
+    memory: _Prefault,
+) -> Any:
     import jax
 
     shape = tuple(spec.shape)
@@ -382,16 +470,17 @@ def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spe
     done: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
 
     def fill(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        key = _keys(shape, index)
+        index = tuple(slice(*k) for k in key)
         if key not in done:
-            buffer = _aligned(tuple(stop - start for start, stop, _ in key))
+            buffer = buffers[key] if key in buffers else _aligned(tuple(stop - start for start, stop, _ in key))
             spans = [range(*k[:2]) for k in key[:lead]]
             layers = spans.pop(0) if stacked else [layer]
             experts = spans.pop(0) if m.experts else [None]
             for j, i in enumerate(layers):  # each layer's (and expert's) tensor straight into its slot
                 for k, e in enumerate(experts):
                     slot = buffer[(j,) * stacked + (k,) * (e is not None)]
+                    memory.wait(buffer, slot)
                     block(weights, m, i, ours, index[lead:], slot, expert=e)
             done[key] = buffer if spec.dtype == np.float32 else buffer.astype(spec.dtype)
         return done[key]
@@ -399,21 +488,23 @@ def _array(weights: Weights, m: TensorMap, stacked: bool, layer: int | None, spe
     return jax.make_array_from_callback(shape, spec.sharding, fill, dtype=spec.dtype)
 
 
-def _aligned(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
+def _aligned(shape: tuple[int, ...], alignment: int = 64, populate: bool = True) -> np.ndarray:
     """A float32 array of zeros whose data starts on an `alignment`-byte boundary: on CPU, JAX then takes it as the
     device buffer without a copy.
 
     Large ones are private anonymous memory maps (page-aligned, freed with the array), their pages faulted in
-    by one call (:func:`_populate`), rather than NumPy allocations: NumPy asks the kernel for transparent huge
-    pages, and where the kernel compacts memory to find them (THP `defrag: madvise`, a common default) the
-    first touch of a fresh 2 GB of parameters took 3x as long as the whole load does with ordinary pages
-    (benchmarks/hf_load.py). A shared map (`mmap`'s default) is slower still: its pages fault in as shared
-    memory, about 1.6x the cost of private ones."""
+    by one call (:func:`_populate`; with `populate=False`, by :class:`_Prefault`), rather than NumPy
+    allocations: NumPy asks the kernel for transparent huge pages, and on the 2-core virtual machine the
+    benchmarks run on, fresh huge pages come from memory the host has not backed yet: faulting in a fresh 2 GB
+    of them took 1.1-3.8 s against 0.45-0.6 s for ordinary pages (0.16 s once the host has backed them). A
+    shared map (`mmap`'s default) is slower still: its pages fault in as shared memory, about 1.6x the cost of
+    private ones."""
     size = math.prod(shape) * 4
     if size >= _MAPPED:
         buffer = mmap.mmap(-1, size, **_PRIVATE)
         array = np.frombuffer(buffer, np.float32)
-        _populate(array)
+        if populate:
+            _populate(array)
         return array.reshape(shape)
     raw = np.zeros(size + alignment, np.uint8)
     start = (-raw.ctypes.data) % alignment
