@@ -17,13 +17,13 @@ from cli_support import assert_user_error, cli, final_state, start, wait_for_che
 
 from nnx_cli.checkpoint import Checkpointer
 
-STEPS = 300
+STEPS = 200
 CONFIG = f"""
 seed: 2
 model: {{name: transformer_lm, num_layers: 2, num_heads: 4, embed_dim: 64, dropout: 0.0}}
 data: {{source: book.txt, text_key: text, tokenizer: bytes, seq_len: 64, eval_split: validation}}
 optimizer: {{name: adamw, learning_rate: 3.0e-3, weight_decay: 0.1, weight_decay_mask: kernels}}
-train: {{batch_size: 32, steps: {STEPS}, log_every: 50, eval_every: 150, eval_max_batches: 4}}
+train: {{batch_size: 32, steps: {STEPS}, log_every: 50, eval_every: {STEPS // 2}, eval_max_batches: 4}}
 checkpoint: {{every_steps: 50, keep: 10}}
 """
 
@@ -83,14 +83,14 @@ def test_a_lone_text_file_holds_out_its_last_tenth_for_eval(reference: Path, pro
 
 def test_each_eval_writes_samples_of_fixed_prompts(reference: Path):
     samples = sorted(p.name for p in (reference / "samples").iterdir())
-    assert samples == ["150.txt", "300.txt"]
-    text = (reference / "samples" / "300.txt").read_text()
+    assert samples == [f"{STEPS // 2}.txt", f"{STEPS}.txt"]
+    text = (reference / "samples" / f"{STEPS}.txt").read_text()
     assert text.startswith("--- sample 0\n") and "--- sample 1\n" in text
 
 
 def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path, project: Path):
     proc = start("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project)
-    wait_for_checkpoint(project / "killed", 100, [proc])
+    wait_for_checkpoint(project / "killed", 50, [proc])
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step() < STEPS
@@ -99,7 +99,8 @@ def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path
     a, b = final_state(project / "killed"), final_state(reference)
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert (project / "killed" / "samples" / "300.txt").read_text() == (reference / "samples" / "300.txt").read_text()
+    last = Path("samples", f"{STEPS}.txt")
+    assert (project / "killed" / last).read_text() == (reference / last).read_text()
 
 
 def test_generate_continues_a_prompt_and_the_seed_fixes_the_text(reference: Path, project: Path):
@@ -158,7 +159,7 @@ def test_fine_tuning_starts_from_another_runs_parameters(reference: Path, projec
         "--workdir", "tuned", cwd=project,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "parameters initialised from ref/checkpoints/300" in result.stderr
+    assert f"parameters initialised from ref/checkpoints/{STEPS}" in result.stderr
     tuned, ref = final_state(project / "tuned"), final_state(reference)
     assert tuned["step"] == 1
     for x, y in zip(jax.tree.leaves(tuned["params"]), jax.tree.leaves(ref["params"])):
