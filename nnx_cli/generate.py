@@ -147,6 +147,14 @@ def stops(tokenizer: Any, chat: bool = False) -> dict[str, Any]:
     return {"end_of_document": tokenizer.eod_id}
 
 
+def eval_sample_stops(data_format: str, tokenizer: Any) -> dict[str, Any]:
+    """Where the samples written at each eval stop (:func:`stops`): a reply, for a run on examples (chats,
+    completions, preference pairs), ends where its training targets did, at the end of the turn or the
+    tokenizer's end-of-sequence token, even where the model directory's generation config does not list it; a
+    continuation of documents at the end of a document."""
+    return stops(tokenizer, chat=data_format != "text")
+
+
 class _Timed:
     """A `decoding.Generation` that times its decode steps: tokens/s after the first token (which includes the
     prefill and, on a first run, compiling)."""

@@ -234,18 +234,20 @@ class Samples:
         self.guard = guard
         self.prompts = eval_prompts(exp)
         self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-        self.chat = exp.cfg.data.format == "chat"  # samples are replies: they end with the turn
         self.done: int | None = None
 
     def __call__(self, loop: Loop) -> None:
         from nnx_cli.decoding import Decoder
-        from nnx_cli.generate import EVAL_SAMPLE_TOKENS, stops, write_eval_samples
+        from nnx_cli.generate import EVAL_SAMPLE_TOKENS, eval_sample_stops, write_eval_samples
 
         self.guard.check(loop)
         decoder = Decoder(self.exp.moduledef, steps.parameters(loop.state))
         key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
         drawn = decoder.generate(
-            self.prompts, max_tokens=EVAL_SAMPLE_TOKENS, seed=key, **stops(self.tokenizer, self.chat)
+            self.prompts,
+            max_tokens=EVAL_SAMPLE_TOKENS,
+            seed=key,
+            **eval_sample_stops(self.exp.cfg.data.format, self.tokenizer),
         ).finish()
         if self.directory is not None:
             write_eval_samples(self.directory / f"{loop.step}.txt", self.prompts, drawn, self.tokenizer)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cli_support import assert_user_error, cli
-from hf_support import LLAMA_CONFIG, write_model_dir
+from hf_support import LLAMA_CONFIG, fixture, write_model_dir
+
+from nnx_cli.generate import eval_sample_stops
+from nnx_cli.hf.tokenizer import PretrainedTokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -163,3 +167,18 @@ def test_inspect_of_a_mixture_of_experts_counts_what_transformers_counts_and_sho
     assert report["active_params"] == report["total_params"] - round(experts * (1 - share))
     gate = next(e for e in report["entries"] if e["path"].endswith("moe/gate/kernel"))
     assert gate["sharding"][-3:] == ["expert", "embed", "mlp"] and gate["mesh_axes"][-3:] == ["expert", "data", "model"]
+
+
+@pytest.mark.parametrize("data_format, stops_at_eos", [("text", False), ("chat", True), ("preference", True)])
+def test_eval_samples_of_examples_stop_at_the_tokenizers_end_of_sequence_the_generation_config_omits(
+    tmp_path, data_format, stops_at_eos
+):
+    model = tmp_path / "llama"
+    shutil.copytree(fixture("llama"), model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [4]}))
+    tokenizer = PretrainedTokenizer(model)
+    eos = tokenizer.token_id(tokenizer.eos_token)
+    assert eos != 4
+    stops = eval_sample_stops(data_format, tokenizer)["stop_tokens"]
+    assert 4 in stops and (eos in stops) == stops_at_eos
