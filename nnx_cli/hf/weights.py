@@ -408,10 +408,10 @@ class _Prefault:
     `populate=False`), in order, a few MB at a time; :meth:`wait` until a buffer's first bytes are in.
 
     On two cores, the kernel's work of handing out 2 GB of fresh pages (a Qwen2.5-0.5B's float32 parameters)
-    takes about as long as converting the tensors into them. Both use one core at most: the kernel's page
-    allocation contends with itself across threads. One thread faulting the pages in while the others only
-    convert keeps both kinds of work going at once; the conversions wait for their pages rather than fault
-    them in themselves (benchmarks/hf_load.py: 0.85 s to 0.75 s)."""
+    takes about as long as converting the tensors into them, and it contends with itself: two threads fault
+    pages in hardly faster than one (0.45 s against 0.54 s for 1.9 GB). One thread faulting the pages in while
+    the others only convert keeps both kinds of work going at once; the conversions wait for their pages
+    rather than fault them in themselves (benchmarks/hf_load.py: 0.85-0.92 s to 0.79-0.81 s)."""
 
     def __init__(self, buffers: list[np.ndarray]):
         import threading
