@@ -355,6 +355,16 @@ def test_packed_examples_with_a_sliding_window_compute_as_each_alone():
     np.testing.assert_allclose(packed[:, cut:], second, atol=1e-5)
 
 
+def test_flops_per_token_count_a_sliding_layers_window_not_the_sequence():
+    full = build(positions="rope")
+    mixed = build(positions="rope", sliding_window=3, layer_types=("sliding_attention", "full_attention"))
+    width = SMALL["embed_dim"]
+    assert mixed.active_params() == full.active_params()
+    assert full.flops_per_token() - mixed.flops_per_token() == 12 * (SEQ_LEN - 3) * width
+    wide = build(positions="rope", sliding_window=10 * SEQ_LEN)  # a window past the sequence is the sequence
+    assert wide.flops_per_token() == full.flops_per_token()
+
+
 def test_scanned_layers_of_both_kinds_compute_as_unrolled_ones():
     options = dict(positions="rope", sliding_window=3, layer_types=("sliding_attention", "full_attention"),
                    rope_local_theta=100.0, norm="gemma_rmsnorm", mlp="geglu", post_norms=True, qk_norm=True,

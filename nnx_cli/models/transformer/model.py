@@ -194,6 +194,10 @@ class TransformerLM(nnx.Module):
         self.layers_differ = arch.layers_differ
         self.moe = arch.moe
         self.aux_loss_coef = arch.router_aux_loss_coef
+        # positions each token attends to, summed over the layers: a sliding layer's window, else the sequence
+        self.attended = sum(
+            min(arch.sliding_window, self.seq_len) if arch.slides(i) else self.seq_len for i in range(num_layers)
+        )
         self._build(arch, dropout, ctx)
 
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
@@ -383,11 +387,12 @@ class TransformerLM(nnx.Module):
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: `6 N + 12 num_layers seq_len embed_dim`, N the parameters outside the embeddings
-        that a token uses (of the experts' weights, `top_k / num_experts`).
+        that a token uses (of the experts' weights, `top_k / num_experts`); a sliding layer counts
+        `min(sliding_window, seq_len)` positions instead of `seq_len`.
 
         Works on a model built under `jax.eval_shape` (it reads shapes only).
         """
-        return 6 * self.active_params() + 12 * self.num_layers * self.seq_len * self.embed_dim
+        return 6 * self.active_params() + 12 * self.attended * self.embed_dim
 
     def active_params(self) -> int:
         """The parameters outside the embeddings that one token computes with. Reads shapes only."""
