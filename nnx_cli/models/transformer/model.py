@@ -194,10 +194,6 @@ class TransformerLM(nnx.Module):
         self.layers_differ = arch.layers_differ
         self.moe = arch.moe
         self.aux_loss_coef = arch.router_aux_loss_coef
-        # positions each token attends to, summed over the layers: a sliding layer's window, else the sequence
-        self.attended = sum(
-            min(arch.sliding_window, self.seq_len) if arch.slides(i) else self.seq_len for i in range(num_layers)
-        )
         self._build(arch, dropout, ctx)
 
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
@@ -392,7 +388,11 @@ class TransformerLM(nnx.Module):
 
         Works on a model built under `jax.eval_shape` (it reads shapes only).
         """
-        return 6 * self.active_params() + 12 * self.attended * self.embed_dim
+        arch = self._attentions()[0].arch  # the layers share one
+        attended = sum(  # positions a token attends to, over the layers
+            min(arch.sliding_window, self.seq_len) if arch.slides(i) else self.seq_len for i in range(self.num_layers)
+        )
+        return 6 * self.active_params() + 12 * attended * self.embed_dim
 
     def active_params(self) -> int:
         """The parameters outside the embeddings that one token computes with. Reads shapes only."""
