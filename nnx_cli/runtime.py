@@ -56,6 +56,14 @@ def configure(*, deterministic: bool = False) -> None:
     if directory is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return
+    cache_compilations(directory)
+
+
+def cache_compilations(directory: str | Path) -> None:
+    """Keep every compiled program in JAX's persistent cache in `directory`, however small or quick to compile
+    (JAX's own thresholds skip those: most of a small model's)."""
+    import jax
+
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -17,3 +17,8 @@ if _SESSION not in os.environ:
     os.environ[_SESSION] = tempfile.mkdtemp(prefix="nnx-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ[_SESSION], ignore_errors=True)
 os.environ["NNX_COMPILATION_CACHE"] = os.environ[_SESSION]
+
+# In-process tests compile through the same cache: many build the same small models and jit the same programs.
+from nnx_cli.runtime import cache_compilations  # noqa: E402
+
+cache_compilations(os.environ[_SESSION])
