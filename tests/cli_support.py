@@ -26,8 +26,14 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
         **extra,
     }
     if devices is not None:
-        out["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        out["XLA_FLAGS"] = device_flags(devices)
     return out
+
+
+def device_flags(devices: int) -> str:
+    """`XLA_FLAGS` of a subprocess with `devices` simulated CPU devices (and the test session's own flags)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
 
 def cli(

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from cli_support import device_flags
 from image_support import png_parquet
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -166,7 +167,7 @@ print("ok")
 
 
 def test_8_devices_gather_the_same_batches_resident_and_fed_and_count_a_devices_share(tmp_path: Path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": device_flags(8), "JAX_PLATFORMS": "cpu"}
     (tmp_path / "eight.py").write_text(textwrap.dedent(_EIGHT_DEVICES))
     out = subprocess.run(
         [sys.executable, str(tmp_path / "eight.py")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_support import device_flags
 
 import nnx
 from nnx_cli import decoding
@@ -162,7 +163,7 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_parameters_sharded_over_a_mesh_by_the_default_rules_decode_like_one_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": device_flags(8), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS"))[7:])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cli_support import device_flags
 from jax.sharding import PartitionSpec
 
 import nnx
@@ -227,7 +228,7 @@ _MULTI_DEVICE_SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def multi_device():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = device_flags(8)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, "-c", _MULTI_DEVICE_SCRIPT],
