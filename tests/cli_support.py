@@ -36,6 +36,12 @@ def device_flags(devices: int) -> str:
     return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
 
+def optimized_flags() -> str:
+    """The session's `XLA_FLAGS` without its fast-compile flag (conftest.py): for the long CLI runs, which
+    spend their time executing rather than compiling. Runs compared with each other must all use it."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optim"))
+
+
 def cli(
     name: str,
     *args: str,
@@ -65,11 +71,13 @@ def _limit_file_size(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def start(name: str, *args: str, cwd: Path, devices: int | None = None) -> subprocess.Popen:
+def start(
+    name: str, *args: str, cwd: Path, devices: int | None = None, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [str(BIN / name), *map(str, args)],
         cwd=cwd,
-        env=env(cwd, devices),
+        env=env(cwd, devices, **(extra_env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

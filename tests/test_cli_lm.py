@@ -13,11 +13,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from cli_support import assert_user_error, cli, final_state, start, wait_for_checkpoint
+from cli_support import assert_user_error, cli, final_state, optimized_flags, start, wait_for_checkpoint
 
 from nnx_cli.checkpoint import Checkpointer
 
 STEPS = 200
+# The 200-step runs (the shared reference and the killed run compared with it) execute far more than they
+# compile: XLA's optimised backend saves more than it costs there.
+OPTIMIZED = {"XLA_FLAGS": optimized_flags()}
 CONFIG = f"""
 seed: 2
 model: {{name: transformer_lm, num_layers: 2, num_heads: 4, embed_dim: 64, dropout: 0.0}}
@@ -48,7 +51,7 @@ def project(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(project: Path) -> Path:
-    result = cli("nnx-train", "lm.yaml", "--workdir", "ref", cwd=project, timeout=300)
+    result = cli("nnx-train", "lm.yaml", "--workdir", "ref", cwd=project, timeout=300, extra_env=OPTIMIZED)
     assert result.returncode == 0, result.stderr
     return project / "ref"
 
@@ -89,12 +92,12 @@ def test_each_eval_writes_samples_of_fixed_prompts(reference: Path):
 
 
 def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path, project: Path):
-    proc = start("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project)
+    proc = start("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project, extra_env=OPTIMIZED)
     wait_for_checkpoint(project / "killed", 50, [proc])
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step() < STEPS
-    result = cli("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project, timeout=300)
+    result = cli("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project, timeout=300, extra_env=OPTIMIZED)
     assert result.returncode == 0, result.stderr
     a, b = final_state(project / "killed"), final_state(reference)
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
