@@ -30,16 +30,20 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
     return out
 
 
+def _session_flags(without: str) -> list[str]:
+    """The test session's `XLA_FLAGS` (conftest.py adds its own), less those starting with `without`."""
+    return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(without)]
+
+
 def device_flags(devices: int) -> str:
     """`XLA_FLAGS` of a subprocess with `devices` simulated CPU devices (and the test session's own flags)."""
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+    return " ".join([*_session_flags("--xla_force_host_platform"), f"--xla_force_host_platform_device_count={devices}"])
 
 
 def optimized_flags() -> str:
     """The session's `XLA_FLAGS` without its fast-compile flag (conftest.py): for the long CLI runs, which
     spend their time executing rather than compiling. Runs compared with each other must all use it."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optim"))
+    return " ".join(_session_flags("--xla_backend_optimization_level"))
 
 
 def cli(

@@ -25,14 +25,13 @@ the scores held at once to `[batch, heads, block, length]`. By default a
 sequence of up to 256 positions is one block (smaller blocks made a step no
 faster there and took longer to compile), and a longer one is cut into
 blocks of an eighth of it, at least 128 queries: eight blocks skip 44% of a
-causal product, and eight loop iterations keep the program small.
-On 2 CPU cores, a LoRA step of a Qwen2-shaped model at length 1,024 ran
-8% faster with blocks of 256 than of 512, and LoRA and full fine-tuning
-steps about 3% faster again with 128 and the query gradient below. A
-traced window (a
-scan over layers that slide and layers that do not) masks the same keys but
-skips none: which keys are out of reach is then unknown at trace time. Scores and softmax
-are float32; the forward weighted sum runs in the inputs' dtype, as
+causal product, and eight loop iterations keep the program small. On 2 CPU
+cores, a LoRA step of a Qwen2-shaped model at length 1,024 ran 8% faster
+with blocks of 256 than of 512, and LoRA and full fine-tuning steps about 3%
+faster again with 128 and the query gradient below. A traced window (a scan
+over layers that slide and layers that do not) masks the same keys but skips
+none: which keys are out of reach is then unknown at trace time. Scores and
+softmax are float32; the forward weighted sum runs in the inputs' dtype, as
 `jax.nn.dot_product_attention` computes it, the backward pass in float32.
 """
 
