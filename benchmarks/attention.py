@@ -103,6 +103,9 @@ def main() -> None:
     args = parser.parse_args()
     gpu = jax.default_backend() == "gpu"
     shapes = (args.shapes or (",".join(SHAPES) if gpu else "heldout,smollm2")).split(",")
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown shape {', '.join(unknown)}: choose from {', '.join(SHAPES)}")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     print(f"device: {jax.devices()[0].device_kind}, {jax.device_count()} device(s), jax {jax.__version__}; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
