@@ -1,0 +1,294 @@
+"""Writing a GGUF file: a model's tensors, hyper-parameters and tokenizer, as llama.cpp's converter writes them.
+
+A :class:`Source` is a model to write: its `config.json`, the directory holding its tokenizer files, and its
+tensors under their Hugging Face names, yielded one at a time in name order. :func:`from_model_dir` makes one of a
+Hugging Face model directory (tensors read from its safetensors), :func:`from_run` of a run's parameters (LoRA
+adapters merged). :func:`write` then plans the file from the names and shapes alone (the GGUF header comes first),
+and streams each tensor through its family's changes (:mod:`nnx_cli.gguf.families`) and its quantisation into a
+temporary file beside `out`, renamed into place at the end::
+
+    source = from_model_dir(Path("/models/Qwen2.5-0.5B-Instruct"))
+    write(source, Path("qwen.gguf"), "q8_0")
+
+Only the tensor being written (or, for a mixture of experts, one layer's experts of one projection) is held beside
+what the source holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nnx_cli.errors import UserError
+from nnx_cli.gguf import families, require
+from nnx_cli.gguf.vocab import Vocab
+
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+_FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LlamaFileType
+_KEEP_F32 = ("ffn_gate_inp.weight", "position_embd.weight", "token_types.weight")
+"""Tensors llama.cpp's converter keeps in float32 at every file type (the router, learned positions)."""
+
+
+@dataclasses.dataclass
+class Source:
+    """A model to write (see the module's doc)."""
+
+    config: dict[str, Any]
+    files: Path  # config.json's directory: the tokenizer files (and a model card)
+    shapes: dict[str, tuple[int, ...]]  # Hugging Face tensor name -> shape, in name order
+    tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (name, array) in the order of `shapes`
+    name: str  # general.name when the model card has none
+    card: Path | None  # the directory whose README.md / config.json give general.* metadata
+    stored: str = "float32"  # the weights' dtype as stored (what `--dtype` defaults to)
+
+    @property
+    def architecture(self) -> str:
+        return self.config["architectures"][0]
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """`--out` must be a new file (or an existing one with `overwrite`), never a directory."""
+    if out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a directory; give the path of the .gguf file to write")
+    if out.exists() and not overwrite:
+        raise UserError(f"--out {str(out)!r} exists; pass --overwrite to replace it (nothing was written)")
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not a GGUF type nnx writes; use one of {', '.join(DTYPES)}")
+
+
+def default_dtype(stored: str) -> str:
+    """The 16-bit type closest to the weights as stored: bf16 for bfloat16 weights, else f16 (as llama.cpp's
+    converter's `auto`)."""
+    return "bf16" if stored == "bfloat16" else "f16"
+
+
+# Sources
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def from_model_dir(directory: Path) -> Source:
+    """A Hugging Face model directory: its config.json and tokenizer files, its tensors read from the safetensors
+    (float16 as stored, bfloat16 and float32 as float32, which is what llama.cpp's converter computes in)."""
+    from nnx_cli.hf import families as hf_families
+    from nnx_cli.hf import open_pretrained, read_config
+
+    pretrained = open_pretrained(str(directory))
+    config = read_config(pretrained.directory)
+    shapes = hf_families.layout(pretrained.maps, pretrained.options["num_layers"])
+    weights = pretrained.weights
+    stored = {weights.info(n)[0] for n in shapes}
+    dtype = "bfloat16" if stored == {"BF16"} else "float16" if stored == {"F16"} else "float32"
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        from nnx_cli.hf.weights import convert
+
+        for name in shapes:
+            raw = weights.view(name)
+            if raw.dtype == np.float16:
+                yield name, np.array(raw)
+            else:
+                out = np.empty(raw.shape, np.float32)
+                convert(raw, out)
+                yield name, out
+            del raw
+
+    return Source(config, pretrained.directory, shapes, tensors, pretrained.directory.name, pretrained.directory,
+                  dtype)  # fmt: skip
+
+
+def from_run(exp: Any, params: Mapping[str, Any], tokenizer: Any, files: Path, name: str) -> Source:
+    """A run's parameters (host arrays by path, adapters included: merged here), as the family it exports as.
+    `files` is an empty directory that receives the config.json and tokenizer files its Hugging Face export would
+    have (a pretrained model's `tokenizer.model` too)."""
+    from nnx_cli.hf import export as hf_export
+    from nnx_cli.hf import families as hf_families
+    from nnx_cli.hf import peft
+    from nnx_cli.hf.weights import tensors_of
+    from nnx_cli.models.transformer import lora_options
+
+    cfg, pretrained = exp.cfg, exp.pretrained
+    options = peft.model_options(cfg, pretrained)
+    lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
+    if lora is not None:
+        params = hf_export.merged(params, lora.alpha / lora.rank)
+    if pretrained is not None:
+        from nnx_cli.hf import read_config
+
+        config, maps = read_config(pretrained.directory), pretrained.maps
+        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+        if (pretrained.directory / "tokenizer.model").is_file():
+            shutil.copy2(pretrained.directory / "tokenizer.model", files / "tokenizer.model")
+    else:
+        hf_families.architecture_of(options)  # options no family has: a UserError
+        vocab = options["vocab_size"]
+        eod = getattr(tokenizer, "eod_id", None)
+        eos = eod if eod is not None and eod < vocab else None
+        config = hf_families.config_json(options, vocab_size=vocab, context=cfg.data.seq_len, bos=None, eos=eos,
+                                         dtype="float32")  # fmt: skip
+        architecture = config["architectures"][0]
+        names = ["transformer.wte.weight"] if architecture == hf_families.GPT2 else []
+        family = hf_families.FAMILIES[architecture]
+        maps = family.tensors(family.options(hf_families.Config(config, "config.json")), names)
+        stored = "float32"
+    (files / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    hf_export._write_tokenizer(files, cfg, pretrained, tokenizer, config)
+    shapes = hf_families.layout(maps, options["num_layers"])
+    card = pretrained.directory if pretrained is not None else None
+    return Source(config, files, shapes, lambda: tensors_of(params, maps), name, card, stored)
+
+
+# Writing
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Planned:
+    """One GGUF tensor: its Hugging Face sources (several for stacked experts), shape, type and size."""
+
+    name: str
+    sources: list[str]
+    shape: tuple[int, ...]  # numpy order (the reverse of GGUF's)
+    qtype: Any = None
+    nbytes: int = 0
+
+
+def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: bool = False) -> dict[str, Any]:
+    """Write `source` to `out` as a GGUF file of type `dtype` (:data:`DTYPES`; default :func:`default_dtype`).
+    Returns what was written: `{"architecture", "dtype", "tensors", "bytes"}`. What makes it impossible is a
+    UserError raised before `out` is touched; a failure while writing leaves `out` as it was."""
+    gguf = require()
+    check_dtype(dtype)
+    check_out(out, overwrite)
+    dtype = dtype or default_dtype(source.stored)
+    where = str(source.files / "config.json")
+    arch, hp = families.arch_of(source.architecture, source.config, where)
+    vocab_size = source.config.get("vocab_size")
+    vocab = Vocab.read(source.files, vocab_size=vocab_size, architecture=source.architecture)
+    plan, extra = _plan(arch, hp, source, dtype, gguf)
+
+    writer = gguf.GGUFWriter(path=None, arch=arch.name)
+    for t in plan:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    total, shared, expert, count = writer.get_total_parameter_count()
+    metadata = gguf.Metadata.load(None, source.card, None, total)
+    if metadata.name is None:
+        metadata.name = source.name
+    if metadata.size_label is None and total > 0:
+        metadata.size_label = gguf.size_label(total, shared, expert, count)
+    writer.add_type(gguf.GGUFType.MODEL)
+    metadata.set_gguf_meta_model(writer)
+    arch.hparams(hp, writer)
+    writer.add_file_type(_FILE_TYPES[dtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab.write(writer)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)
+    os.close(handle)
+    try:
+        writer.write_header_to_file(path=Path(partial))
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        _write_tensors(writer, arch, hp, source, plan, extra, gguf)
+        writer.close()
+        os.replace(partial, out)
+    except BaseException:
+        writer.close()
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return {"architecture": arch.name, "dtype": dtype, "tensors": len(plan), "bytes": out.stat().st_size}
+
+
+def _plan(arch: families.Arch, hp: families.HParams, source: Source, dtype: str,
+          gguf: Any) -> tuple[list[_Planned], dict[str, np.ndarray]]:  # fmt: skip
+    """The GGUF tensors in the order they are completed as the source yields its tensors (experts stacked once
+    the last one has come), after the tensors made from the config (llama3's `rope_freqs`)."""
+    extra = {}
+    if arch.name == "llama" and (factors := families.rope_freqs(hp)) is not None:
+        extra["rope_freqs.weight"] = factors
+    plan = [_Planned(name, [], value.shape) for name, value in extra.items()]
+    mapped = {name: arch.tensor_name(name) for name in source.shapes}
+    expected: dict[str, int] = {}
+    for target in (m[0] for m in mapped.values() if m is not None):
+        expected[target] = expected.get(target, 0) + 1
+    groups: dict[str, _Planned] = {}
+    for name, shape in source.shapes.items():
+        if mapped[name] is None:
+            continue
+        target, expert = mapped[name]
+        if target not in groups:
+            shape = tuple(reversed(shape)) if arch.transpose and name.endswith(arch.transpose) else tuple(shape)
+            groups[target] = _Planned(target, [], shape)
+        group = groups[target]
+        group.sources.append(name)
+        if len(group.sources) == expected[target]:
+            if expert is not None:
+                group.shape = (len(group.sources), *group.shape)
+            plan.append(group)
+    for t in plan:
+        t.qtype = _qtype(t.name, t.shape, dtype, gguf)
+        t.nbytes = math.prod(gguf.quant_shape_to_byte_shape(t.shape, t.qtype))
+    return plan, extra
+
+
+def _qtype(name: str, shape: tuple[int, ...], dtype: str, gguf: Any) -> Any:
+    """The type llama.cpp's converter gives a tensor in a file of type `dtype`: vectors, norms, the router and
+    learned positions stay float32; q8_0 falls back to f16 where a row is not a whole number of blocks."""
+    q = gguf.GGMLQuantizationType
+    if len(shape) <= 1 or name.endswith("_norm.weight") or name.endswith(_KEEP_F32) or not name.endswith(".weight"):
+        return q.F32
+    qtype = {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0}[dtype]
+    if qtype == q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] != 0:
+        return q.F16
+    return qtype
+
+
+def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, source: Source, plan: list[_Planned],
+                   extra: dict[str, np.ndarray], gguf: Any) -> None:  # fmt: skip
+    """Each planned tensor's data, in plan order, as the source's tensors arrive."""
+    from nnx_cli.hf.weights import progress
+
+    by_source = {s: t for t in plan for s in t.sources}
+    parts: dict[str, dict[int, np.ndarray]] = {}  # stacked experts' tensors as they come, by expert
+    total = sum(t.nbytes for t in plan)
+    with progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance:
+
+        def emit(t: _Planned, data: np.ndarray) -> None:
+            data = np.ascontiguousarray(gguf.quants.quantize(data, t.qtype))
+            writer.write_tensor_data(data)
+            if advance is not None:
+                advance(data.nbytes)
+
+        for name, data in extra.items():
+            emit(by_name(plan, name), data)
+        for name, data in source.tensors():
+            t = by_source.get(name)
+            if t is None:
+                continue
+            if data.dtype not in (np.float16, np.float32):
+                data = data.astype(np.float32)
+            data = arch.transform(name, np.asarray(data), hp)
+            if len(t.sources) == 1:
+                emit(t, data)
+                continue
+            experts = parts.setdefault(t.name, {})
+            experts[arch.tensor_name(name)[1]] = data
+            if len(experts) == len(t.sources):
+                emit(t, np.stack([experts[e] for e in sorted(experts)]))
+                del parts[t.name]
+
+
+def by_name(plan: list[_Planned], name: str) -> _Planned:
+    return next(t for t in plan if t.name == name)
