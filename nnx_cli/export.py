@@ -7,6 +7,11 @@ the weights they adapt), or with `--adapter` the LoRA adapters alone, as `peft` 
 (`PeftModel.from_pretrained(base, DIR)`). `--dtype` is float32, bfloat16 or float16 (default: the base
 model's dtype, float32 for a run trained from scratch). The export is written beside `--out` and renamed
 into place; an existing `--out` that is not empty is refused.
+
+`--format gguf` writes one GGUF file instead, as llama.cpp's converter writes it (llama.cpp, Ollama and LM Studio
+run it): TARGET may also be a Hugging Face model directory, LoRA adapters are merged, and `--dtype` is f32, f16,
+bf16 or q8_0 (default: bf16 for bfloat16 weights, else f16). `--ollama` adds a `Modelfile` beside it. An existing
+`--out` file is refused unless `--overwrite`.
 """
 
 from __future__ import annotations
@@ -31,9 +36,14 @@ def export(
     best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
     merge: bool = typer.Option(False, "--merge", help="Merged weights (the default)."),
     adapter: bool = typer.Option(False, "--adapter", help="The LoRA adapters alone, as a PEFT adapter."),
-    dtype: str | None = typer.Option(None, help="float32, bfloat16 or float16 (default: the base model's)."),
+    dtype: str | None = typer.Option(
+        None, help="float32, bfloat16 or float16 (default: the base model's); with --format gguf: f32, f16, bf16, q8_0."
+    ),
+    format: str = typer.Option("hf", "--format", help="hf (a Hugging Face model directory) or gguf (one file)."),
+    ollama: bool = typer.Option(False, "--ollama", help="With --format gguf: a Modelfile for Ollama beside it."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="With --format gguf: replace an existing --out file."),
 ) -> None:
-    """Write a run's weights as a Hugging Face model directory (or a PEFT adapter)."""
+    """Write a run's weights as a Hugging Face model directory (or a PEFT adapter), or as one GGUF file."""
     import jax
     import numpy as np
 
@@ -46,6 +56,13 @@ def export(
 
     if merge and adapter:
         raise UserError("--merge and --adapter choose one form of the export: pass one of them")
+    if format not in ("hf", "gguf"):
+        raise UserError(f"--format {format!r}: expected hf (a Hugging Face model directory) or gguf (one file)")
+    if format == "gguf":
+        return _gguf(target, out, step=step, best=best, adapter=adapter, dtype=dtype, ollama=ollama,
+                     overwrite=overwrite)  # fmt: skip
+    if ollama or overwrite:
+        raise UserError(f"{'--ollama' if ollama else '--overwrite'} goes with --format gguf")
     exporting.check_out(out)  # before anything is read
     runtime.configure()
     run = open_run(target, [], step, best=best)
@@ -59,6 +76,60 @@ def export(
     stderr_console().print(
         f"wrote {out} ({exporting.describe(out)}, {exporting.total_size(out)}) from {run.checkpoints / str(step)}: "
         f"{exporting.listing(files)}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: bool, dtype: str | None, ollama: bool,
+          overwrite: bool) -> None:  # fmt: skip
+    """`--format gguf`: a run's (adapters merged) or a model directory's weights as one GGUF file."""
+    import tempfile
+
+    from nnx_cli import hf, runtime
+    from nnx_cli.gguf import export as gguf_export
+    from nnx_cli.gguf import ollama as modelfile
+    from nnx_cli.gguf import require
+    from nnx_cli.report import stderr_console
+
+    require()
+    if adapter:
+        raise UserError("--adapter with --format gguf: a GGUF file holds merged weights; drop --adapter")
+    gguf_export.check_dtype(dtype)
+    gguf_export.check_out(out, overwrite)
+    if ollama:
+        modelfile.check_out(out, overwrite)
+    if hf.is_model_dir(target):
+        if step is not None or best:
+            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
+        source = gguf_export.from_model_dir(target)
+        written = gguf_export.write(source, out, dtype, overwrite=overwrite)
+        origin = str(source.files)
+    else:
+        import jax
+        import numpy as np
+
+        from nnx_cli.data.tokenizers import load_tokenizer
+        from nnx_cli.generate import language_model, restore_parameters
+        from nnx_cli.workdir import open_run
+
+        runtime.configure()
+        run = open_run(target, [], step, best=best)
+        exp = language_model(run, "nnx-export writes")
+        tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
+        step, params = restore_parameters(run, exp, jax.devices("cpu")[0])
+        arrays = {path: np.asarray(variable.value) for path, variable in params.items()}
+        del params
+        with tempfile.TemporaryDirectory(prefix="nnx-gguf-") as files:
+            source = gguf_export.from_run(exp, arrays, tokenizer, Path(files), name=run.workdir.name)
+            written = gguf_export.write(source, out, dtype, overwrite=overwrite)
+        origin = str(run.checkpoints / str(step))
+    if ollama:
+        modelfile.write(out)
+    extra = f" and {modelfile.NAME}" if ollama else ""
+    stderr_console().print(
+        f"wrote {out}{extra} ({written['architecture']}, {written['dtype']}, {written['tensors']} tensors, "
+        f"{gguf_export.human_size(written['bytes'])}) from {origin}",
         highlight=False,
         soft_wrap=True,
     )

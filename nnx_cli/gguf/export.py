@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -189,7 +190,12 @@ def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: boo
         metadata.size_label = gguf.size_label(total, shared, expert, count)
     writer.add_type(gguf.GGUFType.MODEL)
     metadata.set_gguf_meta_model(writer)
-    arch.hparams(hp, writer)
+    quiet = logging.getLogger("gguf.gguf_writer")
+    level, quiet.level = quiet.level, logging.ERROR  # Gemma 3's keys are written twice, as the converter does
+    try:
+        arch.hparams(hp, writer)
+    finally:
+        quiet.setLevel(level)
     writer.add_file_type(_FILE_TYPES[dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.write(writer)
@@ -288,6 +294,15 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
             if len(experts) == len(t.sources):
                 emit(t, np.stack([experts[e] for e in sorted(experts)]))
                 del parts[t.name]
+
+
+def human_size(size: float) -> str:
+    """`123.4 MB`."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1000
+    return f"{size:.1f} GB"
 
 
 def by_name(plan: list[_Planned], name: str) -> _Planned:
