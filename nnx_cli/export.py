@@ -126,6 +126,8 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
         origin = str(run.checkpoints / str(step))
     if ollama:
         modelfile.write(out)
+    for note in written["notes"]:
+        stderr_console().print(f"note: {note}", highlight=False, soft_wrap=True)
     extra = f" and {modelfile.NAME}" if ollama else ""
     stderr_console().print(
         f"wrote {out}{extra} ({written['architecture']}, {written['dtype']}, {written['tensors']} tensors, "

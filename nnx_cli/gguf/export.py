@@ -214,7 +214,8 @@ def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: boo
         writer.close()
         Path(partial).unlink(missing_ok=True)
         raise
-    return {"architecture": arch.name, "dtype": dtype, "tensors": len(plan), "bytes": out.stat().st_size}
+    return {"architecture": arch.name, "dtype": dtype, "tensors": len(plan), "bytes": out.stat().st_size,
+            "notes": families.differences(source.architecture, hp)}  # fmt: skip
 
 
 def _plan(arch: families.Arch, hp: families.HParams, source: Source, dtype: str,

@@ -378,6 +378,29 @@ ARCHES = {
 """Every family nnx loads that llama.cpp runs, by `config.json`'s `architectures[0]`."""
 
 
+def differences(architecture: str, hp: HParams) -> list[str]:
+    """Where llama.cpp will compute something else than transformers does with this config.json (its converter
+    writes these models all the same): windows it does not apply, attention scales it does not read."""
+    notes = []
+    window = hp.get("sliding_window")
+    slides = (architecture in ("MistralForCausalLM", "MixtralForCausalLM") and window) or (
+        architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hp.get("use_sliding_window")
+    )
+    if slides:
+        notes.append(f"llama.cpp runs this {architecture} without its sliding window of {window} positions: the same "
+                     f"model up to {window} tokens of context, not beyond")  # fmt: skip
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        layers, heads, embed = hp.get("num_hidden_layers"), hp.get("num_attention_heads"), hp.get("hidden_size")
+        head_dim = hp.get("head_dim", 256)
+        big = layers == (62 if architecture == "Gemma3ForCausalLM" else 46)
+        used = embed // heads if big else head_dim
+        scalar = hp.get("query_pre_attn_scalar", 256)
+        if scalar != used:
+            notes.append(f"llama.cpp scales this {architecture}'s attention by {used} ** -0.5, not by its "
+                         f"query_pre_attn_scalar {scalar} ** -0.5: it computes other logits")  # fmt: skip
+    return notes
+
+
 def arch_of(architecture: str, config: Mapping[str, Any], where: str) -> tuple[Arch, HParams]:
     """The :class:`Arch` of `architecture` and its checked hyper-parameters; a UserError for what llama.cpp does
     not run (`where` names config.json in the message)."""

@@ -33,9 +33,14 @@ def looks_local(source: str) -> bool:
 
 
 def is_model_dir(target: str | Path) -> bool:
-    """Whether `target` is a Hugging Face model directory (it has a `config.json` and no `checkpoints/`) or a Hub
-    id: what `nnx-inspect`, `nnx-generate` and `nnx-eval` take instead of a work dir."""
+    """Whether `target` is a Hugging Face model directory (it has a `config.json` and no `checkpoints/`), a Hub
+    id, or a GGUF file (which stands for one): what `nnx-inspect`, `nnx-generate` and `nnx-eval` take instead of a
+    work dir."""
     path = Path(target).expanduser()
+    if path.is_file():
+        from nnx_cli.gguf.read import is_gguf
+
+        return is_gguf(path)
     if path.is_dir():
         return (path / CONFIG).is_file() and not (path / "checkpoints").is_dir() and not (path / "state").is_dir()
     return not path.exists() and not looks_local(str(target))
@@ -43,9 +48,14 @@ def is_model_dir(target: str | Path) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def resolve(source: str) -> Path:
-    """The local directory of `model.pretrained`: the directory itself, or a Hub model's cached snapshot
-    (downloaded the first time)."""
+    """The local directory of `model.pretrained`: the directory itself, a Hub model's cached snapshot
+    (downloaded the first time), or the directory a GGUF file stands for (made the first time)."""
     path = Path(source).expanduser()
+    if path.is_file():
+        from nnx_cli.gguf.read import is_gguf, model_dir
+
+        if is_gguf(path):
+            return model_dir(path)
     if path.is_dir():
         if not (path / CONFIG).is_file():
             raise UserError(
