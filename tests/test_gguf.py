@@ -119,6 +119,17 @@ def test_q8_0_blocks_hold_32_values_and_one_float16_scale(tmp_path):
     assert np.abs(values).max() == 127
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16", "BF16"])
+def test_large_tensors_quantised_a_few_rows_at_a_time_are_the_bytes_of_one_call(monkeypatch, qtype):
+    import gguf
+
+    monkeypatch.setattr(export, "_CHUNK", 4096)  # 16 rows of 64 at a time
+    rows = np.random.default_rng(0).standard_normal((300, 64)).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[qtype]
+    chunked, whole = export._quantized(rows, kind, gguf), gguf.quants.quantize(rows, kind)
+    assert chunked.tobytes() == np.ascontiguousarray(whole).tobytes()
+
+
 def test_a_run_exports_as_its_hugging_face_export_does(tmp_path):
     """LoRA adapters merged, from a run: the same file as the GGUF export of the run's Hugging Face export."""
     from nnx_cli.config import load_config

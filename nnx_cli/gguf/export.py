@@ -273,7 +273,7 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
     with progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance:
 
         def emit(t: _Planned, data: np.ndarray) -> None:
-            data = np.ascontiguousarray(gguf.quants.quantize(data, t.qtype))
+            data = _quantized(data, t.qtype, gguf)
             writer.write_tensor_data(data)
             if advance is not None:
                 advance(data.nbytes)
@@ -295,6 +295,19 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
             if len(experts) == len(t.sources):
                 emit(t, np.stack([experts[e] for e in sorted(experts)]))
                 del parts[t.name]
+
+
+_CHUNK = 64 << 20  # bytes of float32 rows quantised at a time
+
+
+def _quantized(data: np.ndarray, qtype: Any, gguf: Any) -> np.ndarray:
+    """`data` as `qtype`'s bytes, a few rows at a time (quantising makes temporaries of its input's size, and an
+    embedding is the largest tensor there is); blocks lie along rows, so the bytes are those of one call."""
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    step = max(1, _CHUNK // (rows.shape[1] * 4))
+    if rows.shape[0] <= step:
+        return np.ascontiguousarray(gguf.quants.quantize(data, qtype))
+    return np.concatenate([gguf.quants.quantize(rows[i : i + step], qtype) for i in range(0, rows.shape[0], step)])
 
 
 def human_size(size: float) -> str:
