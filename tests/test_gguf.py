@@ -343,3 +343,31 @@ def test_the_modelfile_translates_the_chat_template_into_ollamas(exported):
 def test_chat_templates_translate_by_what_they_render(template, expected):
     go, _ = ollama.translate(template, "<s>", "</s>", None)
     assert expected in go
+
+
+def test_a_lora_fine_tune_from_a_gguf_file_exports_to_gguf_with_the_adapters_merged(exported):
+    (exported / "text.txt").write_text("\n".join(["the river ran past the old mill and the boats went by"] * 40))
+    (exported / "tune.yaml").write_text(
+        "model: {name: transformer_lm, pretrained: llama.gguf, lora: {rank: 4, alpha: 8}}\n"
+        "data: {source: text.txt, text_key: text, seq_len: 16, eval_split: null}\n"
+        "optimizer: {name: adamw, learning_rate: 0.05}\n"
+        "train: {batch_size: 2, steps: 2, eval_every: 100}\n"
+    )
+    result = cli("nnx-train", "tune.yaml", "--workdir", "tune", cwd=exported, timeout=240)
+    assert result.returncode == 0, result.stderr
+    result = cli("nnx-export", "tune", "--format", "gguf", "--dtype", "f32", "--out", "tuned.gguf", cwd=exported)
+    assert result.returncode == 0, result.stderr
+    assert "wrote tuned.gguf (llama, f32, 22 tensors" in result.stderr and "tune/checkpoints/2" in result.stderr
+    base, tuned = summary(exported / "llama.gguf"), summary(exported / "tuned.gguf")
+    assert tuned["metadata"]["tokenizer.ggml.tokens"] == base["metadata"]["tokenizer.ggml.tokens"]
+    assert tuned["tensors"]["blk.0.attn_q.weight"][1] == "F32"
+    assert tuned["tensors"]["output_norm.weight"][2] == summary_f32_of(exported / "llama.gguf", "output_norm.weight")
+    assert tuned["tensors"]["blk.0.attn_q.weight"][2] != summary_f32_of(exported / "llama.gguf", "blk.0.attn_q.weight")
+
+
+def summary_f32_of(path: Path, name: str) -> str:
+    """The digest of tensor `name` of a GGUF file, dequantised to float32 (what a fine-tune of it starts from)."""
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == name)
+    return digest(read._dequantized(tensor).tobytes())
