@@ -59,9 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_cli.config import DataConfig
-from nnx_cli.data import PLAIN_TEXT, _open
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, get_or_build, local_fingerprint
+from nnx_cli.data.sources import PLAIN_TEXT, open_dataset
 from nnx_cli.data.tokenizers import BytesTokenizer, HFTokenizer, load_tokenizer, tokenizer_vocab_size
 from nnx_cli.errors import UserError, did_you_mean
 
@@ -360,7 +360,7 @@ class _Source:
     def _dataset_dict(self) -> Any:
         import datasets
 
-        ds = _open(self.cfg.source)
+        ds = open_dataset(self.cfg.source)
         return ds if isinstance(ds, datasets.DatasetDict) else datasets.DatasetDict({"train": ds})
 
     def _is_txt(self) -> bool:
