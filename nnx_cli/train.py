@@ -292,7 +292,7 @@ def prepare(
     """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run."""
     import jax
 
-    from nnx_cli import hooks, sharding
+    from nnx_cli import hooks, sharding, steps
     from nnx_cli import loop as loops
     from nnx_cli.data import pipeline
     from nnx_cli.experiment import count_params
@@ -339,7 +339,7 @@ def prepare(
         if exp.spec.tokenizer is not None and hasattr(exp.model_cls, "init_cache"):
             samples = session.workdir / "samples" if session.lock is not None else None
             if hasattr(exp.objective, "samples"):  # completions with their rewards (GRPO)
-                chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard))
+                chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard, steps))
             else:
                 chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
     if harness_tasks is not None:
