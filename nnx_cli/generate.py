@@ -283,13 +283,14 @@ def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
 
 
 def eval_prompts(exp: Any) -> list[list[int]]:
-    """The prompts of the samples written at each eval: `train.sample_prompts`, encoded; by default the
-    first tokens of the eval split and of its middle."""
+    """The prompts of the samples written at each eval: `train.sample_prompts`, encoded (a run on conversations,
+    chats or conversational preference pairs, renders each as a user turn and the opening of the reply, as
+    `nnx-generate --chat` does); by default the first tokens of the eval split and of its middle."""
     from nnx_cli.data import examples
     from nnx_cli.data.tokenizers import load_tokenizer
 
-    chat = exp.cfg.data.format == examples.CHAT
     if exp.cfg.train.sample_prompts:
+        chat = examples.is_conversational(exp.cfg.data)
         tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         template = run_chat_template(exp.cfg, tokenizer) if chat else None
         return [encode_prompt(tokenizer, p, chat, None, template) for p in exp.cfg.train.sample_prompts]
