@@ -3,7 +3,7 @@
 `data.source` (a Hub id, a local file or directory, `sklearn:digits`, your
 own function) is opened by :mod:`nnx_cli.data.sources`.
 Images (:mod:`nnx_cli.data.images`) are decoded once into a uint8 cache,
-text (:mod:`nnx_cli.data.text`, when `data.text_key` is set) is tokenized
+text (:mod:`nnx_cli.data.text`: `data.text_key`, or plain-text files) is tokenized
 once into a token stream, and fine-tuning examples
 (:mod:`nnx_cli.data.examples`, `data.format: chat | completion | preference`)
 into rows with loss targets, and prompts to sample from

@@ -77,8 +77,11 @@ _cache: dict[str, tuple[str | None, Any]] = {}
 def open_dataset(source: str) -> Any:
     """The `datasets` object (a DatasetDict, or a Dataset for save_to_disk of one split).
 
-    A `.txt` or `.md` file, and each file of a directory of `.txt` files, is
-    one row (one document) in a column `text`, not a row per line.
+    Plain text (:func:`is_plain_text`) is read by `datasets`' `text` builder
+    a document per file, in a column `text`: the whole file is one row, not
+    a row per line. A directory's files are its `train` split in the order
+    of their paths, unless their names say which split they are (`train.txt`,
+    `test.md`, `validation/...`), as `datasets` reads any directory.
     """
     path = Path(source).expanduser()
     signature = local_fingerprint(path) if path.exists() else None
@@ -94,10 +97,13 @@ def open_dataset(source: str) -> Any:
         if path.exists():
             if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
                 ds = datasets.load_from_disk(str(path))
+            elif is_plain_text(source):
+                where = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
+                ds = datasets.load_dataset("text", sample_by="document", **where)
             elif path.is_dir():
-                ds = datasets.load_dataset(str(path), **_text_options(path))
+                ds = datasets.load_dataset(str(path))
             elif path.suffix in FILE_BUILDERS:
-                ds = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), **_text_options(path))
+                ds = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
             else:
                 raise UserError(
                     f"config key 'data.source': cannot read {source!r}; expected a directory or a "
@@ -124,8 +130,21 @@ def open_dataset(source: str) -> Any:
     return ds
 
 
-def _text_options(path: Path) -> dict[str, Any]:
-    """`datasets`' options for a plain-text file or a directory of them: one row per file, not per line."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    suffixes = {p.suffix for p in files if p.suffix in FILE_BUILDERS}
-    return {"sample_by": "document"} if suffixes and suffixes <= set(PLAIN_TEXT) else {}
+def is_plain_text(source: str) -> bool:
+    """Whether `source` is plain text: a local `.txt` or `.md` file, or a directory whose files are all `.txt` or
+    `.md` (hidden ones aside, which `datasets` skips too: a name starting with `.` or `__` anywhere in the path).
+
+    >>> is_plain_text("notes.txt"), is_plain_text("sklearn:digits")   # doctest: +SKIP
+    (True, False)
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path.suffix in PLAIN_TEXT
+    if not path.is_dir():
+        return False
+    files = [f for f in path.rglob("*") if f.is_file() and not _hidden(f.relative_to(path))]
+    return bool(files) and all(f.suffix in PLAIN_TEXT for f in files)
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith((".", "__")) for part in relative.parts)
