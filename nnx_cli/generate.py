@@ -140,7 +140,9 @@ def encode_prompt(
 
 def stops(tokenizer: Any, chat: bool = False) -> dict[str, Any]:
     """Where samples stop: a model directory's tokenizer at its end-of-sequence ids (and end of turn in a chat),
-    as `transformers` does; others at the end-of-document token."""
+    as `transformers` does; others at the end-of-document token. Unlike `data.tokenizers.stop_ids` (sampling
+    that must end: GRPO's, lm-eval's), a model directory that names no end-of-sequence id stops nowhere, as in
+    `transformers`, and the end of a document is `Decoder.generate`'s own stop reason."""
     stop_ids = getattr(tokenizer, "chat_stop_ids" if chat else "stop_ids", None)
     if stop_ids is not None:
         return {"end_of_document": None, "stop_tokens": stop_ids}

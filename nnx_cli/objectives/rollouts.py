@@ -17,7 +17,7 @@ Sampling is one jitted call per batch: the prompts (each repeated
 1` positions, then one token per row is drawn and fed back in a
 `lax.while_loop` that ends when every row has drawn a stop token (the
 tokenizer's end-of-sequence ids, as TRL stops; `<eos>`-less tokenizers at
-end-of-document) or `max_new_tokens` tokens. Row `i` of step `s` draws its
+end-of-document: `data.tokenizers.stop_ids`) or `max_new_tokens` tokens. Row `i` of step `s` draws its
 `t`-th token with `fold_in(fold_in(key(seed, stream, s), i), t)`: a pure
 function of the run's seed and step, so a run resumed after kill -9 samples
 exactly what the uninterrupted one did, and the rows' keys do not depend on
@@ -108,13 +108,6 @@ def _sampler(moduledef: nnx.ModuleDef, max_new_tokens: int, temperature: float, 
     return jax.jit(fn)
 
 
-def stop_ids(tokenizer: Any) -> tuple[int, ...]:
-    """Where a completion ends: a model directory's end-of-sequence ids (its generation config's and its
-    tokenizer's `eos_token`, as TRL stops), else the tokenizer's end-of-document token."""
-    ids = getattr(tokenizer, "chat_stop_ids", None)
-    return tuple(int(i) for i in ids) if ids else (int(tokenizer.eod_id),)
-
-
 def completion_texts(tokenizer: Any, drawn: dict[str, np.ndarray]) -> list[str]:
     """Each completion's text (`completions`, `lengths`, `stopped` as `sample_completions` gives them): without the
     prompt and without its stop token."""
@@ -131,14 +124,14 @@ class Rollouts:
     training step and state accessors, `objectives.Steps`)."""
 
     def __init__(self, exp: Any, steps: Any):
-        from nnx_cli.data.tokenizers import load_tokenizer
+        from nnx_cli.data.tokenizers import load_tokenizer, stop_ids
 
         self.exp = exp
         self.steps = steps
         self.objective = exp.objective
         self.options = exp.objective.options
         self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-        self.stop_ids = stop_ids(self.tokenizer)
+        self.stop_ids = stop_ids(self.tokenizer, chat=True)  # its eos_token too, as TRL stops
         self._sample = _sampler(exp.moduledef, self.options.max_new_tokens, self.options.temperature, self.stop_ids)
 
     def layout(self, prompts: int, key: str) -> Any:
