@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.config import DataConfig
-from nnx_cli.data import _DIGITS_TRAIN, DIGITS, _digits_arrays, _open
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.pipeline import prefetch  # noqa: F401 (the same prefetch thread as then, for the benchmarks)
+from nnx_cli.data.sources import DIGITS, DIGITS_TRAIN, digits_arrays, open_dataset
 from nnx_cli.errors import UserError, did_you_mean
 
 
@@ -60,10 +60,10 @@ def load_split(cfg: DataConfig, split: str, key: str = "data.train_split") -> Sp
 
 
 def _digits(split: str, key: str) -> Split:
-    pixels, labels = _digits_arrays()
+    pixels, labels = digits_arrays()
     images = (pixels.reshape(-1, 8, 8) / 16.0).astype(np.float32)[..., None]
     labels = labels.astype(np.int32)
-    parts = {"train": slice(0, _DIGITS_TRAIN), "test": slice(_DIGITS_TRAIN, None)}
+    parts = {"train": slice(0, DIGITS_TRAIN), "test": slice(DIGITS_TRAIN, None)}
     if split not in parts:
         raise UserError(f"config key {key!r}: {DIGITS} has splits 'train' and 'test', not {split!r}")
     return Split(images[parts[split]], labels[parts[split]], 10)
@@ -72,7 +72,7 @@ def _digits(split: str, key: str) -> Split:
 def _from_datasets(cfg: DataConfig, split: str, key: str) -> Split:
     import datasets
 
-    ds = _open(cfg.source)
+    ds = open_dataset(cfg.source)
     if not isinstance(ds, datasets.DatasetDict):  # save_to_disk of one Dataset: a single split, "train"
         ds = datasets.DatasetDict({"train": ds})
     if split not in ds:

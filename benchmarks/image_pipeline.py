@@ -17,8 +17,8 @@ from pathlib import Path
 
 import baseline_loader
 
-from nnx_cli import data
 from nnx_cli.config import DataConfig
+from nnx_cli.data import sources
 from nnx_cli.data.images import image_train_split, load_images
 from nnx_cli.data.pipeline import dispatches, host_feed
 
@@ -31,7 +31,7 @@ def seconds(fn) -> float:
 
 def fresh_open() -> None:
     """Forget the `datasets` objects this process opened, as a new run would (their arrow cache stays)."""
-    data._cache.clear()
+    sources._cache.clear()
 
 
 def decode(cfg: DataConfig, workers: int) -> None:
@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = DataConfig(source=args.data)
     fresh_open()
-    data._open(args.data)  # the `datasets` arrow cache, built once, is common to every path measured
+    sources.open_dataset(args.data)  # the `datasets` arrow cache, built once, is common to every path measured
     decode(cfg, args.workers)
     throughput(cfg, args.steps, args.workers)
 

@@ -31,6 +31,7 @@ import optax
 import nnx
 from nnx_cli import data, models, objectives, optim, sharding, steps
 from nnx_cli.config import Config
+from nnx_cli.data import text
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
 from nnx_cli.errors import UserError, did_you_mean
 from nnx_cli.registry import signature
@@ -188,6 +189,7 @@ class Experiment:
 def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Experiment:
     """Resolve `cfg` once. `data`: "train" (train and eval splits), "eval" (eval split) or None (no data read).
     `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
+    text.fill_text_key(cfg.data)  # a .txt / .md file or directory of them: documents in `text`
     model_cls, pretrained = _setup_model(cfg)
     optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
     with PHASES("data"):

@@ -140,7 +140,9 @@ def encode_prompt(
 
 def stops(tokenizer: Any, chat: bool = False) -> dict[str, Any]:
     """Where samples stop: a model directory's tokenizer at its end-of-sequence ids (and end of turn in a chat),
-    as `transformers` does; others at the end-of-document token."""
+    as `transformers` does; others at the end-of-document token. Unlike `data.tokenizers.stop_ids` (sampling
+    that must end: GRPO's, lm-eval's), a model directory that names no end-of-sequence id stops nowhere, as in
+    `transformers`, and the end of a document is `Decoder.generate`'s own stop reason."""
     stop_ids = getattr(tokenizer, "chat_stop_ids" if chat else "stop_ids", None)
     if stop_ids is not None:
         return {"end_of_document": None, "stop_tokens": stop_ids}
@@ -283,13 +285,14 @@ def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
 
 
 def eval_prompts(exp: Any) -> list[list[int]]:
-    """The prompts of the samples written at each eval: `train.sample_prompts`, encoded; by default the
-    first tokens of the eval split and of its middle."""
+    """The prompts of the samples written at each eval: `train.sample_prompts`, encoded (a run on conversations,
+    chats or conversational preference pairs, renders each as a user turn and the opening of the reply, as
+    `nnx-generate --chat` does); by default the first tokens of the eval split and of its middle."""
     from nnx_cli.data import examples
     from nnx_cli.data.tokenizers import load_tokenizer
 
-    chat = exp.cfg.data.format == examples.CHAT
     if exp.cfg.train.sample_prompts:
+        chat = examples.is_conversational(exp.cfg.data)
         tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         template = run_chat_template(exp.cfg, tokenizer) if chat else None
         return [encode_prompt(tokenizer, p, chat, None, template) for p in exp.cfg.train.sample_prompts]

@@ -401,7 +401,7 @@ def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     from nnx_cli.experiment import reports_perplexity
 
     if hasattr(exp.objective, "evaluator"):  # an objective that evaluates by sampling (GRPO's rewards)
-        return exp.objective.evaluator(exp)
+        return exp.objective.evaluator(exp, steps)
     fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare, objective=exp.objective)
     eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar, scalar), out_shardings=scalar)
     limit = exp.cfg.train.eval_max_batches

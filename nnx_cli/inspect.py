@@ -1,10 +1,11 @@
 """`nnx-inspect TARGET [KEY=VALUE ...]`: the model's State without training it.
 
-TARGET is a config YAML, a work dir / checkpoint (its saved config is
-used), or a Hugging Face model directory or Hub id (its config.json; no
-tensor is read). The model is built abstractly with `jax.eval_shape`, so no parameter
-memory is allocated and no dataset is read: input shapes come from
-`model.input_shape` or a well-known `data.source` (MNIST, digits). For each
+TARGET is a config YAML (or a shipped config's name: `nnx-configs ls`), a
+work dir / checkpoint (its saved config is used), or a Hugging Face model
+directory or Hub id (its config.json; no tensor is read). The model is built
+abstractly with `jax.eval_shape`, so no parameter memory is allocated and no
+dataset is read: input shapes come from `model.input_shape` or a well-known
+`data.source` (MNIST, digits). For each
 entry: path, Variable type, shape, dtype, element count, bytes, logical
 sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
 totals per Variable type (`total_params` leaves out a language model's padded
@@ -37,7 +38,7 @@ def inspect_state(
     target: Path = typer.Argument(
         ...,
         metavar="TARGET",
-        help="Config YAML, a work dir / checkpoint dir, or a Hugging Face model dir or Hub id.",
+        help="Config YAML or shipped config's name, a work dir / checkpoint dir, or a Hugging Face model dir / Hub id.",
         show_default=False,
     ),
     overrides: list[str] | None = typer.Argument(
@@ -49,7 +50,7 @@ def inspect_state(
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
     import nnx
-    from nnx_cli import hf, steps
+    from nnx_cli import configs, hf, steps
     from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console
@@ -68,7 +69,8 @@ def inspect_state(
         title = f"{run.checkpoints / str(step)}"
     else:
         title = str(target)
-        exp = setup(load_config(target, overrides or []), data=None, place=False)  # the whole config is checked
+        config = configs.find(target)  # a path that exists, else a shipped config's name
+        exp = setup(load_config(config, overrides or []), data=None, place=False)  # the whole config is checked
     cfg = exp.cfg
     entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules)
     if filter_type is not None:

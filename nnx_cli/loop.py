@@ -120,7 +120,7 @@ def inputs(exp: Any, layout: Any, plan: list[tuple[int, int]]) -> tuple[Iterator
     from nnx_cli.data import pipeline
 
     if hasattr(exp.objective, "inputs"):  # an objective that makes its own batches (GRPO samples them)
-        return exp.objective.inputs(exp, plan)
+        return exp.objective.inputs(exp, plan, steps)
     split, cfg = exp.train, exp.cfg
     common = (steps.train_dispatch, exp.moduledef, exp.tx, exp.objective, cfg.seed, split.prepare)
     scalar = NamedSharding(exp.mesh, PartitionSpec())

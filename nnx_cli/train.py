@@ -1,4 +1,4 @@
-"""`nnx-train CONFIG [KEY=VALUE ...]`: train a model from a YAML config.
+"""`nnx-train CONFIG [KEY=VALUE ...]`: train a model from a YAML config (a file, or a shipped config's name).
 
 The recipe, top to bottom in :func:`_train`::
 
@@ -24,8 +24,8 @@ from typing import IO, Any
 
 import typer
 
+from nnx_cli import configs, loggers, runtime, watchdog
 from nnx_cli import distributed as _distributed
-from nnx_cli import loggers, runtime, watchdog
 from nnx_cli.config import Config, load_config, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, UserError, report_errors, run_app
@@ -39,7 +39,9 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @app.command()
 @report_errors
 def train(
-    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file.", show_default=False),
+    config: Path = typer.Argument(
+        ..., metavar="CONFIG", help="YAML config file, or a shipped config's name (nnx-configs ls).", show_default=False
+    ),
     overrides: list[str] | None = typer.Argument(
         None,
         metavar="[KEY=VALUE]...",
@@ -69,6 +71,7 @@ def train(
 ) -> None:
     """Train the model a config describes, writing checkpoints and metrics to the work dir."""
     with Signals() as signals:
+        config = configs.find(config)  # a path that exists, else a shipped config's name
         cfg = load_config(config, overrides or [])
         workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
         raise SystemExit(
@@ -292,7 +295,7 @@ def prepare(
     """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run."""
     import jax
 
-    from nnx_cli import hooks, sharding
+    from nnx_cli import hooks, sharding, steps
     from nnx_cli import loop as loops
     from nnx_cli.data import pipeline
     from nnx_cli.experiment import count_params
@@ -339,7 +342,7 @@ def prepare(
         if exp.spec.tokenizer is not None and hasattr(exp.model_cls, "init_cache"):
             samples = session.workdir / "samples" if session.lock is not None else None
             if hasattr(exp.objective, "samples"):  # completions with their rewards (GRPO)
-                chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard))
+                chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard, steps))
             else:
                 chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
     if harness_tasks is not None:

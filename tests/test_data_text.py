@@ -151,13 +151,57 @@ def test_a_txt_file_is_one_document(tmp_path):
     assert tokens.tolist() == byte_stream([POEM])
 
 
-def test_a_directory_of_txt_files_is_one_document_per_file(tmp_path):
-    (tmp_path / "works").mkdir()
-    (tmp_path / "works" / "a.txt").write_text("first\nwork\n")
-    (tmp_path / "works" / "b.txt").write_text("second work\n")
-    tokens = load_text_splits(config(tmp_path, tmp_path / "works"), seed=0).train.tokens
-    documents = [BytesTokenizer().decode(d) for d in np.split(tokens, np.flatnonzero(tokens == 256) + 1)[:-1]]
-    assert sorted(documents) == ["first\nwork\n", "second work\n"]
+def documents_of(tokens: np.ndarray) -> list[str]:
+    """The documents of a bytes stream, each ended by end-of-document."""
+    return [BytesTokenizer().decode(d) for d in np.split(tokens, np.flatnonzero(tokens == 256) + 1)[:-1]]
+
+
+def write_files(root: Path, files: dict[str, str]) -> Path:
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content)
+    return root
+
+
+def test_a_directory_of_txt_and_md_files_is_one_document_per_file_in_the_order_of_their_paths(tmp_path):
+    files = {"b.txt": "second\n", "a.md": "# first\n", "notes/c.txt": "third\n", ".draft.txt": "hidden\n"}
+    tokens = load_text_splits(config(tmp_path, write_files(tmp_path / "works", files)), seed=0).train.tokens
+    assert documents_of(tokens) == ["# first\n", "second\n", "third\n"]
+
+
+def test_a_directory_of_markdown_files_alone_is_text(tmp_path):
+    source = write_files(tmp_path / "notes", {"one.md": "# one\n", "two.md": "# two\n"})
+    assert documents_of(load_text_splits(config(tmp_path, source), seed=0).train.tokens) == ["# one\n", "# two\n"]
+
+
+def test_text_files_named_after_splits_are_those_splits(tmp_path):
+    source = write_files(tmp_path / "corpus", {"train.txt": POEM * 3, "test.md": "held out\n"})
+    splits = load_text_splits(config(tmp_path, source, eval_split="test"), seed=0)
+    assert documents_of(splits.train.tokens) == [POEM * 3] and documents_of(splits.eval.tokens) == ["held out\n"]
+
+
+@pytest.mark.parametrize(
+    "files, key",
+    [({"book.txt": POEM}, "text"), ({"a.txt": POEM, "b.md": POEM}, "text"), ({"a.txt": POEM, "b.jsonl": "{}"}, None)],
+)
+def test_plain_text_needs_no_text_key_and_other_files_still_do(tmp_path, files, key):
+    write_files(tmp_path / "data", files)
+    source = tmp_path / "data" / next(iter(files)) if len(files) == 1 else tmp_path / "data"
+    cfg = DataConfig(source=str(source))
+    text.fill_text_key(cfg)
+    assert cfg.text_key == key
+
+
+def test_a_model_trained_from_scratch_reads_a_text_file_without_text_key(tmp_path):
+    from nnx_cli.config import load_config
+    from nnx_cli.experiment import setup
+
+    (tmp_path / "book.txt").write_text(POEM * 20)
+    model = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=16"]
+    data = [f"data.source={tmp_path / 'book.txt'}", "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}"]
+    exp = setup(load_config(None, [*model, *data, "data.eval_split=validation", "train.batch_size=4"]))
+    assert exp.cfg.data.text_key == "text" and exp.spec.input_shape == (16,)  # the resolved config says so too
+    assert len(exp.train.tokens) + len(exp.eval.tokens) == len((POEM * 20).encode()) + 1  # one document, held out
 
 
 def _save_jsonl(path: Path) -> Path:

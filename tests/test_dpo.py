@@ -117,6 +117,21 @@ def experiment(tmp_path: Path, pairs: list[dict], beta: float = 0.1, loss: str =
     return setup(load_config(None, overrides))
 
 
+@pytest.mark.parametrize("form, chat", [("conversational", True), ("standard", False)])
+def test_eval_samples_of_a_dpo_run_reply_to_its_sample_prompts_and_stop_where_its_responses_end(tmp_path, form, chat):
+    from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.generate import encode_prompt, eval_prompts, eval_sample_stops
+
+    question = "When does the fiddler come?"
+    exp = experiment(tmp_path, RECORD[f"llama_{form}"], 0.1, "sigmoid", True, f"train.sample_prompts=[{question!r}]")
+    tokenizer = load_tokenizer("pretrained", str(fixture("llama")))
+    # conversational pairs: a user turn and the opening of the reply, as nnx-generate --chat writes them
+    assert eval_prompts(exp) == [encode_prompt(tokenizer, question, chat, None)]
+    sequences = sequences_of(rows_of(exp.cfg.data))
+    ends = {tokens[max(i for i, t in enumerate(targets) if t)] for tokens, targets in sequences}  # each response's last
+    assert ends <= set(eval_sample_stops(exp.cfg.data.format, tokenizer)["stop_tokens"])
+
+
 def pair_metrics(exp, state, also: tuple[tuple[float, str], ...] = ()) -> dict:
     """The DPO metrics of each pair of the training rows (one pair per row), as the trainer computes them; and
     for each `(beta, loss)` of `also`, the loss and rewards from the same log-probabilities (`pair_losses`)."""

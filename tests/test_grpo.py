@@ -15,7 +15,7 @@ from hf_support import FIXTURES, fixture, goldens
 
 from nnx_cli import steps
 from nnx_cli.config import load_config
-from nnx_cli.data.tokenizers import load_tokenizer
+from nnx_cli.data.tokenizers import load_tokenizer, stop_ids
 from nnx_cli.errors import UserError
 from nnx_cli.experiment import setup
 from nnx_cli.hf import peft
@@ -99,7 +99,7 @@ def test_reward_functions_get_each_rows_columns_and_the_prompt_as_the_source_hol
 def test_completions_are_decoded_without_the_prompt_and_without_their_end_token_as_trl_decodes_them():
     tokenizer = load_tokenizer("pretrained", str(fixture("llama")))
     assert rollouts.completion_texts(tokenizer, fixture_drawn()) == BATCH["texts"]
-    assert rollouts.stop_ids(tokenizer) == tuple(BATCH["eos"])  # generation_config's and the tokenizer's eos
+    assert stop_ids(tokenizer, chat=True) == tuple(BATCH["eos"])  # generation_config's and the tokenizer's eos
 
 
 def test_a_long_prompt_keeps_its_last_tokens_to_leave_room_for_the_completion(tmp_path, capsys):

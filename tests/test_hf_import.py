@@ -457,7 +457,7 @@ def test_a_plain_text_file_is_text_without_a_text_key(tmp_path, llama_dir, suffi
     source = tmp_path / f"notes{suffix}"
     source.write_text("# Notes\n\nthe quick brown fox\n")
     cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={llama_dir}", f"data.source={source}"])
-    hf.apply_pretrained(cfg)
+    setup(cfg, data=None)
     assert cfg.data.text_key == "text"  # the one column a plain-text file has
 
 

@@ -419,6 +419,19 @@ def is_examples(cfg: DataConfig) -> bool:
     return cfg.format in (CHAT, COMPLETION, PREFERENCE)
 
 
+def is_conversational(cfg: DataConfig) -> bool:
+    """Whether `cfg` trains on conversations rendered by a chat template: chats, or preference pairs in TRL's
+    conversational form (the first training row's prompt a list of messages: `datasets` gives a column one type)."""
+    if cfg.format == CHAT:
+        return True
+    if cfg.format != PREFERENCE:
+        return False
+    from nnx_cli.data.text import _Source
+
+    rows = _Source(cfg).dataset(cfg.train_split, "data.train_split", columns=_columns(cfg))
+    return len(rows) > 0 and isinstance(rows[0][cfg.prompt_key], list)
+
+
 def load_example_splits(
     cfg: DataConfig, seed: int, splits: Collection[str] = ("train", "eval"), pretrained: str | None = None
 ) -> ExampleSplits:

@@ -272,9 +272,9 @@ def load_images(cfg: DataConfig, split: str, key: str = "data.train_split") -> I
     """
     fn = _source_function(cfg.source)
     if fn is None:
-        from nnx_cli.data import _open
+        from nnx_cli.data.sources import open_dataset
 
-        ds = _dataset_split(_open(cfg.source), cfg.source, split, key)
+        ds = _dataset_split(open_dataset(cfg.source), cfg.source, split, key)
         return _cached(ds, cfg, split, _source_id(cfg.source))
     result = _call_source(fn, cfg.source, split, key)
     if _is_dataset(result):
@@ -333,7 +333,7 @@ def _source_id(source: str) -> str:
 
 
 def _dataset_split(ds: Any, source: str, split: str, key: str) -> Any:
-    """Split `split` of what `_open` returned, with the same errors as :func:`nnx_cli.data.load_split`."""
+    """Split `split` of what `sources.open_dataset` returned; a split it lacks is a UserError naming `key`."""
     import datasets
 
     if not isinstance(ds, datasets.DatasetDict):  # save_to_disk of one Dataset: a single split, "train"
@@ -349,12 +349,12 @@ def _dataset_split(ds: Any, source: str, split: str, key: str) -> Any:
 
 def _digits(split: str) -> ImageArrays:
     """scikit-learn's 8x8 digits (first 1500 train, the rest test), grey levels 0..16, in memory."""
-    from nnx_cli.data import _DIGITS_TRAIN, _digits_arrays
+    from nnx_cli.data.sources import DIGITS_TRAIN, digits_arrays
 
-    parts = {"train": slice(0, _DIGITS_TRAIN), "test": slice(_DIGITS_TRAIN, None)}
+    parts = {"train": slice(0, DIGITS_TRAIN), "test": slice(DIGITS_TRAIN, None)}
     if split not in parts:
         raise KeyError(split)
-    pixels, labels = _digits_arrays()
+    pixels, labels = digits_arrays()
     image = pixels.reshape(-1, 8, 8, 1).astype(np.uint8)[parts[split]]
     return ImageArrays(image, labels.astype(np.int32)[parts[split]], 16.0, 10)
 

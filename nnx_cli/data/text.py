@@ -2,9 +2,11 @@
 
 A text dataset is one with `data.text_key` set: the column of documents of
 `data.source` (a Hub id, a local directory of parquet/jsonl/txt files, or one
-`.txt`/`.md`/`.jsonl`/`.parquet` file; a `.txt` or `.md` file is one document in
-a column `text`). Each split's documents are tokenized once with `data.tokenizer`,
-each followed by the end-of-document id, and stored as one uint16 stream
+`.txt`/`.md`/`.jsonl`/`.parquet` file). Plain text needs no `data.text_key`: a
+`.txt` or `.md` file is one document, and so is each file of a directory of
+them, in the order of their paths (:func:`fill_text_key`). Each split's
+documents are tokenized once with `data.tokenizer`, each followed by the
+end-of-document id, and stored as one uint16 stream
 (uint32 for vocabularies above 65,536 ids) in the data cache, keyed by the
 source, split, column, tokenizer and its version, and a fingerprint of the
 source (sizes and modification times of local files; `datasets`' own
@@ -28,10 +30,11 @@ epoch has as many windows as fit at the largest offset, the same for every
 epoch. Evaluation reads every window from offset 0 in order, dropping the last
 partial one.
 
-A source with a single split (a lone file, a save_to_disk of one Dataset)
-asked for an eval split it lacks holds out the last 10% of that split's token
-stream as the eval split and trains on the first 90% (a one-line notice says
-so)::
+A source with a single split (a lone file, a directory of text files none of
+whose names says a split, a save_to_disk of one Dataset) asked for an eval
+split it lacks holds out the last 10% of that split's token stream as the eval
+split and trains on the first 90% (a one-line notice says so): the end of a
+book, or of a directory's last files::
 
     splits = load_text_splits(cfg.data, seed=0)
     keys = splits.train.epoch_keys(0)[:64]
@@ -59,9 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_cli.config import DataConfig
-from nnx_cli.data import PLAIN_TEXT, _open
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, get_or_build, local_fingerprint
+from nnx_cli.data.sources import PLAIN_TEXT, is_plain_text, open_dataset
 from nnx_cli.data.tokenizers import BytesTokenizer, HFTokenizer, load_tokenizer, tokenizer_vocab_size
 from nnx_cli.errors import UserError, did_you_mean
 
@@ -186,11 +189,17 @@ def is_text(cfg: DataConfig) -> bool:
     return cfg.text_key is not None or cfg.format in ("chat", "completion", "preference", "prompt")
 
 
-def is_plain_text(source: str) -> bool:
-    """Whether `source` is one local plain-text file (`.txt`, `.md`): a single document in the column `text`, so
-    `data.text_key` has only one possible value."""
-    path = Path(source).expanduser()
-    return path.suffix in PLAIN_TEXT and path.is_file()
+def fill_text_key(cfg: DataConfig) -> None:
+    """Plain text needs no `data.text_key`: a `.txt` or `.md` file, or a directory of them
+    (:func:`~nnx_cli.data.sources.is_plain_text`), as `data.source` of documents (`data.format: text`) is read
+    from its one column, `text`.
+
+    >>> cfg = DataConfig(source="book.txt")      # doctest: +SKIP
+    >>> fill_text_key(cfg); cfg.text_key         # doctest: +SKIP
+    'text'
+    """
+    if cfg.text_key is None and cfg.format == "text" and is_plain_text(cfg.source):
+        cfg.text_key = "text"
 
 
 def text_spec(cfg: DataConfig, vocab_size: int | None = None, pretrained: str | None = None) -> DataSpec:
@@ -360,7 +369,7 @@ class _Source:
     def _dataset_dict(self) -> Any:
         import datasets
 
-        ds = _open(self.cfg.source)
+        ds = open_dataset(self.cfg.source)
         return ds if isinstance(ds, datasets.DatasetDict) else datasets.DatasetDict({"train": ds})
 
     def _is_txt(self) -> bool:

@@ -299,3 +299,18 @@ def _download(repo_id: str) -> Path:
         ) from None
     except (OSError, errors.HfHubHTTPError) as e:
         raise UserError(f"{_KEY}: cannot download Hub tokenizer {repo_id!r}: {type(e).__name__}: {e}") from None
+
+
+def stop_ids(tokenizer: Any, chat: bool = False) -> tuple[int, ...]:
+    """Where sampling that must end somewhere ends (GRPO's rollouts, lm-eval's `generate_until`): at a model
+    directory's end-of-sequence ids (its generation config's, as `transformers` stops; with `chat`, also its
+    tokenizer's `eos_token`, which ends a turn), else at the end-of-document token.
+
+    `nnx-generate` and the samples written at each eval (`generate.stops`) differ in one case: a model
+    directory that names no end-of-sequence id at all stops them nowhere, as `transformers`' `generate`.
+
+    >>> stop_ids(BytesTokenizer())
+    (256,)
+    """
+    ids = getattr(tokenizer, "chat_stop_ids" if chat else "stop_ids", None)
+    return tuple(int(i) for i in ids) if ids else (int(tokenizer.eod_id),)

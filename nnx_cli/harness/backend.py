@@ -235,9 +235,11 @@ class NNXLM(TemplateLM):
         return answers
 
     def _stop_ids(self) -> list[int]:
-        """Where `transformers`' generate stops a row: generation_config.json's end-of-sequence ids."""
-        ids = getattr(self.tokenizer, "stop_ids", None)
-        return list(ids) if ids else [self.eot_token_id]
+        """Where `transformers`' generate stops a row: generation_config.json's end-of-sequence ids (else the end of
+        a document: `data.tokenizers.stop_ids`)."""
+        from nnx_cli.data.tokenizers import stop_ids
+
+        return list(stop_ids(self.tokenizer))
 
     # --- chat templates -------------------------------------------------------------------------------------
 

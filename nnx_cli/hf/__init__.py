@@ -126,8 +126,7 @@ def open_pretrained(source: str) -> Pretrained:
 
 def apply_pretrained(cfg: Any) -> Pretrained | None:
     """`model.pretrained`: fill the model options from `config.json` (a YAML value that disagrees is a UserError
-    naming both), check the weights' headers and the tokenizer; None when the config has no `model.pretrained`.
-    A plain-text `data.source` (`.txt`, `.md`) is read as text without `data.text_key`."""
+    naming both), check the weights' headers and the tokenizer; None when the config has no `model.pretrained`."""
     source = cfg.model.pretrained
     if source is None:
         return None
@@ -138,8 +137,6 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
         )
     from nnx_cli.data import text
 
-    if not text.is_text(cfg.data) and text.is_plain_text(cfg.data.source):
-        cfg.data.text_key = "text"  # the one column of a plain-text file, as nnx-eval of a model directory reads it
     if not text.is_text(cfg.data):
         raise UserError(
             "config key 'model.pretrained' is a language model, but the data is not text: set data.text_key (the "

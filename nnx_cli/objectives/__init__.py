@@ -26,9 +26,13 @@ the run of every config without an `objective` section; `dpo`
 samples.
 
 An objective that makes its own batches (GRPO samples them) also gives the
-loop its feed and dispatch (`inputs(exp, plan)`, in place of the data
-pipeline's), the evals (`evaluator(exp)`), the samples hook and the eval
-metric names; `steps_per_batch` optimizer steps make one dispatch.
+loop its feed and dispatch (`inputs(exp, plan, steps)`, in place of the data
+pipeline's), the evals (`evaluator(exp, steps)`), the samples hook
+(`samples(every, exp, directory, guard, steps)`) and the eval metric names;
+`steps_per_batch` optimizer steps make one dispatch. The loop hands it
+`steps`, the training step and the train state's accessors (:class:`Steps`:
+the module :mod:`nnx_cli.steps`), since `steps` imports the objectives and
+they never import it back.
 
 Writing one: its options are a dataclass in `nnx_cli/config/objective.py`
 (`OPTIONS`), its class a module here built in :func:`build`. Its metrics are
@@ -45,9 +49,10 @@ sums like any metric. `needs_reference` may be decided per instance (GRPO's
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
+import optax
 
 import nnx
 from nnx_cli.config import Config
@@ -73,6 +78,33 @@ class Objective(Protocol):
     ) -> dict[str, jax.Array]:
         """Per-row metrics of `batch` (`[B]` each), `loss_metric` among them; an optional `weight` `[B]`
         weights the averages over rows (the targets, or the pairs, a row holds)."""
+
+
+class Steps(Protocol):
+    """What the loop hands an objective that makes its own batches: the training step and the train state's
+    accessors, as :mod:`nnx_cli.steps` defines them (the loop passes that module)::
+
+        state, sums, loss = steps.train_step(moduledef, tx, objective, seed, state, sums, rows)
+    """
+
+    def train_step(
+        self,
+        moduledef: nnx.ModuleDef,
+        tx: optax.GradientTransformation,
+        objective: Objective | str,
+        seed: int,
+        state: dict[str, Any],
+        sums: dict[str, Any],
+        batch: dict[str, jax.Array],
+        accum: int = 1,
+    ) -> tuple[dict[str, Any], dict[str, Any], jax.Array]:
+        """One optimizer step on `batch`, its batch-mean metrics added to `sums`; the loss besides."""
+
+    def model_states(self, state: dict[str, Any], params: Any = None, rest: Any = None) -> tuple[Any, ...]:
+        """The states `moduledef.apply` (or `merge`) takes, from the train state."""
+
+    def all_finite(self, tree: Any) -> jax.Array:
+        """Whether every element of every array in `tree` is finite."""
 
 
 def build(cfg: Config, model_cls: type) -> Objective:

@@ -288,20 +288,48 @@ class GRPO:
         """What evals report: the reward metrics of completions of the eval prompts."""
         return self.logged_names
 
-    def inputs(self, exp: Any, plan: list[tuple[int, int]]) -> tuple[Any, Any]:
-        """The training loop's feed and dispatch: GRPO samples its own batches (see `rollouts.inputs`)."""
+    def inputs(self, exp: Any, plan: list[tuple[int, int]], steps: Any) -> tuple[Any, Any]:
+        """The training loop's feed and dispatch: GRPO samples its own batches (see `rollouts.inputs`); `steps` is
+        the training step (`objectives.Steps`)."""
         from nnx_cli.objectives import rollouts
 
-        return rollouts.inputs(exp, plan)
+        return rollouts.inputs(exp, plan, steps)
 
-    def evaluator(self, exp: Any) -> Any:
+    def evaluator(self, exp: Any, steps: Any) -> Any:
         """`state -> eval metrics` (see `rollouts.evaluator`)."""
         from nnx_cli.objectives import rollouts
 
-        return rollouts.evaluator(exp)
+        return rollouts.evaluator(exp, steps)
 
-    def samples(self, every: int, exp: Any, directory: Any, guard: Any) -> Any:
+    def samples(self, every: int, exp: Any, directory: Any, guard: Any, steps: Any) -> Any:
         """The hook that writes `samples/<step>.txt`: eval prompts with completions and their rewards."""
         from nnx_cli.objectives import rollouts
 
-        return rollouts.Samples(every, exp, directory, guard)
+        return rollouts.Samples(every, exp, directory, guard, steps)
+
+    # What the rollouts ask of the objective: its arithmetic on their completions and rewards
+
+    def total_rewards(self, per_function: np.ndarray) -> np.ndarray:
+        """`R` `[N]` of the rewards `[N, F]` (see :func:`total_rewards`), weighted by `objective.reward_weights`."""
+        return total_rewards(per_function, self.weights)
+
+    def reward_metrics(self, per_function: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
+        """The logged reward metrics of a batch of completions (see :func:`reward_metrics`)."""
+        return reward_metrics(per_function, self.weights, self.reward_names, lengths)
+
+    def rows(self, drawn: dict[str, np.ndarray], per_function: np.ndarray) -> Batch:
+        """The rows a step trains on (:func:`training_rows`) from a batch of completions (`drawn`: `prompts`,
+        `prompt_lengths`, `completions`, `lengths`, `stopped`) and their rewards `[N, F]`."""
+        o = self.options
+        advantages = group_advantages(self.total_rewards(per_function), o.num_generations, o.scale_rewards)
+        logged = self.reward_metrics(per_function, drawn["lengths"])
+        keep = drawn["stopped"] | (not o.mask_truncated_completions)
+        return training_rows(
+            drawn["prompts"], drawn["prompt_lengths"], drawn["completions"], drawn["lengths"], advantages, keep,
+            o.loss, o.max_new_tokens, logged,
+        )  # fmt: skip
+
+    def old_logps(self, model: nnx.Module, rows: Batch) -> jax.Array:
+        """The log-probabilities of `rows`' tokens under `model`, the policy that sampled them (`num_iterations >
+        1` reuses the completions: the ratio is against these)."""
+        return jax.lax.stop_gradient(token_logps(model, rows, None, self.options.temperature))

@@ -7,12 +7,17 @@ optimizer steps) runs three stages::
     per_function = rollouts.score(...)            # host: the reward functions on the decoded texts
     state, sums, finite = round(state, sums, rows) # jit: num_iterations of steps.train_step on the same rows
 
+The objective (`exp.objective`, GRPO) turns scored completions into the rows
+a step trains on (`objective.rows`); the loop hands in `steps`, the training
+step (`objectives.Steps`): this module imports neither, so no import runs in
+a circle.
+
 Sampling is one jitted call per batch: the prompts (each repeated
 `num_generations` times) are prefilled into a cache of `P + max_new_tokens -
 1` positions, then one token per row is drawn and fed back in a
 `lax.while_loop` that ends when every row has drawn a stop token (the
 tokenizer's end-of-sequence ids, as TRL stops; `<eos>`-less tokenizers at
-end-of-document) or `max_new_tokens` tokens. Row `i` of step `s` draws its
+end-of-document: `data.tokenizers.stop_ids`) or `max_new_tokens` tokens. Row `i` of step `s` draws its
 `t`-th token with `fold_in(fold_in(key(seed, stream, s), i), t)`: a pure
 function of the run's seed and step, so a run resumed after kill -9 samples
 exactly what the uninterrupted one did, and the rows' keys do not depend on
@@ -36,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import nnx
-from nnx_cli import steps
 from nnx_cli.errors import UserError
-from nnx_cli.objectives import grpo as grpo_math
 from nnx_cli.objectives import rewards as reward_functions
+
+TrainState = dict[str, Any]  # as `steps` defines it: {"step", "params", "opt_state", "rest", ...}
 
 _SAMPLE, _EVAL_SAMPLE = 3, 4  # key streams (steps uses 0-2: training, evals, images)
 SHOWN_PROMPTS = 2
@@ -103,13 +108,6 @@ def _sampler(moduledef: nnx.ModuleDef, max_new_tokens: int, temperature: float, 
     return jax.jit(fn)
 
 
-def stop_ids(tokenizer: Any) -> tuple[int, ...]:
-    """Where a completion ends: a model directory's end-of-sequence ids (its generation config's and its
-    tokenizer's `eos_token`, as TRL stops), else the tokenizer's end-of-document token."""
-    ids = getattr(tokenizer, "chat_stop_ids", None)
-    return tuple(int(i) for i in ids) if ids else (int(tokenizer.eod_id),)
-
-
 def completion_texts(tokenizer: Any, drawn: dict[str, np.ndarray]) -> list[str]:
     """Each completion's text (`completions`, `lengths`, `stopped` as `sample_completions` gives them): without the
     prompt and without its stop token."""
@@ -122,16 +120,18 @@ def completion_texts(tokenizer: Any, drawn: dict[str, np.ndarray]) -> list[str]:
 
 
 class Rollouts:
-    """Sampling and scoring for one run (`exp`, an `experiment.Experiment` with the grpo objective)."""
+    """Sampling and scoring for one run (`exp`, an `experiment.Experiment` with the grpo objective; `steps`, the
+    training step and state accessors, `objectives.Steps`)."""
 
-    def __init__(self, exp: Any):
-        from nnx_cli.data.tokenizers import load_tokenizer
+    def __init__(self, exp: Any, steps: Any):
+        from nnx_cli.data.tokenizers import load_tokenizer, stop_ids
 
         self.exp = exp
+        self.steps = steps
         self.objective = exp.objective
         self.options = exp.objective.options
         self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-        self.stop_ids = stop_ids(self.tokenizer)
+        self.stop_ids = stop_ids(self.tokenizer, chat=True)  # its eos_token too, as TRL stops
         self._sample = _sampler(exp.moduledef, self.options.max_new_tokens, self.options.temperature, self.stop_ids)
 
     def layout(self, prompts: int, key: str) -> Any:
@@ -149,7 +149,7 @@ class Rollouts:
     def check_context(self, prompt_width: int, what: str) -> None:
         """Prompts `prompt_width` tokens wide and their completions fit the model's positions (learned ones end);
         a UserError naming `what` otherwise."""
-        model = self.exp.moduledef.merge(*steps.model_states(self.exp.abstract))
+        model = self.exp.moduledef.merge(*self.steps.model_states(self.exp.abstract))
         limit, need = model.context_limit, prompt_width + self.options.max_new_tokens - 1
         if limit is not None and need > limit:
             raise UserError(
@@ -158,7 +158,7 @@ class Rollouts:
                 "data.seq_len (it caps the prompts) or objective.max_new_tokens"
             )
 
-    def draw(self, state: steps.TrainState, prompts: dict[str, np.ndarray], key: jax.Array, layout: Any
+    def draw(self, state: TrainState, prompts: dict[str, np.ndarray], key: jax.Array, layout: Any
              ) -> dict[str, np.ndarray]:  # fmt: skip
         """`num_generations` completions of each prompt (`tokens` `[B, P]`, `lengths` `[B]`), the completions of a
         prompt consecutive rows; with the prompts repeated, on the host."""
@@ -168,7 +168,7 @@ class Rollouts:
             "lengths": np.repeat(np.asarray(prompts["lengths"], np.int32), g, axis=0),
         }
         placed = layout.place(repeated)
-        drawn = self._sample(steps.model_states(state), placed["tokens"], placed["lengths"], key)
+        drawn = self._sample(self.steps.model_states(state), placed["tokens"], placed["lengths"], key)
         return {**jax.device_get(drawn), "prompts": repeated["tokens"], "prompt_lengths": repeated["lengths"]}
 
     def texts(self, drawn: dict[str, np.ndarray]) -> list[str]:
@@ -183,34 +183,18 @@ class Rollouts:
             self.objective.rewards, repeat(prompts), texts, {k: repeat(v) for k, v in columns.items()}, when
         )
 
-    def rows(self, drawn: dict[str, np.ndarray], per_function: np.ndarray) -> dict[str, Any]:
-        """The rows a step trains on (`grpo.training_rows`) from a batch of completions and their rewards."""
-        o = self.options
-        total = grpo_math.total_rewards(per_function, self.objective.weights)
-        advantages = grpo_math.group_advantages(total, o.num_generations, o.scale_rewards)
-        logged = grpo_math.reward_metrics(
-            per_function, self.objective.weights, self.objective.reward_names, drawn["lengths"]
-        )
-        keep = drawn["stopped"] | (not o.mask_truncated_completions)
-        return grpo_math.training_rows(
-            drawn["prompts"], drawn["prompt_lengths"], drawn["completions"], drawn["lengths"], advantages, keep,
-            o.loss, o.max_new_tokens, logged,
-        )  # fmt: skip
-
 
 # Training: the loop's feed and dispatch
 # ------------------------------------------------------------------------------
 
 
-def train_round(moduledef: nnx.ModuleDef, tx: Any, objective: Any, seed: int, accum: int, state: steps.TrainState,
-                sums: dict[str, Any], rows: dict[str, Any]) -> tuple:  # fmt: skip
+def train_round(steps: Any, moduledef: nnx.ModuleDef, tx: Any, objective: Any, seed: int, accum: int,
+                state: TrainState, sums: dict[str, Any], rows: dict[str, Any]) -> tuple:  # fmt: skip
     """`objective.steps_per_batch` optimizer steps on the same completions (`steps.train_step`); jit it. With more
     than one, the log-probabilities of the policy that sampled are taken first (`old_logps`)."""
     iterations = objective.steps_per_batch
     if iterations > 1:
-        model = moduledef.merge(*steps.model_states(state))
-        old = grpo_math.token_logps(model, rows, None, objective.options.temperature)
-        rows = {**rows, "old_logps": jax.lax.stop_gradient(old)}
+        rows = {**rows, "old_logps": objective.old_logps(moduledef.merge(*steps.model_states(state)), rows)}
 
     def body(carry: tuple, _: Any) -> tuple:
         state, sums, _ = steps.train_step(moduledef, tx, objective, seed, *carry, rows, accum)
@@ -223,17 +207,17 @@ def train_round(moduledef: nnx.ModuleDef, tx: Any, objective: Any, seed: int, ac
 class Dispatch:
     """The training loop's dispatch for GRPO: for each batch of prompts of a dispatch, sample, score, train."""
 
-    def __init__(self, exp: Any):
+    def __init__(self, exp: Any, steps: Any):
         from nnx_cli.data import pipeline
 
         self.exp = exp
-        self.rollouts = Rollouts(exp)
+        self.rollouts = Rollouts(exp, steps)
         self.keys = pipeline.BatchKeys(exp.train, exp.cfg.train.batch_size)
         self.layout = self.rollouts.layout(exp.cfg.train.batch_size, "train.batch_size")
         self.rollouts.check_context(exp.train.width, "the training prompts")
         scalar = jax.sharding.NamedSharding(exp.mesh, jax.sharding.PartitionSpec())
         fn = functools.partial(
-            train_round, exp.moduledef, exp.tx, exp.objective, exp.cfg.seed, exp.cfg.train.grad_accum_steps
+            train_round, steps, exp.moduledef, exp.tx, exp.objective, exp.cfg.seed, exp.cfg.train.grad_accum_steps
         )
         self._round = jax.jit(
             fn,
@@ -242,7 +226,7 @@ class Dispatch:
             donate_argnums=(0, 1),
         )
 
-    def __call__(self, state: steps.TrainState, sums: dict[str, Any], step: int) -> tuple:
+    def __call__(self, state: TrainState, sums: dict[str, Any], step: int) -> tuple:
         """The `steps_per_batch` steps from `step` (a multiple of it): its batch of prompts is batch
         `step // steps_per_batch` of the epoch order."""
         n = self.exp.objective.steps_per_batch
@@ -253,35 +237,36 @@ class Dispatch:
         prompts, columns = self.exp.train.columns(keys)
         texts = self.rollouts.texts(drawn)
         per_function = self.rollouts.score(prompts, columns, texts, f"at step {step + 1}")
-        rows = self.layout.place(self.rollouts.rows(drawn, per_function))
+        rows = self.layout.place(self.exp.objective.rows(drawn, per_function))
         return self._round(state, sums, rows)
 
 
-def inputs(exp: Any, plan: list[tuple[int, int]]) -> tuple[Iterator[tuple[int, int]], Any]:
-    """The loop's feed (`(steps, first step)` per dispatch: one batch of completions each) and dispatch."""
+def inputs(exp: Any, plan: list[tuple[int, int]], steps: Any) -> tuple[Iterator[tuple[int, int]], Any]:
+    """The loop's feed (`(steps, first step)` per dispatch: one batch of completions each) and dispatch (`steps`:
+    the training step, `objectives.Steps`)."""
     n = exp.objective.steps_per_batch
     for step, k in plan:
         if step % n or k != n:
             raise ValueError(f"a GRPO dispatch is {n} steps from a multiple of {n}; got {k} from step {step}")
-    return ((k, step) for step, k in plan), Dispatch(exp)
+    return ((k, step) for step, k in plan), Dispatch(exp, steps)
 
 
 # Evaluation and samples
 # ------------------------------------------------------------------------------
 
 
-def evaluator(exp: Any) -> Any:
+def evaluator(exp: Any, steps: Any) -> Any:
     """`state -> eval metrics`: completions of every eval prompt (or the first `train.eval_max_batches`
     batches), drawn with keys from the batch's index, scored: `reward`, `reward_std`, `reward/NAME`,
     `completion_length`."""
-    rollouts = Rollouts(exp)
+    rollouts = Rollouts(exp, steps)
     size = _eval_size(exp)[0]
     layout = rollouts.layout(*_eval_size(exp))
     rollouts.check_context(exp.eval.width, "the eval prompts")
     limit = exp.cfg.train.eval_max_batches
     g = rollouts.options.num_generations
 
-    def run(state: steps.TrainState) -> dict[str, float]:
+    def run(state: TrainState) -> dict[str, float]:
         step = int(jax.device_get(state["step"]))
         scores, lengths = [], []
         for i, batch in enumerate(exp.eval.eval_batches(size)):
@@ -293,10 +278,7 @@ def evaluator(exp: Any) -> Any:
             prompts, columns = exp.eval.columns(batch["index"][batch["mask"]])
             scores.append(rollouts.score(prompts, columns, rollouts.texts(drawn), f"evaluating step {step}"))
             lengths.append(drawn["lengths"])
-        objective = exp.objective
-        return grpo_math.reward_metrics(
-            np.concatenate(scores), objective.weights, objective.reward_names, np.concatenate(lengths)
-        )
+        return exp.objective.reward_metrics(np.concatenate(scores), np.concatenate(lengths))
 
     return run
 
@@ -307,12 +289,12 @@ class Samples:
 
     phase = "eval"
 
-    def __init__(self, every: int, exp: Any, directory: Path | None, guard: Any):
+    def __init__(self, every: int, exp: Any, directory: Path | None, guard: Any, steps: Any):
         self.every = every
         self.exp = exp
         self.directory = directory  # None on every process but the first
         self.guard = guard
-        self.rollouts = Rollouts(exp)
+        self.rollouts = Rollouts(exp, steps)
         self.size = _eval_size(exp)[0]
         self.layout = self.rollouts.layout(*_eval_size(exp))
         self.done: int | None = None
@@ -329,7 +311,7 @@ class Samples:
         prompts, columns = self.exp.eval.columns(batch["index"][:shown])
         texts = self.rollouts.texts(drawn)
         per_function = self.rollouts.score(prompts, columns, texts, f"writing the samples of step {loop.step}")
-        total = grpo_math.total_rewards(per_function, self.exp.objective.weights)
+        total = self.exp.objective.total_rewards(per_function)
         names = self.exp.objective.reward_names
         blocks = []
         for i in range(shown):
