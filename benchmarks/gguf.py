@@ -84,7 +84,7 @@ def model_dir(directory: Path, size: str) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from nnx_cli.hf import families
-    from nnx_cli.hf.export import write_safetensors
+    from nnx_cli.tensorfiles import write_safetensors
 
     shape = SIZES[size]
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_position_embeddings": 32768,

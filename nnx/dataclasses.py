@@ -148,10 +148,8 @@ def dataclass(cls: T | None = None, /, *, frozen: bool = False, **kwargs: tp.Any
     """
 
     def decorate(cls: T) -> T:
-        from nnx.module import Module  # local: module imports this file
-
         options = dict(repr=False, **kwargs)
-        if issubclass(cls, Module):
+        if getattr(cls, "_identity_equality", False):  # a Module (nnx.module imports this file, not the reverse)
             options.setdefault("eq", False)
         return dataclasses.dataclass(cls, frozen=frozen, **options)  # type: ignore
 

@@ -109,6 +109,8 @@ class ModuleMeta(ABCMeta):
 class Module(reprlib.Representable, metaclass=ModuleMeta):
     """Base class of every nnx Module. See the module docstring."""
 
+    _identity_equality: tp.ClassVar[bool] = True  # nnx.dataclass leaves Modules equal only to themselves
+
     if not tp.TYPE_CHECKING:
         __getattribute__ = containers.getattribute_unboxed
 

@@ -85,3 +85,8 @@ def test_the_circle_finder_finds_a_circle_through_three_modules_and_nothing_in_a
 def test_no_module_of_the_trainer_imports_itself_through_others():
     # e.g. steps -> objectives -> grpo -> rollouts -> steps: rollouts get the step through objectives.Steps instead
     assert import_circles(module_graph("nnx_cli")) == []
+
+
+def test_no_module_of_the_library_imports_itself_through_others():
+    # nnx.dataclasses tells a Module by its class attribute, not by importing nnx.module (which imports it)
+    assert import_circles(module_graph("nnx")) == []

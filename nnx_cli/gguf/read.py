@@ -101,7 +101,7 @@ def open_file(path: Path) -> Any:
 
 
 def _build(path: Path, directory: Path) -> None:
-    from nnx_cli.hf.export import write_safetensors
+    from nnx_cli.tensorfiles import write_safetensors
 
     reader = open_file(path)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}

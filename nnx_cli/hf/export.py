@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import struct
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ import numpy as np
 from nnx_cli.errors import UserError
 from nnx_cli.hf import families, peft
 from nnx_cli.hf.weights import progress, tensors_of
+from nnx_cli.tensorfiles import SHARD_BYTES, numpy_dtype, write_safetensors  # noqa: F401 (re-exported)
 
-SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained writes by default: larger models are sharded
 DTYPES = ("float32", "bfloat16", "float16")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -74,82 +73,6 @@ class _Merged:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[()]
         return whole if dtype is None else whole.astype(dtype)
-
-
-_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
-_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-def _numpy_dtype(dtype: str) -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(_NUMPY[dtype])
-
-
-def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
-                      dtype: str, *, shard_bytes: int = SHARD_BYTES, prefix: str = "model",
-                      advance: Callable[[int], None] | None = None) -> list[str]:  # fmt: skip
-    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`) as `prefix.safetensors`,
-    or as shards `prefix-0000i-of-0000n.safetensors` with `prefix.safetensors.index.json` when they exceed
-    `shard_bytes`. Each file's header is written first (the shapes are known) and then each tensor's bytes as it
-    comes: only the tensor being written is held. `advance(n)` is called with each tensor's bytes. Returns the
-    files written."""
-    itemsize = _numpy_dtype(dtype).itemsize
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    count = len(shards)
-    files = [f"{prefix}.safetensors"] if count == 1 else [
-        f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]  # fmt: skip
-    stream = iter(tensors)
-    for file, names in zip(files, shards):
-        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtype, advance)
-    if count == 1:
-        return files
-    index = {
-        "metadata": {
-            "total_parameters": sum(math.prod(s) for s in shapes.values()),
-            "total_size": sum(math.prod(s) for s in shapes.values()) * itemsize,
-        },
-        "weight_map": {name: file for file, names in zip(files, shards) for name in names},
-    }
-    (directory / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return [*files, f"{prefix}.safetensors.index.json"]
-
-
-def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]], dtype: str,
-                advance: Callable[[int], None] | None) -> None:  # fmt: skip
-    """One safetensors file: an 8-byte little-endian header length, the JSON header (padded with spaces to a
-    multiple of 8 bytes, as `safetensors` pads it), then the tensors' bytes back to back in header order."""
-    target = _numpy_dtype(dtype)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * target.itemsize
-        header[name] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for expected, shape in shapes.items():
-                name, array = next(stream)
-                array = np.asarray(array)
-                if name != expected or array.shape != shape:  # a tensor table that disagrees with itself
-                    raise AssertionError(f"tensor {name!r} {array.shape} came where {expected!r} {shape} belongs")
-                data = np.ascontiguousarray(array.astype(target, copy=False))  # a view's own bytes, in order
-                f.write(data.reshape(-1).view(np.uint8).data)
-                if advance is not None:
-                    advance(data.nbytes)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def bytes_tokenizer(directory: Path, context: int) -> None:
@@ -263,7 +186,7 @@ def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Ma
 
 def _progress(shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str) -> Any:
     """A progress bar over the bytes `shapes` take in `dtype`, for exports above 100 MB."""
-    total = sum(math.prod(s) for s in shapes.values()) * _numpy_dtype(dtype).itemsize
+    total = sum(math.prod(s) for s in shapes.values()) * numpy_dtype(dtype).itemsize
     return progress(description, total, in_bytes=True, minimum=10**8)
 
 

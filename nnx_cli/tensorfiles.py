@@ -1,0 +1,100 @@
+"""Safetensors files written tensor by tensor: what the Hugging Face export and the GGUF reader's stand-in model
+directories write.
+
+:func:`write_safetensors` writes each file's header first (every shape is known up front) and then each tensor's
+bytes as it comes, so only the tensor being written is held in memory; above `shard_bytes` it shards the files
+and writes the index `transformers` reads::
+
+    write_safetensors(Path("out"), {"w": (2, 3)}, iter([("w", np.zeros((2, 3)))]), "bfloat16")   # ["model.safetensors"]
+
+It sits outside `hf/` so that the GGUF reader, which the `hf` package itself calls for a `.gguf` TARGET, can write
+one without importing `hf`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained writes by default: larger models are sharded
+
+_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(_NUMPY[dtype])
+
+
+def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
+                      dtype: str, *, shard_bytes: int = SHARD_BYTES, prefix: str = "model",
+                      advance: Callable[[int], None] | None = None) -> list[str]:  # fmt: skip
+    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`) as `prefix.safetensors`,
+    or as shards `prefix-0000i-of-0000n.safetensors` with `prefix.safetensors.index.json` when they exceed
+    `shard_bytes`. Each file's header is written first (the shapes are known) and then each tensor's bytes as it
+    comes: only the tensor being written is held. `advance(n)` is called with each tensor's bytes. Returns the
+    files written."""
+    itemsize = numpy_dtype(dtype).itemsize
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    count = len(shards)
+    files = [f"{prefix}.safetensors"] if count == 1 else [
+        f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]  # fmt: skip
+    stream = iter(tensors)
+    for file, names in zip(files, shards):
+        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtype, advance)
+    if count == 1:
+        return files
+    index = {
+        "metadata": {
+            "total_parameters": sum(math.prod(s) for s in shapes.values()),
+            "total_size": sum(math.prod(s) for s in shapes.values()) * itemsize,
+        },
+        "weight_map": {name: file for file, names in zip(files, shards) for name in names},
+    }
+    (directory / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [*files, f"{prefix}.safetensors.index.json"]
+
+
+def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]], dtype: str,
+                advance: Callable[[int], None] | None) -> None:  # fmt: skip
+    """One safetensors file: an 8-byte little-endian header length, the JSON header (padded with spaces to a
+    multiple of 8 bytes, as `safetensors` pads it), then the tensors' bytes back to back in header order."""
+    target = numpy_dtype(dtype)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * target.itemsize
+        header[name] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for expected, shape in shapes.items():
+                name, array = next(stream)
+                array = np.asarray(array)
+                if name != expected or array.shape != shape:  # a tensor table that disagrees with itself
+                    raise AssertionError(f"tensor {name!r} {array.shape} came where {expected!r} {shape} belongs")
+                data = np.ascontiguousarray(array.astype(target, copy=False))  # a view's own bytes, in order
+                f.write(data.reshape(-1).view(np.uint8).data)
+                if advance is not None:
+                    advance(data.nbytes)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
