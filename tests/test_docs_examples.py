@@ -1,0 +1,84 @@
+"""Every command, config and Python block of the getting-started page, the concepts and the guides runs.
+
+Each page runs as a reader would follow it, block after block in one directory, at the small size the
+`<!-- doc-test ... -->` comment before a block gives (tests/docs_support.py): so the documentation cannot
+drift from the code. A page marked `after: OTHER` continues in OTHER's directory, reusing its runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from docs_support import DOCS, RUN, ROOT, Page, check_files, link, nav_pages, read_page, run_shell, settings_of, write_file
+from nnx_cli.config import Config, from_dict, merge, to_dict
+
+TESTED = [p for p in nav_pages() if p == "getting-started.md" or p.startswith(("concepts/", "guides/"))]
+
+
+def _page(name: str) -> Page:
+    return read_page(ROOT / name if name == "README.md" else DOCS / name)
+
+
+def _chains() -> list[list[Page]]:
+    """The tested pages grouped into runs: a page, then the pages that continue after it, depth first."""
+    pages = {name: _page(name) for name in [*TESTED, "README.md"]}
+    followers: dict[str, list[str]] = {name: [] for name in pages}
+    for name, page in pages.items():
+        after = page.settings.get("after")
+        if after is not None:
+            assert after in pages, f"{name}: after: {after} is no tested page"
+            followers[after].append(name)
+
+    def chain(name: str) -> list[Page]:
+        return [pages[name], *(p for follower in followers[name] for p in chain(follower))]
+
+    return [chain(name) for name, page in pages.items() if page.settings.get("after") is None]
+
+
+CHAINS = _chains()
+
+
+def _check_config(text: str, where: str) -> None:
+    from_dict(merge(to_dict(Config()), yaml.safe_load(text) or {}))
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=lambda chain: "+".join(page.path for page in chain))
+def test_page_runs_as_written(chain: list[Page], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    link(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for page in chain:
+        namespace: dict = {"__name__": f"docs_{page.path}"}
+        for block in page.blocks:
+            settings = settings_of(block, page)
+            if settings.get("skip"):
+                continue
+            if settings.get("file"):
+                write_file(block, settings, tmp_path)
+            elif block.lang in RUN:
+                run_shell(block, settings, tmp_path)
+            elif block.lang == "python":
+                exec(compile(block.text, block.where, "exec"), namespace)
+            elif block.lang == "yaml":
+                _check_config(block.text, block.where)
+            check_files(block, settings, tmp_path)
+
+
+def test_every_skipped_block_says_why():
+    for chain in CHAINS:
+        for page in chain:
+            for block in page.blocks:
+                skip = block.marker.get("skip")
+                assert skip is None or (isinstance(skip, str) and len(skip) > 10), f"{block.where}: skip: {skip!r}"
+
+
+def test_every_page_with_commands_is_tested():
+    """A page with shell blocks is in the tested set (the nav's getting started, concepts and guides, or README)."""
+    for path in sorted(DOCS.rglob("*.md")):
+        name = str(path.relative_to(DOCS))
+        if name in TESTED or name.startswith("reference/") or name in ("benchmarks.md", "development.md"):
+            continue
+        runnable = [b for b in read_page(path).blocks if b.lang in RUN and not b.marker.get("skip")]
+        assert not runnable or name in ("guides/qlora.md", "guides/gguf.md"), f"{name} has commands no test runs"
