@@ -11,8 +11,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from docs_support import (
+    DOCS,
+    ROOT,
+    RUN,
+    Page,
+    check_files,
+    link,
+    nav_pages,
+    read_page,
+    run_shell,
+    settings_of,
+    write_file,
+)
 
-from docs_support import DOCS, RUN, ROOT, Page, check_files, link, nav_pages, read_page, run_shell, settings_of, write_file
 from nnx_cli.config import Config, from_dict, merge, to_dict
 
 TESTED = [p for p in nav_pages() if p == "getting-started.md" or p.startswith(("concepts/", "guides/"))]
