@@ -41,9 +41,10 @@ DOCS = ROOT / "docs"
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 BIN = Path(sys.executable).parent
 
+_SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.MULTILINE)  # pymdownx.snippets: a file of the checkout, shown
 _FENCE = re.compile(r"^(\s*)(`{3,})\s*([\w+-]*)\s*$")
 _MARKER = re.compile(r"<!--\s*doc-test(-page)?\b(.*?)-->", re.DOTALL)
-_KEYS = {"skip", "file", "append", "replace", "setup", "env", "exit", "expect", "files"}
+_KEYS = {"skip", "file", "append", "replace", "setup", "env", "exit", "expect", "files", "forkserver"}
 _PAGE_KEYS = {"after", "append", "replace", "setup", "env"}
 RUN = ("bash", "console", "sh", "shell")
 
@@ -107,7 +108,8 @@ def read_page(path: Path) -> Page:
         while j < len(lines) and lines[j].strip() != ticks:
             body.append(lines[j][len(indent) :] if lines[j].startswith(indent) else lines[j])
             j += 1
-        blocks.append(Block(name, i + 1, lang, "\n".join(body) + "\n", pending[1] if pending else {}))
+        source = _SNIPPET.sub(lambda m: (ROOT / m.group(1)).read_text().rstrip("\n"), "\n".join(body))
+        blocks.append(Block(name, i + 1, lang, source + "\n", pending[1] if pending else {}))
         pending = None
         i = j + 1
     return Page(name, settings, blocks)
@@ -181,13 +183,13 @@ def shrink(command: str, append: dict[str, str]) -> str:
     return f"{command} {extra}"
 
 
-def environment(run_dir: Path, extra: dict[str, str]) -> dict[str, str]:
+def environment(hf_home: Path, extra: dict[str, str], bin_dir: Path = BIN) -> dict[str, str]:
     """A reader's shell, offline: the project's console scripts first on the PATH, CPU only, no network."""
     return {
         **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PATH": f"{bin_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "JAX_PLATFORMS": "cpu",
-        "HF_HOME": str(run_dir / ".hf"),
+        "HF_HOME": str(hf_home),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
@@ -196,8 +198,19 @@ def environment(run_dir: Path, extra: dict[str, str]) -> dict[str, str]:
     }
 
 
-def run_shell(block: Block, settings: dict[str, Any], run_dir: Path, timeout: float = 300) -> str:
-    """Run a shell block's commands in `run_dir`; return its output, after checking the status and `expect`."""
+def run_shell(
+    block: Block,
+    settings: dict[str, Any],
+    run_dir: Path,
+    hf_home: Path,
+    shims: Path | None = None,
+    timeout: float = 300,
+) -> str:
+    """Run a shell block's commands in `run_dir`; return its output, after checking the status and `expect`.
+
+    With `shims` (tests/docs_forkserver.py), the console scripts run through the fork server, unless the
+    block's marker says `forkserver: false` (a block that signals its commands, say).
+    """
     text = block.text
     for old, new in settings["replace"].items():
         text = text.replace(old, new)
@@ -209,10 +222,10 @@ def run_shell(block: Block, settings: dict[str, Any], run_dir: Path, timeout: fl
     result = subprocess.run(
         ["bash", "-c", "\n".join(script)],
         cwd=run_dir,
-        env=environment(run_dir, settings["env"]),
+        env=environment(hf_home, settings["env"], shims if shims and settings.get("forkserver", True) else BIN),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=300,
     )
     output = result.stdout + result.stderr
     expected = settings.get("exit", 0)

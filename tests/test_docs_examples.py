@@ -7,16 +7,21 @@ drift from the code. A page marked `after: OTHER` continues in OTHER's directory
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from docs_forkserver import write_shims
 from docs_support import (
     DOCS,
     ROOT,
     RUN,
     Page,
     check_files,
+    environment,
     link,
     nav_pages,
     read_page,
@@ -57,8 +62,31 @@ def _check_config(text: str, where: str) -> None:
     from_dict(merge(to_dict(Config()), yaml.safe_load(text) or {}))
 
 
+@pytest.fixture(scope="session")
+def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """`(hf_home, shims)`: one Hugging Face home and one fork server (tests/docs_forkserver.py) per worker."""
+    base = tmp_path_factory.mktemp("docs-shell")
+    hf_home, shims, socket_path = base / "hf", base / "bin", str(base / "server.sock")
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "docs_forkserver.py"), socket_path],
+        env=environment(hf_home, {}),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout.readline().strip() == "ready", "the fork server did not start"
+        write_shims(shims, socket_path)
+        yield hf_home, shims
+    finally:
+        server.terminate()
+        server.wait()
+
+
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda chain: "+".join(page.path for page in chain))
-def test_page_runs_as_written(chain: list[Page], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_page_runs_as_written(
+    chain: list[Page], shell: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    hf_home, shims = shell
     link(tmp_path)
     monkeypatch.chdir(tmp_path)
     for page in chain:
@@ -70,7 +98,7 @@ def test_page_runs_as_written(chain: list[Page], tmp_path: Path, monkeypatch: py
             if settings.get("file"):
                 write_file(block, settings, tmp_path)
             elif block.lang in RUN:
-                run_shell(block, settings, tmp_path)
+                run_shell(block, settings, tmp_path, hf_home, shims)
             elif block.lang == "python":
                 exec(compile(block.text, block.where, "exec"), namespace)
             elif block.lang == "yaml":
