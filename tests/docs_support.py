@@ -16,8 +16,8 @@ the block to this path instead of running it), `append`, `replace`, `setup` (she
 reader: the file of their own a page assumes), `env`, `exit` (the expected status, 0 by default), `expect`
 (text the output contains), `files` (paths that exist afterwards). A `<!-- doc-test-page ... -->` comment
 gives the page's defaults for `append`, `replace`, `env` and `setup`, and `after: PAGE` runs the page in
-that page's directory once it has run (sharing its runs). `{fixtures}` and `{root}` in a marker are the
-tiny Hugging Face fixtures and the checkout.
+that page's directory once it has run (sharing its runs). `{fixtures}`, `{root}` and `{port}` in a marker
+are the tiny Hugging Face fixtures, the checkout and a free TCP port.
 
 Blocks run: `bash` / `console` (each command; with `$ ` prompts only the prompted lines), `python` (in one
 namespace per page, in this process), `yaml` (checked as a config: its keys and types against the schema).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -115,13 +116,19 @@ def read_page(path: Path) -> Page:
     return Page(name, settings, blocks)
 
 
-def _fill(value: Any) -> Any:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fill(value: Any, port: int) -> Any:
     if isinstance(value, str):
-        return value.replace("{fixtures}", str(FIXTURES)).replace("{root}", str(ROOT))
+        return value.replace("{fixtures}", str(FIXTURES)).replace("{root}", str(ROOT)).replace("{port}", str(port))
     if isinstance(value, dict):
-        return {k: _fill(v) for k, v in value.items()}
+        return {k: _fill(v, port) for k, v in value.items()}
     if isinstance(value, list):
-        return [_fill(v) for v in value]
+        return [_fill(v, port) for v in value]
     return value
 
 
@@ -136,7 +143,7 @@ def settings_of(block: Block, page: Page) -> dict[str, Any]:
             out[key].update(value or {})
         elif key != "setup":
             out[key] = value
-    return _fill(out)
+    return _fill(out, _free_port())
 
 
 def _strip_comment(line: str) -> str:
