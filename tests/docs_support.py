@@ -78,7 +78,8 @@ def _marker(body: str, where: str, allowed: set[str]) -> dict[str, Any]:
 
 
 def read_page(path: Path) -> Page:
-    """The fenced blocks of a Markdown page, each with the marker just before it (only blank lines between)."""
+    """The fenced blocks of a Markdown page, each with the marker just before it (only blank lines between);
+    a marker followed by anything but a block is a ValueError, so that none is silently ignored."""
     name = str(path.relative_to(DOCS)) if path.is_relative_to(DOCS) else path.name
     text = path.read_text()
     settings: dict[str, Any] = {}
@@ -100,7 +101,7 @@ def read_page(path: Path) -> Page:
         fence = _FENCE.match(lines[i])
         if not fence:
             if lines[i].strip() and pending and pending[0] != i + 1:
-                pending = None
+                raise ValueError(f"{name}:{pending[0]}: a doc-test marker must come just before a fenced block")
             i += 1
             continue
         indent, ticks, lang = fence.groups()
@@ -113,6 +114,8 @@ def read_page(path: Path) -> Page:
         blocks.append(Block(name, i + 1, lang, source + "\n", pending[1] if pending else {}))
         pending = None
         i = j + 1
+    if pending:
+        raise ValueError(f"{name}:{pending[0]}: a doc-test marker must come just before a fenced block")
     return Page(name, settings, blocks)
 
 
