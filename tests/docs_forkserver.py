@@ -9,7 +9,9 @@ process of its own as it would from the shell; only its imports are already done
 initialised in the server, so each command's devices (`XLA_FLAGS`) are its own.
 
 Protocol, per connection: the shim sends one JSON line `{"argv", "cwd", "env"}` with its three standard
-file descriptors attached (SCM_RIGHTS); the server replies with one line, the exit status.
+file descriptors attached (SCM_RIGHTS); the server replies with one line, the exit status. With
+`NNX_DOCS_CPU_LOG=FILE` in the tests' environment, each command's CPU seconds are appended to FILE: where
+the documentation tests spend their time.
 """
 
 from __future__ import annotations
