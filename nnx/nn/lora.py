@@ -101,8 +101,9 @@ class LoRA(Module):
       rank: the rank of the update, at least 1.
       alpha: the update is scaled by ``alpha / rank`` (default ``rank``: by 1).
       dropout: drop probability on the input of the update (training only).
-      in_axes / out_axes: logical axis names of the input and output
-        dimensions, for sharding (the rank dimension is never split).
+      in_axes: logical axis names of the input dimensions, for sharding
+        (the rank dimension is never split).
+      out_axes: logical axis names of the output dimensions.
       dtype: compute dtype.
       ctx: the ``params`` stream draws ``a``.
     """

@@ -36,7 +36,7 @@ from nnx_cli.config.logging import LoggingConfig
 from nnx_cli.config.model import ModelConfig
 from nnx_cli.config.objective import ObjectiveConfig
 from nnx_cli.config.optimizer import OptimizerConfig
-from nnx_cli.config.schema import allows_mapping, build, check_type, fields, hints, unknown_key_hint
+from nnx_cli.config.schema import allows_mapping, build, check_type, fields, hints, setting, unknown_key_hint
 from nnx_cli.config.sharding import ShardingConfig
 from nnx_cli.config.train import TrainConfig
 from nnx_cli.config.yaml_io import dump_yaml, parse_value, read_yaml
@@ -69,8 +69,10 @@ __all__ = [
 
 @dataclass
 class Config:
-    seed: int = 0
-    workdir: str | None = None
+    """The whole experiment: two keys of its own and one section per part of a run."""
+
+    seed: int = setting(0, "parameters, batch order and RNG keys all derive from it", values="0 to 2**32 - 1")
+    workdir: str | None = setting(None, "where checkpoints, metrics and samples go; null: `runs/<config stem>`")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

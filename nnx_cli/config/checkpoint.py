@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from nnx_cli.config.schema import positive
+from nnx_cli.config.schema import positive, setting
 from nnx_cli.errors import UserError
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 1000
-    keep: int = 3
-    async_: bool = field(default=True, metadata={"key": "async"})
-    init_from: str | None = None  # a work dir or step dir: start from its parameters (fine-tuning)
-    keep_best: dict[str, str] | None = None  # {metric: nelbo, mode: min}: also keep the best eval
+    """How often checkpoints are written, how many are kept, and where fine-tuning starts from."""
+
+    every_steps: int = setting(1000, "steps between periodic checkpoints (a final one is written too)", values=">= 1")
+    keep: int = setting(3, "periodic checkpoints kept, the newest", values=">= 1")
+    async_: bool = setting(True, "write checkpoints in the background", name="async")
+    init_from: str | None = setting(
+        None, "a work dir, a step dir or a PEFT adapter directory: start from its parameters (fine-tuning)"
+    )
+    keep_best: dict[str, str] | None = setting(
+        None, "`{metric: nelbo, mode: min}`: also keep the best eval step (`nnx-eval --best`)", values="mode: min, max"
+    )
 
     def check(self) -> None:
         positive("checkpoint.every_steps", self.every_steps)

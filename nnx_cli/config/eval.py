@@ -12,19 +12,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nnx_cli.config.schema import positive, show
+from nnx_cli.config.schema import positive, setting, show
 from nnx_cli.errors import UserError
 
 
 @dataclass
 class HarnessConfig:
-    tasks: list[str] = field(default_factory=list)  # lm-eval task or group names; empty: none run
-    every_steps: int | None = None  # null: train.eval_every
-    limit: int | float | None = None  # examples per task (a fraction below 1); null: all
-    num_fewshot: int | None = None  # null: each task's own
-    batch_size: int = 32  # rows per model call
-    include_path: str | None = None  # a directory of the user's own task YAMLs
-    apply_chat_template: bool = False  # prompts as chat turns in the model's template
+    """lm-evaluation-harness tasks run on the model being trained (`pip install -e ".[eval]"`)."""
+
+    tasks: list[str] = setting(factory=list, help="lm-eval tasks or groups run during training; empty: none")
+    every_steps: int | None = setting(
+        None, "steps between harness evals (and one at the end); null: `train.eval_every`", values=">= 1"
+    )
+    limit: int | float | None = setting(
+        None, "examples per task, or a fraction of them below 1; null: all", values="> 0; a fraction below 1"
+    )
+    num_fewshot: int | None = setting(None, "few-shot examples; null: each task's own", values=">= 0")
+    batch_size: int = setting(32, "rows per model call", values=">= 1")
+    include_path: str | None = setting(None, "a directory of your own task YAMLs")
+    apply_chat_template: bool = setting(False, "prompts as chat turns, in the model's chat template")
 
     def check(self) -> None:
         positive("eval.harness.every_steps", self.every_steps, allow_none=True)
@@ -43,6 +49,8 @@ class HarnessConfig:
 
 @dataclass
 class EvalConfig:
+    """Evaluations beside the eval split's metrics, run during training."""
+
     harness: HarnessConfig = field(default_factory=HarnessConfig)
 
     def check(self) -> None:

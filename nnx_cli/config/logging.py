@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from nnx_cli.config.schema import setting
 
 
 @dataclass
 class LoggingConfig:
-    loggers: list[str] = field(default_factory=lambda: ["jsonl", "console"])  # also tensorboard, wandb, pkg.mod:Class
+    """Where metrics go."""
+
+    loggers: list[str] = setting(
+        factory=lambda: ["jsonl", "console"],
+        help="`jsonl` (`metrics.jsonl`), `console`, `tensorboard`, `wandb`, or `package.module:Class`",
+    )

@@ -5,16 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nnx_cli.config.schema import setting
 from nnx_cli.errors import UserError
 
 
 @dataclass
 class ModelConfig:
-    name: str = "vae"  # registry name, or "package.module:Class"
-    input_shape: list[int] | None = None  # null: from the dataset
-    num_classes: int | None = None  # null: from the dataset
-    pretrained: str | None = None  # a Hugging Face model directory or Hub id: options and weights from there
-    options: dict[str, Any] = field(default_factory=dict)  # constructor keywords
+    """Which model, its shapes, a pretrained directory; the other keys are the model's own options."""
+
+    name: str = setting(
+        "vae",
+        "a registered model (`vae`, `mlp_classifier`, `cnn_classifier`, `transformer_lm`) or `package.module:Class`",
+    )
+    input_shape: list[int] | None = setting(
+        None, "one example's shape; null: from the data (written back into the saved config)", values="sizes >= 1"
+    )
+    num_classes: int | None = setting(None, "classes (the vocabulary size for text); null: from the data")
+    pretrained: str | None = setting(
+        None, "a Hugging Face model directory or Hub id: options, weights and tokenizer from there"
+    )
+    options: dict[str, Any] = field(default_factory=dict)  # the model constructor's keywords: every other key
 
     open_section = True
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnx_cli.config.schema import build, show
+from nnx_cli.config.schema import build, setting, show
 from nnx_cli.errors import UserError, did_you_mean
 
 
@@ -23,21 +23,31 @@ class SFTOptions:
     """`sft`: no options; the model's own metrics, minimising its loss metric."""
 
 
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
 @dataclass
 class DPOOptions:
     """`dpo`: direct preference optimisation (Rafailov et al., 2023) on `data.format: preference` pairs."""
 
-    beta: float = 0.1  # how far the policy may move from the reference: rewards are beta times log-ratios
-    loss: str = "sigmoid"  # sigmoid: -log sigmoid(margin); ipo: (h - 1/(2 beta))^2 on per-token log-ratios
+    beta: float = setting(
+        0.1, "how far the policy may move from the reference: rewards are beta times log-ratios", values="> 0"
+    )
+    loss: str = setting(
+        "sigmoid",
+        "sigmoid: `-log sigmoid(margin)`; ipo: `(h - 1/(2 beta))^2` on per-token log-ratios",
+        choices=DPO_LOSSES,
+    )
 
     def check(self) -> None:
         if not self.beta > 0:
             raise UserError(f"config key 'objective.beta' must be a positive number, got {show(self.beta)}")
-        if self.loss not in ("sigmoid", "ipo"):
+        if self.loss not in DPO_LOSSES:
             raise UserError(f"config key 'objective.loss' must be sigmoid or ipo for dpo, got {show(self.loss)}")
 
 
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass
@@ -45,18 +55,36 @@ class GRPOOptions:
     """`grpo`: group relative policy optimisation (Shao et al., 2024) on `data.format: prompt` rows, with rewards
     computed by functions of the completions it samples; the losses as TRL 1.16 defines them."""
 
-    rewards: list[str | dict[str, Any]] = field(default_factory=list)  # module.function, or a built-in (mapping)
-    reward_weights: list[float] | None = None  # one per reward; null: all 1
-    num_generations: int = 8  # completions per prompt (train.batch_size counts prompts)
-    max_new_tokens: int = 256  # tokens a completion has at most, its end token included
-    temperature: float = 1.0  # sampling temperature; log-probabilities are taken at it too
-    beta: float = 0.0  # KL to the reference model (0: no reference is kept)
-    epsilon: float = 0.2  # clipping of the probability ratio: [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None  # null: epsilon
-    loss: str = "dapo"  # grpo (per-sequence means) | dr_grpo (sum / max_new_tokens) | dapo (per-token mean)
-    num_iterations: int = 1  # optimizer steps on each batch of completions (ratios leave 1 after the first)
-    scale_rewards: str = "group"  # advantages divided by the std of the prompt's group | batch | none
-    mask_truncated_completions: bool = False  # completions cut at max_new_tokens count in no loss
+    rewards: list[str | dict[str, Any]] = setting(
+        factory=list,
+        help="reward functions: `module.function` from the current directory, or a built-in (`exact_match`, "
+        "`regex`, `math_answer`) as a name or a mapping with its options",
+        values="at least one (required)",
+    )
+    reward_weights: list[float] | None = setting(None, "one weight per reward; null: all 1")
+    num_generations: int = setting(8, "completions per prompt (`train.batch_size` counts prompts)", values=">= 2")
+    max_new_tokens: int = setting(256, "tokens a completion has at most, its end token included", values=">= 1")
+    temperature: float = setting(1.0, "sampling temperature; log-probabilities are taken at it too", values="> 0")
+    beta: float = setting(0.0, "weight of the KL to the reference model (0: no reference is held)", values=">= 0")
+    epsilon: float = setting(
+        0.2, "clipping of the probability ratio to `[1 - epsilon, 1 + epsilon_high]`", values=">= 0"
+    )
+    epsilon_high: float | None = setting(None, "the upper clip; null: `epsilon`", values=">= 0")
+    loss: str = setting(
+        "dapo",
+        "grpo: each completion's token mean, then their mean; dr_grpo: the token sum / (completions x "
+        "max_new_tokens); dapo: the token sum / the batch's tokens",
+        choices=GRPO_LOSSES,
+    )
+    num_iterations: int = setting(
+        1, "optimizer steps on each batch of completions (ratios leave 1 after the first)", values=">= 1"
+    )
+    scale_rewards: str = setting(
+        "group",
+        "advantages divided by the std of the prompt's group, of the batch, or by nothing",
+        choices=SCALE_REWARDS,
+    )
+    mask_truncated_completions: bool = setting(False, "completions cut at `max_new_tokens` count in no loss")
 
     def check(self) -> None:
         if not self.rewards:
@@ -74,25 +102,25 @@ class GRPOOptions:
                 f"config key 'objective.num_generations' must be at least 2 (advantages compare the completions of "
                 f"a prompt), got {show(self.num_generations)}"
             )
-        for key in ("max_new_tokens", "num_iterations"):
-            if getattr(self, key) < 1:
-                raise UserError(f"config key 'objective.{key}' must be a positive integer, got {getattr(self, key)}")
+        for name in ("max_new_tokens", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise UserError(f"config key 'objective.{name}' must be a positive integer, got {getattr(self, name)}")
         if not self.temperature > 0:
             raise UserError(
                 f"config key 'objective.temperature' must be positive (grpo samples), got {show(self.temperature)}"
             )
         if self.beta < 0:
             raise UserError(f"config key 'objective.beta' must be 0 (no KL term) or more, got {show(self.beta)}")
-        for key in ("epsilon", "epsilon_high"):
-            value = getattr(self, key)
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
             if value is not None and not value >= 0:
-                raise UserError(f"config key 'objective.{key}' must be 0 or more, got {show(value)}")
+                raise UserError(f"config key 'objective.{name}' must be 0 or more, got {show(value)}")
         if self.loss not in GRPO_LOSSES:
             raise UserError(
                 f"config key 'objective.loss' must be {', '.join(GRPO_LOSSES[:-1])} or {GRPO_LOSSES[-1]} for grpo, "
                 f"got {show(self.loss)}"
             )
-        if self.scale_rewards not in ("group", "batch", "none"):
+        if self.scale_rewards not in SCALE_REWARDS:
             raise UserError(
                 f"config key 'objective.scale_rewards' must be group, batch or none, got {show(self.scale_rewards)}"
             )
@@ -104,7 +132,13 @@ OPTIONS: dict[str, type] = {"sft": SFTOptions, "dpo": DPOOptions, "grpo": GRPOOp
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "sft"  # sft | dpo | grpo
+    """What training minimises; the other keys are the objective's own options."""
+
+    name: str = setting(
+        "sft",
+        "sft: the model's own loss; dpo: preference pairs; grpo: rewards of completions it samples",
+        choices=tuple(OPTIONS),
+    )
     options: dict[str, Any] = field(default_factory=dict)  # the objective's own keys (beta, loss, ...)
 
     open_section = True

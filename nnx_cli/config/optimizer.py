@@ -5,18 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnx_cli.config.schema import show
+from nnx_cli.config.schema import setting, show
 from nnx_cli.errors import UserError
 
 
 @dataclass
 class OptimizerConfig:
-    name: str | None = None  # any optax optimizer by name, or package.module:make; null: adam, or the chain
-    learning_rate: float | dict[str, Any] = 1e-3  # or {name: <optax schedule>, ...}
-    clip_grad_norm: float | None = None
-    weight_decay_mask: str = "all"  # all, or kernels: decay parameters of two or more dimensions only
-    chain: list[dict[str, Any]] | None = None  # optax pieces [{name: scale_by_adam, b2: 0.99}, ...]
-    options: dict[str, Any] = field(default_factory=dict)  # optax keywords
+    """What updates the parameters: an optax optimizer, your own factory or a chain; other keys are its keywords."""
+
+    name: str | None = setting(
+        None,
+        "any optax optimizer by name (`adam`, `adamw`, `sgd`, `lion`, ...) or `package.module:make`; null: adam, "
+        "or the chain",
+    )
+    learning_rate: float | dict[str, Any] = setting(
+        1e-3,
+        "a number, or an optax schedule `{name: warmup_cosine_decay, peak_value: ..., ...}` (a missing "
+        "`decay_steps` is the run length)",
+    )
+    clip_grad_norm: float | None = setting(None, "clip the gradients to this global norm; null: no clipping")
+    weight_decay_mask: str = setting(
+        "all",
+        "which parameters weight decay applies to: all, or kernels (two or more dimensions)",
+        choices=("all", "kernels"),
+    )
+    chain: list[dict[str, Any]] | None = setting(
+        None, "optax pieces instead of `name`: `[{name: scale_by_adam, b2: 0.99}, {name: scale_by_learning_rate}]`"
+    )
+    options: dict[str, Any] = field(default_factory=dict)  # the optax function's keywords: every other key
 
     open_section = True
 

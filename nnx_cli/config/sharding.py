@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from nnx_cli.config.schema import setting
 from nnx_cli.errors import UserError
 
 
 @dataclass
 class ShardingConfig:
-    mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "model": 1})
-    rules: list[list[Any]] | None = None  # null: the model's default rules
+    """The device mesh, and the rules that map each array's logical axes onto it."""
+
+    mesh: dict[str, int] = setting(
+        factory=lambda: {"data": -1, "model": 1},
+        help="mesh axes and their sizes; -1: all the devices the other axes leave",
+        values="sizes >= 1, at most one -1",
+    )
+    rules: list[list[Any]] | None = setting(
+        None,
+        "`[logical_axis, mesh_axis or null]` pairs, by priority (a list of mesh axes splits over several); null: "
+        "the model's default rules",
+    )
 
     def check(self) -> None:
         for axis, size in self.mesh.items():

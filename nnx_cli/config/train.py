@@ -4,30 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nnx_cli.config.schema import positive, show
+from nnx_cli.config.schema import positive, setting, show
 from nnx_cli.errors import UserError
 
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 128  # global batch
-    epochs: int | None = 30
-    steps: int | None = None  # overrides epochs when set
-    log_every: int = 100
-    eval_every: int = 1000
-    eval_batch_size: int | None = None  # null: batch_size
-    eval_max_batches: int | None = None  # null: the whole eval split
-    steps_per_dispatch: int | str = "auto"  # optimizer steps per jitted call
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    deterministic: bool = False  # GPU: deterministic kernels, for exact resumption
-    profile: list[int] | None = None  # [start_step, num_steps]: a JAX profiler trace into the work dir
-    sample_prompts: list[str] | None = None  # language models: prompts sampled at each eval
+    """How long a run trains, on what batches, and how often it logs, evaluates and dispatches."""
+
+    batch_size: int = setting(
+        128, "the global batch (prompts under grpo); an epoch's last partial batch is dropped", values=">= 1"
+    )
+    epochs: int | None = setting(30, "passes over the training split; `train.steps` wins when set", values=">= 1")
+    steps: int | None = setting(None, "optimizer steps in the run; null: `train.epochs` of them", values=">= 1")
+    log_every: int = setting(100, "steps between train logs", values=">= 1")
+    eval_every: int = setting(1000, "steps between evals on the eval split (and one at the end)", values=">= 1")
+    eval_batch_size: int | None = setting(None, "the eval batch; null: `train.batch_size`", values=">= 1")
+    eval_max_batches: int | None = setting(
+        None, "evaluate on the first N batches of the eval split; null: all of it", values=">= 1"
+    )
+    steps_per_dispatch: int | str = setting(
+        "auto",
+        "optimizer steps per jitted call (one `lax.scan`); must divide the intervals. auto: from the intervals, "
+        "the run length and the model's size",
+        values="auto or >= 1",
+    )
+    grad_accum_steps: int = setting(
+        1, "micro-batches per optimizer step: the same result in less memory; must divide `batch_size`", values=">= 1"
+    )
+    deterministic: bool = setting(False, "GPU: XLA's deterministic kernels, for bit-exact resumption there")
+    profile: list[int] | None = setting(
+        None, "`[start_step, num_steps]`: a JAX profiler trace in `<workdir>/profile` (TensorBoard, Perfetto)"
+    )
+    sample_prompts: list[str] | None = setting(
+        None, "language models: prompts continued at each eval into `samples/<step>.txt`; null: the eval split's"
+    )
 
     def check(self) -> None:
-        for key in ("batch_size", "log_every", "eval_every", "grad_accum_steps"):
-            positive(f"train.{key}", getattr(self, key))
-        for key in ("eval_batch_size", "steps", "epochs", "eval_max_batches"):
-            positive(f"train.{key}", getattr(self, key), allow_none=True)
+        for name in ("batch_size", "log_every", "eval_every", "grad_accum_steps"):
+            positive(f"train.{name}", getattr(self, name))
+        for name in ("eval_batch_size", "steps", "epochs", "eval_max_batches"):
+            positive(f"train.{name}", getattr(self, name), allow_none=True)
         if self.steps is None and self.epochs is None:
             raise UserError("config keys 'train.steps' and 'train.epochs' are both null: set one of them")
         if self.batch_size % self.grad_accum_steps:

@@ -39,7 +39,15 @@ def _require_classes(num_classes: int | None, name: str) -> int:
 
 
 class MLPClassifier(_Classifier):
-    """Flatten, `Linear -> relu -> Dropout` per hidden size, then a linear readout."""
+    """Flatten, `Linear -> relu -> Dropout` per hidden size, then a linear readout.
+
+    Args:
+        input_shape: one image's shape (flattened).
+        num_classes: the number of labels.
+        hidden_sizes: the hidden widths.
+        dropout: dropout after each hidden layer.
+        ctx: the `params` RNG stream.
+    """
 
     def __init__(
         self,
@@ -66,7 +74,16 @@ class MLPClassifier(_Classifier):
 
 
 class CNNClassifier(_Classifier):
-    """`Conv 3x3 -> BatchNorm -> relu -> 2x2 average pool` per feature size, then Dropout and an MLP head."""
+    """`Conv 3x3 -> BatchNorm -> relu -> 2x2 average pool` per feature size, then Dropout and an MLP head.
+
+    Args:
+        input_shape: one image's shape, `[height, width, channels]`.
+        num_classes: the number of labels.
+        features: the channels of each convolution stage.
+        hidden_size: the head's hidden width.
+        dropout: dropout before and inside the head.
+        ctx: the `params` RNG stream.
+    """
 
     def __init__(
         self,

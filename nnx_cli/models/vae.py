@@ -21,6 +21,13 @@ class VAE(nnx.Module):
     Metrics, in nats per example: `recon` (Bernoulli negative log-likelihood),
     `kl` (KL(q(z|x) || N(0, I))) and `nelbo = recon + kl`, the single-sample
     negative ELBO that training minimises.
+
+    Args:
+        input_shape: one image's shape (flattened into the encoder).
+        num_classes: unused (a VAE needs no labels).
+        hidden_sizes: the encoder's hidden widths (the decoder mirrors them).
+        latent_size: the latent dimension.
+        ctx: the `params` RNG stream.
     """
 
     loss_metric = "nelbo"

@@ -48,7 +48,7 @@ def padded_vocab_size(vocab_size: int) -> int:
 
 
 class TransformerLM(nnx.Module):
-    """A decoder-only language model; options are the `model` section of a text config (spec lm.md, hf.md).
+    """A decoder-only language model; its options are the `model` section of a text config.
 
     `input_shape` is `(seq_len,)`, `num_classes` the tokenizer's vocabulary
     size (`vocab_size` overrides it). Metrics of a batch `{"tokens": int32
@@ -87,6 +87,55 @@ class TransformerLM(nnx.Module):
     that of `loss + router_aux_loss_coef * aux_loss`. `qk_norm_scope:
     projection` normalises all heads of the query (and of the key)
     projection together (OLMoE) where `head` (Qwen3) normalises each head.
+
+    Args:
+        input_shape: `(seq_len,)`, one window (`data.seq_len`).
+        num_classes: the tokenizer's vocabulary size.
+        num_layers: blocks in the stack.
+        num_heads: attention (query) heads.
+        embed_dim: the width of the residual stream.
+        mlp_dim: the MLP's hidden width; null: 4 x `embed_dim`.
+        num_kv_heads: key-value heads (grouped-query attention; the cache shrinks with it); null: `num_heads`.
+        head_dim: features per head; null: `embed_dim / num_heads`.
+        mlp: `gelu` (GPT-2's tanh approximation), `swiglu` (gate, up, down) or `geglu` (Gemma's).
+        qkv_bias: biases on the query, key and value projections (Qwen2), also without `bias`.
+        qk_norm: an RMSNorm over the queries and keys (Qwen3; see `qk_norm_scope`).
+        bias: biases on the other projections and on LayerNorm (false for the Llama family).
+        norm_eps: the norms' epsilon.
+        rope_theta: the rotary base.
+        rope_scaling: `{type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}`
+            or `{type: linear, factor}`; rotary positions only.
+        max_positions: rows of the learned position table (a table longer than `data.seq_len`); null: `seq_len`.
+        lora: low-rank adapters `{rank, alpha (rank), dropout (0), targets (every projection)}`; targets by our
+            names `q k v o gate up down`, Hugging Face's `q_proj ...`, GPT-2's `c_attn c_proj c_fc`, Phi-3's
+            `qkv_proj gate_up_proj`, and each expert's `experts`; null: none.
+        moe: a mixture of SwiGLU experts in place of the MLP, `{num_experts, top_k, mlp_dim (null: mlp_dim),
+            normalize (true), dense_layers ([])}`; null: a dense MLP in every layer.
+        router_aux_loss_coef: the weight of the routers' load-balancing loss (`aux_loss`) in training.
+        qk_norm_scope: what `qk_norm` normalises: `head` (each head, Qwen3) or `projection` (all heads at once,
+            OLMoE).
+        dropout: dropout on the embeddings and on each block's attention and MLP outputs (0 for `pretrained`).
+        attention_dropout: dropout on the attention weights.
+        positions: `learned` (a position table) or `rope` (rotary, Llama's convention).
+        norm: `layernorm`, `rmsnorm` or `gemma_rmsnorm` (the scale stored as `w`, applied as `1 + w`).
+        tie_embeddings: logits from the token embedding table; false: a head of its own.
+        dtype: the compute dtype, `float32` or `bfloat16`; parameters, optimizer state and the loss stay float32.
+        scan_layers: stack the blocks under one `nnx.Scan`: compile time independent of depth.
+        remat: rematerialise each block in the backward pass: `none`, `full` (nothing saved) or `dots` (the
+            weight matmuls' results saved).
+        vocab_size: the vocabulary; null: `num_classes`, the tokenizer's.
+        bits_per_byte: also report the loss in bits per byte (on by default with the `bytes` tokenizer).
+        sliding_window: a sliding layer's query sees this many positions, its own included; null: none slides.
+        layer_types: one of `sliding_attention`, `full_attention` per layer; null: every layer slides when
+            `sliding_window` is set.
+        rope_local_theta: the sliding layers' rotary base (Gemma 3); null: `rope_theta`.
+        rotary_dim: rotate only each head's leading features (Phi-3); null: all of them.
+        query_scale: attention logits scaled by `query_scale ** -0.5`; null: by `head_dim ** -0.5`.
+        attention_softcap: attention logits squashed to `cap * tanh(logits / cap)` (Gemma 2); null: none.
+        logit_softcap: the output logits squashed the same way (Gemma 2); null: none.
+        post_norms: norms after attention and after the MLP too, before the residual sums (Gemma).
+        scale_embeddings: embeddings scaled by `sqrt(embed_dim)` (Gemma).
+        ctx: the `params` RNG stream.
     """
 
     loss_metric: ClassVar[str] = "loss"
