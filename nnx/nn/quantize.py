@@ -378,7 +378,8 @@ class QuantizedKernel(Module):
     Holds ``codes``, ``absmax`` and, with ``double_quant``, ``nested_absmax``
     and ``offset`` as :class:`QuantizedParam` s (with ``batch`` leading axes
     when it stacks several kernels, a mixture's experts), their logical axes
-    ``batch_axes + (in_axes[0], out_axes[0])`` for the packed arrays. Built
+    ``batch_axes + (in_axes[0], out_axes[0])`` for the codes, ``batch_axes +
+    (None, out_axes[0])`` for the block scales. Built
     from ``value`` (a float kernel, quantised here with JAX) or zeros, to be
     filled from a checkpoint.
 
@@ -431,7 +432,9 @@ class QuantizedKernel(Module):
         axes = None
         if in_axes is not None and out_axes is not None:
             lead = tuple(batch_axes) if batch_axes is not None else (None,) * len(self.batch)
-            axes = {"codes": (*lead, in_axes[0], out_axes[0]), "absmax": (*lead, in_axes[0], out_axes[0])}
+            # the block scales split along the output only: a weight's input has few blocks (896 / 64 = 14), too
+            # few to divide among devices, and they are 1/64 of the codes
+            axes = {"codes": (*lead, in_axes[0], out_axes[0]), "absmax": (*lead, None, out_axes[0])}
             axes |= {"nested_absmax": (*lead, None), "offset": lead}
         for name, array in parts.items():
             if axes is not None:
@@ -451,8 +454,11 @@ class QuantizedKernel(Module):
         return {name: getattr(self, name) for name in names}
 
     def dequantize(self, dtype: Any = jnp.float32) -> Array:
-        """The kernel in ``dtype``, shape :attr:`shape`: what ``bitsandbytes`` dequantises it to."""
-        return dequantize_kernel(self.parts(), self.type, dtype).reshape(self.shape)
+        """The kernel in ``dtype``, shape :attr:`shape` (after any axes its arrays gained when stacked by
+        ``nnx.Scan``): what ``bitsandbytes`` dequantises it to."""
+        codes = self.codes
+        stacked = codes.shape[: codes.ndim - 2 - len(self.batch)]
+        return dequantize_kernel(self.parts(), self.type, dtype).reshape(*stacked, *self.shape)
 
     def __call__(self, x: Array, *, dtype: Any = None, out_dtype: Any = None) -> Array:
         """``x @ kernel``, contracting the trailing ``len(in_features)`` axes of ``x``, the kernel dequantised in

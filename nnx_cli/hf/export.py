@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.errors import UserError
-from nnx_cli.hf import families, peft
+from nnx_cli.hf import bnb, families, peft
 from nnx_cli.hf.weights import progress, tensors_of
 
 SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained writes by default: larger models are sharded
@@ -37,6 +37,46 @@ def check_out(out: Path) -> None:
     """`--out` must not exist, or be an empty directory: an export never overwrites anything."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {str(out)!r} exists and is not empty; give a new directory (nothing was written)")
+
+
+def quantized_kernels(exp: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The run's 4-bit kernels (`model.quantize`): `{path: (type, shape of one layer's kernel)}`."""
+    import nnx
+    from nnx_cli import steps
+
+    model = exp.moduledef.merge(steps.parameters(exp.abstract))
+    return {path: (m.type, m.shape) for path, m in model.modules() if isinstance(m, nnx.QuantizedKernel)}
+
+
+def dequantized(params: Mapping[str, Any], kernels: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """The parameters with each 4-bit kernel's parts (`.../kernel/codes`, ...) replaced by the float32 kernel they
+    hold (`kernels`: :func:`quantized_kernels`), dequantised one layer (and expert) at a time as it is read."""
+    out = {p: v for p, v in params.items() if p.rpartition("/")[0] not in kernels}
+    for path, (kind, shape) in kernels.items():
+        parts = {p.rpartition("/")[2]: v for p, v in params.items() if p.rpartition("/")[0] == path}
+        out[path] = _Dequantized(parts, kind, shape)
+    return out
+
+
+class _Dequantized:
+    """A 4-bit kernel's float32 values, made when read: whole, or by an index into its stacked leading axes."""
+
+    def __init__(self, parts: dict[str, Any], kind: str, shape: tuple[int, ...]):
+        self.parts, self.kind, self.kernel_shape = parts, kind, shape
+        self.lead = np.ndim(parts["codes"]) - 2
+        self.shape = (*np.shape(parts["codes"])[: self.lead], *shape)
+
+    def __getitem__(self, index: int | tuple[int, ...]) -> np.ndarray:
+        from nnx.nn.quantize import dequantize_kernel
+
+        index = index if isinstance(index, tuple) else (index,)
+        parts = {name: np.asarray(value[index] if index else value) for name, value in self.parts.items()}
+        lead = self.shape[len(index) : self.lead]
+        return dequantize_kernel(parts, self.kind, np.float32, xp=np).reshape(*lead, *self.kernel_shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[()]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def merged(params: Mapping[str, Any], scale: float) -> dict[str, Any]:
@@ -76,8 +116,8 @@ class _Merged:
         return whole if dtype is None else whole.astype(dtype)
 
 
-_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
-_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16, "uint8": np.uint8}
+_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U8"}
 
 
 def _numpy_dtype(dtype: str) -> np.dtype:
@@ -88,17 +128,18 @@ def _numpy_dtype(dtype: str) -> np.dtype:
 
 def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
                       dtype: str, *, shard_bytes: int = SHARD_BYTES, prefix: str = "model",
-                      advance: Callable[[int], None] | None = None) -> list[str]:  # fmt: skip
-    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`) as `prefix.safetensors`,
-    or as shards `prefix-0000i-of-0000n.safetensors` with `prefix.safetensors.index.json` when they exceed
-    `shard_bytes`. Each file's header is written first (the shapes are known) and then each tensor's bytes as it
-    comes: only the tensor being written is held. `advance(n)` is called with each tensor's bytes. Returns the
-    files written."""
-    itemsize = _numpy_dtype(dtype).itemsize
+                      advance: Callable[[int], None] | None = None,
+                      dtypes: Mapping[str, str] | None = None) -> list[str]:  # fmt: skip
+    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`, or to its own in
+    `dtypes`) as `prefix.safetensors`, or as shards `prefix-0000i-of-0000n.safetensors` with
+    `prefix.safetensors.index.json` when they exceed `shard_bytes`. Each file's header is written first (the shapes
+    are known) and then each tensor's bytes as it comes: only the tensor being written is held. `advance(n)` is
+    called with each tensor's bytes. Returns the files written."""
+    dtypes = {name: (dtypes or {}).get(name, dtype) for name in shapes}
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
+        nbytes = math.prod(shape) * _numpy_dtype(dtypes[name]).itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -109,13 +150,13 @@ def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], te
         f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]  # fmt: skip
     stream = iter(tensors)
     for file, names in zip(files, shards):
-        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtype, advance)
+        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtypes, advance)
     if count == 1:
         return files
     index = {
         "metadata": {
             "total_parameters": sum(math.prod(s) for s in shapes.values()),
-            "total_size": sum(math.prod(s) for s in shapes.values()) * itemsize,
+            "total_size": sum(math.prod(s) * _numpy_dtype(dtypes[n]).itemsize for n, s in shapes.items()),
         },
         "weight_map": {name: file for file, names in zip(files, shards) for name in names},
     }
@@ -123,16 +164,16 @@ def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], te
     return [*files, f"{prefix}.safetensors.index.json"]
 
 
-def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]], dtype: str,
-                advance: Callable[[int], None] | None) -> None:  # fmt: skip
+def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]],
+                dtypes: Mapping[str, str], advance: Callable[[int], None] | None) -> None:  # fmt: skip
     """One safetensors file: an 8-byte little-endian header length, the JSON header (padded with spaces to a
     multiple of 8 bytes, as `safetensors` pads it), then the tensors' bytes back to back in header order."""
-    target = _numpy_dtype(dtype)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * target.itemsize
-        header[name] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = math.prod(shape) * _numpy_dtype(dtypes[name]).itemsize
+        header[name] = {"dtype": _SAFETENSORS[dtypes[name]], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -144,6 +185,7 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator
                 array = np.asarray(array)
                 if name != expected or array.shape != shape:  # a tensor table that disagrees with itself
                     raise AssertionError(f"tensor {name!r} {array.shape} came where {expected!r} {shape} belongs")
+                target = _numpy_dtype(dtypes[name])
                 data = np.ascontiguousarray(array.astype(target, copy=False))  # a view's own bytes, in order
                 f.write(data.reshape(-1).view(np.uint8).data)
                 if advance is not None:
@@ -182,7 +224,7 @@ def _byte_characters() -> dict[int, str]:
     return mapping
 
 
-def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
+def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None, bnb_4bit: bool = False) -> Any:
     """What makes an export impossible, as a UserError before anything is read or written: an unknown dtype, an
     adapter export of a run without adapters (or without the base they adapt), options no Hugging Face family
     has, a non-empty `out`. Returns the run's `model.lora` (None without adapters)."""
@@ -197,24 +239,30 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
         peft.check_exportable(cfg, pretrained, lora)
     elif pretrained is None:
         families.architecture_of(options)  # options no family has
+    if bnb_4bit and (adapter or options.get("positions") == "learned"):
+        what = "--adapter writes the adapters alone" if adapter else "GPT-2's projections are Conv1D, not Linear"
+        raise UserError(f"--bnb-4bit writes merged Linear weights in 4 bits, as bitsandbytes stores them; {what}")
     check_out(out)
     return lora
 
 
 def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dtype: str | None,
-           tokenizer: Any) -> list[str]:  # fmt: skip
+           tokenizer: Any, bnb_4bit: bool = False) -> list[str]:  # fmt: skip
     """Write the run's weights (host arrays of every parameter, adapters included, by path) to `out`: a model
-    directory, or with `adapter` a PEFT adapter. Returns the files written. What makes it impossible is a
-    UserError raised before anything is written (see :func:`check`)."""
-    lora = check(exp, out, adapter=adapter, dtype=dtype)
+    directory, or with `adapter` a PEFT adapter. A 4-bit base (`model.quantize`) is dequantised, then merged; with
+    `bnb_4bit` the merged projections are quantised again and written as `transformers` saves a bitsandbytes
+    4-bit model. Returns the files written. What makes it impossible is a UserError raised before anything is
+    written (see :func:`check`)."""
+    lora = check(exp, out, adapter=adapter, dtype=dtype, bnb_4bit=bnb_4bit)
     options = peft.model_options(exp.cfg, exp.pretrained)
+    params = dequantized(params, quantized_kernels(exp))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         if adapter:
             files = _write_adapter(staging, exp, lora, params, dtype or "float32")
         else:
-            files = _write_model(staging, exp, options, lora, params, dtype, tokenizer)
+            files = _write_model(staging, exp, options, lora, params, dtype, tokenizer, bnb_4bit)
         if out.exists():
             out.rmdir()  # empty, checked above
         staging.rename(out)
@@ -233,15 +281,17 @@ def _write_adapter(directory: Path, exp: Any, lora: Any, params: Mapping[str, An
 
 
 def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Mapping[str, Any], dtype: str | None,
-                 tokenizer: Any) -> list[str]:  # fmt: skip
+                 tokenizer: Any, bnb_4bit: bool = False) -> list[str]:  # fmt: skip
     cfg, pretrained = exp.cfg, exp.pretrained
     if lora is not None:
         params = merged(params, lora.alpha / lora.rank)
+    quantize = cfg.model.options.get("quantize")
     if pretrained is not None:  # the family it came from, its config.json as it was but for the dtype
         from nnx_cli.hf import read_config
 
         config = read_config(pretrained.directory)
-        dtype = dtype or _stored_dtype(config)
+        stored = config.pop("quantization_config", None)  # a 4-bit base is written dequantised: 16 bits by default
+        dtype = dtype or ("bfloat16" if stored is not None or quantize is not None else _stored_dtype(config))
         config[_dtype_key(config)] = dtype
         maps = pretrained.maps
     else:
@@ -254,11 +304,37 @@ def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Ma
         names = ["transformer.wte.weight"] if architecture == families.GPT2 else []  # as save_pretrained names them
         family_options = families.FAMILIES[architecture].options(families.Config(config, "config.json"))
         maps = families.FAMILIES[architecture].tensors(family_options, names)
+    shapes, tensors, dtypes = families.layout(maps, options["num_layers"]), tensors_of(params, maps), None
+    if bnb_4bit:
+        settings = {"type": "nf4", "block": 64, "double_quant": True, **(quantize or {})}
+        if settings["type"] not in ("nf4", "fp4"):
+            settings["type"] = "nf4"
+        config["quantization_config"] = bnb.config(settings, settings.get("compute_dtype") or dtype)
+        shapes, tensors, dtypes = _bnb_4bit(shapes, tensors, settings, dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shapes = families.layout(maps, options["num_layers"])
     with _progress(shapes, dtype, "writing the weights") as advance:
-        files = write_safetensors(directory, shapes, tensors_of(params, maps), dtype, advance=advance)
+        files = write_safetensors(directory, shapes, tensors, dtype, advance=advance, dtypes=dtypes)
     return ["config.json", *files, *_write_tokenizer(directory, cfg, pretrained, tokenizer, config)]
+
+
+def _bnb_4bit(shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]], settings: Mapping[str, Any],
+              dtype: str) -> tuple[dict, Iterator[tuple[str, Any]], dict]:  # fmt: skip
+    """The tensors of a model directory (`shapes`, and the `tensors` in that order) with each projection weight
+    quantised as bitsandbytes does (`settings`: `model.quantize`): their shapes, the tensors, their dtypes."""
+    kind, block, double = settings["type"], settings["block"], settings["double_quant"]
+    layout: dict[str, tuple[tuple, str]] = {}
+    for name, shape in shapes.items():
+        quantized = bnb.quantizes(name, shape) and math.prod(shape) % block == 0
+        layout |= bnb.layout(name, shape, kind, block, double) if quantized else {name: (shape, dtype)}
+
+    def stream() -> Iterator[tuple[str, Any]]:
+        for name, array in tensors:
+            if name + ".absmax" in layout:  # in the dtype it is written in, then quantised, as transformers loads it
+                yield from bnb.tensors(name, np.asarray(array).astype(_numpy_dtype(dtype)), kind, block, double, dtype)
+            else:
+                yield name, array
+
+    return {n: s for n, (s, _) in layout.items()}, stream(), {n: d for n, (_, d) in layout.items()}
 
 
 def _progress(shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str) -> Any:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import nnx
-from nnx_cli.models.transformer.options import Lora
+from nnx_cli.models.transformer.options import Lora, Quantize
 
 LAYERS = "layers"
 """The logical axis of the scanned blocks' stacked parameters and key-value caches."""
@@ -55,8 +55,11 @@ class Dense(nnx.Module):
     `in_axes + out_axes` (attention's query kernel is `(embed, heads, kv)`,
     its output kernel `(heads, kv, embed)`); it is drawn from normal(`std`),
     the bias starts at zero. Computes in `dtype` (the result in `out_dtype`
-    if given, e.g. float32 logits from bfloat16 inputs); parameters stay
-    float32. With `lora`, a low-rank adapter (`nnx.LoRA`) adds its update::
+    if given, e.g. float32 logits from bfloat16 inputs); parameters are
+    float32 (the kernel `param_dtype`). With `lora`, a low-rank adapter
+    (`nnx.LoRA`) adds its update. With `quantize` (a frozen base's, QLoRA)
+    the kernel is stored in 4 bits (an `nnx.QuantizedKernel`, multiplied in
+    `quantize.compute_dtype`, else `dtype`) or in bfloat16::
 
         query = Dense((384,), (6, 64), ("embed",), ("heads", "kv"), std=0.02, dtype=jnp.float32, ctx=ctx)
         query(jnp.ones((2, 10, 384))).shape   # (2, 10, 6, 64)
@@ -74,6 +77,8 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         out_dtype: Any = None,
         lora: Lora | None = None,
+        quantize: Quantize | None = None,
+        param_dtype: Any = jnp.float32,
         ctx: nnx.Context,
     ):
         self.in_rank = len(in_shape)
@@ -81,7 +86,21 @@ class Dense(nnx.Module):
         self.out_dtype = out_dtype
         shape = (*in_shape, *out_shape)
         key = ctx.make_rng("params")
-        self.kernel = nnx.Param(normal(std, (*in_axes, *out_axes))(key, shape, jnp.float32))
+        if quantize is not None and quantize.four_bit:
+            self.kernel = nnx.QuantizedKernel(
+                in_shape,
+                out_shape,
+                type=quantize.type,
+                block=quantize.block,
+                double_quant=quantize.double_quant,
+                in_axes=in_axes,
+                out_axes=out_axes,
+                value=nnx.initializers.normal(std)(key, shape, jnp.float32),
+            )
+        else:
+            kernel_dtype = jnp.bfloat16 if quantize is not None else param_dtype
+            self.kernel = nnx.Param(normal(std, (*in_axes, *out_axes))(key, shape, kernel_dtype))
+        self.compute_dtype = (quantize.compute_dtype if quantize is not None else None) or dtype
         if use_bias:
             bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
             self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32))
@@ -103,7 +122,12 @@ class Dense(nnx.Module):
             self.lora = None
 
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
-        y = matmul(x.astype(self.dtype), self.kernel.astype(self.dtype), self.in_rank, self.out_dtype)
+        kernel = self.kernel
+        if isinstance(kernel, nnx.QuantizedKernel):
+            y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
+        else:
+            y = matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype), self.in_rank, self.out_dtype)
+            y = y.astype(self.out_dtype or self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
         return y if self.bias is None else y + self.bias.astype(y.dtype)
