@@ -5,10 +5,9 @@ step (or `--step N`, or `--best`) is written to `--out` as a directory `transfor
 (`AutoModelForCausalLM.from_pretrained(DIR)`): merged weights by default (`--merge`: LoRA adapters added into
 the weights they adapt), or with `--adapter` the LoRA adapters alone, as `peft` saves them
 (`PeftModel.from_pretrained(base, DIR)`). `--dtype` is float32, bfloat16 or float16 (default: the base
-model's dtype, float32 for a run trained from scratch; bfloat16 for a 4-bit base, written dequantised). With
-`--bnb-4bit` the merged projections are quantised again (`model.quantize`'s type, else nf4 in blocks of 64,
-double-quantised) and written as `transformers` saves a bitsandbytes 4-bit model. The export is written
-beside `--out` and renamed into place; an existing `--out` that is not empty is refused.
+model's dtype, float32 for a run trained from scratch, bfloat16 for a 4-bit base, written dequantised), or nf4
+or fp4: the projections quantised to 4 bits as `transformers` saves a bitsandbytes model (the rest in bfloat16).
+The export is written beside `--out` and renamed into place; an existing `--out` that is not empty is refused.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ def export(
     best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
     merge: bool = typer.Option(False, "--merge", help="Merged weights (the default)."),
     adapter: bool = typer.Option(False, "--adapter", help="The LoRA adapters alone, as a PEFT adapter."),
-    dtype: str | None = typer.Option(None, help="float32, bfloat16 or float16 (default: the base model's)."),
-    bnb_4bit: bool = typer.Option(
-        False, "--bnb-4bit", help="Merged weights quantised to 4 bits as bitsandbytes stores them (model.quantize)."
+    dtype: str | None = typer.Option(
+        None, help="float32, bfloat16 or float16 (default: the base model's); nf4 or fp4: bitsandbytes 4-bit."
     ),
 ) -> None:
     """Write a run's weights as a Hugging Face model directory (or a PEFT adapter)."""
@@ -55,12 +53,12 @@ def export(
     runtime.configure()
     run = open_run(target, [], step, best=best)
     exp = language_model(run, "nnx-export writes")
-    exporting.check(exp, out, adapter=adapter, dtype=dtype, bnb_4bit=bnb_4bit)
+    exporting.check(exp, out, adapter=adapter, dtype=dtype)
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
     step, params = restore_parameters(run, exp, jax.devices("cpu")[0])
     arrays = {path: np.asarray(variable.value) for path, variable in params.items()}  # views of the host buffers
     del params
-    files = exporting.export(exp, arrays, out, adapter=adapter, dtype=dtype, tokenizer=tokenizer, bnb_4bit=bnb_4bit)
+    files = exporting.export(exp, arrays, out, adapter=adapter, dtype=dtype, tokenizer=tokenizer)
     stderr_console().print(
         f"wrote {out} ({exporting.describe(out)}, {exporting.total_size(out)}) from {run.checkpoints / str(step)}: "
         f"{exporting.listing(files)}",

@@ -376,11 +376,11 @@ def test_a_qlora_run_exports_merged_16bit_by_default(project, tmp_path):
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_a_qlora_run_exports_a_bnb_4bit_directory_of_its_merged_weights_quantised_as_bitsandbytes(project, tmp_path):
+def test_a_qlora_run_exports_its_merged_weights_in_4_bits_as_bitsandbytes_quantises_them(project, tmp_path):
     from safetensors.numpy import load_file
 
-    for out, flags in (("merged", ()), ("bnb", ("--bnb-4bit",))):
-        result = cli("nnx-export", project / "run", "--out", tmp_path / out, "--dtype", "float32", *flags, cwd=tmp_path)
+    for out, dtype in (("merged", "bfloat16"), ("bnb", "nf4")):
+        result = cli("nnx-export", project / "run", "--out", tmp_path / out, "--dtype", dtype, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     config = json.loads((tmp_path / "bnb" / "config.json").read_text())["quantization_config"]
     assert config["load_in_4bit"] and config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"]
@@ -389,7 +389,7 @@ def test_a_qlora_run_exports_a_bnb_4bit_directory_of_its_merged_weights_quantise
         load_file(tmp_path / "bnb" / "model.safetensors"),
     )
     name = "model.layers.0.self_attn.q_proj.weight"
-    packed, absmax = q.quantize_4bit(merged[name], "nf4", 64)  # bitsandbytes' quantize_4bit (test_nn_quantize.py)
+    packed, absmax = q.quantize_4bit(merged[name], "nf4", 64)  # bitsandbytes' quantize_4bit of the bfloat16 weight
     codes, nested, _ = q.double_quantize(absmax)
     np.testing.assert_array_equal(written[name].reshape(-1), packed)
     np.testing.assert_array_equal(written[name + ".absmax"], codes)

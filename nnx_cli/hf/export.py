@@ -30,6 +30,7 @@ from nnx_cli.hf.weights import progress, tensors_of
 
 SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained writes by default: larger models are sharded
 DTYPES = ("float32", "bfloat16", "float16")
+FOUR_BIT = ("nf4", "fp4")  # bitsandbytes' 4-bit types: the projections quantised, the rest in bfloat16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -224,7 +225,7 @@ def _byte_characters() -> dict[int, str]:
     return mapping
 
 
-def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None, bnb_4bit: bool = False) -> Any:
+def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     """What makes an export impossible, as a UserError before anything is read or written: an unknown dtype, an
     adapter export of a run without adapters (or without the base they adapt), options no Hugging Face family
     has, a non-empty `out`. Returns the run's `model.lora` (None without adapters)."""
@@ -233,27 +234,27 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None, bnb_4bit: bo
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
     lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in (*DTYPES, *FOUR_BIT):
+        raise UserError(f"--dtype must be one of {', '.join((*DTYPES, *FOUR_BIT))}, got {dtype!r}")
     if adapter:
         peft.check_exportable(cfg, pretrained, lora)
     elif pretrained is None:
         families.architecture_of(options)  # options no family has
-    if bnb_4bit and (adapter or options.get("positions") == "learned"):
+    if dtype in FOUR_BIT and (adapter or options.get("positions") == "learned"):
         what = "--adapter writes the adapters alone" if adapter else "GPT-2's projections are Conv1D, not Linear"
-        raise UserError(f"--bnb-4bit writes merged Linear weights in 4 bits, as bitsandbytes stores them; {what}")
+        raise UserError(f"--dtype {dtype} writes merged Linear weights in 4 bits, as bitsandbytes stores them; {what}")
     check_out(out)
     return lora
 
 
 def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dtype: str | None,
-           tokenizer: Any, bnb_4bit: bool = False) -> list[str]:  # fmt: skip
+           tokenizer: Any) -> list[str]:  # fmt: skip
     """Write the run's weights (host arrays of every parameter, adapters included, by path) to `out`: a model
     directory, or with `adapter` a PEFT adapter. A 4-bit base (`model.quantize`) is dequantised, then merged; with
-    `bnb_4bit` the merged projections are quantised again and written as `transformers` saves a bitsandbytes
-    4-bit model. Returns the files written. What makes it impossible is a UserError raised before anything is
-    written (see :func:`check`)."""
-    lora = check(exp, out, adapter=adapter, dtype=dtype, bnb_4bit=bnb_4bit)
+    `dtype` nf4 or fp4 the merged projections are quantised again and written as `transformers` saves a
+    bitsandbytes 4-bit model. Returns the files written. What makes it impossible is a UserError raised before
+    anything is written (see :func:`check`)."""
+    lora = check(exp, out, adapter=adapter, dtype=dtype)
     options = peft.model_options(exp.cfg, exp.pretrained)
     params = dequantized(params, quantized_kernels(exp))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +263,7 @@ def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dty
         if adapter:
             files = _write_adapter(staging, exp, lora, params, dtype or "float32")
         else:
-            files = _write_model(staging, exp, options, lora, params, dtype, tokenizer, bnb_4bit)
+            files = _write_model(staging, exp, options, lora, params, dtype, tokenizer)
         if out.exists():
             out.rmdir()  # empty, checked above
         staging.rename(out)
@@ -281,8 +282,10 @@ def _write_adapter(directory: Path, exp: Any, lora: Any, params: Mapping[str, An
 
 
 def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Mapping[str, Any], dtype: str | None,
-                 tokenizer: Any, bnb_4bit: bool = False) -> list[str]:  # fmt: skip
+                 tokenizer: Any) -> list[str]:  # fmt: skip
     cfg, pretrained = exp.cfg, exp.pretrained
+    four_bit = dtype if dtype in FOUR_BIT else None
+    dtype = "bfloat16" if four_bit else dtype
     if lora is not None:
         params = merged(params, lora.alpha / lora.rank)
     quantize = cfg.model.options.get("quantize")
@@ -305,10 +308,8 @@ def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Ma
         family_options = families.FAMILIES[architecture].options(families.Config(config, "config.json"))
         maps = families.FAMILIES[architecture].tensors(family_options, names)
     shapes, tensors, dtypes = families.layout(maps, options["num_layers"]), tensors_of(params, maps), None
-    if bnb_4bit:
-        settings = {"type": "nf4", "block": 64, "double_quant": True, **(quantize or {})}
-        if settings["type"] not in ("nf4", "fp4"):
-            settings["type"] = "nf4"
+    if four_bit:  # in model.quantize's blocks when it has them
+        settings = {"block": 64, "double_quant": True, **(quantize or {}), "type": four_bit}
         config["quantization_config"] = bnb.config(settings, settings.get("compute_dtype") or dtype)
         shapes, tensors, dtypes = _bnb_4bit(shapes, tensors, settings, dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
