@@ -202,7 +202,9 @@ def quantize_4bit(w: Array, type: str = "nf4", block: int = 64, xp: Any = np) ->
         raise ValueError(f"a weight of {math.prod(w.shape)} values does not divide into blocks of {block}")
     absmax, scaled = _scales(w.reshape(-1, block).astype(np.float32), xp)
     midpoints, order = _bounds(type)
-    q = xp.searchsorted(xp.asarray(midpoints), scaled.reshape(-1), side="left")
+    # how many midpoints lie below each value (torch.bucketize's count); JAX compares with all 15 at once
+    search = {} if xp is np else {"method": "compare_all"}
+    q = xp.searchsorted(xp.asarray(midpoints), scaled.reshape(-1), side="left", **search)
     if type != "nf4":
         q = xp.asarray(order)[q]
     q = q.astype(np.uint8).reshape(-1, 2)
@@ -252,13 +254,8 @@ def double_quantize(absmax: Array, xp: Any = np) -> tuple[Array, Array, Array]:
     ``offset``, in the dynamic 8-bit map in blocks of :data:`NESTED_BLOCK`, as ``quantize_4bit`` stores them with
     ``compress_statistics=True``. ``offset`` is the float32 mean, correctly rounded with NumPy (see the module
     docstring), a float32 mean with JAX."""
-    absmax = absmax.reshape(-1).astype(np.float32)
-    if xp is np:
-        offset = np.float32(np.mean(absmax, dtype=np.float64))
-    else:
-        offset = xp.mean(absmax)
-    codes, nested = quantize_blockwise(absmax - offset, NESTED_BLOCK, xp)
-    return codes, nested, xp.asarray(offset, np.float32)
+    codes, nested, offset = _double_quantize_rows(absmax.reshape(1, -1).astype(np.float32), xp)
+    return codes[0], nested[0], offset[0]
 
 
 def undo_double_quantize(codes: Array, nested_absmax: Array, offset: Array, xp: Any = np) -> Array:
@@ -288,25 +285,37 @@ def quantize_kernel(
     the transpose of PyTorch's ``[out, in]``): ``codes`` ``[*batch, in / 2, out]``, ``absmax`` ``[*batch,
     in / block, out]`` (uint8 when ``double_quant``, else float32), and with ``double_quant`` ``nested_absmax``
     ``[*batch, ceil(in out / block / 256)]`` and ``offset`` ``[*batch]``. Each ``[in, out]`` weight is
-    quantised as bitsandbytes quantises its ``[out, in]`` transpose; ``in`` must be a multiple of ``block``."""
+    quantised as bitsandbytes quantises its ``[out, in]`` transpose, all at once; ``in`` must be a multiple of
+    ``block``."""
     _check(type, block)
     *batch, fan_in, fan_out = w.shape
     if fan_in % block:
         raise ValueError(f"a kernel's input size ({fan_in}) must be a multiple of the block size ({block})")
-    out: dict[str, list[Array]] = {}
-    for index in np.ndindex(*batch):
-        torch_layout = xp.swapaxes(w[index], 0, 1)  # [out, in]: bitsandbytes' blocks run along `in`
-        packed, absmax = quantize_4bit(torch_layout, type, block, xp)
-        parts = {"codes": packed.reshape(fan_out, fan_in // 2).T}
-        if double_quant:
-            codes, nested, offset = double_quantize(absmax, xp)
-            parts |= {"absmax": codes, "nested_absmax": nested, "offset": offset}
-        else:
-            parts["absmax"] = absmax
-        parts["absmax"] = parts["absmax"].reshape(fan_out, fan_in // block).T
-        for name, value in parts.items():
-            out.setdefault(name, []).append(value)
-    return {name: xp.stack(values).reshape((*batch, *values[0].shape)) for name, values in out.items()}
+    torch_layout = xp.swapaxes(w, -1, -2)  # [*batch, out, in]: bitsandbytes' blocks run along `in`
+    packed, absmax = quantize_4bit(torch_layout, type, block, xp)  # each weight a whole number of blocks
+    parts = {"codes": xp.swapaxes(packed.reshape(*batch, fan_out, fan_in // 2), -1, -2)}
+    absmax = absmax.reshape(*batch, fan_out * fan_in // block)
+    if double_quant:
+        absmax, parts["nested_absmax"], parts["offset"] = _double_quantize_rows(absmax, xp)
+    parts["absmax"] = xp.swapaxes(absmax.reshape(*batch, fan_out, fan_in // block), -1, -2)
+    return parts
+
+
+def _double_quantize_rows(absmax: Array, xp: Any) -> tuple[Array, Array, Array]:
+    """:func:`double_quantize` of each row of `absmax` `[*batch, m]` (one weight's block scales a row) at once:
+    each row's nested blocks start at its own first scale (a short last block padded with zeros, which change no
+    block's largest magnitude)."""
+    *batch, m = absmax.shape
+    if xp is np:
+        offset = np.mean(absmax, axis=-1, dtype=np.float64).astype(np.float32)
+    else:
+        offset = xp.mean(absmax, axis=-1)
+    nested = -(-m // NESTED_BLOCK)
+    centred = absmax - offset[..., None]
+    padded = xp.concatenate([centred, xp.zeros((*batch, nested * NESTED_BLOCK - m), np.float32)], axis=-1)
+    codes, scales = quantize_blockwise(padded, NESTED_BLOCK, xp)
+    codes = codes.reshape(*batch, nested * NESTED_BLOCK)[..., :m]
+    return codes, scales.reshape(*batch, nested), offset.astype(np.float32)
 
 
 def from_bitsandbytes(
