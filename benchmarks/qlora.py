@@ -23,7 +23,10 @@ Part 2 (quality): the chat-facts task of `benchmarks/lora.py` (a small random Ll
 question/answer facts as chats, 400 steps, batch 8), computing in bfloat16: LoRA on a bfloat16 base against
 QLoRA, the same seed and batches; each answers every question greedily through the chat template, and each is
 evaluated on 8 chats it never saw (`nnx-eval RUN data.source=heldout.jsonl`). Targets: QLoRA learns as many facts
-as 16-bit LoRA, and its held-out loss is within 3% of LoRA's.
+as 16-bit LoRA, and its held-out loss is within 3% of LoRA's. Then the QLoRA run's adapter, exported with
+`nnx-export --adapter`, is loaded by `peft` onto the base quantised by bitsandbytes
+(`tests/fixtures/make_qlora_fixtures.py --peft-logits ... --load-4bit nf4`): its float32 logits must equal the
+run's own (computed in float32) to 1e-4 of the largest.
 
     python benchmarks/qlora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--force] [--tiny]
 
@@ -186,7 +189,7 @@ def part1(reference: str, cwd: Path, steps: int, tiny: bool) -> bool:
 # ------------------------------------------------------------------------------
 
 
-def part2(cwd: Path, steps: int, tiny: bool) -> bool:
+def part2(reference: str, cwd: Path, steps: int) -> bool:
     pairs = facts()
     model = cwd / "small-llama"
     text = " ".join(f"{q} {a}" for q, a in [*pairs, *HELD_OUT])
@@ -224,7 +227,34 @@ def part2(cwd: Path, steps: int, tiny: bool) -> bool:
     gap = abs(q_held - lora_held) / lora_held
     print(f"\nQLoRA facts right: {q_right} (target at least LoRA's {lora_right}); held-out loss gap to LoRA: "
           f"{gap:.1%} (target within 3%)")  # fmt: skip
-    return q_right >= lora_right and gap <= 0.03
+    error = peft_check(reference, cwd, cwd / "QLoRA", model, questions)
+    print(f"the QLoRA adapter (nnx-export --adapter) on the base bitsandbytes quantises, with peft: logits within "
+          f"{error:.1e} of the run's own in float32 (target 1e-4 of the largest)")  # fmt: skip
+    return q_right >= lora_right and gap <= 0.03 and error <= 1e-4
+
+
+def peft_check(reference: str, cwd: Path, workdir: Path, base: Path, prompts: list[str]) -> float:
+    """The run's adapter exported for peft, loaded by `peft` onto `base` quantised by bitsandbytes as it loads:
+    the largest difference of its float32 logits from the run's own (computed in float32), over the largest."""
+    import jax
+
+    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.hf import pretrained_tokenizer
+    from nnx_cli.workdir import open_run
+
+    run([BIN / "nnx-export", workdir, "--out", cwd / "adapter", "--adapter"], cwd)
+    tokenizer = pretrained_tokenizer(str(base))
+    rows = [list(tokenizer.encode(p))[:8] for p in prompts[:4]]
+    ids = np.array([r + [0] * (8 - len(r)) for r in rows], np.int32)
+    np.save(cwd / "ids.npy", ids)
+    run([reference, ROOT / "tests/fixtures/make_qlora_fixtures.py", "--peft-logits", base, cwd / "adapter",
+         cwd / "ids.npy", cwd / "peft.npy", "--load-4bit", "nf4"], cwd)  # fmt: skip
+    opened = open_run(workdir, ["model.dtype=float32", "model.quantize.compute_dtype=float32"])
+    exp = language_model(opened, "benchmarks/qlora.py checks")
+    _, params = restore_parameters(opened, exp, jax.devices()[0])
+    ours = np.asarray(exp.moduledef.merge(params).logits(ids))
+    theirs = np.load(cwd / "peft.npy")
+    return float(np.abs(ours[..., : theirs.shape[-1]] - theirs).max() / np.abs(theirs).max())
 
 
 def main() -> None:
@@ -243,7 +273,7 @@ def main() -> None:
         check_idle(args.force or args.tiny)
         ok &= part1(args.reference, cwd, args.speed_steps, args.tiny)
     if args.part in (None, 2):
-        ok &= part2(cwd, 20 if args.tiny else args.steps, args.tiny)
+        ok &= part2(args.reference, cwd, 20 if args.tiny else args.steps)
     subprocess.run(["rm", "-rf", str(cwd)], check=False)
     raise SystemExit(0 if ok else 1)
 
