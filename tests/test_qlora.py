@@ -278,6 +278,24 @@ def test_a_bfloat16_base_stores_every_frozen_matrix_in_16_bits():
     assert {v.value.dtype for v in model.filter(nnx.LoRAParam).values()} == {jnp.dtype(jnp.float32)}
 
 
+def test_adapters_on_a_bfloat16_base_get_the_gradients_they_get_on_its_weights_in_float32():
+    options = dict(lora={"rank": 4})
+
+    def loss(model, adapters):
+        (_, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
+        return jnp.mean(moduledef.merge(adapters, frozen, rest).metrics({"tokens": TOKENS}, nnx.context(1))["loss"])
+
+    def both():
+        model = TransformerLM((16,), 300, quantize={"type": "bfloat16"}, ctx=nnx.context(0), **TINY, **options)
+        adapters = jax.tree.map(lambda a: a + 0.01, model.filter(nnx.LoRAParam))
+        twin = dequantized_twin(model, **options)
+        return [jax.grad(lambda a, m=m: loss(m, a))(adapters) for m in (model, twin)]
+
+    ours, theirs = jax.jit(both)()
+    for path in ours:
+        np.testing.assert_allclose(ours[path].value, theirs[path].value, rtol=1e-4, atol=1e-6, err_msg=path)
+
+
 def test_a_bfloat16_base_reads_a_16bit_checkpoint_as_it_is():
     from safetensors.numpy import load_file
 

@@ -8,6 +8,7 @@ constrained to logical axes at the seams (:func:`constrain`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,26 @@ def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None)
     x2 = x.reshape(math.prod(tokens), -1)
     y = lax.dot_general(x2, kernel.reshape(x2.shape[1], -1), (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
     return y.reshape(*tokens, *out_shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def frozen_matmul(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
+    """`x @ kernel` (`[tokens, in] @ [in, out]`) for a frozen kernel: the backward pass gives `x` its gradient
+    `g kernel^T` and the kernel none, keeping nothing but the kernel itself."""
+    return lax.dot_general(x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _frozen_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
+    return frozen_matmul(x, kernel, out_dtype), (kernel, jnp.zeros((), x.dtype))
+
+
+def _frozen_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    kernel, x_like = saved
+    dx = lax.dot_general(g.astype(kernel.dtype), kernel, (((1,), (1,)), ((), ())))
+    return dx.astype(x_like.dtype), jnp.zeros_like(kernel)
+
+
+frozen_matmul.defvjp(_frozen_forward, _frozen_backward)
 
 
 class Dense(nnx.Module):
@@ -101,6 +122,7 @@ class Dense(nnx.Module):
             kernel_dtype = jnp.bfloat16 if quantize is not None else param_dtype
             self.kernel = nnx.Param(normal(std, (*in_axes, *out_axes))(key, shape, kernel_dtype))
         self.compute_dtype = (quantize.compute_dtype if quantize is not None else None) or dtype
+        self.frozen = quantize is not None  # a 16-bit frozen base: no gradient, nothing kept for one
         if use_bias:
             bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
             self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32))
@@ -125,6 +147,11 @@ class Dense(nnx.Module):
         kernel = self.kernel
         if isinstance(kernel, nnx.QuantizedKernel):
             y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
+        elif self.frozen:
+            tokens, out_shape = x.shape[: x.ndim - self.in_rank], kernel.shape[self.in_rank :]
+            x2 = x.astype(self.compute_dtype).reshape(math.prod(tokens), -1)
+            w = kernel.astype(self.compute_dtype).reshape(x2.shape[1], -1)
+            y = frozen_matmul(x2, w, self.out_dtype).reshape(*tokens, *out_shape).astype(self.out_dtype or self.dtype)
         else:
             y = matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype), self.in_rank, self.out_dtype)
             y = y.astype(self.out_dtype or self.dtype)
