@@ -28,7 +28,11 @@ as 16-bit LoRA, and its held-out loss is within 3% of LoRA's. Then the QLoRA run
 (`tests/fixtures/make_qlora_fixtures.py --peft-logits ... --load-4bit nf4`): its float32 logits must equal the
 run's own (computed in float32) to 1e-4 of the largest.
 
-    python benchmarks/qlora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--force] [--tiny]
+    python benchmarks/qlora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--remat none|dots|full] [--force]
+                               [--tiny]
+
+Part 1's runs keep every activation (`model.remat: none`, as benchmarks/lora.py's) unless `--remat` says
+otherwise; bitsandbytes' side does not checkpoint either.
 
 `--tiny` runs everything at toy sizes (a smoke test of the script, not a measurement).
 """
@@ -80,12 +84,15 @@ def quantize_key(quantize: dict | None) -> str:
 # ------------------------------------------------------------------------------
 
 
+REMAT = "none"  # model.remat of part 1's runs (--remat)
+
+
 def nnx_run(cwd: Path, name: str, quantize: dict | None, length: int, batch: int, steps: int, i: int) -> tuple:
     """One `nnx-train` run: tokens/s of each logged step after the first, and the peak resident memory."""
     config = cwd / f"{name.replace(' ', '-')}.yaml"
     config.write_text(
         f"model: {{name: transformer_lm, pretrained: {cwd / 'model'}, lora: {{rank: 16, alpha: 32}}, "
-        f"dtype: bfloat16{quantize_key(quantize)}}}\n"
+        f"dtype: bfloat16, remat: {REMAT}{quantize_key(quantize)}}}\n"
         f"data: {{source: text.txt, text_key: text, seq_len: {length}, eval_split: null}}\n"
         "optimizer: {name: adamw, learning_rate: 1.0e-4, weight_decay: 0.0}\n"
         f"train: {{batch_size: {batch}, steps: {steps}, log_every: 2, steps_per_dispatch: 1}}\n"
@@ -266,7 +273,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--force", action="store_true", help="measure speed even on a busy machine (warns)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: a smoke test of the script")
+    parser.add_argument("--remat", default="none", choices=["none", "dots", "full"], help="part 1's model.remat")
     args = parser.parse_args()
+    global REMAT
+    REMAT = args.remat
     cwd = Path(tempfile.mkdtemp(prefix="nnx-qlora-"))
     ok = True
     if args.part in (None, 1):
