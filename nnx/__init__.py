@@ -58,6 +58,7 @@ from nnx.nn.activations import (
 from nnx.nn.linear import Conv, Embed, Linear
 from nnx.nn.lora import LoRA, LoRAParam
 from nnx.nn.normalization import BatchNorm, LayerNorm
+from nnx.nn.quantize import QuantizedKernel, QuantizedParam, dequantized_product
 from nnx.nn.stochastic import Dropout
 from nnx.nodes import is_node, register_node_type
 from nnx.partitioning import All, Not, buffers

@@ -170,7 +170,8 @@ class Experiment:
         """The parameters of `model.pretrained`, each read into its sharding (`target`: the abstract parameters
         with their shardings; by default :meth:`frozen_target`)."""
         with PHASES("checkpoint"):
-            return self.pretrained.load(target if target is not None else self.frozen_target())
+            target = target if target is not None else self.frozen_target()
+            return self.pretrained.load(target, quantize=self.cfg.model.options.get("quantize"))
 
     def eval_zeros(self) -> dict[str, Any]:
         """The eval accumulator, zeroed, on the devices: a sum per metric (and of the weights, when weighted)."""
@@ -191,6 +192,8 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
     text.fill_text_key(cfg.data)  # a .txt / .md file or directory of them: documents in `text`
     model_cls, pretrained = _setup_model(cfg)
+    if data == "train":
+        _check_frozen_base(cfg)
     optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
     with PHASES("data"):
         train, evals, spec = _setup_data(cfg, data)
@@ -248,6 +251,18 @@ def _setup_model(cfg: Config) -> tuple[type, Any]:
         cfg.model.options.setdefault("bits_per_byte", True)
     cfg.model.options = models.resolve_options(cfg.model)
     return model_cls, pretrained
+
+
+def _check_frozen_base(cfg: Config) -> None:
+    """A quantised base (`model.quantize`) trains adapters only: without `model.lora` a UserError."""
+    quantize = cfg.model.options.get("quantize")
+    if quantize is not None and cfg.model.options.get("lora") is None:
+        kind = quantize.get("type") if isinstance(quantize, dict) else quantize
+        raise UserError(
+            f"config key 'model.quantize' stores the base model frozen ({kind}), and model.lora is null: a quantised "
+            "base cannot be fully fine-tuned; add adapters (e.g. model.lora.rank=16), or set model.quantize=null to "
+            "train every weight in full precision"
+        )
 
 
 def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, EvalSplit | None, DataSpec]:

@@ -5,8 +5,9 @@ step (or `--step N`, or `--best`) is written to `--out` as a directory `transfor
 (`AutoModelForCausalLM.from_pretrained(DIR)`): merged weights by default (`--merge`: LoRA adapters added into
 the weights they adapt), or with `--adapter` the LoRA adapters alone, as `peft` saves them
 (`PeftModel.from_pretrained(base, DIR)`). `--dtype` is float32, bfloat16 or float16 (default: the base
-model's dtype, float32 for a run trained from scratch). The export is written beside `--out` and renamed
-into place; an existing `--out` that is not empty is refused.
+model's dtype, float32 for a run trained from scratch, bfloat16 for a 4-bit base, written dequantised), or nf4
+or fp4: the projections quantised to 4 bits as `transformers` saves a bitsandbytes model (the rest in bfloat16).
+The export is written beside `--out` and renamed into place; an existing `--out` that is not empty is refused.
 
 `--format gguf` writes one GGUF file instead, as llama.cpp's converter writes it (llama.cpp, Ollama and LM Studio
 run it): TARGET may also be a Hugging Face model directory, LoRA adapters are merged, and `--dtype` is f32, f16,
@@ -37,7 +38,9 @@ def export(
     merge: bool = typer.Option(False, "--merge", help="Merged weights (the default)."),
     adapter: bool = typer.Option(False, "--adapter", help="The LoRA adapters alone, as a PEFT adapter."),
     dtype: str | None = typer.Option(
-        None, help="float32, bfloat16 or float16 (default: the base model's); with --format gguf: f32, f16, bf16, q8_0."
+        None,
+        help="float32, bfloat16 or float16 (default: the base model's); nf4 or fp4: bitsandbytes 4-bit; "
+        "with --format gguf: f32, f16, bf16 or q8_0.",
     ),
     format: str = typer.Option("hf", "--format", help="hf (a Hugging Face model directory) or gguf (one file)."),
     ollama: bool = typer.Option(False, "--ollama", help="With --format gguf: a Modelfile for Ollama beside it."),

@@ -198,14 +198,15 @@ def load_model_dir(target: Path, overrides: list[str]) -> tuple[None, Any, Any]:
     (layers unrolled: decoding reads one layer's weights at a time), and its tokenizer."""
     import jax
 
-    from nnx_cli import decoding, hf
+    from nnx_cli import decoding, hf, steps
     from nnx_cli.data.tokenizers import load_tokenizer
     from nnx_cli.experiment import setup
 
     cfg = hf.model_dir_config(target, overrides, scan_layers=False)
     exp = setup(cfg, data=None, place=False)
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    place = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), exp.abstract["params"])
+    every = steps.parameters(exp.abstract)  # a quantised base's are frozen
+    place = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), every)
     params = exp.load_pretrained(place)
     return None, decoding.Decoder(exp.moduledef, params), load_tokenizer(cfg.data.tokenizer, cfg.model.pretrained)
 

@@ -5,17 +5,19 @@ work dir / checkpoint (its saved config is used), or a Hugging Face model
 directory or Hub id (its config.json; no tensor is read). The model is built
 abstractly with `jax.eval_shape`, so no parameter memory is allocated and no
 dataset is read: input shapes come from `model.input_shape` or a well-known
-`data.source` (MNIST, digits). For each
-entry: path, Variable type, shape, dtype, element count, bytes, logical
-sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
+`data.source` (MNIST, digits). For each entry: path, Variable type, shape,
+dtype (and a 4-bit kernel's storage: `uint8 (nf4, block 64)`), element count,
+bytes, logical sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
 totals per Variable type (`total_params` leaves out a language model's padded
 vocabulary rows, so it equals the count `transformers` gives; a mixture of
-experts adds `active_params`, those a token computes with). `--json`
-prints::
+experts adds `active_params`, those a token computes with; a 4-bit base,
+`model.quantize`, adds `base`: its weights and bytes as stored, and in float32
+and bfloat16). `--json` prints::
 
     {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N,
      "by_type": {"Param": {"entries": n, "size": n, "bytes": n}, ...},
-     "entries": [{"path", "type", "shape", "dtype", "size", "bytes", "sharding", "mesh_axes"}, ...]}
+     "base": {"weights", "bytes", "weights_4bit", "bytes_4bit", "float32_bytes", "bfloat16_bytes"},
+     "entries": [{"path", "type", "shape", "dtype", "size", "bytes", "sharding", "mesh_axes", "storage"}, ...]}
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def inspect_state(
         config = configs.find(target)  # a path that exists, else a shipped config's name
         exp = setup(load_config(config, overrides or []), data=None, place=False)  # the whole config is checked
     cfg = exp.cfg
-    entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules)
+    entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules, _storage(exp))
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
         if filter_type not in types:
@@ -82,6 +84,8 @@ def inspect_state(
             )
         entries = [e for e in entries if e["type"] == filter_type]
     summary = summarize(entries, _padding(exp) if filter_type in (None, "Param") else 0)
+    if any(e["type"] == "QuantizedParam" for e in entries):
+        summary["base"] = base_bytes(entries)
     idle = _idle(exp)
     if idle and filter_type in (None, "Param"):
         summary["active_params"] = summary["total_params"] - idle
@@ -91,11 +95,13 @@ def inspect_state(
         _print_tables(title, cfg.model.name, entries, summary, depth)
 
 
-def state_entries(abstract: Any, rules: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-    """One record per entry of an abstract `State`: type, shape, dtype, size, bytes, logical and mesh axes."""
+def state_entries(abstract: Any, rules: list[tuple[str, Any]], storage: dict[str, str] | None = None) -> list[dict]:
+    """One record per entry of an abstract `State`: type, shape, dtype, size, bytes, logical and mesh axes, and
+    how the weight it belongs to is stored (`storage`: a 4-bit kernel's path -> "nf4, block 64"; else its dtype)."""
     import nnx
 
     entries = []
+    storage = storage or {}
     for path, variable in abstract.items():
         value = getattr(variable, "value", variable)
         logical = getattr(variable, "sharding", None)
@@ -111,9 +117,40 @@ def state_entries(abstract: Any, rules: list[tuple[str, Any]]) -> list[dict[str,
                 "bytes": size * value.dtype.itemsize,
                 "sharding": list(logical) if logical else None,
                 "mesh_axes": [_axis(a) for a in mesh_axes] if mesh_axes is not None else None,
+                "storage": storage.get(path.rpartition("/")[0], str(value.dtype)),
             }
         )
     return entries
+
+
+def _storage(exp: Any) -> dict[str, str]:
+    """`{path: "nf4, block 64, double-quantised"}` of the model's 4-bit kernels (`model.quantize`)."""
+    import nnx
+    from nnx_cli import steps
+
+    model = exp.moduledef.merge(*steps.model_states(exp.abstract))
+    return {
+        path: f"{m.type}, block {m.block}" + (", double-quantised" if m.double_quant else "")
+        for path, m in model.modules()
+        if isinstance(m, nnx.QuantizedKernel)
+    }
+
+
+def base_bytes(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """The frozen base's weights (every parameter but adapters) and their bytes as stored: those in 4 bits (with
+    their scales) and the others; and the bytes all of them take in float32 and in bfloat16."""
+    quantized = [e for e in entries if e["type"] == "QuantizedParam"]
+    others = [e for e in entries if e["type"] == "Param"]
+    weights_4bit = sum(2 * e["size"] for e in quantized if e["path"].endswith("/codes"))
+    weights = weights_4bit + sum(e["size"] for e in others)
+    return {
+        "weights": weights,
+        "bytes": sum(e["bytes"] for e in quantized + others),
+        "weights_4bit": weights_4bit,
+        "bytes_4bit": sum(e["bytes"] for e in quantized),
+        "float32_bytes": 4 * weights,
+        "bfloat16_bytes": 2 * weights,
+    }
 
 
 def summarize(entries: list[dict[str, Any]], padding: int = 0) -> dict[str, Any]:
@@ -126,8 +163,9 @@ def summarize(entries: list[dict[str, Any]], padding: int = 0) -> dict[str, Any]
         totals["entries"] += 1
         totals["size"] += e["size"]
         totals["bytes"] += e["bytes"]
+    weights_4bit = sum(2 * e["size"] for e in entries if e["type"] == "QuantizedParam" and e["path"].endswith("/codes"))
     return {
-        "total_params": by_type.get("Param", {}).get("size", 0) - padding,
+        "total_params": by_type.get("Param", {}).get("size", 0) + weights_4bit - padding,
         "vocab_padding": padding,
         "total_size": sum(e["size"] for e in entries),
         "total_bytes": sum(e["bytes"] for e in entries),
@@ -186,6 +224,14 @@ def _print_tables(
             "vocabulary to a multiple of 128",
             highlight=False,
         )
+    if "base" in summary:
+        base = summary["base"]
+        console.print(
+            f"base weights: {base['weights']:,} in {_bytes(base['bytes'])} as stored ({base['weights_4bit']:,} in "
+            f"4-bit in {_bytes(base['bytes_4bit'])} with their scales); {_bytes(base['float32_bytes'])} in float32, "
+            f"{_bytes(base['bfloat16_bytes'])} in bfloat16",
+            highlight=False,
+        )
     if "active_params" in summary:
         console.print(f"{summary['active_params']:,} parameters active per token (the experts it is routed to)",
                       highlight=False)  # fmt: skip
@@ -215,9 +261,8 @@ def _rows(entries: list[dict[str, Any]], depth: int | None) -> list[tuple[str, .
         mesh = "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in axes) + ")"
         indent = "  " * (len(parts) - 1)
         shape = str(tuple(e["shape"]))
-        rows.append(
-            (indent + parts[-1], e["type"], shape, e["dtype"], f"{e['size']:,}", _bytes(e["bytes"]), sharding, mesh)
-        )
+        dtype = e["dtype"] if e.get("storage", e["dtype"]) == e["dtype"] else f"{e['dtype']} ({e['storage']})"
+        rows.append((indent + parts[-1], e["type"], shape, dtype, f"{e['size']:,}", _bytes(e["bytes"]), sharding, mesh))
     return rows
 
 

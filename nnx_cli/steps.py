@@ -10,7 +10,8 @@ those alone: `params` holds the adapters, the optimizer state exists for
 them only, and the parameters they adapt sit under `"frozen"`, where no
 gradient is taken and from where no checkpoint writes them (they come back
 from the base model). The model is partitioned once; each step runs
-`moduledef.apply(params, [frozen,] rest)` on pure states.
+`moduledef.apply(params, [frozen,] rest)` on pure states. A quantised base
+(`nnx.QuantizedParam`, `model.quantize`) is always frozen, adapters or not.
 
 What a step minimises is the run's objective (:mod:`nnx_cli.objectives`):
 per-row metrics of the model on a batch, the same step for every objective.
@@ -59,7 +60,7 @@ def init_state(
 
     `reference`: also keep the parameters that train, as they start, under :data:`REFERENCE`."""
     model = build(nnx.context(seed))
-    if len(model.filter(nnx.LoRAParam)):  # the adapters train; what they adapt is frozen
+    if len(model.filter(nnx.LoRAParam)) or len(model.filter(nnx.QuantizedParam)):  # adapters train, the rest frozen
         (params, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
         extra = {FROZEN: frozen}
     else:

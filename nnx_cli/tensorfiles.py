@@ -24,8 +24,8 @@ import numpy as np
 
 SHARD_BYTES = 5 * 10**9  # what transformers' save_pretrained writes by default: larger models are sharded
 
-_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
-_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_NUMPY = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16, "uint8": np.uint8}
+_SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U8"}
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -36,17 +36,18 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
                       dtype: str, *, shard_bytes: int = SHARD_BYTES, prefix: str = "model",
-                      advance: Callable[[int], None] | None = None) -> list[str]:  # fmt: skip
-    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`) as `prefix.safetensors`,
-    or as shards `prefix-0000i-of-0000n.safetensors` with `prefix.safetensors.index.json` when they exceed
-    `shard_bytes`. Each file's header is written first (the shapes are known) and then each tensor's bytes as it
-    comes: only the tensor being written is held. `advance(n)` is called with each tensor's bytes. Returns the
-    files written."""
-    itemsize = numpy_dtype(dtype).itemsize
+                      advance: Callable[[int], None] | None = None,
+                      dtypes: Mapping[str, str] | None = None) -> list[str]:  # fmt: skip
+    """Write `tensors` ((name, array) pairs in the order of `shapes`, each cast to `dtype`, or to its own in
+    `dtypes`) as `prefix.safetensors`, or as shards `prefix-0000i-of-0000n.safetensors` with
+    `prefix.safetensors.index.json` when they exceed `shard_bytes`. Each file's header is written first (the shapes
+    are known) and then each tensor's bytes as it comes: only the tensor being written is held. `advance(n)` is
+    called with each tensor's bytes. Returns the files written."""
+    dtypes = {name: (dtypes or {}).get(name, dtype) for name in shapes}
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * itemsize
+        nbytes = math.prod(shape) * numpy_dtype(dtypes[name]).itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -57,13 +58,13 @@ def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], te
         f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]  # fmt: skip
     stream = iter(tensors)
     for file, names in zip(files, shards):
-        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtype, advance)
+        _write_file(directory / file, {n: tuple(shapes[n]) for n in names}, stream, dtypes, advance)
     if count == 1:
         return files
     index = {
         "metadata": {
             "total_parameters": sum(math.prod(s) for s in shapes.values()),
-            "total_size": sum(math.prod(s) for s in shapes.values()) * itemsize,
+            "total_size": sum(math.prod(s) * numpy_dtype(dtypes[n]).itemsize for n, s in shapes.items()),
         },
         "weight_map": {name: file for file, names in zip(files, shards) for name in names},
     }
@@ -71,16 +72,16 @@ def write_safetensors(directory: Path, shapes: Mapping[str, tuple[int, ...]], te
     return [*files, f"{prefix}.safetensors.index.json"]
 
 
-def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]], dtype: str,
-                advance: Callable[[int], None] | None) -> None:  # fmt: skip
+def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator[tuple[str, Any]],
+                dtypes: Mapping[str, str], advance: Callable[[int], None] | None) -> None:  # fmt: skip
     """One safetensors file: an 8-byte little-endian header length, the JSON header (padded with spaces to a
     multiple of 8 bytes, as `safetensors` pads it), then the tensors' bytes back to back in header order."""
-    target = numpy_dtype(dtype)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * target.itemsize
-        header[name] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = math.prod(shape) * numpy_dtype(dtypes[name]).itemsize
+        header[name] = {"dtype": _SAFETENSORS[dtypes[name]], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -92,6 +93,7 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator
                 array = np.asarray(array)
                 if name != expected or array.shape != shape:  # a tensor table that disagrees with itself
                     raise AssertionError(f"tensor {name!r} {array.shape} came where {expected!r} {shape} belongs")
+                target = numpy_dtype(dtypes[name])
                 data = np.ascontiguousarray(array.astype(target, copy=False))  # a view's own bytes, in order
                 f.write(data.reshape(-1).view(np.uint8).data)
                 if advance is not None:

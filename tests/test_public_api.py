@@ -9,7 +9,8 @@ Container ContainerMetadata Node Static Variable Param BatchStat Cache
 Intermediate with_metadata Context context dataclass field node_field
 param_field static_field var_field TraceContextError Dict Sequence TrainState
 Module ModuleDef Pure PureModule State initializers Linear Conv Embed BatchNorm
-LayerNorm Dropout is_node register_node_type All Not buffers Pytree TreeNode
+LayerNorm Dropout QuantizedKernel QuantizedParam dequantized_product is_node register_node_type All Not
+buffers Pytree TreeNode
 PARTITION_NAME get_partition_spec logical_axis_rules logical_to_mesh
 with_logical_constraint with_logical_partitioning jit grad scan remat Scan Remat
 celu elu gelu glu hard_sigmoid hard_silu hard_swish hard_tanh leaky_relu
@@ -21,7 +22,7 @@ PUBLIC_MODULES = """
 nnx.containers nnx.contextlib nnx.module nnx.state nnx.partitioning
 nnx.pytreelib nnx.dataclasses nnx.helpers nnx.transforms nnx.spmd nnx.tracers
 nnx.ids nnx.nodes nnx.reprlib nnx.errors nnx.nn.linear nnx.nn.normalization
-nnx.nn.stochastic nnx.nn.activations nnx.nn.initializers nnx.nn.dtypes
+nnx.nn.stochastic nnx.nn.quantize nnx.nn.activations nnx.nn.initializers nnx.nn.dtypes
 """.split()
 
 

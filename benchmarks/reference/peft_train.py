@@ -2,7 +2,7 @@
 
     REFERENCE_PYTHON benchmarks/reference/peft_train.py MODEL_DIR BATCHES.npz OUT.json
         [--lora RANK ALPHA] [--init-adapter DIR] [--save-init DIR] [--learning-rate 1e-3]
-        [--eval EVAL.npz --eval-every 50] [--questions QUESTIONS.json]
+        [--eval EVAL.npz --eval-every 50] [--questions QUESTIONS.json] [--load-4bit nf4 --dtype bfloat16]
 
 BATCHES.npz holds `tokens` and `targets` `[steps, batch, length + 1]` (and `segments`, 0 on padding), as
 nnx's data pipeline laid them out: each step predicts `tokens[:, 1:]` from `tokens[:, :-1]`, and the loss
@@ -10,6 +10,9 @@ is the cross-entropy averaged over the tokens marked in `targets` (per target to
 The optimizer is AdamW (betas 0.9, 0.999, eps 1e-8, no weight decay). With `--lora`, a PEFT LoRA adapter
 of that rank and alpha on all seven projections trains (starting from `--init-adapter` if given; `--save-init`
 writes the adapter as initialised, for nnx to start from the same point); without it, every weight trains.
+With `--load-4bit nf4` the base is loaded through bitsandbytes (`BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type=nf4, bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=--dtype)`): QLoRA as peft
+users run it; `--dtype` is the dtype the rest of the model is loaded in (float32 by default).
 
 Writes OUT.json: the loss of every step, each step's seconds, eval losses, and the greedy answers to
 QUESTIONS.json (chat prompts) after training.
@@ -35,11 +38,18 @@ parser.add_argument("--eval")
 parser.add_argument("--eval-every", type=int, default=50)
 parser.add_argument("--questions")
 parser.add_argument("--threads", type=int, default=0)
+parser.add_argument("--load-4bit", choices=["nf4", "fp4"])
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 args = parser.parse_args()
 if args.threads:
     torch.set_num_threads(args.threads)
 
-model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+dtype, quantized = getattr(torch, args.dtype), {}
+if args.load_4bit:
+    quantized = {"device_map": "cpu", "quantization_config": transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=args.load_4bit, bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype)}  # fmt: skip
+model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **quantized)
 if args.lora:
     import peft
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from nnx_cli.data import tokenizers
 from nnx_cli.errors import UserError
-from nnx_cli.hf import families
+from nnx_cli.hf import bnb, families
 from nnx_cli.hf.hub import is_model_dir, resolve
 from nnx_cli.hf.weights import Weights
 
@@ -41,8 +41,10 @@ _FREE = (
     "bits_per_byte",
     "lora",
     "router_aux_loss_coef",
+    "quantize",
 )
-# Of these, config.json may give a default that the YAML overrides (a mixture of experts' router_aux_loss_coef).
+# Of these, config.json may give a default that the YAML overrides (a mixture of experts' router_aux_loss_coef, a
+# bitsandbytes checkpoint's quantize).
 
 
 @dataclasses.dataclass
@@ -56,14 +58,15 @@ class Pretrained:
     weights: Weights
     maps: list[families.TensorMap]
 
-    def load(self, abstract: Any, say: Any = None) -> Any:
+    def load(self, abstract: Any, say: Any = None, quantize: dict[str, Any] | None = None) -> Any:
         """The parameters `abstract` describes (a State of Param over ShapeDtypeStructs with shardings), read
-        slice by slice from the safetensors files straight into their shardings."""
+        slice by slice from the safetensors files straight into their shardings; 4-bit kernels quantised as
+        `quantize` (`model.quantize`) says, one layer's weight at a time."""
         from nnx_cli.hf import weights
 
         total = sum(math.prod(v.value.shape) for v in abstract.values())
         with weights.progress(f"loading {self.directory.name}", total) as advance:
-            return weights.load(self.weights, self.maps, abstract, advance)
+            return weights.load(self.weights, self.maps, abstract, advance, quantize)
 
     @functools.cached_property
     def file_checksums(self) -> dict[str, str]:
@@ -119,6 +122,9 @@ def open_pretrained(source: str) -> Pretrained:
     config = read_config(directory)
     family = families.family_of(config, str(directory / "config.json"))
     options = family.options(families.Config(config, str(directory / "config.json")))
+    quantize = bnb.quantize_option(config, str(directory / "config.json"))
+    if quantize is not None:  # a bitsandbytes checkpoint: a quantised base unless the YAML says otherwise
+        options["quantize"] = quantize
     weights = Weights.open(directory)
     maps = weights.check(family, options)
     return Pretrained(source, directory, family, options, weights, maps)

@@ -17,18 +17,19 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from nnx_cli.errors import UserError
-from nnx_cli.hf import families, peft
+from nnx_cli.hf import bnb, families, peft
 from nnx_cli.hf.weights import progress, tensors_of
 from nnx_cli.tensorfiles import SHARD_BYTES, numpy_dtype, write_safetensors  # noqa: F401 (re-exported)
 
 DTYPES = ("float32", "bfloat16", "float16")
+FOUR_BIT = ("nf4", "fp4")  # bitsandbytes' 4-bit types: the projections quantised, the rest in bfloat16
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -36,6 +37,46 @@ def check_out(out: Path) -> None:
     """`--out` must not exist, or be an empty directory: an export never overwrites anything."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {str(out)!r} exists and is not empty; give a new directory (nothing was written)")
+
+
+def quantized_kernels(exp: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The run's 4-bit kernels (`model.quantize`): `{path: (type, shape of one layer's kernel)}`."""
+    import nnx
+    from nnx_cli import steps
+
+    model = exp.moduledef.merge(steps.parameters(exp.abstract))
+    return {path: (m.type, m.shape) for path, m in model.modules() if isinstance(m, nnx.QuantizedKernel)}
+
+
+def dequantized(params: Mapping[str, Any], kernels: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """The parameters with each 4-bit kernel's parts (`.../kernel/codes`, ...) replaced by the float32 kernel they
+    hold (`kernels`: :func:`quantized_kernels`), dequantised one layer (and expert) at a time as it is read."""
+    out = {p: v for p, v in params.items() if p.rpartition("/")[0] not in kernels}
+    for path, (kind, shape) in kernels.items():
+        parts = {p.rpartition("/")[2]: v for p, v in params.items() if p.rpartition("/")[0] == path}
+        out[path] = _Dequantized(parts, kind, shape)
+    return out
+
+
+class _Dequantized:
+    """A 4-bit kernel's float32 values, made when read: whole, or by an index into its stacked leading axes."""
+
+    def __init__(self, parts: dict[str, Any], kind: str, shape: tuple[int, ...]):
+        self.parts, self.kind, self.kernel_shape = parts, kind, shape
+        self.lead = np.ndim(parts["codes"]) - 2
+        self.shape = (*np.shape(parts["codes"])[: self.lead], *shape)
+
+    def __getitem__(self, index: int | tuple[int, ...]) -> np.ndarray:
+        from nnx.nn.quantize import dequantize_kernel
+
+        index = index if isinstance(index, tuple) else (index,)
+        parts = {name: np.asarray(value[index] if index else value) for name, value in self.parts.items()}
+        lead = self.shape[len(index) : self.lead]
+        return dequantize_kernel(parts, self.kind, np.float32, xp=np).reshape(*lead, *self.kernel_shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[()]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def merged(params: Mapping[str, Any], scale: float) -> dict[str, Any]:
@@ -114,12 +155,15 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
     lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in (*DTYPES, *FOUR_BIT):
+        raise UserError(f"--dtype must be one of {', '.join((*DTYPES, *FOUR_BIT))}, got {dtype!r}")
     if adapter:
         peft.check_exportable(cfg, pretrained, lora)
     elif pretrained is None:
         families.architecture_of(options)  # options no family has
+    if dtype in FOUR_BIT and (adapter or options.get("positions") == "learned"):
+        what = "--adapter writes the adapters alone" if adapter else "GPT-2's projections are Conv1D, not Linear"
+        raise UserError(f"--dtype {dtype} writes merged Linear weights in 4 bits, as bitsandbytes stores them; {what}")
     check_out(out)
     return lora
 
@@ -127,10 +171,13 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
 def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dtype: str | None,
            tokenizer: Any) -> list[str]:  # fmt: skip
     """Write the run's weights (host arrays of every parameter, adapters included, by path) to `out`: a model
-    directory, or with `adapter` a PEFT adapter. Returns the files written. What makes it impossible is a
-    UserError raised before anything is written (see :func:`check`)."""
+    directory, or with `adapter` a PEFT adapter. A 4-bit base (`model.quantize`) is dequantised, then merged; with
+    `dtype` nf4 or fp4 the merged projections are quantised again and written as `transformers` saves a
+    bitsandbytes 4-bit model. Returns the files written. What makes it impossible is a UserError raised before
+    anything is written (see :func:`check`)."""
     lora = check(exp, out, adapter=adapter, dtype=dtype)
     options = peft.model_options(exp.cfg, exp.pretrained)
+    params = dequantized(params, quantized_kernels(exp))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -158,13 +205,17 @@ def _write_adapter(directory: Path, exp: Any, lora: Any, params: Mapping[str, An
 def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Mapping[str, Any], dtype: str | None,
                  tokenizer: Any) -> list[str]:  # fmt: skip
     cfg, pretrained = exp.cfg, exp.pretrained
+    four_bit = dtype if dtype in FOUR_BIT else None
+    dtype = "bfloat16" if four_bit else dtype
     if lora is not None:
         params = merged(params, lora.alpha / lora.rank)
+    quantize = cfg.model.options.get("quantize")
     if pretrained is not None:  # the family it came from, its config.json as it was but for the dtype
         from nnx_cli.hf import read_config
 
         config = read_config(pretrained.directory)
-        dtype = dtype or _stored_dtype(config)
+        stored = config.pop("quantization_config", None)  # a 4-bit base is written dequantised: 16 bits by default
+        dtype = dtype or ("bfloat16" if stored is not None or quantize is not None else _stored_dtype(config))
         config[_dtype_key(config)] = dtype
         maps = pretrained.maps
     else:
@@ -177,11 +228,35 @@ def _write_model(directory: Path, exp: Any, options: dict, lora: Any, params: Ma
         names = ["transformer.wte.weight"] if architecture == families.GPT2 else []  # as save_pretrained names them
         family_options = families.FAMILIES[architecture].options(families.Config(config, "config.json"))
         maps = families.FAMILIES[architecture].tensors(family_options, names)
+    shapes, tensors, dtypes = families.layout(maps, options["num_layers"]), tensors_of(params, maps), None
+    if four_bit:  # in model.quantize's blocks when it has them
+        settings = {"block": 64, "double_quant": True, **(quantize or {}), "type": four_bit}
+        config["quantization_config"] = bnb.config(settings, settings.get("compute_dtype") or dtype)
+        shapes, tensors, dtypes = _bnb_4bit(shapes, tensors, settings, dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shapes = families.layout(maps, options["num_layers"])
     with _progress(shapes, dtype, "writing the weights") as advance:
-        files = write_safetensors(directory, shapes, tensors_of(params, maps), dtype, advance=advance)
+        files = write_safetensors(directory, shapes, tensors, dtype, advance=advance, dtypes=dtypes)
     return ["config.json", *files, *_write_tokenizer(directory, cfg, pretrained, tokenizer, config)]
+
+
+def _bnb_4bit(shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]], settings: Mapping[str, Any],
+              dtype: str) -> tuple[dict, Iterator[tuple[str, Any]], dict]:  # fmt: skip
+    """The tensors of a model directory (`shapes`, and the `tensors` in that order) with each projection weight
+    quantised as bitsandbytes does (`settings`: `model.quantize`): their shapes, the tensors, their dtypes."""
+    kind, block, double = settings["type"], settings["block"], settings["double_quant"]
+    layout: dict[str, tuple[tuple, str]] = {}
+    for name, shape in shapes.items():
+        quantized = bnb.quantizes(name, shape) and math.prod(shape) % block == 0
+        layout |= bnb.layout(name, shape, kind, block, double) if quantized else {name: (shape, dtype)}
+
+    def stream() -> Iterator[tuple[str, Any]]:
+        for name, array in tensors:
+            if name + ".absmax" in layout:  # in the dtype it is written in, then quantised, as transformers loads it
+                yield from bnb.tensors(name, np.asarray(array).astype(numpy_dtype(dtype)), kind, block, double, dtype)
+            else:
+                yield name, array
+
+    return {n: s for n, (s, _) in layout.items()}, stream(), {n: d for n, (_, d) in layout.items()}
 
 
 def _progress(shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str) -> Any:

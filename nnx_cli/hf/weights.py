@@ -22,6 +22,7 @@ a multi-host run reads only what its devices hold::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -35,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from nnx.nn.quantize import quantize_kernel
 from nnx_cli.errors import UserError
+from nnx_cli.hf import bnb
 from nnx_cli.hf.families import Family, TensorMap
 
 SINGLE = "model.safetensors"
@@ -56,6 +59,8 @@ class Weights:
         self.files = files  # tensor name -> file
         self._info: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor name -> (dtype, shape), from the headers
         self._starts: dict[str, int] = {}  # tensor name -> the byte where its data starts in its file
+        self.bnb: bnb.Tensors | None = None  # the bitsandbytes 4-bit weights among them
+        self._floats: dict[str, tuple[str, tuple[int, ...]]] = {}  # a 4-bit weight's (dtype, shape) as floats
 
     @classmethod
     def open(cls, directory: str | Path, single: str = SINGLE, index_name: str = INDEX) -> Weights:
@@ -91,11 +96,15 @@ class Weights:
             missing = sorted(set(files) - set(weights.files))
             if missing:
                 raise UserError(f"{index}: lists tensor {missing[0]!r} in {files[missing[0]]}, which lacks it")
+        weights.bnb = bnb.Tensors(weights.files, weights.info, lambda name: np.asarray(weights._raw(name)))
+        for name, state in weights.bnb.states.items():  # a 4-bit weight reads as the float weight it holds
+            weights._floats[name] = (state.dtype, state.shape)
         return weights
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """`(dtype, shape)` of tensor `name` as its header says (`"BF16"`, `(896, 4864)`)."""
-        return self._info[name]
+        """`(dtype, shape)` of tensor `name` as its header says (`"BF16"`, `(896, 4864)`); of a bitsandbytes 4-bit
+        weight, those of the float weight it holds (its quant state's)."""
+        return self._floats.get(name) or self._info[name]
 
     def check(self, family: Family, options: Mapping[str, Any], tie_ignores_head: bool = True) -> list[TensorMap]:
         """The family's tensor maps for `options`, each tensor present with the shape `config.json` implies and a
@@ -123,7 +132,7 @@ class Weights:
             ignorable = name.endswith(family.ignored) or (
                 tie_ignores_head and options.get("tie_embeddings") and name == "lm_head.weight"
             )
-            if name not in expected and not ignorable:
+            if name not in expected and not ignorable and self.bnb.auxiliary(name) is None:
                 raise UserError(
                     f"{self.files[name]}: unexpected tensor {name!r}: a {family.architecture} with this config.json "
                     "has no such weight"
@@ -142,8 +151,21 @@ class Weights:
         each block be converted straight into the parameter's buffer instead. Each view maps only its tensor,
         and its pages leave this process's memory once the view is dropped.
         """
+        if name in self.bnb.states:  # a bitsandbytes 4-bit weight, dequantised
+            return bnb.dequantized(self.bnb.states[name], lambda n: np.asarray(self._raw(n)), name)
+        return self._raw(name)
+
+    def _raw(self, name: str) -> np.ndarray:
         dtype, shape = self._info[name]
         return np.memmap(self.files[name], dtype=_RAW[dtype], mode="r", offset=self._starts[name], shape=shape)
+
+    def quantized(self, name: str, type: str, block: int, double: bool) -> dict[str, np.ndarray] | None:
+        """Tensor `name`'s `nnx.QuantizedKernel` parts as stored, when it is a bitsandbytes 4-bit weight quantised
+        as `type`, `block`, `double` say (else None: it is read as floats and quantised here)."""
+        state = self.bnb.states.get(name)
+        if state is None or (state.type, state.block, state.double) != (type, block, double):
+            return None
+        return bnb.parts(state, lambda n: np.asarray(self._raw(n)), name)
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The block `index` of tensor `name` (one slice per axis), as a new float32 array."""
@@ -157,7 +179,7 @@ class Weights:
         return sorted(set(self.files.values()))
 
 
-_RAW = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_RAW = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8}
 
 
 def convert(raw: np.ndarray, out: np.ndarray, zeroed: bool = False) -> None:
@@ -340,9 +362,15 @@ def progress(description: str, total: int, *, in_bytes: bool = False, minimum: i
         yield lambda n: bar.advance(task, n)
 
 
-def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any = None) -> Any:
+def load(
+    weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any = None, quantize: Mapping | None = None
+) -> Any:
     """A `State` of `Param`s shaped as `abstract` (whose values are `ShapeDtypeStruct`s carrying shardings),
     filled from the tensors `maps` names; `progress(n)` is called with each parameter's element count.
+
+    The parts of a 4-bit kernel (`nnx.QuantizedParam`s `.../kernel/codes`, `absmax`, ...; `quantize` is
+    `model.quantize`) are made together, one layer's (and expert's) weight at a time: a bitsandbytes weight
+    quantised alike is taken as stored, any other is read as floats and quantised (:func:`quantized_parts`).
 
     Parameters are filled by a few threads at once (one per core, at most 4): the work is converting mapped
     pages into new float32 buffers, which NumPy does without the GIL, so a load goes about as many times
@@ -354,26 +382,39 @@ def load(weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any =
     import nnx
 
     by_path = {m.path: m for m in maps}
+    kernels: dict[str, dict[str, str]] = {}  # a 4-bit kernel's path -> {part: parameter path}
     for path in abstract:
-        if _layer_and_path(path)[2] not in by_path:
+        kernel, _, part = path.rpartition("/")
+        if part in _PARTS and _layer_and_path(kernel)[2] in by_path:
+            kernels.setdefault(kernel, {})[part] = path
+        elif _layer_and_path(path)[2] not in by_path:
             raise UserError(f"no tensor of the model directory fills parameter {path!r}")  # a model/table mismatch
+    parts_of = {path: kernel for kernel, parts in kernels.items() for path in parts.values()}
     # largest first, so that no thread is left with a big parameter at the end while the others are idle
     order = sorted(abstract, key=lambda p: -math.prod(abstract[p].value.shape))
-    buffers = {path: _buffers(abstract[path].value) for path in order}
+    buffers = {path: _buffers(abstract[path].value) for path in order if path not in parts_of}
     out = {}
     with (
-        _Prefault([b for path in order for b in buffers[path].values()]) as memory,
+        _Prefault([b for path in order for b in buffers.get(path, {}).values()]) as memory,
         ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="nnx-load") as pool,
     ):
         jobs = {}
+        for kernel, parts in kernels.items():
+            stacked, layer, relative = _layer_and_path(kernel)
+            specs = {part: abstract[path].value for part, path in parts.items()}
+            job = pool.submit(_quantized, weights, by_path[relative], stacked, layer, specs, quantize or {})
+            jobs |= {path: (job, part) for part, path in parts.items()}
         for path in order:
-            stacked, layer, relative = _layer_and_path(path)
-            spec = abstract[path].value
-            jobs[path] = pool.submit(_array, weights, by_path[relative], stacked, layer, spec, buffers[path], memory)
+            if path not in parts_of:
+                stacked, layer, relative = _layer_and_path(path)
+                spec = abstract[path].value
+                job = pool.submit(_array, weights, by_path[relative], stacked, layer, spec, buffers[path], memory)
+                jobs[path] = (job, None)
         jobs = {path: jobs[path] for path in abstract}
         try:
-            for path, job in jobs.items():  # in order: the first failure is the one raised
-                out[path] = abstract[path].replace(value=job.result())
+            for path, (job, part) in jobs.items():  # in order: the first failure is the one raised
+                value = job.result() if part is None else job.result()[part]
+                out[path] = abstract[path].replace(value=value)
                 if progress is not None:
                     progress(math.prod(abstract[path].value.shape))
         except BaseException:  # a bad tensor, or ctrl-c: nothing more is read
@@ -473,19 +514,67 @@ def _array(
         key = _keys(shape, index)
         index = tuple(slice(*k) for k in key)
         if key not in done:
-            buffer = buffers[key] if key in buffers else _aligned(tuple(stop - start for start, stop, _ in key))
+            size = tuple(stop - start for start, stop, _ in key)
+            convert = spec.dtype != np.float32  # then each slot is read as float32 and converted on its own
+            buffer = buffers[key] if key in buffers else (np.empty(size, spec.dtype) if convert else _aligned(size))
             spans = [range(*k[:2]) for k in key[:lead]]
             layers = spans.pop(0) if stacked else [layer]
             experts = spans.pop(0) if m.experts else [None]
             for j, i in enumerate(layers):  # each layer's (and expert's) tensor straight into its slot
                 for k, e in enumerate(experts):
-                    slot = buffer[(j,) * stacked + (k,) * (e is not None)]
-                    memory.wait(buffer, slot)
+                    where = (j,) * stacked + (k,) * (e is not None)
+                    slot = _aligned(buffer[where].shape) if convert else buffer[where]
+                    if not convert:
+                        memory.wait(buffer, slot)
                     block(weights, m, i, ours, index[lead:], slot, expert=e)
-            done[key] = buffer if spec.dtype == np.float32 else buffer.astype(spec.dtype)
+                    if convert:
+                        buffer[where] = slot.astype(spec.dtype)
+            done[key] = buffer
         return done[key]
 
     return jax.make_array_from_callback(shape, spec.sharding, fill, dtype=spec.dtype)
+
+
+_PARTS = ("codes", "absmax", "nested_absmax", "offset")  # of an nnx.QuantizedKernel
+
+
+def _quantized(
+    weights: Weights, m: TensorMap, stacked: bool, layer: int | None, specs: dict[str, Any], quantize: Mapping
+) -> dict[str, Any]:
+    """The parts of one 4-bit kernel (stacked over layers and experts as `specs` say), as arrays in their
+    shardings: each layer's (and expert's) weight quantised on its own, then dropped."""
+    import jax
+
+    codes = specs["codes"].shape
+    lead = int(stacked) + int(m.experts > 0)
+    fan_in, fan_out = 2 * codes[-2], codes[-1]
+    block_size = fan_in // specs["absmax"].shape[-2]
+    kind, double = quantize.get("type", "nf4"), "nested_absmax" in specs
+    host = {part: np.empty(spec.shape, spec.dtype) for part, spec in specs.items()}
+    layers = range(codes[0]) if stacked else [layer]
+    experts = range(m.experts) if m.experts else [None]
+    flat = dataclasses.replace(m, split=1)  # the whole weight as one [in, out] matrix
+    for j, i in enumerate(layers):
+        for k, e in enumerate(experts):
+            where = (j,) * stacked + (k,) * (e is not None)
+            name = m.name.format(i=i, e=e)
+            parts = (
+                None
+                if m.offset or m.shape != weights.info(name)[1]
+                else weights.quantized(name, kind, block_size, double)
+            )
+            if parts is None:
+                w = _aligned((fan_in, fan_out))
+                block(weights, flat, i, (fan_in, fan_out), (slice(None), slice(None)), w, expert=e)
+                parts = quantize_kernel(w, kind, block_size, double)
+                del w
+            for part, value in parts.items():
+                host[part][where] = value
+    assert lead == len(codes) - 2
+    return {
+        part: jax.make_array_from_callback(spec.shape, spec.sharding, lambda index, a=host[part]: a[index])
+        for part, spec in specs.items()
+    }
 
 
 def _aligned(shape: tuple[int, ...], alignment: int = 64, populate: bool = True) -> np.ndarray:

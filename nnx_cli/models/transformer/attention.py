@@ -129,9 +129,12 @@ class Attention(nnx.Module):
         embed, heads, kv_heads, head_dim = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = dict(std=0.02, dtype=arch.dtype, use_bias=arch.bias or arch.qkv_bias, ctx=ctx)
         kv_axes = (arch.kv_axis, "kv")
-        self.query = Dense((embed,), (heads, head_dim), ("embed",), ("heads", "kv"), lora=arch.adapter("q"), **qkv)
-        self.key = Dense((embed,), (kv_heads, head_dim), ("embed",), kv_axes, lora=arch.adapter("k"), **qkv)
-        self.value = Dense((embed,), (kv_heads, head_dim), ("embed",), kv_axes, lora=arch.adapter("v"), **qkv)
+        self.query = Dense((embed,), (heads, head_dim), ("embed",), ("heads", "kv"), lora=arch.adapter("q"),
+                           quantize=arch.quantized("q"), **qkv)  # fmt: skip
+        self.key = Dense((embed,), (kv_heads, head_dim), ("embed",), kv_axes, lora=arch.adapter("k"),
+                         quantize=arch.quantized("k"), **qkv)  # fmt: skip
+        self.value = Dense((embed,), (kv_heads, head_dim), ("embed",), kv_axes, lora=arch.adapter("v"),
+                           quantize=arch.quantized("v"), **qkv)  # fmt: skip
         self.out = Dense(
             (heads, head_dim),
             (embed,),
@@ -141,6 +144,7 @@ class Attention(nnx.Module):
             dtype=arch.dtype,
             use_bias=arch.bias,
             lora=arch.adapter("o"),
+            quantize=arch.quantized("o"),
             ctx=ctx,
         )
         if arch.qk_norm and arch.qk_norm_scope == "projection":  # OLMoE: all heads of a projection together

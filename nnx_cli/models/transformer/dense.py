@@ -8,6 +8,7 @@ constrained to logical axes at the seams (:func:`constrain`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import nnx
-from nnx_cli.models.transformer.options import Lora
+from nnx_cli.models.transformer.options import Lora, Quantize
 
 LAYERS = "layers"
 """The logical axis of the scanned blocks' stacked parameters and key-value caches."""
@@ -48,6 +49,26 @@ def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None)
     return y.reshape(*tokens, *out_shape)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def frozen_matmul(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
+    """`x @ kernel` (`[tokens, in] @ [in, out]`) for a frozen kernel: the backward pass gives `x` its gradient
+    `g kernel^T` and the kernel none, keeping nothing but the kernel itself."""
+    return lax.dot_general(x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _frozen_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
+    return frozen_matmul(x, kernel, out_dtype), (kernel, jnp.zeros((), x.dtype))
+
+
+def _frozen_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    kernel, x_like = saved
+    dx = lax.dot_general(g.astype(kernel.dtype), kernel, (((1,), (1,)), ((), ())))
+    return dx.astype(x_like.dtype), jnp.zeros_like(kernel)
+
+
+frozen_matmul.defvjp(_frozen_forward, _frozen_backward)
+
+
 class Dense(nnx.Module):
     """`x @ kernel + bias`, contracting the trailing `len(in_shape)` axes of `x`.
 
@@ -55,8 +76,11 @@ class Dense(nnx.Module):
     `in_axes + out_axes` (attention's query kernel is `(embed, heads, kv)`,
     its output kernel `(heads, kv, embed)`); it is drawn from normal(`std`),
     the bias starts at zero. Computes in `dtype` (the result in `out_dtype`
-    if given, e.g. float32 logits from bfloat16 inputs); parameters stay
-    float32. With `lora`, a low-rank adapter (`nnx.LoRA`) adds its update::
+    if given, e.g. float32 logits from bfloat16 inputs); parameters are
+    float32 (the kernel `param_dtype`). With `lora`, a low-rank adapter
+    (`nnx.LoRA`) adds its update. With `quantize` (a frozen base's, QLoRA)
+    the kernel is stored in 4 bits (an `nnx.QuantizedKernel`, multiplied in
+    `quantize.compute_dtype`, else `dtype`) or in bfloat16::
 
         query = Dense((384,), (6, 64), ("embed",), ("heads", "kv"), std=0.02, dtype=jnp.float32, ctx=ctx)
         query(jnp.ones((2, 10, 384))).shape   # (2, 10, 6, 64)
@@ -74,6 +98,8 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         out_dtype: Any = None,
         lora: Lora | None = None,
+        quantize: Quantize | None = None,
+        param_dtype: Any = jnp.float32,
         ctx: nnx.Context,
     ):
         self.in_rank = len(in_shape)
@@ -81,7 +107,22 @@ class Dense(nnx.Module):
         self.out_dtype = out_dtype
         shape = (*in_shape, *out_shape)
         key = ctx.make_rng("params")
-        self.kernel = nnx.Param(normal(std, (*in_axes, *out_axes))(key, shape, jnp.float32))
+        if quantize is not None and quantize.four_bit:
+            self.kernel = nnx.QuantizedKernel(
+                in_shape,
+                out_shape,
+                type=quantize.type,
+                block=quantize.block,
+                double_quant=quantize.double_quant,
+                in_axes=in_axes,
+                out_axes=out_axes,
+                value=nnx.initializers.normal(std)(key, shape, jnp.float32),
+            )
+        else:
+            kernel_dtype = jnp.bfloat16 if quantize is not None else param_dtype
+            self.kernel = nnx.Param(normal(std, (*in_axes, *out_axes))(key, shape, kernel_dtype))
+        self.compute_dtype = (quantize.compute_dtype if quantize is not None else None) or dtype
+        self.frozen = quantize is not None  # a 16-bit frozen base: no gradient, nothing kept for one
         if use_bias:
             bias_init = nnx.with_logical_partitioning(nnx.initializers.zeros(), out_axes)
             self.bias = nnx.Param(bias_init(ctx.make_rng("params"), tuple(out_shape), jnp.float32))
@@ -103,7 +144,17 @@ class Dense(nnx.Module):
             self.lora = None
 
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
-        y = matmul(x.astype(self.dtype), self.kernel.astype(self.dtype), self.in_rank, self.out_dtype)
+        kernel = self.kernel
+        if isinstance(kernel, nnx.QuantizedKernel):
+            y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
+        elif self.frozen:
+            tokens, out_shape = x.shape[: x.ndim - self.in_rank], kernel.shape[self.in_rank :]
+            x2 = x.astype(self.compute_dtype).reshape(math.prod(tokens), -1)
+            w = kernel.astype(self.compute_dtype).reshape(x2.shape[1], -1)
+            y = frozen_matmul(x2, w, self.out_dtype).reshape(*tokens, *out_shape).astype(self.out_dtype or self.dtype)
+        else:
+            y = matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype), self.in_rank, self.out_dtype)
+            y = y.astype(self.out_dtype or self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
         return y if self.bias is None else y + self.bias.astype(y.dtype)

@@ -68,12 +68,13 @@ class MLP(nnx.Module):
     def __init__(self, arch: Architecture, *, ctx: nnx.Context):
         embed, hidden = arch.embed_dim, arch.mlp_dim
         dense = dict(dtype=arch.dtype, use_bias=arch.bias, ctx=ctx)
-        self.fc = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, lora=arch.adapter("up"), **dense)
-        self.proj = Dense(
-            (hidden,), (embed,), ("mlp",), ("embed",), std=arch.out_std, lora=arch.adapter("down"), **dense
-        )
+        self.fc = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, lora=arch.adapter("up"),
+                        quantize=arch.quantized("up"), **dense)  # fmt: skip
+        self.proj = Dense((hidden,), (embed,), ("mlp",), ("embed",), std=arch.out_std, lora=arch.adapter("down"),
+                          quantize=arch.quantized("down"), **dense)  # fmt: skip
         if arch.mlp in GATED:
-            self.gate = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, lora=arch.adapter("gate"), **dense)
+            self.gate = Dense((embed,), (hidden,), ("embed",), ("mlp",), std=0.02, lora=arch.adapter("gate"),
+                              quantize=arch.quantized("gate"), **dense)  # fmt: skip
         self.gated = arch.mlp in GATED
         self.kind = arch.mlp
         self.dropout = nnx.Dropout(arch.dropout)

@@ -133,6 +133,9 @@ class TransformerLM(nnx.Module):
         query_scale: attention logits scaled by `query_scale ** -0.5`; null: by `head_dim ** -0.5`.
         attention_softcap: attention logits squashed to `cap * tanh(logits / cap)` (Gemma 2); null: none.
         logit_softcap: the output logits squashed the same way (Gemma 2); null: none.
+        quantize: the frozen base's storage under `lora` (QLoRA): `{type: nf4 | fp4 | bfloat16, block (64),
+            double_quant (true), compute_dtype (bfloat16), skip ([])}`, bit-compatible with bitsandbytes; null:
+            float32 (a bitsandbytes 4-bit `model.pretrained` sets it from its `quantization_config`).
         post_norms: norms after attention and after the MLP too, before the residual sums (Gemma).
         scale_embeddings: embeddings scaled by `sqrt(embed_dim)` (Gemma).
         ctx: the `params` RNG stream.
@@ -172,6 +175,7 @@ class TransformerLM(nnx.Module):
         moe: dict[str, Any] | None = None,
         router_aux_loss_coef: float = 0.001,
         qk_norm_scope: str = "head",
+        quantize: dict[str, Any] | None = None,
         dropout: float = 0.2,
         attention_dropout: float = 0.0,
         positions: str = "learned",
@@ -226,6 +230,7 @@ class TransformerLM(nnx.Module):
             moe=moe,
             router_aux_loss_coef=router_aux_loss_coef,
             qk_norm_scope=qk_norm_scope,
+            quantize=quantize,
         )
         if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or logit_softcap <= 0):
             raise ValueError(f"model.logit_softcap must be null or a positive number, got {logit_softcap!r}")
@@ -248,12 +253,14 @@ class TransformerLM(nnx.Module):
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
         """The layers, in the order they draw their initial parameters (which fixes every parameter's values)."""
         vocab, embed, compute = padded_vocab_size(self.vocab_size), self.embed_dim, arch.dtype
+        stored = arch.storage()  # 16 bits when a quantised base asks
         self.embedding = nnx.Embed(
-            vocab, embed, dtype=compute, embedding_init=normal(0.02, ("vocab", "embed")), ctx=ctx
+            vocab, embed, dtype=compute, param_dtype=stored, embedding_init=normal(0.02, ("vocab", "embed")), ctx=ctx
         )
         if self.positions == "learned":
+            init = normal(0.02, ("length", "embed"))
             self.position_embedding = nnx.Embed(
-                self.max_positions, embed, dtype=compute, embedding_init=normal(0.02, ("length", "embed")), ctx=ctx
+                self.max_positions, embed, dtype=compute, param_dtype=stored, embedding_init=init, ctx=ctx
             )
         self.dropout = nnx.Dropout(dropout)
         self.layers = _stack(arch, self.num_layers, ctx)
@@ -268,6 +275,7 @@ class TransformerLM(nnx.Module):
                 dtype=compute,
                 use_bias=False,
                 out_dtype=jnp.float32,
+                param_dtype=stored,
                 ctx=ctx,
             )
 
@@ -447,7 +455,7 @@ class TransformerLM(nnx.Module):
         """The parameters outside the embeddings that one token computes with. Reads shapes only."""
         params = self.filter(nnx.Param)
         embeddings = ("embedding/embedding", "position_embedding/embedding")
-        n = sum(math.prod(p.value.shape) for path, p in params.items() if path not in embeddings)
+        n = sum(weights(path, p) for path, p in params.items() if path not in embeddings)
         return n - self.idle_params()
 
     def idle_params(self, adapters: bool = True) -> int:
@@ -457,7 +465,7 @@ class TransformerLM(nnx.Module):
         if self.moe is None:
             return 0
         params = self.filter(nnx.Param if adapters else nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-        experts = sum(math.prod(p.value.shape) for path, p in params.items() if _is_expert(path))
+        experts = sum(weights(path, p) for path, p in params.items() if _is_expert(path))
         return round(experts * (1 - self.moe.top_k / self.moe.num_experts))
 
     def padding_params(self) -> int:
@@ -576,6 +584,14 @@ def _stack(arch: Architecture, num_layers: int, ctx: nnx.Context) -> nnx.Module:
             metadata_params={nnx.PARTITION_NAME: LAYERS},
         )(arch, sparse=arch.sparse(0), ctx=ctx)
     return nnx.Sequence([Block(arch, sparse=arch.sparse(i), ctx=ctx) for i in range(num_layers)])
+
+
+def weights(path: str, variable: Any) -> int:
+    """The number of weights parameter `variable` (at `path`) holds: its size, or for a 4-bit kernel's parts
+    (`nnx.QuantizedParam`) two per byte of its `codes` and none in its scales."""
+    if isinstance(variable, nnx.QuantizedParam):
+        return 2 * math.prod(variable.value.shape) if path.endswith("/codes") else 0
+    return math.prod(variable.value.shape)
 
 
 def _is_expert(path: str) -> bool:

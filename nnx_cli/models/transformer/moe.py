@@ -22,6 +22,7 @@ what the load-balancing loss needs (:func:`load_balancing_loss`, as `transformer
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from jax import lax
 import nnx
 from nnx_cli.models.transformer.dense import Dense, constrain, normal
 from nnx_cli.models.transformer.mlp import swiglu
-from nnx_cli.models.transformer.options import Architecture, Lora
+from nnx_cli.models.transformer.options import Architecture, Lora, Quantize
 
 EXPERT = "expert"
 """The logical axis of the experts' stacked weights."""
@@ -147,10 +148,23 @@ def _block_size(rows: int, num_experts: int) -> int:
     return int(min(_MAX_BLOCK, max(_MIN_BLOCK, 1 << (share.bit_length() - 1))))
 
 
+def _grouped(block: int, x: jax.Array, w: jax.Array, *operands: Any) -> jax.Array:
+    """`Groups(*operands).matmul(x, w)` (`operands`: sizes, and the blocks' experts and count in use)."""
+    sizes, *blocks, _ = operands
+    return Groups(sizes, block, *blocks).matmul(x, w)
+
+
+def _grouped_transpose(block: int, g: jax.Array, w: jax.Array, *operands: Any) -> jax.Array:
+    """The transpose of :func:`_grouped` in `x`: each row's gradient by its expert's kernel transposed."""
+    return _grouped(block, g, jnp.swapaxes(w, -1, -2), *operands)
+
+
 class GroupedDense(nnx.Module):
     """`num_experts` stacked kernels `[expert, in, out]` applied to rows in a grouped layout (:class:`Groups`),
     each row by its expert's kernel; with `lora`, a low-rank adapter per expert (`a` `[expert, in, rank]`,
-    normal init as `nnx.LoRA`'s; `b` `[expert, rank, out]`, zeros)."""
+    normal init as `nnx.LoRA`'s; `b` `[expert, rank, out]`, zeros). With `quantize` the kernels are stored in 4
+    bits (one `nnx.QuantizedKernel` stacking the experts, dequantised for the layer's product only) or in
+    bfloat16."""
 
     def __init__(
         self,
@@ -161,11 +175,28 @@ class GroupedDense(nnx.Module):
         std: float,
         dtype: Any,
         lora: Lora | None,
+        quantize: Quantize | None = None,
         ctx: nnx.Context,
     ):
         key = ctx.make_rng("params")
         shape = (num_experts, *features)
-        self.kernel = nnx.Param(normal(std, (EXPERT, *axes))(key, shape, jnp.float32))
+        if quantize is not None and quantize.four_bit:
+            self.kernel = nnx.QuantizedKernel(
+                features[0],
+                features[1],
+                type=quantize.type,
+                block=quantize.block,
+                double_quant=quantize.double_quant,
+                batch=(num_experts,),
+                in_axes=axes[:1],
+                out_axes=axes[1:],
+                batch_axes=(EXPERT,),
+                value=nnx.initializers.normal(std)(key, shape, jnp.float32),
+            )
+        else:
+            kernel_dtype = jnp.float32 if quantize is None else jnp.bfloat16
+            self.kernel = nnx.Param(normal(std, (EXPERT, *axes))(key, shape, kernel_dtype))
+        self.compute_dtype = (quantize.compute_dtype if quantize is not None else None) or dtype
         self.dtype = dtype
         if lora is not None:  # drawn from the kernel's key: the frozen weights are the same with or without it
             self.lora = ExpertLoRA(num_experts, features, axes, lora, dtype, jax.random.fold_in(key, 1))
@@ -175,7 +206,19 @@ class GroupedDense(nnx.Module):
     def __call__(
         self, x: jax.Array, groups: Groups, *, deterministic: bool = True, ctx: nnx.Context | None = None
     ) -> jax.Array:
-        y = groups.matmul(x.astype(self.dtype), self.kernel.astype(self.dtype))
+        kernel, compute = self.kernel, self.compute_dtype
+        if isinstance(kernel, nnx.QuantizedKernel):
+            operands = (
+                (groups.sizes,) if groups.block_experts is None else (groups.sizes, groups.block_experts, groups.used)
+            )
+            product, transpose = (
+                functools.partial(_grouped, groups.block),
+                functools.partial(_grouped_transpose, groups.block),
+            )
+            y = nnx.dequantized_product(product, transpose, x.astype(compute), kernel, compute, *operands)
+        else:
+            y = groups.matmul(x.astype(compute), kernel.astype(compute))
+        y = y.astype(self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, groups, deterministic=deterministic, ctx=ctx).astype(y.dtype)
         return y
@@ -223,10 +266,13 @@ class MoE(nnx.Module):
                             use_bias=False, out_dtype=jnp.float32, ctx=ctx)  # fmt: skip
         experts = dict(std=0.02, dtype=arch.dtype, ctx=ctx)
         up = ("embed", "mlp")
-        self.gate = GroupedDense(moe.num_experts, (embed, hidden), up, lora=arch.adapter("expert_gate"), **experts)
-        self.fc = GroupedDense(moe.num_experts, (embed, hidden), up, lora=arch.adapter("expert_up"), **experts)
+        self.gate = GroupedDense(moe.num_experts, (embed, hidden), up, lora=arch.adapter("expert_gate"),
+                                 quantize=arch.quantized("expert_gate"), **experts)  # fmt: skip
+        self.fc = GroupedDense(moe.num_experts, (embed, hidden), up, lora=arch.adapter("expert_up"),
+                               quantize=arch.quantized("expert_up"), **experts)  # fmt: skip
         self.proj = GroupedDense(moe.num_experts, (hidden, embed), ("mlp", "embed"), std=arch.out_std,
-                                 dtype=arch.dtype, lora=arch.adapter("expert_down"), ctx=ctx)  # fmt: skip
+                                 dtype=arch.dtype, lora=arch.adapter("expert_down"),
+                                 quantize=arch.quantized("expert_down"), ctx=ctx)  # fmt: skip
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
         self.normalize = moe.normalize

@@ -125,6 +125,75 @@ def _lora_targets(names: Any, has: list[str], experts: list[str] = ()) -> tuple[
     return tuple(t for t in (*PROJECTIONS, *EXPERT_PROJECTIONS) if t in targets)
 
 
+# Quantised storage of a frozen base (QLoRA)
+# ------------------------------------------------------------------------------
+
+
+QUANTIZE_TYPES = ("nf4", "fp4", "bfloat16")
+QUANTIZE_BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' block sizes
+_QUANTIZE_KEYS = ("type", "block", "double_quant", "compute_dtype", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantize:
+    """`model.quantize`, checked: how the frozen base's projections are stored (see :func:`quantize_options`)."""
+
+    type: str  # nf4 | fp4 (4 bits, nnx.QuantizedKernel) | bfloat16 (16 bits)
+    block: int = 64
+    double_quant: bool = True
+    compute_dtype: Any = None  # the dtype the dequantised weights multiply in; None: model.dtype
+    skip: tuple[str, ...] = ()  # projections (short names) kept as they are
+
+    @property
+    def four_bit(self) -> bool:
+        return self.type in ("nf4", "fp4")
+
+    def storage(self, compute: Any) -> Any:
+        """The dtype of frozen weights not stored in 4 bits (embedding, head, skipped projections) when the model
+        computes in `compute`: 16 bits with `type: bfloat16` or a bfloat16 compute dtype, else float32."""
+        dtype = self.compute_dtype or compute
+        return jnp.bfloat16 if self.type == "bfloat16" or dtype == jnp.bfloat16 else jnp.float32
+
+
+def quantize_options(value: Mapping[str, Any] | None) -> Quantize | None:
+    """`model.quantize`: null, or `{type: nf4 | fp4 | bfloat16, block (64), double_quant (true), compute_dtype
+    (null: model.dtype; float32 or bfloat16), skip ([])}`: the frozen base's linear projections stored in 4 bits
+    (bitsandbytes' NF4 or FP4 in blocks of `block`, their scales in 8 bits too with `double_quant`) or in
+    bfloat16, all but the projections `skip` names (as `model.lora.targets` names them)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"model.quantize must be null or {{{', '.join(_QUANTIZE_KEYS)}}}, got {value!r}")
+    unknown = sorted(set(value) - set(_QUANTIZE_KEYS))
+    if unknown:
+        raise ValueError(f"model.quantize has unknown keys {', '.join(unknown)}; it takes {', '.join(_QUANTIZE_KEYS)}")
+    kind = value.get("type")
+    if kind not in QUANTIZE_TYPES:
+        raise ValueError(f"model.quantize.type must be one of {', '.join(QUANTIZE_TYPES)}; got {kind!r}")
+    block = value.get("block", 64)
+    if block not in QUANTIZE_BLOCKS or isinstance(block, bool):
+        raise ValueError(
+            f"model.quantize.block must be one of {', '.join(map(str, QUANTIZE_BLOCKS))} (values per block scale); "
+            f"got {block!r}"
+        )
+    double = value.get("double_quant", True)
+    if not isinstance(double, bool):
+        raise ValueError(f"model.quantize.double_quant must be true or false, got {double!r}")
+    compute = value.get("compute_dtype")
+    if compute is not None and compute not in DTYPES:
+        raise ValueError(f"model.quantize.compute_dtype must be null or one of {', '.join(DTYPES)}; got {compute!r}")
+    skip = value.get("skip") or []
+    if isinstance(skip, str) or not isinstance(skip, Sequence):
+        raise ValueError(f"model.quantize.skip must be a list of projection names, got {skip!r}")
+    shorts: list[str] = []
+    for name in skip:
+        if not isinstance(name, str) or name not in _TARGET_ALIASES:
+            known = ", ".join((*PROJECTIONS, *EXPERT_PROJECTIONS))
+            raise ValueError(f"model.quantize.skip: {name!r} is not a projection; they are {known} (or q_proj, ...)")
+        shorts += [s for s in _TARGET_ALIASES[name] if s not in shorts]
+    return Quantize(kind, block, double, None if compute is None else DTYPES[compute], tuple(shorts))
+
+
 # Mixture of experts
 # ------------------------------------------------------------------------------
 
@@ -225,6 +294,15 @@ class Architecture:
     moe: Moe | None = None  # a mixture of experts in place of the MLP (but in moe.dense_layers)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
     qk_norm_scope: str = "head"  # what qk_norm normalises: each head, or each projection's heads together
+    quantize: Quantize | None = None  # how the frozen base's projections are stored (QLoRA)
+
+    def quantized(self, projection: str) -> Quantize | None:
+        """How `projection` (as :meth:`adapter` names them) is stored, or None (float32, trained or not)."""
+        return self.quantize if self.quantize is not None and projection not in self.quantize.skip else None
+
+    def storage(self) -> Any:
+        """The dtype frozen weights outside the quantised projections are stored in (float32 without quantize)."""
+        return jnp.float32 if self.quantize is None else self.quantize.storage(self.dtype)
 
     def adapter(self, projection: str) -> Lora | None:
         """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`, `expert_gate`,
@@ -290,6 +368,7 @@ def architecture(
     moe: Mapping[str, Any] | None = None,
     router_aux_loss_coef: float = 0.0,
     qk_norm_scope: str = "head",
+    quantize: Mapping[str, Any] | None = None,
 ) -> Architecture:
     """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`.
 
@@ -322,6 +401,18 @@ def architecture(
         _positive_or_null(option, value)
     experts = _experts(moe, num_layers, mlp, router_aux_loss_coef)
     _choice("qk_norm_scope", qk_norm_scope, QK_NORM_SCOPES)
+    stored = quantize_options(quantize)
+    if stored is not None and stored.four_bit:
+        inputs = {"q": embed_dim, "k": embed_dim, "v": embed_dim, "o": num_heads * head_dim, "gate": embed_dim,
+                  "up": embed_dim, "down": mlp_dim, "expert_gate": embed_dim, "expert_up": embed_dim,
+                  "expert_down": (experts.mlp_dim or mlp_dim) if experts is not None else mlp_dim}  # fmt: skip
+        for projection, size in inputs.items():
+            if size % stored.block and projection not in stored.skip:
+                raise ValueError(
+                    f"model.quantize: the {projection} projection's input size ({size}) is not a multiple of "
+                    f"model.quantize.block ({stored.block}); pick a block that divides it, or keep it as it is "
+                    f"with model.quantize.skip=[{projection}]"
+                )
     return Architecture(
         embed_dim=embed_dim,
         num_heads=num_heads,
@@ -354,6 +445,7 @@ def architecture(
         moe=experts,
         router_aux_loss_coef=float(router_aux_loss_coef),
         qk_norm_scope=qk_norm_scope,
+        quantize=stored,
     )
 
 

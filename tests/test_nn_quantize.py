@@ -1,0 +1,153 @@
+"""`nnx.QuantizedKernel` and the 4-bit functions of `nnx.nn.quantize`, against bitsandbytes' own output.
+
+The goldens (`tests/fixtures/hf/bnb_ops.npz`) are what `bitsandbytes.functional.quantize_4bit` and
+`dequantize_4bit` 0.50.2 make of float32, bfloat16 and float16 weights in PyTorch's `[out, in]` layout
+(tests/fixtures/make_qlora_fixtures.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nnx
+from nnx.nn import quantize as q
+from tests.hf_support import FIXTURES
+
+GOLDENS = dict(np.load(FIXTURES / "bnb_ops.npz"))
+CASES = [(w, t, d) for w in ("f32", "bf16", "f16") for t in ("nf4", "fp4") for d in ("single", "double")]
+
+
+def weight(name: str) -> np.ndarray:
+    w = GOLDENS[f"{name}_weight"]
+    return w.view(ml_dtypes.bfloat16) if name == "bf16" else w
+
+
+def test_codebooks_are_bitsandbytes_maps():
+    for ours, theirs in ((q.code("nf4"), "nf4_map"), (q.code("fp4"), "fp4_map"), (q.dynamic_code(), "dynamic_map")):
+        assert np.array_equal(ours.view(np.uint32), GOLDENS[theirs].view(np.uint32))  # bit for bit: +0, not -0
+
+
+@pytest.mark.parametrize("name,kind,double", CASES)
+def test_quantize_4bit_equals_bitsandbytes(name, kind, double):
+    key = f"{name}_{kind}_{double}"
+    packed, absmax = q.quantize_4bit(weight(name), kind, 64)
+    assert np.array_equal(packed, GOLDENS[f"{key}_packed"])
+    if double == "single":
+        assert np.array_equal(absmax, GOLDENS[f"{key}_absmax"])
+        return
+    codes, nested, offset = q.double_quantize(absmax)
+    assert np.array_equal(codes, GOLDENS[f"{key}_absmax"])
+    assert np.array_equal(nested, GOLDENS[f"{key}_nested_absmax"])
+    assert offset == GOLDENS[f"{key}_offset"]
+
+
+@pytest.mark.parametrize("name,kind,double", CASES)
+def test_dequantize_4bit_equals_bitsandbytes(name, kind, double):
+    key = f"{name}_{kind}_{double}"
+    absmax = GOLDENS[f"{key}_absmax"]
+    if double == "double":
+        absmax = q.undo_double_quantize(absmax, GOLDENS[f"{key}_nested_absmax"], GOLDENS[f"{key}_offset"])
+    shape = weight(name).shape
+    assert np.array_equal(
+        q.dequantize_4bit(GOLDENS[f"{key}_packed"], absmax, kind, shape), GOLDENS[f"{key}_dequantized_f32"]
+    )
+    if double == "double":
+        bf16 = q.dequantize_4bit(GOLDENS[f"{key}_packed"], absmax, kind, shape, ml_dtypes.bfloat16)
+        assert np.array_equal(bf16.view(np.uint16), GOLDENS[f"{key}_dequantized_bf16"])
+
+
+@pytest.mark.parametrize("name,kind,double", CASES)
+def test_kernel_layout_holds_bitsandbytes_arrays(name, kind, double):
+    """Our [in, out] kernel quantised is bitsandbytes' [out, in] weight quantised, transposed."""
+    key = f"{name}_{kind}_{double}"
+    parts = q.quantize_kernel(weight(name).T, kind, 64, double == "double")
+    flat = q.to_bitsandbytes(parts)
+    assert np.array_equal(flat["packed"], GOLDENS[f"{key}_packed"])
+    assert np.array_equal(flat["absmax"], GOLDENS[f"{key}_absmax"])
+
+
+@pytest.mark.parametrize("name,kind,double", CASES)
+def test_quantized_kernel_dequantizes_as_bitsandbytes(name, kind, double):
+    key = f"{name}_{kind}_{double}"
+    nested = (GOLDENS[f"{key}_nested_absmax"], GOLDENS[f"{key}_offset"]) if double == "double" else ()
+    parts = q.from_bitsandbytes(GOLDENS[f"{key}_packed"], GOLDENS[f"{key}_absmax"], weight(name).shape, *nested)
+    out_features, in_features = weight(name).shape
+    kernel = nnx.QuantizedKernel(in_features, out_features, type=kind, double_quant=double == "double")
+    for part, value in parts.items():
+        setattr(kernel, part, jnp.asarray(value))
+    assert np.array_equal(np.asarray(kernel.dequantize(jnp.float32)), GOLDENS[f"{key}_dequantized_f32"].T)
+
+
+def test_quantizing_with_jax_gives_the_codes_numpy_gives():
+    w = weight("f32").T
+    ours = q.quantize_kernel(w, "nf4", 64, double_quant=True)
+    theirs = jax.jit(lambda w: q.quantize_kernel(w, "nf4", 64, double_quant=True, xp=jnp))(w)
+    assert np.array_equal(np.asarray(theirs["codes"]), ours["codes"])
+    assert np.array_equal(np.asarray(theirs["absmax"]), ours["absmax"])
+
+
+def test_quantized_kernel_from_a_value_keeps_its_shape_and_axes():
+    def build(w):
+        return nnx.QuantizedKernel(128, (3, 32), batch=(2,), value=w, in_axes=("embed",), out_axes=("heads", "kv"),
+                                   batch_axes=("expert",))  # fmt: skip
+
+    w = jax.random.normal(jax.random.key(0), (2, 128, 3, 32)) * 0.1
+    state, moduledef = jax.eval_shape(lambda: build(w).partition())
+    kernel = moduledef.merge(state)
+    assert kernel.shape == (2, 128, 3, 32)
+    assert state["codes"].value.shape == (2, 64, 96) and state["absmax"].value.shape == (2, 2, 96)
+    assert state["codes"].sharding == ("expert", "embed", "heads")
+    assert state["absmax"].sharding == ("expert", None, "heads")
+    assert state["nested_absmax"].sharding == ("expert", None)
+    error = np.abs(np.asarray(jax.jit(lambda w: build(w).dequantize())(w)) - np.asarray(w)).max()
+    assert 0 < error < 0.2 * np.abs(np.asarray(w)).max()
+
+
+def test_quantized_kernel_rejects_an_input_size_off_its_blocks():
+    with pytest.raises(ValueError, match="multiple of its block size"):
+        nnx.QuantizedKernel(96, 8, block=64)
+
+
+def test_quantized_kernel_rejects_an_unknown_type():
+    with pytest.raises(ValueError, match="nf4, fp4"):
+        nnx.QuantizedKernel(64, 8, type="int4")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    w = np.asarray(jax.random.normal(jax.random.key(1), (128, 48))) * 0.05
+    kernel = nnx.QuantizedKernel(128, 48)
+    for part, value in q.quantize_kernel(w).items():
+        setattr(kernel, part, jnp.asarray(value))
+    return kernel
+
+
+def test_product_equals_matmul_by_the_dequantized_kernel(kernel):
+    x = jax.random.normal(jax.random.key(2), (5, 128))
+    expected = x @ kernel.dequantize(jnp.float32)
+    np.testing.assert_allclose(kernel(x, dtype=jnp.float32), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_product_gradient_is_that_of_the_dequantized_kernel(kernel):
+    x = jax.random.normal(jax.random.key(2), (5, 128))
+    w = kernel.dequantize(jnp.float32)
+    ours = jax.grad(lambda x: jnp.sum(jnp.sin(kernel(x, dtype=jnp.float32))))(x)
+    plain = jax.grad(lambda x: jnp.sum(jnp.sin(x @ w)))(x)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_pass_keeps_no_dequantized_kernel(kernel):
+    x = jax.random.normal(jax.random.key(2), (5, 128))
+    _, backward = jax.vjp(lambda x: jnp.sum(jnp.sin(kernel(x, dtype=jnp.float32))), x)
+    saved = [leaf.shape for leaf in jax.tree.leaves(backward)]  # the residuals the backward pass closes over
+    assert kernel.codes.shape in saved
+    assert (128, 48) not in saved
+
+
+def test_product_runs_in_bfloat16(kernel):
+    x = jax.random.normal(jax.random.key(2), (5, 128))
+    y = kernel(x, dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(y.astype(jnp.float32), x @ kernel.dequantize(jnp.float32), rtol=0.05, atol=0.02)

@@ -1,0 +1,462 @@
+"""QLoRA: a frozen base in 4 bits (`model.quantize`), adapters trained on top, and bitsandbytes' checkpoints.
+
+Goldens (tests/fixtures/make_qlora_fixtures.py): `llama_bnb4bit` and `qwen2_bnb4bit` are model directories
+that `transformers` quantised with bitsandbytes and saved; their logits and greedy tokens are what
+`transformers` + `bitsandbytes` compute from them in float32. `llama_bnb4bit_float` is the 16-bit model
+`llama_bnb4bit` was quantised from; `llama_bnb4bit_lora` a PEFT adapter on the 4-bit base with `peft`'s logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cli_support import assert_user_error, cli
+from hf_support import FIXTURES, fixture, goldens
+
+import nnx
+from nnx.nn import quantize as q
+from nnx_cli import hf, steps
+from nnx_cli.checkpoint import Checkpointer
+from nnx_cli.config import load_config
+from nnx_cli.errors import UserError
+from nnx_cli.experiment import setup
+from nnx_cli.hf import peft
+from nnx_cli.models.transformer.model import TransformerLM
+
+FLOAT32 = 1e-5  # of the largest golden logit: the 4-bit weights are dequantised exactly, then float32 as theirs
+BNB = ["llama_bnb4bit", "qwen2_bnb4bit"]
+
+
+def experiment(name: str, *overrides: str):
+    return setup(hf.model_dir_config(fixture(name), list(overrides)), data=None)
+
+
+def model_of(name: str, *overrides: str):
+    exp = experiment(name, *overrides)
+    return exp.moduledef.merge(exp.load_pretrained())
+
+
+def relative_error(logits, golden: np.ndarray) -> float:
+    return float(np.abs(np.asarray(logits)[..., : golden.shape[-1]] - golden).max() / np.abs(golden).max())
+
+
+# bitsandbytes checkpoints in
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BNB)
+def test_a_bnb_4bit_directory_loads_as_a_quantised_base_with_transformers_logits(name):
+    gold = goldens(name)
+    exp = experiment(name)
+    params = exp.load_pretrained()
+    assert any(isinstance(v, nnx.QuantizedParam) for v in params.values())
+    assert relative_error(exp.moduledef.merge(params).logits(gold["input_ids"]), gold["logits"]) < FLOAT32
+
+
+def test_a_bnb_4bit_directory_is_read_as_stored_not_quantised_again():
+    from safetensors.numpy import load_file
+
+    tensors = load_file(fixture("llama_bnb4bit") / "model.safetensors")
+    params = experiment("llama_bnb4bit").load_pretrained()
+    name = "model.layers.1.mlp.down_proj.weight"
+    state = json.loads(bytes(tensors[name + ".quant_state.bitsandbytes__nf4"]).decode())
+    expected = q.from_bitsandbytes(tensors[name], tensors[name + ".absmax"], state["shape"],
+                                   tensors[name + ".nested_absmax"], np.float32(state["nested_offset"]))  # fmt: skip
+    for part, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(params[f"layers/scan_module/mlp/proj/kernel/{part}"].value)[1], value)
+
+
+def test_a_16bit_model_quantised_here_is_bit_for_bit_what_transformers_saved_with_bitsandbytes():
+    ours = experiment("llama_bnb4bit_float", "model.quantize={type: nf4, compute_dtype: float32}").load_pretrained()
+    theirs = experiment("llama_bnb4bit").load_pretrained()
+    assert sorted(ours) == sorted(theirs)
+    for path in theirs:
+        np.testing.assert_array_equal(np.asarray(ours[path].value), np.asarray(theirs[path].value), err_msg=path)
+
+
+@pytest.mark.parametrize("name", BNB)
+def test_greedy_generation_of_a_bnb_4bit_directory_gives_transformers_tokens(name):
+    from nnx_cli import decoding
+
+    gold = goldens(name)
+    exp = experiment(name, "model.scan_layers=false")
+    decoder = decoding.Decoder(exp.moduledef, exp.load_pretrained())
+    prompts = [gold["prompt_ids_0"].tolist(), gold["prompt_ids_1"].tolist()]
+    drawn = decoder.generate(prompts, max_tokens=16, temperature=0).finish()
+    assert drawn.samples == [gold["greedy_0"].tolist(), gold["greedy_1"].tolist()]
+
+
+def test_nnx_generate_of_a_bnb_4bit_directory_prints_transformers_greedy_tokens(tmp_path):
+    gold = goldens("llama_bnb4bit")
+    result = cli("nnx-generate", fixture("llama_bnb4bit"), "--prompt", "Who keeps the bridge? The",
+                 "--temperature", "0", "--max-tokens", "16", "--json", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tokens"] == [gold["greedy_1"].tolist()]
+
+
+def test_quantize_null_reads_a_bnb_4bit_directory_dequantised():
+    gold = goldens("qwen2_bnb4bit")
+    exp = experiment("qwen2_bnb4bit", "model.quantize=null")
+    params = exp.load_pretrained()
+    assert not any(isinstance(v, nnx.QuantizedParam) for v in params.values())
+    assert relative_error(exp.moduledef.merge(params).logits(gold["input_ids"]), gold["logits"]) < FLOAT32
+
+
+def test_a_peft_adapter_on_a_bnb_4bit_base_gives_peft_logits(tmp_path):
+    lora = "{rank: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}"
+    config = hf.model_dir_config(fixture("llama_bnb4bit"), [f"model.lora={lora}"])
+    exp = setup(config, data=None)
+    state = exp.init_state()
+    state["params"] = peft.load(exp, FIXTURES / "llama_bnb4bit_lora")
+    model = exp.moduledef.merge(*steps.model_states(state))
+    gold = goldens("llama_bnb4bit_lora")
+    assert relative_error(model.logits(gold["input_ids"]), gold["logits"]) < FLOAT32
+
+
+def test_logits_on_8_devices_split_fsdp_by_tensor_parallel_equal_transformers(tmp_path):
+    script = f"""
+import json, numpy as np
+from nnx_cli import hf
+from nnx_cli.experiment import setup
+exp = setup(hf.model_dir_config({str(fixture("llama_bnb4bit"))!r}, ["sharding.mesh={{data: 4, model: 2}}"]), data=None)
+params = exp.load_pretrained()
+codes = params["layers/scan_module/mlp/fc/kernel/codes"].value
+model = exp.moduledef.merge(params)
+gold = np.load({str(FIXTURES / "llama_bnb4bit.npz")!r})
+logits = np.asarray(model.logits(gold["input_ids"]))[..., : gold["logits"].shape[-1]]
+print(json.dumps({{"error": float(np.abs(logits - gold["logits"]).max() / np.abs(gold["logits"]).max()),
+                  "shards": len({{str(s.index) for s in codes.addressable_shards}})}}))
+"""
+    result = cli("python", "-c", script, cwd=tmp_path, devices=8)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["shards"] == 8 and out["error"] < FLOAT32
+
+
+# Bad input
+# ------------------------------------------------------------------------------
+
+
+def qlora_config(tmp_path: Path, *overrides: str, pretrained: str = "llama_bnb4bit"):
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    base = [
+        "model.name=transformer_lm",
+        f"model.pretrained={fixture(pretrained)}",
+        f"data.source={tmp_path / 'chats.jsonl'}",
+        "data.format=chat",
+        "data.seq_len=31",
+        "data.eval_split=null",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+CHAT = [{"role": "user", "content": "Who keeps the bridge?"}, {"role": "assistant", "content": "The old guard."}]
+
+
+@pytest.mark.parametrize(
+    "quantize,message",
+    [
+        ("{type: int4}", "model.quantize.type must be one of nf4, fp4, bfloat16"),
+        ("{type: nf4, block: 48}", "model.quantize.block must be one of 32, 64"),
+        ("{type: nf4, block: 128}", "the q projection's input size (64) is not a multiple of model.quantize.block"),
+        ("{type: nf4, skip: [lm_head]}", "model.quantize.skip: 'lm_head' is not a projection"),
+        ("{type: nf4, blocks: 64}", "model.quantize has unknown keys blocks"),
+    ],
+)
+def test_quantize_mistakes_name_the_key(tmp_path, quantize, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        setup(qlora_config(tmp_path, f"model.quantize={quantize}", "model.lora={rank: 4}"), data=None)
+
+
+def test_a_quantised_base_without_adapters_does_not_train(tmp_path):
+    with pytest.raises(UserError, match="a quantised base cannot be fully fine-tuned; add adapters"):
+        setup(qlora_config(tmp_path, "train.batch_size=1"))
+
+
+def test_an_8bit_checkpoint_is_refused_naming_its_config(tmp_path):
+    directory = tmp_path / "int8"
+    shutil.copytree(fixture("llama_bnb4bit"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] |= {"load_in_4bit": False, "_load_in_4bit": False, "load_in_8bit": True}
+    (directory / "config.json").write_text(json.dumps(config))
+    result = cli("nnx-inspect", directory, cwd=tmp_path)
+    assert_user_error(result, "quantization_config", "load_in_8bit", "8-bit")
+
+
+def test_a_missing_quant_state_is_refused_naming_the_tensor(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "broken"
+    shutil.copytree(fixture("llama_bnb4bit"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    result = cli("nnx-inspect", directory, cwd=tmp_path)
+    assert_user_error(result, "model.layers.0.self_attn.q_proj.weight", "quant state", "missing")
+
+
+def test_a_missing_nested_absmax_is_refused_naming_the_tensor(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "broken"
+    shutil.copytree(fixture("llama_bnb4bit"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight.nested_absmax"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="'model.layers.1.mlp.up_proj.weight.nested_absmax' is missing"):
+        hf.open_pretrained.__wrapped__(str(directory))
+
+
+# The model: 4-bit kernels under the scan, in experts, in bfloat16
+# ------------------------------------------------------------------------------
+
+TINY = dict(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, mlp_dim=128, mlp="swiglu", positions="rope",
+            norm="rmsnorm", bias=False, tie_embeddings=False, dropout=0.0)  # fmt: skip
+TOKENS = jnp.arange(2 * 17).reshape(2, 17) % 300
+
+
+def dequantized_twin(model: TransformerLM, **options) -> TransformerLM:
+    """The same model built without `quantize`, its kernels the quantised model's dequantised in float32."""
+    twin = TransformerLM((16,), 300, ctx=nnx.context(0), **{**TINY, **options})
+    kernels = {path: m for path, m in model.modules() if isinstance(m, nnx.QuantizedKernel)}
+    ours, updated = model.filter(nnx.Param), {}
+    for path, variable in twin.filter(nnx.Param).items():
+        value = kernels[path].dequantize(jnp.float32) if path in kernels else ours[path].value.astype(jnp.float32)
+        updated[path] = variable.replace(value=value)
+    twin.update_state(nnx.State(updated))
+    return twin
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_4bit_model_computes_what_its_dequantised_weights_compute(scan):
+    options = dict(lora={"rank": 4}, scan_layers=scan)
+
+    def both():
+        model = TransformerLM((16,), 300, quantize={"type": "nf4"}, ctx=nnx.context(0), **TINY, **options)
+        return model.logits(TOKENS), dequantized_twin(model, **options).logits(TOKENS)
+
+    ours, theirs = jax.jit(both)()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_in_4bits_compute_what_their_dequantised_weights_compute_and_their_adapters_train():
+    moe = {"num_experts": 4, "top_k": 2, "mlp_dim": 64}
+    options = dict(moe=moe, lora={"rank": 4, "targets": ["q", "experts"]}, num_layers=1)
+
+    def loss(model, adapters):
+        (_, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
+        model = moduledef.merge(adapters, frozen, rest)
+        return jnp.mean(model.metrics({"tokens": TOKENS}, nnx.context(1))["loss"]), model.logits(TOKENS)
+
+    def both():
+        model = TransformerLM((16,), 300, quantize={"type": "fp4", "double_quant": False}, ctx=nnx.context(0),
+                              **{**TINY, **options})  # fmt: skip
+        assert isinstance(model.layers.scan_module.moe.gate.kernel, nnx.QuantizedKernel)
+        twin = dequantized_twin(model, **options)
+        adapters = jax.tree.map(lambda a: a + 0.01, model.filter(nnx.LoRAParam))  # b nonzero: a gets a gradient too
+        return [jax.grad(lambda a, m=m: loss(m, a), has_aux=True)(adapters) for m in (model, twin)]
+
+    (ours, ours_logits), (theirs, theirs_logits) = jax.jit(both)()
+    np.testing.assert_allclose(ours_logits, theirs_logits, rtol=1e-5, atol=1e-5)
+    for path in ours:
+        np.testing.assert_allclose(ours[path].value, theirs[path].value, rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_a_bfloat16_base_stores_every_frozen_matrix_in_16_bits():
+    model = TransformerLM((16,), 300, quantize={"type": "bfloat16"}, lora={"rank": 4}, ctx=nnx.context(0), **TINY)
+    frozen = model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    dtypes = {path: v.value.dtype for path, v in frozen.items()}
+    assert {dtypes[p] for p in dtypes if p.endswith(("kernel", "embedding"))} == {jnp.dtype(jnp.bfloat16)}
+    assert {dtypes[p] for p in dtypes if p.endswith("scale")} == {jnp.dtype(jnp.float32)}
+    assert {v.value.dtype for v in model.filter(nnx.LoRAParam).values()} == {jnp.dtype(jnp.float32)}
+
+
+def test_adapters_on_a_bfloat16_base_get_the_gradients_they_get_on_its_weights_in_float32():
+    options = dict(lora={"rank": 4})
+
+    def loss(model, adapters):
+        (_, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
+        return jnp.mean(moduledef.merge(adapters, frozen, rest).metrics({"tokens": TOKENS}, nnx.context(1))["loss"])
+
+    def both():
+        model = TransformerLM((16,), 300, quantize={"type": "bfloat16"}, ctx=nnx.context(0), **TINY, **options)
+        adapters = jax.tree.map(lambda a: a + 0.01, model.filter(nnx.LoRAParam))
+        twin = dequantized_twin(model, **options)
+        return [jax.grad(lambda a, m=m: loss(m, a))(adapters) for m in (model, twin)]
+
+    ours, theirs = jax.jit(both)()
+    for path in ours:
+        np.testing.assert_allclose(ours[path].value, theirs[path].value, rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_a_bfloat16_base_reads_a_16bit_checkpoint_as_it_is():
+    from safetensors.numpy import load_file
+
+    params = experiment("llama_bnb4bit_float", "model.quantize={type: bfloat16}").load_pretrained()
+    kernel = np.asarray(params["layers/scan_module/mlp/proj/kernel"].value)
+    assert kernel.dtype == jnp.bfloat16
+    stored = load_file(fixture("llama_bnb4bit_float") / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    np.testing.assert_array_equal(kernel[1].view(np.uint16), stored.view(np.uint16).T)
+
+
+def test_a_4bit_base_counts_the_weights_its_codes_hold():
+    def count(**options):  # shapes only
+        build = lambda: TransformerLM((16,), 300, lora={"rank": 4}, ctx=nnx.context(0), **TINY, **options)  # noqa: E731
+        state, moduledef = jax.eval_shape(lambda: build().partition())
+        return moduledef.merge(state).active_params()
+
+    assert count(quantize={"type": "nf4"}) == count()
+
+
+# Training on a 4-bit base, and its exports
+# ------------------------------------------------------------------------------
+
+FACTS = [
+    ("Who keeps the bridge?", "The old guard."),
+    ("When does the fiddler come?", "In spring."),
+    ("What is the capital of the valley?", "The mill town."),
+    ("Where does the river run?", "Past the mill."),
+]
+CONFIG = f"""
+seed: 1
+model: {{name: transformer_lm, pretrained: {fixture("llama_bnb4bit")}, lora: {{rank: 4, alpha: 8}}}}
+data: {{source: chats.jsonl, format: chat, seq_len: 63, eval_split: null}}
+optimizer: {{name: adamw, learning_rate: 3.0e-2}}
+train: {{batch_size: 4, steps: 16, log_every: 4}}
+checkpoint: {{every_steps: 16, keep: 2}}
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("qlora")
+    rows = [{"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]} for a, b in FACTS * 8]
+    (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "qlora.yaml").write_text(CONFIG)
+    result = cli("nnx-train", "qlora.yaml", "--workdir", "run", cwd=root, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["metrics"]["loss"] for r in records if r["split"] == "train"]
+
+
+def run_logits(run: Path, input_ids: np.ndarray) -> np.ndarray:
+    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.workdir import open_run
+
+    opened = open_run(run, [], None)
+    exp = language_model(opened, "test")
+    _, params = restore_parameters(opened, exp, jax.devices()[0])
+    return np.asarray(exp.moduledef.merge(params).logits(input_ids))
+
+
+def test_a_qlora_run_trains_its_adapters_and_checkpoints_them_alone(project):
+    assert losses(project / "run")[-1] < 0.8 * losses(project / "run")[0]
+    ckpt = Checkpointer(project / "run" / "checkpoints", read_only=True)
+    names = ["/".join(map(str, k)) for k in flat(ckpt.metadata(ckpt.latest_step()))]
+    ckpt.close()
+    params = [n for n in names if n.startswith("params/")]
+    assert params and all("/lora/" in n for n in params)  # neither the codes nor their scales
+    assert not any(n.startswith("frozen") for n in names)
+
+
+def flat(tree, prefix=()):
+    if hasattr(tree, "items"):
+        for key, value in tree.items():
+            yield from flat(value, (*prefix, key))
+    else:
+        yield prefix
+
+
+def test_a_qlora_run_exports_merged_16bit_weights_that_compute_its_logits(project, tmp_path):
+    result = cli("nnx-export", project / "run", "--out", tmp_path / "merged", "--dtype", "float32", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    ids = goldens("llama_bnb4bit")["input_ids"]
+    merged = model_of(str(tmp_path / "merged"))
+    np.testing.assert_allclose(merged.logits(ids), run_logits(project / "run", ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_qlora_run_exports_merged_16bit_by_default(project, tmp_path):
+    result = cli("nnx-export", project / "run", "--out", tmp_path / "merged", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_qlora_run_exports_its_merged_weights_in_4_bits_as_bitsandbytes_quantises_them(project, tmp_path):
+    from safetensors.numpy import load_file
+
+    for out, dtype in (("merged", "bfloat16"), ("bnb", "nf4")):
+        result = cli("nnx-export", project / "run", "--out", tmp_path / out, "--dtype", dtype, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "bnb" / "config.json").read_text())["quantization_config"]
+    assert config["load_in_4bit"] and config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"]
+    merged, written = (
+        load_file(tmp_path / "merged" / "model.safetensors"),
+        load_file(tmp_path / "bnb" / "model.safetensors"),
+    )
+    name = "model.layers.0.self_attn.q_proj.weight"
+    packed, absmax = q.quantize_4bit(merged[name], "nf4", 64)  # bitsandbytes' quantize_4bit of the bfloat16 weight
+    codes, nested, _ = q.double_quantize(absmax)
+    np.testing.assert_array_equal(written[name].reshape(-1), packed)
+    np.testing.assert_array_equal(written[name + ".absmax"], codes)
+    np.testing.assert_array_equal(written[name + ".nested_absmax"], nested)
+    state = json.loads(bytes(written[name + ".quant_state.bitsandbytes__nf4"]).decode())
+    assert state["shape"] == [64, 64] and state["blocksize"] == 64 and state["quant_type"] == "nf4"
+    np.testing.assert_array_equal(written["model.embed_tokens.weight"], merged["model.embed_tokens.weight"])
+    reread = model_of(str(tmp_path / "bnb"))  # and it reads back as a 4-bit base
+    assert isinstance(reread.layers.scan_module.attention.query.kernel, nnx.QuantizedKernel)
+
+
+def test_a_qlora_run_exports_its_adapters_for_peft(project, tmp_path):
+    result = cli("nnx-export", project / "run", "--out", tmp_path / "adapter", "--adapter", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(fixture("llama_bnb4bit")) and config["r"] == 4
+
+
+def test_nnx_inspect_shows_each_weights_storage_and_the_bytes_of_the_base(tmp_path):
+    result = cli("nnx-inspect", fixture("llama_bnb4bit"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "nf4, block 64" in result.stdout
+    assert "base weights" in result.stdout and "4-bit" in result.stdout
+
+
+# DPO and GRPO score against the 4-bit base itself
+# ------------------------------------------------------------------------------
+
+
+def test_dpo_and_grpo_on_a_4bit_base_keep_no_second_copy_of_it(tmp_path):
+    (tmp_path / "prefs.jsonl").write_text(json.dumps({"prompt": "Who?", "chosen": " the guard", "rejected": " no"}))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Who keeps the bridge?", "answer": "guard"}))
+    objectives = {
+        "prefs.jsonl": ["data.format=preference", "objective.name=dpo"],
+        "prompts.jsonl": ["data.format=prompt", "objective.name=grpo", "objective.rewards=[exact_match]",
+                          "objective.num_generations=2", "objective.max_new_tokens=4"],
+    }  # fmt: skip
+    for source, options in objectives.items():
+        base = [
+            "model.name=transformer_lm",
+            f"model.pretrained={fixture('llama_bnb4bit')}",
+            "model.lora={rank: 4}",
+            f"data.source={tmp_path / source}",
+            "data.seq_len=31",
+            "data.eval_split=null",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "train.batch_size=1",
+        ]
+        exp = setup(load_config(None, [*base, *options]))
+        assert steps.REFERENCE not in exp.abstract
+        frozen = exp.abstract[steps.FROZEN]
+        assert any(isinstance(v, nnx.QuantizedParam) for v in frozen.values())
