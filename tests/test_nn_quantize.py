@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hf_support import FIXTURES
 
 import nnx
 from nnx.nn import quantize as q
-from tests.hf_support import FIXTURES
 
 GOLDENS = dict(np.load(FIXTURES / "bnb_ops.npz"))
 CASES = [(w, t, d) for w in ("f32", "bf16", "f16") for t in ("nf4", "fp4") for d in ("single", "double")]
