@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import nnx
-from nnx_cli.models.transformer.attention_core import attention_core
+from nnx_cli.models.transformer.attention_core import attention_core, unnormalized_softmax
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain
 from nnx_cli.models.transformer.norms import RMSNorm, rms_offset
 from nnx_cli.models.transformer.options import Architecture
@@ -306,7 +306,9 @@ class Attention(nnx.Module):
         scores = jnp.einsum("bkgd,bkdt->bkgt", grouped, self.cached_key, preferred_element_type=jnp.float32)
         held = positions - (positions - jnp.arange(slots)) % slots  # [batch, slots]: the position in each slot
         mask = visible(positions, held, window=layer_window(self.arch, layer))  # [batch, 1, 1, slots]
-        scores = jnp.where(mask, self._scaled(scores), MASKED_LOGIT)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        o = jnp.einsum("bkgt,bktd->bkgd", weights, self.cached_value).reshape(batch, heads, head_dim)
+        weights, total = unnormalized_softmax(jnp.where(mask, self._scaled(scores), MASKED_LOGIT))
+        o = jnp.einsum(
+            "bkgt,bktd->bkgd", weights.astype(self.dtype), self.cached_value, preferred_element_type=jnp.float32
+        )
+        o = (o / total).astype(self.dtype).reshape(batch, heads, head_dim)
         return self._output(o[:, None], True, None)
