@@ -9,10 +9,11 @@ entry: path, Variable type, shape, dtype, element count, bytes, logical
 sharding and the mesh PartitionSpec the `sharding.rules` map it to; then
 totals per Variable type (`total_params` leaves out a language model's padded
 vocabulary rows, so it equals the count `transformers` gives; a mixture of
-experts adds `active_params`, those a token computes with). `--json`
-prints::
+experts adds `active_params`, those a token computes with), and for a
+language model which attention runs on this platform (`model.attention`).
+`--json` prints::
 
-    {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N,
+    {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N, "attention": "core (auto on cpu)",
      "by_type": {"Param": {"entries": n, "size": n, "bytes": n}, ...},
      "entries": [{"path", "type", "shape", "dtype", "size", "bytes", "sharding", "mesh_axes"}, ...]}
 """
@@ -83,6 +84,9 @@ def inspect_state(
     idle = _idle(exp)
     if idle and filter_type in (None, "Param"):
         summary["active_params"] = summary["total_params"] - idle
+    attention = exp.attention()
+    if attention is not None:
+        summary["attention"] = attention
     if as_json:
         print(json.dumps({**summary, "entries": entries}))
     else:
@@ -184,6 +188,8 @@ def _print_tables(
             "vocabulary to a multiple of 128",
             highlight=False,
         )
+    if "attention" in summary:
+        console.print(f"attention: {summary['attention']}", highlight=False)
     if "active_params" in summary:
         console.print(f"{summary['active_params']:,} parameters active per token (the experts it is routed to)",
                       highlight=False)  # fmt: skip

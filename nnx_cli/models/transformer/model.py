@@ -87,6 +87,12 @@ class TransformerLM(nnx.Module):
     that of `loss + router_aux_loss_coef * aux_loss`. `qk_norm_scope:
     projection` normalises all heads of the query (and of the key)
     projection together (OLMoE) where `head` (Qwen3) normalises each head.
+
+    `attention` (`auto`, `core`, `xla`, `cudnn`) picks how attention runs
+    (:func:`.attention.choose_attention`); :meth:`attention_summary` says
+    which does on this platform, and what takes another way::
+
+        model.attention_summary()   # 'core (auto on cpu)'
     """
 
     loss_metric: ClassVar[str] = "loss"
@@ -142,6 +148,7 @@ class TransformerLM(nnx.Module):
         logit_softcap: float | None = None,
         post_norms: bool = False,
         scale_embeddings: bool = False,
+        attention: str = "auto",
         ctx: nnx.Context,
     ):
         seq_len, vocab = _window_and_vocabulary(input_shape, num_classes, vocab_size)
@@ -177,6 +184,7 @@ class TransformerLM(nnx.Module):
             moe=moe,
             router_aux_loss_coef=router_aux_loss_coef,
             qk_norm_scope=qk_norm_scope,
+            attention=attention,
         )
         if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or logit_softcap <= 0):
             raise ValueError(f"model.logit_softcap must be null or a positive number, got {logit_softcap!r}")
@@ -423,6 +431,10 @@ class TransformerLM(nnx.Module):
     def context_limit(self) -> int | None:
         """The most positions a sequence may use: `max_positions` with learned positions, None (unbounded) with RoPE."""
         return self.max_positions if self.positions == "learned" else None
+
+    def attention_summary(self) -> str:
+        """Which attention runs on this platform and why, and the variants that take another (one line)."""
+        return self._attentions()[0].summary()
 
     def _attentions(self) -> list[Attention]:
         if self.scan_layers:

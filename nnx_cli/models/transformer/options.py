@@ -35,6 +35,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 GATED = ("swiglu", "geglu")  # MLPs with a gate projection
 REMATS = ("none", "full", "dots")
 QK_NORM_SCOPES = ("head", "projection")  # each head's queries (Qwen3), or a projection's all heads at once (OLMoE)
+ATTENTIONS = ("auto", "core", "xla", "cudnn")  # how attention runs (attention.choose_attention)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -225,6 +226,7 @@ class Architecture:
     moe: Moe | None = None  # a mixture of experts in place of the MLP (but in moe.dense_layers)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in training
     qk_norm_scope: str = "head"  # what qk_norm normalises: each head, or each projection's heads together
+    attention: str = "auto"  # model.attention: auto | core | xla | cudnn (attention.choose_attention)
 
     def adapter(self, projection: str) -> Lora | None:
         """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`, `expert_gate`,
@@ -290,6 +292,7 @@ def architecture(
     moe: Mapping[str, Any] | None = None,
     router_aux_loss_coef: float = 0.0,
     qk_norm_scope: str = "head",
+    attention: str = "auto",
 ) -> Architecture:
     """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`.
 
@@ -322,6 +325,7 @@ def architecture(
         _positive_or_null(option, value)
     experts = _experts(moe, num_layers, mlp, router_aux_loss_coef)
     _choice("qk_norm_scope", qk_norm_scope, QK_NORM_SCOPES)
+    _choice("attention", attention, ATTENTIONS)
     return Architecture(
         embed_dim=embed_dim,
         num_heads=num_heads,
@@ -354,6 +358,7 @@ def architecture(
         moe=experts,
         router_aux_loss_coef=float(router_aux_loss_coef),
         qk_norm_scope=qk_norm_scope,
+        attention=attention,
     )
 
 
