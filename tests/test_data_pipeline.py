@@ -48,7 +48,7 @@ def expected_batch(split: ImageTrainSplit, batch_size: int, step: int, rows: sli
 
 
 def test_workers_default_to_the_cores_and_0_means_none():
-    assert worker_count(None) == os.cpu_count() and worker_count(0) == 0 and worker_count(3) == 3
+    assert worker_count(None) == len(os.sched_getaffinity(0)) and worker_count(0) == 0 and worker_count(3) == 3
 
 
 def test_dispatches_are_aligned_to_multiples_of_k_with_single_steps_around():
