@@ -35,9 +35,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_load import check_idle, write_model
+from hf_load import QWEN, check_idle, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}  # fmt: skip
 PROMPT = "The river ran past the old mill, and the miller's daughter counted the boats"
 
 
@@ -76,12 +78,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="runs of each side per batch size, A B B A ...")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (1 is the target)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides on this device")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: a smoke test")
     args = parser.parse_args()
     directory = args.dir or Path(tempfile.mkdtemp(prefix="nnx-qwen-shaped-"))
-    write_model(directory)
+    write_model(directory, {**QWEN, **TINY} if args.tiny else None)
     write_tokenizer(directory)
     check_idle()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if args.device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
     speeds: dict[int, dict[str, list[float]]] = {}
     walls: dict[str, list[float]] = {"nnx-generate": [], "transformers": []}
     outputs: dict[int, dict[str, list]] = {}
@@ -92,7 +98,7 @@ def main() -> None:
                "--num-samples", str(batch)]  # fmt: skip
         reference = [args.reference, str(ROOT / "benchmarks/reference/transformers_generate.py"), str(directory),
                      "--prompt", PROMPT, "--max-tokens", str(args.max_tokens), "--batch", str(batch),
-                     "--decode-only"]  # fmt: skip
+                     "--decode-only", "--device", args.device]  # fmt: skip
         timed(nnx, env)  # fills the compilation cache: the runs below are warm
         speeds[batch] = {"nnx-generate": [], "transformers": []}
         outputs[batch] = {}
@@ -109,7 +115,8 @@ def main() -> None:
                     walls[side].append(seconds)
                 print(f"  batch {batch}, {side}: {out['tokens_per_s']:.1f} tokens/s, {seconds:.1f} s "
                       f"(load average {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
-    print(f"\nmodel: {directory} (Qwen2.5-0.5B shapes, float32), {args.max_tokens} new tokens per row, greedy, "
+    print(f"\nmodel: {directory} (Qwen2.5-0.5B shapes, float32, {args.device}), {args.max_tokens} new tokens per "
+          "row, greedy, "
           f"medians of {args.runs} runs; transformers with {threads} threads")  # fmt: skip
     print("\n| batch | nnx-generate tokens/s (warm compilation cache) | transformers tokens/s | ratio |")
     print("| --- | --- | --- | --- |")

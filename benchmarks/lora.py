@@ -1,10 +1,12 @@
 """LoRA and full fine-tuning against `transformers` + `peft`: speed, memory, checkpoint size, and what is learned.
 
 Part 1 (speed, memory, size): a SmolLM2-135M-shaped model (random bfloat16 weights written here, loaded in
-float32 by both sides), sequence 256, batch 4, AdamW, CPU. `nnx-train` with LoRA (rank 16, alpha 32, all
-seven projections) and fully, against `benchmarks/reference/peft_train.py` doing the same with `peft` and
-without it. Steady-state training tokens/s (compilation and the first steps left out) and peak memory (the
-process's resident high-water mark) of each; the size of a LoRA checkpoint against a full one. Then the same
+float32 by both sides), sequence 256, batch 4, AdamW, CPU; with `--device cuda`, on a GPU in bfloat16 on
+both sides (nnx computing in bfloat16, PyTorch with the weights loaded in bfloat16), peak GPU memory
+compared. `nnx-train` with LoRA (rank 16, alpha 32, all seven projections) and fully, against
+`benchmarks/reference/peft_train.py` doing the same with `peft` and without it. Steady-state training
+tokens/s (compilation and the first steps left out) and peak memory (the process's resident high-water
+mark) of each; the size of a LoRA checkpoint against a full one. Then the same
 on a held-out shape the speed work was not tuned on (`--shapes` picks): Qwen2-like, grouped-query attention
 with biases on q, k and v, an untied head, sequence 1024, batch 2. Targets, on both shapes: tokens/s at least
 1.0x, peak memory no higher (full fine-tuning's is printed on its own line), a LoRA checkpoint under 5% of a
@@ -64,6 +66,7 @@ SMALL = {
     **SMOLLM2, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
 }  # fmt: skip
+SHAPES["tiny"] = ("tiny: SmolLM2's, 4 layers 128 wide (a smoke test of the script)", SMALL, 64, 2)
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -127,9 +130,12 @@ class Peak:
             time.sleep(0.02)
 
 
+DEVICE = "cpu"  # --device: where both sides compute (cuda: bfloat16 on both, peak GPU memory compared)
+
+
 def run(command: list, cwd: Path) -> tuple[str, float]:
     """Run a command; its stdout and its peak resident memory."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"} if DEVICE == "cpu" else dict(os.environ)
     proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     peak = Peak(proc)
@@ -158,15 +164,19 @@ def ours(cwd: Path, config: Path, workdir: Path, steps: int) -> tuple[list[float
     _, peak = run([BIN / "nnx-train", config, "--workdir", workdir], cwd)
     records = train_records(workdir, "train")
     speeds = [r["metrics"]["tokens_per_s"] for r in records[1:]]  # after compiling
+    if DEVICE != "cpu":  # the GPU's peak, as the device reports it
+        peak = max(r["metrics"].get("device_peak_gb", 0.0) for r in records) * 1024
     return speeds, peak, size_mib(workdir / "checkpoints" / str(steps))
 
 
 def theirs(reference: str, cwd: Path, model: Path, batches: Path, lora: bool) -> tuple[list[float], float, int]:
     """One `peft_train.py` run on `batches`: tokens/s of each step after the first two, peak, threads."""
     extra = ["--lora", "16", "32"] if lora else []
+    extra += [] if DEVICE == "cpu" else ["--device", DEVICE, "--dtype", "bfloat16"]
     _, peak = run([reference, REFERENCE, model, batches, cwd / "speed.json", "--learning-rate", "1e-4", *extra],
                   cwd)  # fmt: skip
     result = json.loads((cwd / "speed.json").read_text())
+    peak = result["peak_memory_mib"] if DEVICE != "cpu" else peak
     _, batch, length = np.load(batches)["tokens"].shape
     return [batch * (length - 1) / s for s in result["seconds"][2:]], peak, result["threads"]
 
@@ -212,7 +222,8 @@ def part1(reference: str, cwd: Path, steps: int, shapes: list[str]) -> bool:
         share = measured[0][6] / measured[1][6]
         print(f"LoRA checkpoint / full checkpoint ({shape}): {share:.1%} (target under 5%)")
         ok &= share < 0.05
-    print("\n| shape | fine-tuning | nnx tokens/s | peft/transformers tokens/s | ratio | nnx peak RSS MiB | "
+    where = "peak RSS MiB" if DEVICE == "cpu" else "peak GPU MiB"
+    print(f"\n| shape | fine-tuning | nnx tokens/s | peft/transformers tokens/s | ratio | nnx {where} | "
           "theirs MiB | nnx checkpoint MiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for shape, name, speed, their_speed, peak, their_peak, checkpoint, threads in rows:
         print(f"| {shape} | {name} | {speed:,.0f} | {their_speed:,.0f} ({threads} threads) | "
@@ -229,7 +240,7 @@ def speed_row(reference: str, cwd: Path, model: Path, batches: Path, shape: str,
     config = cwd / f"speed-{shape}-{name[:4]}.yaml"
     config.write_text(
         f"model: {{name: transformer_lm, pretrained: {model}, {'lora: {rank: 16, alpha: 32}, ' if lora else ''}"
-        "scan_layers: true}\n"
+        f"scan_layers: true{', dtype: bfloat16' if DEVICE != 'cpu' else ''}}}\n"
         f"data: {{source: text.txt, text_key: text, seq_len: {length - 1}, eval_split: null}}\n"
         "optimizer: {name: adamw, learning_rate: 1.0e-4, weight_decay: 0.0}\n"
         f"train: {{batch_size: {batch}, steps: {steps}, log_every: 2, steps_per_dispatch: 1}}\n"
@@ -341,14 +352,18 @@ def main() -> None:
     parser.add_argument("--reference", required=True, help="python of a virtualenv with torch, transformers, peft")
     parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
     parser.add_argument("--speed-steps", type=int, default=10)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"part 1's shapes, of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default="smollm2,held-out", help=f"part 1's shapes, of {', '.join(SHAPES)}")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--force", action="store_true", help="measure speed even on a busy machine (warns)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="part 1 on a GPU: bfloat16 on both sides, their peak GPU memory compared")  # fmt: skip
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     cwd = Path(tempfile.mkdtemp(prefix="nnx-lora-"))
     ok = True
     if args.part in (None, 1):
-        check_idle(args.force)
+        check_idle(args.force or DEVICE != "cpu")  # a GPU's speed does not hang on the host's load
         shapes = args.shapes.split(",")
         unknown = [s for s in shapes if s not in SHAPES]
         if unknown:

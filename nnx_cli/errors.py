@@ -120,8 +120,16 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def out_of_memory_message(error: BaseException) -> str:
     """One line: what XLA could not allocate, and the knobs that need less memory."""
-    found = re.search(r"allocating (\d+) bytes", str(error))
-    needed = f"could not allocate {int(found.group(1)) / 2**30:.1f} GiB" if found else first_line(error)
+    text = str(error)
+    found = re.search(r"allocat(?:e|ing) (\d+) bytes", text)  # XLA's CPU and GPU runtimes
+    sized = re.search(r"allocate ([\d.]+) ?([KMGT])i?B", text)  # a GPU allocator's "8.00GiB"
+    if found:
+        needed = f"could not allocate {int(found.group(1)) / 2**30:.1f} GiB"
+    elif sized:
+        size = float(sized.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[sized.group(2)]
+        needed = f"could not allocate {size / 2**30:.1f} GiB"
+    else:
+        needed = first_line(error)
     return (
         f"out of device memory ({needed}); need less per device: lower train.batch_size (train.grad_accum_steps "
         "keeps the global batch), recompute activations with model.remat=full (language models), or split the "

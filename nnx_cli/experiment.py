@@ -69,6 +69,11 @@ class Experiment:
     def has_images(self) -> bool:
         return hasattr(self.model_cls, "images") and len(self.spec.input_shape) == 3
 
+    def attention(self) -> str | None:
+        """Which attention the model runs on this platform and why, in words (None: the model has none)."""
+        model = self.moduledef.merge(*steps.model_states(self.abstract))
+        return model.attention_summary() if hasattr(model, "attention_summary") else None
+
     def restore_target(self) -> Any:
         """The abstract train state carrying its shardings, without frozen parameters: where a checkpoint is
         restored to."""

@@ -388,10 +388,14 @@ class Profile:
 
 
 def _device_memory() -> dict[str, float]:
-    """`device_memory_gb`: the most memory in use on one of this process's devices, where the platform says."""
-    in_use = [(d.memory_stats() or {}).get("bytes_in_use") for d in jax.local_devices()]
-    known = [b for b in in_use if b is not None]
-    return {"device_memory_gb": max(known) / 2**30} if known else {}
+    """`device_memory_gb`: the most memory in use on one of this process's devices, and `device_peak_gb` the
+    most it has used since it started, where the platform says (a GPU does, a CPU does not)."""
+    out = {}
+    for metric, stat in (("device_memory_gb", "bytes_in_use"), ("device_peak_gb", "peak_bytes_in_use")):
+        known = [b for d in jax.local_devices() if (b := (d.memory_stats() or {}).get(stat)) is not None]
+        if known:
+            out[metric] = max(known) / 2**30
+    return out
 
 
 def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:

@@ -12,9 +12,10 @@ totals per Variable type (`total_params` leaves out a language model's padded
 vocabulary rows, so it equals the count `transformers` gives; a mixture of
 experts adds `active_params`, those a token computes with; a 4-bit base,
 `model.quantize`, adds `base`: its weights and bytes as stored, and in float32
-and bfloat16). `--json` prints::
+and bfloat16), and for a language model which attention runs on this platform
+(`model.attention`). `--json` prints::
 
-    {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N,
+    {"total_params": N, "vocab_padding": N, "total_size": N, "total_bytes": N, "attention": "core (auto on cpu)",
      "by_type": {"Param": {"entries": n, "size": n, "bytes": n}, ...},
      "base": {"weights", "bytes", "weights_4bit", "bytes_4bit", "float32_bytes", "bfloat16_bytes"},
      "entries": [{"path", "type", "shape", "dtype", "size", "bytes", "sharding", "mesh_axes", "storage"}, ...]}
@@ -89,6 +90,9 @@ def inspect_state(
     idle = _idle(exp)
     if idle and filter_type in (None, "Param"):
         summary["active_params"] = summary["total_params"] - idle
+    attention = exp.attention()
+    if attention is not None:
+        summary["attention"] = attention
     if as_json:
         print(json.dumps({**summary, "entries": entries}))
     else:
@@ -232,6 +236,8 @@ def _print_tables(
             f"{_bytes(base['bfloat16_bytes'])} in bfloat16",
             highlight=False,
         )
+    if "attention" in summary:
+        console.print(f"attention: {summary['attention']}", highlight=False)
     if "active_params" in summary:
         console.print(f"{summary['active_params']:,} parameters active per token (the experts it is routed to)",
                       highlight=False)  # fmt: skip

@@ -124,6 +124,9 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
             return 0
         loop, feed, dispatch, hooks = prepare(exp, session, signals, factories, harness_tasks)
+        attention = exp.attention()
+        if attention is not None:
+            session.say(f"attention: {attention}")
         session.say(f"set-up took {PHASES.since_start():.1f} s; training from step {loop.step} to {loop.total}")
         signals.in_loop = True
         runtime.preload("orbax.checkpoint")  # imports while the first steps run (the main thread mostly waits)

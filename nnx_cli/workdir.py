@@ -186,8 +186,8 @@ def _free_name(directory: Path, stem: str, suffix: str) -> Path:
 
 def write_run_info(workdir: Path, exp: Any) -> None:
     """`<workdir>/run.json`: what ran, where and with which versions (rewritten by each `nnx-train` of the work
-    dir): package versions, devices, process count, the command line, git commits, plug-in import paths, and the
-    model directory a run started from with the checksum of its weights."""
+    dir): package versions, devices, process count, the command line, git commits, plug-in import paths, the
+    attention a language model runs, and the model directory a run started from with the checksum of its weights."""
     import importlib.metadata
     import platform
     import sys
@@ -215,6 +215,9 @@ def write_run_info(workdir: Path, exp: Any) -> None:
         "git": {"nnx": _git_commit(Path(__file__).resolve().parent), "cwd": _git_commit(Path.cwd())},
         "import_paths": import_paths(),
     }
+    attention = exp.attention()
+    if attention is not None:  # which attention ran (model.attention resolved on this platform)
+        info["attention"] = attention
     if getattr(exp, "pretrained", None) is not None:  # what the run started from, and the weights' checksum
         pretrained = exp.pretrained
         info["pretrained"] = {

@@ -14,12 +14,22 @@ from nnx_cli.checkpoint import Checkpointer
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 
+CLI_PLATFORM = os.environ.get("NNX_TESTS_CLI_PLATFORM", "cpu")
+"""Where the console scripts the tests start compute: `cpu` (the default), or `default` for JAX's own choice
+(the accelerator, where there is one). The one switch for a GPU machine: the suite keeps its CLI runs on the
+CPU there by default, because what they test (files, exit codes, resumption, the loop) does not depend on the
+device, twelve workers' subprocesses each starting CUDA and compiling for it would cost minutes, and runs
+compared with one another stay on one platform; the GPU's numbers are tested in-process (models, attention,
+decoding, equality with transformers). Runs with simulated devices (`devices=`) are CPU runs either way."""
+
 
 def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
-    """The environment of a CLI run: CPU only, no network, `devices` simulated CPU devices."""
+    """The environment of a CLI run: on :data:`CLI_PLATFORM` (the CPU unless set), no network, `devices` simulated
+    CPU devices."""
+    platform = {"JAX_PLATFORMS": "cpu"} if CLI_PLATFORM == "cpu" or devices is not None else {}
     out = {
         **os.environ,
-        "JAX_PLATFORMS": "cpu",
+        **platform,
         "HF_HOME": str(tmp / "hf"),
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
@@ -33,6 +43,17 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
 def _session_flags(without: str) -> list[str]:
     """The test session's `XLA_FLAGS` (conftest.py adds its own), less those starting with `without`."""
     return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(without)]
+
+
+def cli_device_memory() -> int:
+    """Bytes of memory on the device a CLI run computes on: the host's memory and swap when it runs on the CPU,
+    else the memory the first accelerator reports."""
+    import jax
+
+    if CLI_PLATFORM == "cpu" or jax.default_backend() == "cpu":
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return sum(int(meminfo[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal"))
+    return jax.devices()[0].memory_stats()["bytes_limit"]
 
 
 def device_flags(devices: int) -> str:

@@ -29,7 +29,17 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
+# One precision policy: float32 products at float32 precision in every process of the session, so that the
+# tolerances of tests comparing float32 numbers with a reference (transformers' logits, plain attention, the
+# same model another way) hold on every platform. A GPU's default multiplies float32 in TF32 or bfloat16 passes
+# (the tests missed 1e-4 by 5e-4 to 2e-3 there); a CPU's is float32 already, so this costs it nothing. The
+# environment carries it into the workers and every subprocess; bfloat16 products are unaffected.
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+
 # In-process tests compile through the same cache: many build the same small models and jit the same programs.
+import jax  # noqa: E402
+
 from nnx_cli.runtime import cache_compilations  # noqa: E402
 
+jax.config.update("jax_default_matmul_precision", "highest")  # had jax been imported before the variable was set
 cache_compilations(os.environ[_SESSION])

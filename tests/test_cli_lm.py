@@ -191,6 +191,22 @@ def test_inspect_of_a_text_config_reads_no_data_and_shows_the_mesh_split(project
     assert {tuple(e["mesh_axes"][1:]) for e in kernels} <= {("data", "model"), ("model", "data")}
 
 
+def test_inspect_says_which_attention_runs(project: Path):
+    result = cli("nnx-inspect", "lm.yaml", "data.source=/nowhere.txt", "--json", "--filter", "Param", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["attention"].startswith("core (auto on ")  # float32: the core anywhere
+
+
+def test_cudnn_attention_where_it_cannot_run_is_a_user_error(project: Path):
+    result = cli("nnx-inspect", "lm.yaml", "data.source=/nowhere.txt", "model.attention=cudnn", cwd=project)
+    assert_user_error(result, "model.attention cudnn cannot run here", "use auto, core or xla")
+
+
+def test_run_json_says_which_attention_ran(reference: Path):
+    ran = json.loads((reference / "run.json").read_text())["attention"]
+    assert ran.startswith("core (auto on ")
+
+
 def test_a_7b_parameter_model_inspects_in_seconds_without_parameter_memory(project: Path):
     big = ["model.num_layers=32", "model.num_heads=32", "model.embed_dim=4096", "data.seq_len=2048"]
     result = cli("nnx-inspect", "lm.yaml", *big, "data.source=/nowhere.txt", "--json", cwd=project, timeout=60)

@@ -215,7 +215,7 @@ def test_run_json_records_what_ran(tmp_path: Path):
     assert train.run(tiny("train.steps=2"), tmp_path) == 0
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["packages"]["jax"] == jax.__version__ and info["process_count"] == 1
-    assert info["platform"] == "cpu" and len(info["devices"]) == jax.device_count()
+    assert info["platform"] == jax.devices()[0].platform and len(info["devices"]) == jax.device_count()
     assert set(info) >= {"command", "git", "import_paths", "mesh", "python"}
 
 

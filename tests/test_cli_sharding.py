@@ -4,6 +4,7 @@ Several devices are simulated in a subprocess (`--xla_force_host_platform_device
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -72,7 +73,12 @@ _EIGHT_DEVICES = textwrap.dedent(
 
 
 def test_batches_and_parameters_split_over_eight_devices():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PATH": ""}
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "",
+        "JAX_DEFAULT_MATMUL_PRECISION": os.environ["JAX_DEFAULT_MATMUL_PRECISION"],
+    }  # conftest.py's policy
     out = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())

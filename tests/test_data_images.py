@@ -19,11 +19,13 @@ from nnx_cli.data.images import (
     ImageArrays,
     ImageEvalSplit,
     ImageTrainSplit,
+    _chunk_decoder,
     image_eval_split,
     image_train_split,
     load_images,
 )
 from nnx_cli.errors import UserError
+from nnx_cli.pixels import ArrowImages, DatasetImages, decoded
 
 
 def parquet_config(tmp_path: Path, n: int = 40, **options) -> tuple[DataConfig, np.ndarray]:
@@ -136,15 +138,31 @@ def test_float_columns_are_stored_as_float32(tmp_path: Path):
     np.testing.assert_array_equal(arrays.image[..., 0], values.astype(np.float32))
 
 
-def test_decoding_in_2_workers_builds_the_same_cache_as_in_process(tmp_path: Path):
+def test_the_cache_is_the_same_whatever_the_number_of_workers(tmp_path: Path):
     pixels = png_parquet(tmp_path / "big.parquet", 1000, shape=(96, 96))  # 3 chunks of decoding work
     caches = []
-    for workers in (0, 2):
+    for workers in (0, 1, 3):
         cfg = DataConfig(source=str(tmp_path / "big.parquet"), image_key="img", cache_dir=str(tmp_path / f"c{workers}"))
         caches.append(load_images(DataConfig(**{**vars(cfg), "workers": workers}), "train"))
-    np.testing.assert_array_equal(caches[0].image, caches[1].image)
-    np.testing.assert_array_equal(caches[1].image[..., 0], pixels)
-    np.testing.assert_array_equal(caches[0].label, caches[1].label)
+    for cache in caches[1:]:
+        np.testing.assert_array_equal(cache.image, caches[0].image)
+        np.testing.assert_array_equal(cache.label, caches[0].label)
+    np.testing.assert_array_equal(caches[0].image[..., 0], pixels)
+
+
+def test_workers_read_a_datasets_arrow_files_and_decode_one_built_in_memory_from_itself(tmp_path: Path):
+    import datasets
+
+    pixels = png_parquet(tmp_path / "big.parquet", 300, shape=(96, 96))
+    on_disk = datasets.load_dataset("parquet", data_files=str(tmp_path / "big.parquet"), split="train",
+                                    cache_dir=str(tmp_path / "hf"))  # fmt: skip
+    in_memory, _ = png_dataset(300, shape=(96, 96))
+    assert isinstance(_chunk_decoder(on_disk, "img", 128), ArrowImages)
+    assert isinstance(_chunk_decoder(in_memory, "img", 128), DatasetImages)
+    assert isinstance(_chunk_decoder(on_disk.select(range(10)), "img", 128), DatasetImages)  # rows of its own
+    for ds in (on_disk, in_memory):
+        chunks = list(decoded(_chunk_decoder(ds, "img", 128), 3, workers=2))
+        np.testing.assert_array_equal(np.concatenate([c for c, _ in chunks]), pixels)
 
 
 def test_images_of_several_shapes_are_a_user_error_and_leave_no_entry(tmp_path: Path):

@@ -15,7 +15,8 @@ bnb_4bit_quant_type=nf4, bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=
 users run it; `--dtype` is the dtype the rest of the model is loaded in (float32 by default).
 
 Writes OUT.json: the loss of every step, each step's seconds, eval losses, and the greedy answers to
-QUESTIONS.json (chat prompts) after training.
+QUESTIONS.json (chat prompts) after training; with `--device cuda`, the peak GPU memory PyTorch allocated.
+`--dtype bfloat16` loads the weights in bfloat16 (as peft users load a base to fine-tune on a GPU).
 """
 
 import argparse
@@ -38,18 +39,22 @@ parser.add_argument("--eval")
 parser.add_argument("--eval-every", type=int, default=50)
 parser.add_argument("--questions")
 parser.add_argument("--threads", type=int, default=0)
-parser.add_argument("--load-4bit", choices=["nf4", "fp4"])
-parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+parser.add_argument("--load-4bit", choices=["nf4", "fp4"], help="a bitsandbytes 4-bit base (QLoRA)")
+parser.add_argument("--device", default="cpu", help="cuda: the weights, batches and steps on the GPU")
+parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the loaded weights")
 args = parser.parse_args()
+device = torch.device(args.device)
 if args.threads:
     torch.set_num_threads(args.threads)
 
 dtype, quantized = getattr(torch, args.dtype), {}
-if args.load_4bit:
-    quantized = {"device_map": "cpu", "quantization_config": transformers.BitsAndBytesConfig(
+if args.load_4bit:  # bitsandbytes places the 4-bit weights itself: on the device named, not moved after
+    quantized = {"device_map": args.device, "quantization_config": transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=args.load_4bit, bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=dtype)}  # fmt: skip
 model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **quantized)
+if not args.load_4bit:
+    model = model.to(device)
 if args.lora:
     import peft
 
@@ -68,8 +73,8 @@ optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.99
 
 
 def loss_of(tokens: np.ndarray, targets: np.ndarray, segments: np.ndarray | None) -> torch.Tensor:
-    tokens, targets = torch.tensor(tokens).long(), torch.tensor(targets).bool()
-    real = torch.tensor(segments > 0) if segments is not None else torch.ones_like(tokens, dtype=torch.bool)
+    tokens, targets = torch.tensor(tokens).long().to(device), torch.tensor(targets).bool().to(device)
+    real = torch.tensor(segments > 0).to(device) if segments is not None else torch.ones_like(tokens, dtype=torch.bool)
     labels = torch.where(targets[:, 1:] & real[:, 1:], tokens[:, 1:], torch.full_like(tokens[:, 1:], -100))
     logits = model(input_ids=tokens[:, :-1], attention_mask=real[:, :-1].long()).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
@@ -102,8 +107,8 @@ for step in range(len(batches["tokens"])):
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+    losses.append(float(loss))  # waits for the step, on a GPU too
     seconds.append(time.perf_counter() - start)
-    losses.append(float(loss))
     if evals is not None and (step + 1) % args.eval_every == 0:
         evaluate(step + 1)
 
@@ -117,10 +122,11 @@ if args.questions:
         for question in questions:
             text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                                  add_generation_prompt=True)  # fmt: skip
-            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
             out = model.generate(ids, do_sample=False, max_new_tokens=24)
             answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 result = {"losses": losses, "seconds": seconds, "eval_losses": eval_losses, "answers": answers,
-          "trainable": sum(p.numel() for p in trainable), "threads": torch.get_num_threads()}  # fmt: skip
+          "trainable": sum(p.numel() for p in trainable), "threads": torch.get_num_threads(),
+          "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}  # fmt: skip
 with open(args.out, "w") as f:
     json.dump(result, f)

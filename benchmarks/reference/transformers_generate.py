@@ -21,22 +21,32 @@ parser.add_argument("--prompt", required=True)
 parser.add_argument("--max-tokens", type=int, default=128)
 parser.add_argument("--batch", type=int, default=1, help="rows of the same prompt generated together")
 parser.add_argument("--decode-only", action="store_true", help="also time a 1-token run to separate the prefill")
+parser.add_argument("--device", default="cpu", help="cuda: the model and the generation on the GPU")
 args = parser.parse_args()
+device = torch.device(args.device)
+
+
+def synchronize() -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
 
 start = time.perf_counter()
 tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
 loaded = time.perf_counter() - start
-ids = tokenizer(args.prompt, return_tensors="pt").input_ids.repeat(args.batch, 1)
+ids = tokenizer(args.prompt, return_tensors="pt").input_ids.repeat(args.batch, 1).to(device)
 with torch.inference_mode():
     options = dict(do_sample=False, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens)
     begin = time.perf_counter()
     out = model.generate(ids, **options)
+    synchronize()
     total = time.perf_counter() - begin
     first = None
     if args.decode_only:
         begin = time.perf_counter()
         model.generate(ids, do_sample=False, max_new_tokens=1, min_new_tokens=1)
+        synchronize()
         first = time.perf_counter() - begin
 new = out.shape[1] - ids.shape[1]
 decode_s = total - first if first is not None else None

@@ -1,7 +1,8 @@
 """Image datasets, decoded once into a uint8 cache, as the splits the training loop reads.
 
 A split is decoded the first time a run asks for it (in `data.workers`
-processes, chunk by chunk, straight into a memory-mapped `.npy` file) and
+processes, chunk by chunk, straight into a memory-mapped `.npy` file; the
+workers import only :mod:`nnx_cli.pixels`, and start in well under a second) and
 kept in the array cache (:mod:`nnx_cli.data.cache`), keyed by the source,
 the split, `data.image_key`/`data.label_key` and the source's fingerprint.
 Every later run memory-maps it: nothing is decoded again, and a dataset
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import math
 import os
 import re
@@ -50,8 +50,9 @@ import numpy as np
 from nnx_cli.config import DataConfig
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, get_or_build
-from nnx_cli.data.pipeline import map_ordered, worker_count
+from nnx_cli.data.pipeline import worker_count
 from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.pixels import ArrowImages, DatasetImages, decoded
 from nnx_cli.registry import Registry, is_reference
 
 _SCALES = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0, np.dtype(np.float32): 1.0}
@@ -428,36 +429,21 @@ def _build(directory: Path, ds: Any, image_key: str, label_key: str | None, work
     return {"scale": _SCALES[dtype], "num_classes": num_classes, "shape": list(shape)}
 
 
-class _DecodeChunk:
-    """Rows `[i * rows, (i + 1) * rows)` of an image column, decoded; runs in Grain workers (pickled).
+def _chunk_decoder(ds: Any, key: str, rows: int) -> ArrowImages | DatasetImages:
+    """What decodes column `key` of `ds` a chunk of `rows` at a time: its Arrow cache files where they hold the
+    dataset's rows as they are (then a worker imports none of `datasets`), else the dataset itself."""
+    import datasets
 
-    Returns `(pixels, shapes)`: the stacked pixels when every image has the
-    same shape, else None and the shapes met, so the parent can name them all.
-    """
-
-    def __init__(self, ds: Any, key: str, rows: int):
-        import datasets
-
-        self.is_image = isinstance(ds.features[key], datasets.Image)
-        self.ds = ds.cast_column(key, datasets.Image(decode=False)) if self.is_image else ds.with_format("numpy")
-        self.key = key
-        self.rows = rows
-
-    def __call__(self, index: int) -> tuple[np.ndarray | None, list[tuple[int, ...]]]:
-        stop = min((index + 1) * self.rows, len(self.ds))
-        column = self.ds[index * self.rows : stop][self.key]
-        if not self.is_image:
-            pixels = np.asarray(column)
-            return pixels, [pixels.shape[1:]]
-        from PIL import Image
-
-        images = []
-        for item in column:
-            source = io.BytesIO(item["bytes"]) if item.get("bytes") is not None else item["path"]
-            with Image.open(source) as img:
-                images.append(np.asarray(img))
-        shapes = sorted({p.shape for p in images})
-        return (np.stack(images) if len(shapes) == 1 else None), shapes
+    files = [f["filename"] for f in ds.cache_files]
+    if isinstance(ds.features[key], datasets.Image) and files and ds._indices is None:
+        arrow = ArrowImages(files, key, rows)
+        try:
+            same = arrow.table().column(key).equals(ds.data.table.column(key))
+        except Exception:  # files datasets wrote in a form of its own: read through it
+            same = False
+        if same:
+            return arrow
+    return DatasetImages(ds, key, rows)
 
 
 def _stored_dtype(pixels: np.ndarray, key: str) -> np.dtype:
@@ -491,7 +477,7 @@ def _decode_into(path: Path, ds: Any, key: str, workers: int) -> tuple[np.dtype,
     count = len(ds)
     if count == 0:
         raise UserError(f"config key 'data.image_key': the split has no rows, so column {key!r} holds no images")
-    probe = _DecodeChunk(ds, key, rows=1)
+    probe = _chunk_decoder(ds, key, rows=1)
     first, _ = probe(0)
     if first.ndim == 3:  # [1, H, W]: greyscale
         first = first[..., None]
@@ -501,8 +487,8 @@ def _decode_into(path: Path, ds: Any, key: str, workers: int) -> tuple[np.dtype,
     chunks = -(-count // probe.rows)
     np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(count, *shape)).flush()  # header and size
     shapes: set[tuple[int, ...]] = set()
-    with _progress(count, f"decoding {count} images") as advance:
-        for index, (pixels, chunk_shapes) in enumerate(map_ordered(probe, chunks, workers if chunks > 1 else 0)):
+    with _progress(count, f"decoding {count} images in {min(workers, chunks)} processes") as advance:
+        for index, (pixels, chunk_shapes) in enumerate(decoded(probe, chunks, workers)):
             shapes.update(tuple(s) for s in chunk_shapes)
             if pixels is None or len(shapes) > 1:
                 continue  # the error below names every shape met

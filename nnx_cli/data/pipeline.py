@@ -58,12 +58,15 @@ _CPU_FALLBACK_BYTES = 1 << 30  # on-device budget where a device reports no memo
 
 
 def worker_count(workers: int | None) -> int:
-    """`data.workers`: None means one worker process per core; 0 reads in this process.
+    """`data.workers`: None means one worker process per core this process may run on; 0 reads in this process.
 
     >>> worker_count(0)
     0
     """
-    return (os.cpu_count() or 1) if workers is None else workers
+    if workers is not None:
+        return workers
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # a container may pin us to fewer
+    return len(cores) if cores else (os.cpu_count() or 1)
 
 
 def map_ordered(fn: Callable[[Any], T], items: int | Sequence[Any], workers: int, buffer: int = 2) -> Iterator[T]:

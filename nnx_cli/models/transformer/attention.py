@@ -3,9 +3,10 @@
 Three ways through the same projections:
 
 - `__call__`: a whole sequence, causal, or within each packed example when
-  given `segments`; a fused kernel where one runs (:func:`fused_attention`),
-  else :func:`.attention_core.attention_core` (no attention weights saved for
-  the backward pass), the weights written out when they take dropout;
+  given `segments`, the way `model.attention` chooses (:func:`choose_attention`):
+  :func:`.attention_core.attention_core` (no attention weights saved for the
+  backward pass), the weights written out for XLA (and whenever they take
+  dropout), or cuDNN's fused kernel;
 - `prefill`: a prompt, whose keys and values fill the cache `init_cache` added;
 - `decode`: one token per row at per-row positions, attending to the cache.
 
@@ -26,14 +27,13 @@ A new attention variant belongs here, with its option in `options.Architecture`
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import nnx
-from nnx_cli.models.transformer.attention_core import attention_core
+from nnx_cli.models.transformer.attention_core import attention_core, unnormalized_softmax
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain
 from nnx_cli.models.transformer.norms import RMSNorm, rms_offset
 from nnx_cli.models.transformer.options import Architecture
@@ -51,10 +51,65 @@ Layer = int | jax.Array | None
 """A layer's index: a Python int (unrolled layers), traced (scanned layers that differ), or None (not needed)."""
 
 
-def fused_attention(dtype: Any, head_dim: int) -> str:
-    """`cudnn` where JAX's cuDNN attention runs (GPU, 16-bit floats, head_dim a multiple of 8 up to 128), else `xla`."""
-    fused = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
-    return "cudnn" if fused and head_dim % 8 == 0 and head_dim <= 128 else "xla"
+# How attention runs
+# ------------------------------------------------------------------------------
+
+
+def choose_attention(arch: Architecture, platform: str | None = None) -> tuple[str, str]:
+    """`model.attention` resolved on `platform` (default: JAX's): `core`, `xla` or `cudnn`, and why, in words.
+
+    - `auto`: cuDNN's fused kernel on a GPU where it takes the dtype and the head size (16-bit floats; a head
+      of a multiple of 8, up to 128 features, 256 from Hopper on), else the core;
+    - `core`: :func:`attention_core`, which saves no weights for the backward pass;
+    - `xla`: the weights written out, the rest left to XLA and autodiff (which saves them: memory grows with
+      the square of the length);
+    - `cudnn`: cuDNN's kernel (`jax.nn.dot_product_attention`); a ValueError naming `model.attention` where
+      it cannot run.
+
+    The core and `xla` take every variant; cuDNN's kernel runs what it can, the rest in the core
+    (:func:`cudnn_fallbacks`)::
+
+        choose_attention(arch, "gpu")   # ('cudnn', 'auto on gpu') for a bfloat16 model with heads of 64
+    """
+    platform = platform or jax.default_backend()
+    refusal = _cudnn_refusal(arch, platform)
+    if arch.attention == "auto":
+        return ("core", f"auto on {platform}: {refusal}") if refusal else ("cudnn", f"auto on {platform}")
+    if arch.attention == "cudnn" and refusal:
+        raise ValueError(f"model.attention cudnn cannot run here: {refusal}; use auto, core or xla")
+    return arch.attention, "model.attention"
+
+
+def _cudnn_refusal(arch: Architecture, platform: str) -> str | None:
+    """Why cuDNN's kernel cannot run `arch`'s attention on `platform` (None: it can)."""
+    if platform != "gpu":
+        return f"cuDNN's kernel runs on NVIDIA GPUs, not on {platform}"
+    if arch.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN's kernel takes 16-bit floats, not {jnp.dtype(arch.dtype).name} (model.dtype)"
+    limit = _cudnn_head_limit()
+    if arch.head_dim % 8 or arch.head_dim > limit:
+        return f"cuDNN's kernel takes heads of a multiple of 8 features up to {limit}, not {arch.head_dim}"
+    return None
+
+
+def _cudnn_head_limit() -> int:
+    """The largest head cuDNN's kernel takes: 256 features from Hopper (compute capability 9) on, else 128."""
+    capability = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
+    try:
+        return 256 if capability is not None and float(capability) >= 9.0 else 128
+    except ValueError:
+        return 128
+
+
+def cudnn_fallbacks(arch: Architecture) -> list[str]:
+    """The variants cuDNN's kernel does not take, which then run in the core: packed examples (segments; by the
+    batch), soft-capped scores, and windows known only at run time (scanned layers that differ)."""
+    out = ["packed examples"]
+    if arch.attention_softcap is not None:
+        out.append("soft-capped scores (model.attention_softcap)")
+    if arch.scanned and arch.layers_differ:
+        out.append("windows that differ between scanned layers")
+    return out
 
 
 # Masks, windows and soft-capping
@@ -158,7 +213,7 @@ class Attention(nnx.Module):
         self.arch = arch
         self.dtype = arch.dtype
         self.scale = None if arch.query_scale is None else arch.query_scale**-0.5  # None: 1 / sqrt(head_dim)
-        self.implementation = fused_attention(arch.dtype, head_dim)
+        self.implementation, self.reason = choose_attention(arch)
         self.attention_dropout = nnx.Dropout(arch.attention_dropout)
         self.dropout = nnx.Dropout(arch.dropout)
 
@@ -193,6 +248,18 @@ class Attention(nnx.Module):
         logits = logits / math.sqrt(self.arch.head_dim) if self.scale is None else logits * self.scale
         return soft_cap(logits, self.arch.attention_softcap)
 
+    def summary(self) -> str:
+        """Which attention runs and why, and what takes another way, in one line::
+
+        'cudnn (auto on gpu); the core for packed examples'
+        """
+        out = f"{self.implementation} ({self.reason})"
+        if self.implementation == "cudnn":
+            out += f"; the core for {', '.join(cudnn_fallbacks(self.arch))}"
+        if self.arch.attention_dropout > 0 and self.implementation != "xla":
+            out += "; xla in training (attention dropout needs the weights written out)"
+        return out
+
     def _causal(
         self,
         q: jax.Array,
@@ -206,29 +273,47 @@ class Attention(nnx.Module):
         """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids;
         with `window`, only over the last `window` positions.
 
-        cuDNN's fused kernel where it runs (no segments, no soft cap, a window known at trace time); else
-        :func:`attention_core`, which saves no attention weights for the backward pass (a traced window too:
-        scanned layers that differ). Dropout on the weights needs them written out: then the XLA form below.
+        As `self.implementation` says (:func:`choose_attention`); cuDNN's kernel where it takes the variant (no
+        segments, no soft cap, a window known at trace time, more than one query), else :func:`attention_core`.
+        Dropout on the weights needs them written out: then :meth:`_written_out` whatever the implementation.
         """
-        plain = deterministic or self.attention_dropout.rate == 0.0
+        dropout = not deterministic and self.attention_dropout.rate > 0.0
+        if dropout or self.implementation == "xla":
+            return self._written_out(q, k, v, segments, window, dropout, ctx)
         softcap = self.arch.attention_softcap
-        if plain:
-            fixed = window is None or isinstance(window, int)
-            if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
-                local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
-                return jax.nn.dot_product_attention(
-                    q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
-                )
-            return attention_core(q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale)
-        groups = q.shape[2] // k.shape[2]
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-        logits = self._scaled(jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32))
-        index = jnp.arange(q.shape[1])[None]
-        mask = visible(index, index, window=window, q_segments=segments, k_segments=segments)
-        weights = jax.nn.softmax(jnp.where(mask, logits, MASKED_LOGIT), axis=-1)
-        if not plain:
-            weights = self.attention_dropout(weights, deterministic=False, ctx=ctx)
-        return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+        fixed = window is None or isinstance(window, int)
+        if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
+            local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
+            return jax.nn.dot_product_attention(
+                q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
+            )
+        return attention_core(q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale)
+
+    def _written_out(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        segments: jax.Array | None,
+        window: int | jax.Array | None,
+        dropout: bool,
+        ctx: nnx.Context | None,
+    ) -> jax.Array:
+        """Attention with its weights `[batch, heads, queries, keys]` written out and the rest left to XLA and
+        autodiff (which saves them for the backward pass): `model.attention: xla`, and dropout on the weights.
+        Rounded as the core rounds (:func:`unnormalized_softmax`)."""
+        batch, length, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # query heads by key-value head
+        logits = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, preferred_element_type=jnp.float32)
+        index = jnp.arange(length)[None]
+        mask = visible(index, index, window=window, q_segments=segments, k_segments=segments)[:, :, None]
+        weights, total = unnormalized_softmax(jnp.where(mask, self._scaled(logits), MASKED_LOGIT))
+        if dropout:  # drawn over [batch, heads, queries, keys], as before the heads were grouped
+            flat = weights.reshape(batch, heads, length, length)
+            weights = self.attention_dropout(flat, deterministic=False, ctx=ctx).reshape(weights.shape)
+        o = jnp.einsum("bkgqs,bskd->bkgqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32) / total
+        return o.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
     def _output(self, o: jax.Array, deterministic: bool, ctx: nnx.Context | None) -> jax.Array:
         o = constrain(o, ("batch", "length", "heads", "kv"))
@@ -310,7 +395,9 @@ class Attention(nnx.Module):
         scores = jnp.einsum("bkgd,bkdt->bkgt", grouped, self.cached_key, preferred_element_type=jnp.float32)
         held = positions - (positions - jnp.arange(slots)) % slots  # [batch, slots]: the position in each slot
         mask = visible(positions, held, window=layer_window(self.arch, layer))  # [batch, 1, 1, slots]
-        scores = jnp.where(mask, self._scaled(scores), MASKED_LOGIT)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        o = jnp.einsum("bkgt,bktd->bkgd", weights, self.cached_value).reshape(batch, heads, head_dim)
+        weights, total = unnormalized_softmax(jnp.where(mask, self._scaled(scores), MASKED_LOGIT))
+        o = jnp.einsum(
+            "bkgt,bktd->bkgd", weights.astype(self.dtype), self.cached_value, preferred_element_type=jnp.float32
+        )
+        o = (o / total).astype(self.dtype).reshape(batch, heads, head_dim)
         return self._output(o[:, None], True, None)

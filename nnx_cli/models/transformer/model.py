@@ -88,6 +88,12 @@ class TransformerLM(nnx.Module):
     projection` normalises all heads of the query (and of the key)
     projection together (OLMoE) where `head` (Qwen3) normalises each head.
 
+    `attention` (`auto`, `core`, `xla`, `cudnn`) picks how attention runs
+    (:func:`.attention.choose_attention`); :meth:`attention_summary` says
+    which does on this platform, and what takes another way::
+
+        model.attention_summary()   # 'core (auto on cpu)'
+
     Args:
         input_shape: `(seq_len,)`, one window (`data.seq_len`).
         num_classes: the tokenizer's vocabulary size.
@@ -138,6 +144,8 @@ class TransformerLM(nnx.Module):
             float32 (a bitsandbytes 4-bit `model.pretrained` sets it from its `quantization_config`).
         post_norms: norms after attention and after the MLP too, before the residual sums (Gemma).
         scale_embeddings: embeddings scaled by `sqrt(embed_dim)` (Gemma).
+        attention: how attention runs: `auto` (cuDNN's fused kernel on a GPU where it can, else `core`), `core`
+            (ours: no attention weights kept for the backward pass), `xla` (written out), `cudnn` (a GPU only).
         ctx: the `params` RNG stream.
     """
 
@@ -195,6 +203,7 @@ class TransformerLM(nnx.Module):
         logit_softcap: float | None = None,
         post_norms: bool = False,
         scale_embeddings: bool = False,
+        attention: str = "auto",
         ctx: nnx.Context,
     ):
         seq_len, vocab = _window_and_vocabulary(input_shape, num_classes, vocab_size)
@@ -231,6 +240,7 @@ class TransformerLM(nnx.Module):
             router_aux_loss_coef=router_aux_loss_coef,
             qk_norm_scope=qk_norm_scope,
             quantize=quantize,
+            attention=attention,
         )
         if logit_softcap is not None and (not isinstance(logit_softcap, (int, float)) or logit_softcap <= 0):
             raise ValueError(f"model.logit_softcap must be null or a positive number, got {logit_softcap!r}")
@@ -480,6 +490,10 @@ class TransformerLM(nnx.Module):
     def context_limit(self) -> int | None:
         """The most positions a sequence may use: `max_positions` with learned positions, None (unbounded) with RoPE."""
         return self.max_positions if self.positions == "learned" else None
+
+    def attention_summary(self) -> str:
+        """Which attention runs on this platform and why, and the variants that take another (one line)."""
+        return self._attentions()[0].summary()
 
     def _attentions(self) -> list[Attention]:
         if self.scan_layers:

@@ -35,6 +35,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 GATED = ("swiglu", "geglu")  # MLPs with a gate projection
 REMATS = ("none", "full", "dots")
 QK_NORM_SCOPES = ("head", "projection")  # each head's queries (Qwen3), or a projection's all heads at once (OLMoE)
+ATTENTIONS = ("auto", "core", "xla", "cudnn")  # how attention runs (attention.choose_attention)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -304,6 +305,8 @@ class Architecture:
         """The dtype frozen weights outside the quantised projections are stored in (float32 without quantize)."""
         return jnp.float32 if self.quantize is None else self.quantize.storage(self.dtype)
 
+    attention: str = "auto"  # model.attention: auto | core | xla | cudnn (attention.choose_attention)
+
     def adapter(self, projection: str) -> Lora | None:
         """The LoRA settings of `projection` (`q`, `k`, `v`, `o`, `gate`, `up`, `down`, `expert_gate`,
         `expert_up`, `expert_down`), or None."""
@@ -369,6 +372,7 @@ def architecture(
     router_aux_loss_coef: float = 0.0,
     qk_norm_scope: str = "head",
     quantize: Mapping[str, Any] | None = None,
+    attention: str = "auto",
 ) -> Architecture:
     """The model options checked (a ValueError names the `model.` key) and resolved into an :class:`Architecture`.
 
@@ -413,6 +417,7 @@ def architecture(
                     f"model.quantize.block ({stored.block}); pick a block that divides it, or keep it as it is "
                     f"with model.quantize.skip=[{projection}]"
                 )
+    _choice("attention", attention, ATTENTIONS)
     return Architecture(
         embed_dim=embed_dim,
         num_heads=num_heads,
@@ -446,6 +451,7 @@ def architecture(
         router_aux_loss_coef=float(router_aux_loss_coef),
         qk_norm_scope=qk_norm_scope,
         quantize=stored,
+        attention=attention,
     )
 
 
