@@ -426,6 +426,15 @@ def test_a_qlora_run_exports_its_adapters_for_peft(project, tmp_path):
     assert config["base_model_name_or_path"] == str(fixture("llama_bnb4bit")) and config["r"] == 4
 
 
+def test_a_qlora_run_exports_to_gguf_with_its_base_dequantised_and_its_adapters_merged(project, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the .gguf is unpacked when read back
+    out = tmp_path / "run.gguf"
+    result = cli("nnx-export", project / "run", "--format", "gguf", "--dtype", "f32", "--out", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    ids = goldens("llama_bnb4bit")["input_ids"]
+    np.testing.assert_allclose(model_of(str(out)).logits(ids), run_logits(project / "run", ids), rtol=1e-4, atol=1e-4)
+
+
 def test_nnx_inspect_shows_each_weights_storage_and_the_bytes_of_the_base(tmp_path):
     result = cli("nnx-inspect", fixture("llama_bnb4bit"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

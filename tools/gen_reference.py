@@ -183,7 +183,8 @@ def config_page() -> str:
         "(`train.steps=200`, `sharding.mesh.data=4`); a mapping replaces a whole section",
         "(`model={name: mlp_classifier}`). The `model`, `optimizer` and `objective` sections are open: their",
         "other keys are the options of the model, optax function or objective they name, listed below where",
-        "they are ours. The resolved config of a run is saved as `<workdir>/config.yaml`.",
+        "they are ours. The resolved config of a run is saved as `<workdir>/config.yaml`. The configs that ship",
+        "with nnx, to start from: [Shipped recipes](../guides/recipes.md).",
         "",
         "Types are YAML's: a number may be written `3e-4` or `0.0003`; null is `null`.",
         "",
@@ -352,7 +353,9 @@ def commands_page() -> str:
         "",
         "Every command takes `--help`. A command that reads a config (`nnx-train`, `nnx-eval`, `nnx-inspect`,",
         "`nnx-generate`) also takes `KEY=VALUE` overrides of its [keys](config.md). Exit codes and environment",
-        "variables: [Exit codes and environment](environment.md).",
+        "variables: [Exit codes and environment](environment.md). A config's name may stand for a shipped one",
+        "([Shipped recipes](../guides/recipes.md)); a `.gguf` file is a TARGET and `nnx-export --format gguf`",
+        "writes one ([GGUF](../guides/gguf.md)).",
         "",
     ]
     for name, module in console_scripts().items():

@@ -122,6 +122,7 @@ def from_run(exp: Any, params: Mapping[str, Any], tokenizer: Any, files: Path, n
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
     lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
+    params = hf_export.dequantized(params, hf_export.quantized_kernels(exp))  # a 4-bit base (QLoRA): float32 again
     if lora is not None:
         params = hf_export.merged(params, lora.alpha / lora.rank)
     if pretrained is not None:
