@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -100,3 +101,18 @@ def _write_file(path: Path, shapes: dict[str, tuple[int, ...]], stream: Iterator
                     advance(data.nbytes)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+def usual_mode(path: Path) -> None:
+    """Give `path` (a file, or a directory and everything in it) the permissions that `open` and `mkdir` give
+    under the process's umask. `tempfile.mkstemp` and `mkdtemp` make theirs private (0600 / 0700), and an export
+    staged in one and renamed into place would keep that: a llama.cpp server run as another user could not read
+    the file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    if path.is_dir():
+        path.chmod(0o777 & ~umask)
+        for child in path.rglob("*"):
+            child.chmod((0o777 if child.is_dir() else 0o666) & ~umask)
+    else:
+        path.chmod(0o666 & ~umask)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -91,6 +92,16 @@ def test_a_model_directory_exports_as_llama_cpps_converter_writes_it(tmp_path, n
     written = export.write(export.from_model_dir(source_dir(name, tmp_path)), tmp_path / "out.gguf", dtype)
     assert_same(summary(tmp_path / "out.gguf"), GOLDENS[name][dtype])
     assert written["dtype"] == dtype and written["tensors"] == len(GOLDENS[name][dtype]["tensors"])
+
+
+def test_an_exported_file_is_readable_as_the_umask_allows_not_private_to_its_writer(tmp_path):
+    # staged with mkstemp (0600) and renamed: a llama.cpp server run as another user must still read it
+    umask = os.umask(0o022)
+    try:
+        export.write(export.from_model_dir(source_dir("llama", tmp_path)), tmp_path / "out.gguf", "f32")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "out.gguf").stat().st_mode & 0o777 == 0o644
 
 
 @pytest.mark.parametrize("name", SENTENCEPIECE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -448,6 +449,11 @@ def test_bfloat16_exports_store_bfloat16_into_an_empty_out(project):
     assert result.returncode == 0, result.stderr
     assert "wrote llama-bf16 (LlamaForCausalLM, bfloat16, " in result.stderr
     assert json.loads((project / "llama-bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    # staged in a private mkdtemp directory and renamed: the export has the modes the umask gives, not 0700
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in (project / "llama-bf16").iterdir()} == {0o666 & ~umask}
+    assert (project / "llama-bf16").stat().st_mode & 0o777 == 0o777 & ~umask
     with safe_open(str(project / "llama-bf16" / "model.safetensors"), framework="numpy") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
     if (project / "llama-hf").exists():

@@ -32,6 +32,7 @@ import numpy as np
 from nnx_cli.errors import UserError
 from nnx_cli.gguf import families, require
 from nnx_cli.gguf.vocab import Vocab
+from nnx_cli.tensorfiles import usual_mode
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 _FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LlamaFileType
@@ -210,6 +211,7 @@ def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: boo
         writer.write_ti_data_to_file()
         _write_tensors(writer, arch, hp, source, plan, extra, gguf)
         writer.close()
+        usual_mode(Path(partial))
         os.replace(partial, out)
     except BaseException:
         writer.close()

@@ -26,7 +26,7 @@ import numpy as np
 from nnx_cli.errors import UserError
 from nnx_cli.hf import bnb, families, peft
 from nnx_cli.hf.weights import progress, tensors_of
-from nnx_cli.tensorfiles import SHARD_BYTES, numpy_dtype, write_safetensors  # noqa: F401 (re-exported)
+from nnx_cli.tensorfiles import SHARD_BYTES, numpy_dtype, usual_mode, write_safetensors  # noqa: F401 (re-exported)
 
 DTYPES = ("float32", "bfloat16", "float16")
 FOUR_BIT = ("nf4", "fp4")  # bitsandbytes' 4-bit types: the projections quantised, the rest in bfloat16
@@ -187,6 +187,7 @@ def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dty
             files = _write_model(staging, exp, options, lora, params, dtype, tokenizer)
         if out.exists():
             out.rmdir()  # empty, checked above
+        usual_mode(staging)
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
