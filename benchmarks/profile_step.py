@@ -55,6 +55,10 @@ SHAPES = {
         num_layers=12, num_heads=8, num_kv_heads=2, head_dim=64, embed_dim=512, mlp_dim=1408, vocab_size=32000,
         qkv_bias=True, rope_theta=1000000.0, seq_len=512,
     ),
+    "qwen05": dict(  # Qwen2.5-0.5B: benchmarks/qlora.py's shape
+        num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, embed_dim=896, mlp_dim=4864, vocab_size=151936,
+        qkv_bias=True, rope_theta=1000000.0, seq_len=512,
+    ),
 }  # fmt: skip
 LLAMA = dict(mlp="swiglu", bias=False, norm="rmsnorm", norm_eps=1e-5, positions="rope", tie_embeddings=True,
              dropout=0.0, scan_layers=True)  # fmt: skip
@@ -78,23 +82,26 @@ SCANNING = ("_scan_apply", "Scan._run")  # where the layer scan's own buffers ar
 CONTROL = {"while", "call", "conditional", "async-start", "async-done"}  # contain other operations' time
 
 
-def build(shape: str, lora: bool, seq_len: int | None = None, layers: int | None = None) -> tuple[Any, dict]:
-    """The model's builder and its options on `shape` (with `seq_len` and `layers` if given), with or without LoRA."""
+def build(shape: str, lora: bool, seq_len: int | None = None, layers: int | None = None,
+          extra: dict | None = None) -> tuple[Any, dict]:  # fmt: skip
+    """The model's builder and its options on `shape` (with `seq_len` and `layers` if given, and the `extra`
+    options: `dtype`, `quantize`), with or without LoRA."""
     from nnx_cli.models import TransformerLM
 
-    options = {**LLAMA, **SHAPES[shape], **({"num_layers": layers} if layers else {})}
+    options = {**LLAMA, **SHAPES[shape], **({"num_layers": layers} if layers else {}), **(extra or {})}
     length = options.pop("seq_len") if seq_len is None else (options.pop("seq_len"), seq_len)[1]
     if lora:
         options["lora"] = {"rank": 16, "alpha": 32}
     return (lambda ctx: TransformerLM((length,), None, **options, ctx=ctx)), {**options, "seq_len": length}
 
 
-def make_step(shape: str, lora: bool, batch: int, seq_len: int | None = None, layers: int | None = None):
+def make_step(shape: str, lora: bool, batch: int, seq_len: int | None = None, layers: int | None = None,
+              extra: dict | None = None):  # fmt: skip
     """A jitted train step of the trainer, its initial state, its metric sums and a batch of random tokens."""
     from nnx_cli import steps
 
     seed = 0
-    builder, options = build(shape, lora, seq_len, layers)
+    builder, options = build(shape, lora, seq_len, layers, extra)
     tx = optax.adamw(1e-4, weight_decay=0.0)
     moduledef, state = jax.jit(lambda: steps.init_state(builder, tx, seed), static_argnums=())()
     names = ["loss", "accuracy"]
@@ -254,8 +261,16 @@ def main() -> None:
     parser.add_argument("--trace-steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=10, help="list this many of the most expensive operations")
     parser.add_argument("--details", action="store_true", help="with each operation, its shape, fused ops, source")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model.dtype")
+    parser.add_argument("--quantize", choices=("nf4", "fp4", "bfloat16"), help="model.quantize's type (with --lora)")
+    parser.add_argument("--remat", choices=("none", "dots", "full"), default="none", help="model.remat")
     args = parser.parse_args()
-    step, state, sums, batch, options = make_step(args.shape, args.lora, args.batch, args.seq_len, args.layers)
+    extra = {
+        "dtype": args.dtype,
+        "remat": args.remat,
+        **({"quantize": {"type": args.quantize}} if args.quantize else {}),
+    }
+    step, state, sums, batch, options = make_step(args.shape, args.lora, args.batch, args.seq_len, args.layers, extra)
     what = "LoRA r16" if args.lora else "full fine-tuning"
     print(f"{args.shape} shape, {what}, batch {args.batch}, sequence {options['seq_len']}, "
           f"load average {load_average():.2f}")  # fmt: skip
