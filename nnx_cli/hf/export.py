@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nnx_cli.errors import UserError
@@ -108,8 +110,15 @@ class _Merged:
             return np.stack([self[(*index, i)] for i in range(self.shape[len(index)])])
         kernel = np.asarray(self.kernel[index])
         a, b = np.asarray(self.a[index], np.float32), np.asarray(self.b[index], np.float32)
-        delta = np.tensordot(a, b, axes=1) * self.scale
-        return (kernel.astype(np.float32) + delta).astype(kernel.dtype)
+        return np.asarray(jax.device_get(_merge(kernel, a, b, self.scale)))
+
+
+@jax.jit
+def _merge(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    """`kernel + a b scale` in float32, in the kernel's dtype: one pass over the kernel, on every core (numpy's
+    product of a rank-8 adapter, then the scale and the sum, took a sixth of a 0.5B model's export)."""
+    delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) + delta * scale).astype(kernel.dtype)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[()]
