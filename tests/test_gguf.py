@@ -22,7 +22,7 @@ from hf_support import FIXTURES, fixture, goldens
 from nnx_cli import hf
 from nnx_cli.errors import UserError
 from nnx_cli.experiment import setup
-from nnx_cli.gguf import export, ollama, read
+from nnx_cli.gguf import export, families, ollama, read
 
 GGUF = FIXTURES.parent / "gguf"
 GOLDENS = json.loads((GGUF / "goldens.json").read_text())
@@ -128,6 +128,38 @@ def test_q8_0_blocks_hold_32_values_and_one_float16_scale(tmp_path):
     original = hf.weights.Weights.open(fixture("llama")).read("model.layers.0.mlp.up_proj.weight", (slice(None),) * 2)
     np.testing.assert_allclose(scales * values, original.reshape(-1, 32), atol=float(scales.max()) / 2 + 1e-7)
     assert np.abs(values).max() == 127
+
+
+def _hard_values(dtype: type) -> np.ndarray:
+    """Rows a conversion gets wrong if it rounds differently from gguf-py anywhere: halves (ties of q8_0's
+    rounding), subnormals, values past float16's range, zero blocks, and scales (`max / 127`) whose reciprocal
+    rounds differently from `127 / max`."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 1024)) * rng.uniform(1e-3, 1e3, (96, 1))
+    x[0, :32] = 0
+    x[1] = np.arange(1024) * 0.5 - 256
+    x[2] = rng.integers(-127, 128, 1024) + 0.5
+    x[3, :64] = rng.choice([1e-39, -3e-41, 6e-8, 1e-45, 0.0, 3e38, -3e38, 65520.0, 70000.0], 64)
+    x[4] = rng.integers(-254, 255, 1024) / 2 * 0.37
+    return x.astype(dtype) if dtype != np.float16 else np.clip(x, -6e4, 6e4).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0"])
+def test_xlas_conversions_are_gguf_pys_bit_for_bit(qtype, dtype):
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    data = _hard_values(dtype)
+    assert data.size >= export._ON_DEVICE  # converted by XLA
+    changes = [families.Change(), families.Change(shift=True), families.Change(transpose=True),
+               families.Change(heads=4)]  # fmt: skip
+    for change in changes:
+        with np.errstate(all="ignore"):
+            theirs = np.ascontiguousarray(gguf.quants.quantize(change.apply(data), kind))
+        ours = export._quantized(data, kind, gguf, change)
+        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), change
+        assert ours.tobytes() == theirs.tobytes(), change
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "F16", "BF16"])

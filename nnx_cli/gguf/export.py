@@ -17,6 +17,7 @@ what the source holds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -267,19 +268,26 @@ def _qtype(name: str, shape: tuple[int, ...], dtype: str, gguf: Any) -> Any:
 
 def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, source: Source, plan: list[_Planned],
                    extra: dict[str, np.ndarray], gguf: Any) -> None:  # fmt: skip
-    """Each planned tensor's data, in plan order, as the source's tensors arrive."""
+    """Each planned tensor's data, in plan order, as the source's tensors arrive. Each tensor's conversion is
+    started before the one before it is written, so XLA converts while the file is written."""
     from nnx_cli.hf.weights import progress
 
     by_source = {s: t for t in plan for s in t.sources}
     parts: dict[str, dict[int, np.ndarray]] = {}  # stacked experts' tensors as they come, by expert
     total = sum(t.nbytes for t in plan)
+    pending: list[_Converted] = []
     with progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance:
 
-        def emit(t: _Planned, data: np.ndarray) -> None:
-            data = _quantized(data, t.qtype, gguf)
-            writer.write_tensor_data(data)
+        def emit(t: _Planned, data: np.ndarray, change: families.Change = families.Change()) -> None:
+            pending.append(_Converted(data, t.qtype, gguf, change))
+            if len(pending) > 1:
+                flush()
+
+        def flush() -> None:
+            converted = pending.pop(0)
+            writer.write_tensor_data(converted)
             if advance is not None:
-                advance(data.nbytes)
+                advance(converted.nbytes)
 
         for name, data in extra.items():
             emit(by_name(plan, name), data)
@@ -289,28 +297,129 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
                 continue
             if data.dtype not in (np.float16, np.float32):
                 data = data.astype(np.float32)
-            data = arch.transform(name, np.asarray(data), hp)
             if len(t.sources) == 1:
-                emit(t, data)
+                emit(t, data, arch.change(name, hp))
                 continue
             experts = parts.setdefault(t.name, {})
-            experts[arch.tensor_name(name)[1]] = data
+            experts[arch.tensor_name(name)[1]] = arch.transform(name, np.asarray(data), hp)
             if len(experts) == len(t.sources):
                 emit(t, np.stack([experts[e] for e in sorted(experts)]))
                 del parts[t.name]
+        while pending:
+            flush()
 
 
-_CHUNK = 64 << 20  # bytes of float32 rows quantised at a time
+_CHUNK = 16 << 20  # bytes of float32 rows converted at a time
+_ON_DEVICE = 1 << 16  # tensors of at least this many values are converted by XLA, smaller ones by gguf-py
 
 
-def _quantized(data: np.ndarray, qtype: Any, gguf: Any) -> np.ndarray:
-    """`data` as `qtype`'s bytes, a few rows at a time (quantising makes temporaries of its input's size, and an
-    embedding is the largest tensor there is); blocks lie along rows, so the bytes are those of one call."""
-    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-    step = max(1, _CHUNK // (rows.shape[1] * 4))
-    if rows.shape[0] <= step:
-        return np.ascontiguousarray(gguf.quants.quantize(data, qtype))
-    return np.concatenate([gguf.quants.quantize(rows[i : i + step], qtype) for i in range(0, rows.shape[0], step)])
+class _Converted:
+    """A tensor `data` changed (:class:`.families.Change`) and as `qtype`'s bytes: what `change.apply` then
+    `gguf.quants.quantize` give, bit for bit. Large tensors are converted by XLA (:func:`_device_quantize`:
+    several times faster than numpy, and on every core) a few rows at a time as they are written (quantising
+    makes temporaries of its input's size, and an embedding is the largest tensor there is; blocks lie along
+    rows, so the bytes are those of one call), the next rows' conversion running while the last are written.
+    `gguf.GGUFWriter.write_tensor_data` takes it for the array (it asks `nbytes` and `tofile`)."""
+
+    def __init__(self, data: np.ndarray, qtype: Any, gguf: Any, change: families.Change = families.Change()):
+        q = gguf.GGMLQuantizationType
+        self.kind = {q.F32: "f32", q.F16: "f16", q.BF16: "bf16", q.Q8_0: "q8_0"}.get(qtype)
+        self.change = change
+        self.ready: list[Any] = []  # converted chunks, or chunks whose conversion XLA has started
+        self.waiting: list[np.ndarray] = []  # rows to convert
+        if data.size < _ON_DEVICE or self.kind is None:
+            self.ready = [np.ascontiguousarray(gguf.quants.quantize(change.apply(np.asarray(data)), qtype))]
+        elif self.kind == "f32" and change == families.Change() and data.dtype == np.float32:
+            self.ready = [np.ascontiguousarray(data)]
+        elif change.transpose or change.heads is not None:  # the rows themselves change: whole (small tensors)
+            self.ready = [_device_quantize(np.asarray(data), change=change, kind=self.kind)]
+        else:
+            rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+            step = max(1, _CHUNK // (rows.shape[1] * 4))
+            self.waiting = [rows[i : i + step] for i in range(0, rows.shape[0], step)]
+            self.ready = [_device_quantize(self.waiting.pop(0), change=change, kind=self.kind)]  # started now
+        shape = change.apply(np.broadcast_to(np.float32(0), data.shape)).shape  # only strides move
+        self.shape = shape if qtype in (q.F32, q.F16) else tuple(gguf.quant_shape_to_byte_shape(shape, qtype))
+        self.nbytes = math.prod(gguf.quant_shape_to_byte_shape(shape, qtype))
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The bytes, a chunk of rows at a time, the next chunk's conversion started before this one is given."""
+        while self.ready:
+            if self.waiting:
+                self.ready.append(_device_quantize(self.waiting.pop(0), change=self.change, kind=self.kind))
+            yield _jax_get(self.ready.pop(0))
+
+    def tofile(self, fp: Any) -> None:
+        for chunk in self.chunks():
+            chunk.tofile(fp)
+
+    def array(self) -> np.ndarray:
+        """The bytes as one array, of `gguf.quants.quantize`'s dtype and shape."""
+        return np.concatenate([c.reshape(-1, c.shape[-1]) for c in self.chunks()]).reshape(self.shape)
+
+
+def _quantized(data: np.ndarray, qtype: Any, gguf: Any, change: families.Change = families.Change()) -> np.ndarray:
+    """:class:`_Converted`'s bytes as one array (tests)."""
+    return _Converted(data, qtype, gguf, change).array()
+
+
+def _device_quantize(data: Any, *, change: families.Change, kind: str) -> Any:
+    """:func:`_quantized`'s conversion in XLA, compiled once per shape, change and type, equal to gguf-py's bit for
+    bit (tests/test_gguf.py compares them on values chosen to break it): float16 is a rounding conversion,
+    bfloat16 gguf-py's own integer rounding (its NaNs made quiet), and q8_0 its formula (a scale of
+    `max |x| / 127` per 32 values, stored in float16, and each `x * (1 / scale)` rounded half away from zero).
+    The scales, one per 32 values, are divided by numpy: XLA turns a division by a broadcast scalar into a
+    product with its reciprocal, which rounds differently."""
+    convert, block_max = _compiled()
+    if kind != "q8_0":
+        return convert(data, change, kind, None, None)
+    scale = _jax_get(block_max(data, change)) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(scale == 0, np.float32(0), np.float32(1) / scale)
+    return convert(data, change, kind, scale.astype(np.float16), inverse)
+
+
+def _jax_get(x: Any) -> np.ndarray:
+    import jax
+
+    return np.asarray(jax.device_get(x))
+
+
+@functools.cache
+def _compiled() -> tuple[Callable, Callable]:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def changed(data: Any, change: families.Change, kind: str) -> Any:
+        x = change.apply(data)  # in the source's dtype, as gguf-py's caller changes it
+        return x.astype(jnp.float32) if kind in ("bf16", "q8_0") else x
+
+    def block_max(data: Any, change: families.Change) -> Any:
+        return jnp.max(jnp.abs(changed(data, change, "q8_0").reshape(-1, 32)), axis=1, keepdims=True)
+
+    def convert(data: Any, change: families.Change, kind: str, d: Any, inverse: Any) -> Any:
+        x = changed(data, change, kind)
+        if kind == "f32":
+            return x.astype(jnp.float32)
+        if kind == "f16":
+            return x.astype(jnp.float16)
+        if kind == "bf16":
+            n = lax.bitcast_convert_type(x, jnp.uint32)
+            u = functools.partial(jnp.asarray, dtype=jnp.uint32)
+            n = jnp.where((n & u(0x7FFFFFFF)) > u(0x7F800000), (n & u(0xFFFF0000)) | u(64 << 16), n)  # NaNs quiet
+            n = (n + (u(0x7FFF) + ((n >> 16) & u(1)))) >> 16  # to nearest even: no overflow once NaNs are quiet
+            halves = lax.bitcast_convert_type(n.astype(jnp.uint16), jnp.uint8)  # [..., n, 2]
+            return halves.reshape(*x.shape[:-1], -1)
+        v = x.reshape(-1, 32) * inverse
+        a = jnp.abs(v)
+        whole = jnp.floor(a)
+        rounded = jnp.sign(v) * (whole + jnp.floor(2 * (a - whole)))  # half away from zero, as C's roundf
+        qs = lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
+        scales = lax.bitcast_convert_type(d, jnp.uint8).reshape(-1, 2)
+        return jnp.concatenate([scales, qs], axis=1).reshape(*x.shape[:-1], -1)
+
+    return jax.jit(convert, static_argnums=(1, 2)), jax.jit(block_max, static_argnums=(1,))
 
 
 def human_size(size: float) -> str:

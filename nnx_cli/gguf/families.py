@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -162,14 +162,38 @@ class Arch:
             f"tensor {name!r} has no GGUF name in llama.cpp's {self.name} (nnx does not know where it goes)"
         )
 
-    def transform(self, name: str, data: np.ndarray, hp: HParams) -> np.ndarray:
-        """Hugging Face tensor `name` (float32, or float16 as stored) as llama.cpp stores it."""
-        if self.transpose and name.endswith(self.transpose):
-            data = data.T
+    def change(self, name: str, hp: HParams) -> Change:
+        """What :meth:`transform` does to Hugging Face tensor `name`: the same for every layer's tensor of a kind,
+        so a compiled conversion serves them all."""
+        heads = None
         if self.permute and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = hp.first("num_key_value_heads") if ".k_proj." in name else hp.first("num_attention_heads")
-            data = permute(data, heads)
-        if self.norm_shift and name.endswith("norm.weight"):
+        return Change(
+            transpose=bool(self.transpose) and name.endswith(self.transpose),
+            heads=heads,
+            shift=self.norm_shift and name.endswith("norm.weight"),
+        )
+
+    def transform(self, name: str, data: np.ndarray, hp: HParams) -> np.ndarray:
+        """Hugging Face tensor `name` (float32, or float16 as stored) as llama.cpp stores it."""
+        return self.change(name, hp).apply(data)
+
+
+class Change(NamedTuple):
+    """How a Hugging Face tensor becomes llama.cpp's: transposed (GPT-2's Conv1D), rows permuted for `heads`
+    heads (Llama's query and key), shifted by one (Gemma's norms). :meth:`apply` works on numpy arrays and on
+    traced JAX arrays alike."""
+
+    transpose: bool = False
+    heads: int | None = None
+    shift: bool = False
+
+    def apply(self, data: Any) -> Any:
+        if self.transpose:
+            data = data.T
+        if self.heads is not None:
+            data = permute(data, self.heads)
+        if self.shift:
             data = data + data.dtype.type(1)
         return data
 
