@@ -136,11 +136,11 @@ def fine_tune(work: Path, base: Path) -> Path:
 
 
 def same_file(a: Path, b: Path) -> bool:
-    """Equal metadata (but general.name, which names the directory) and equal tensors."""
+    """Equal metadata and equal tensors."""
     from gguf import GGUFReader
 
     ra, rb = GGUFReader(a), GGUFReader(b)
-    fields = lambda r: {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.name"))}  # noqa: E731
+    fields = lambda r: {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}  # noqa: E731
     tensors = lambda r: {t.name: (t.tensor_type, bytes(np.ascontiguousarray(t.data).data)) for t in r.tensors}  # noqa: E731
     return fields(ra) == fields(rb) and tensors(ra) == tensors(rb)
 
@@ -192,14 +192,16 @@ def main() -> None:
     print(f"{args.size}: {sum(1 for _ in base.glob('*.safetensors'))} weight file(s), "
           f"{sum(p.stat().st_size for p in base.glob('*.safetensors')) / 1e9:.2f} GB; run {run}")  # fmt: skip
     for dtype in args.dtype:
+        # the export's directory is named as the base model's: the converter names the model (general.name,
+        # size_label) from the directory as ours does from the base model's
         ours_file, hf_dir, theirs_file = (
             work / f"ours-{dtype}.gguf",
-            work / f"hf-{dtype}",
+            work / f"hf-{dtype}" / base.name,
             work / f"theirs-{dtype}.gguf",
         )
         for path in (ours_file, theirs_file):
             path.unlink(missing_ok=True)
-        shutil.rmtree(hf_dir, ignore_errors=True)
+        shutil.rmtree(hf_dir.parent, ignore_errors=True)
         ours_s, ours_m = measured([BIN / "nnx-export", run, "--format", "gguf", "--dtype", dtype, "--out", ours_file],
                                   work)  # fmt: skip
         # the Hugging Face export in the base model's dtype, as a user makes it; in float32 for an f32 file
