@@ -1,4 +1,8 @@
-"""Running the console scripts as a user does: real subprocesses, real files."""
+"""Running the console scripts as a user does: real subprocesses, real files.
+
+`cli()` runs a command to its end through a fork server (tests/forkserver.py: a process of its own, the
+imports already done) where it would run the same alone; `start()`, for runs a test signals, kills or
+watches, always starts the console script itself. `NNX_TESTS_FORKSERVER=0` turns the server off."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from forkserver import ForkServer
 
 from nnx_cli.checkpoint import Checkpointer
 
@@ -77,15 +83,34 @@ def cli(
     file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """Run a console script; `file_size_limit` (bytes) makes larger writes fail with EFBIG, like a full disk."""
+    environment = env(cwd, devices, **(extra_env or {}))
+    server = None if file_size_limit else _server()
     return subprocess.run(
-        [str(BIN / name), *map(str, args)],
+        [
+            server.shim(name) if server is not None and server.serves(name, environment) else str(BIN / name),
+            *map(str, args),
+        ],
         cwd=cwd,
-        env=env(cwd, devices, **(extra_env or {})),
+        env=environment,
         capture_output=True,
         text=True,
         timeout=timeout,
         preexec_fn=(lambda: _limit_file_size(file_size_limit)) if file_size_limit else None,
     )
+
+
+_SERVERS: list[ForkServer] = []
+
+
+def _server() -> ForkServer | None:
+    """This process's fork server, started on first use (None when NNX_TESTS_FORKSERVER=0)."""
+    if os.environ.get("NNX_TESTS_FORKSERVER", "1") == "0":
+        return None
+    if not _SERVERS:
+        import tempfile
+
+        _SERVERS.append(ForkServer(env(Path(tempfile.gettempdir()))))
+    return _SERVERS[0]
 
 
 def _limit_file_size(limit: int) -> None:

@@ -43,3 +43,17 @@ from nnx_cli.runtime import cache_compilations  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # had jax been imported before the variable was set
 cache_compilations(os.environ[_SESSION])
+
+
+# The longest files first: xdist hands tests out in collection order, so a minute-long test collected last keeps
+# one worker busy after the other has finished. The order within each file is kept (its fixtures are shared).
+_FIRST = ("test_docs_examples", "test_cli_lm", "test_cli_scale", "test_harness_cli", "test_cli_train", "test_qlora",
+          "test_hf_equality", "test_cli_finetune", "test_cli_dpo", "test_cli_grpo")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    def rank(item) -> int:
+        name = item.path.stem
+        return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+
+    items.sort(key=rank)

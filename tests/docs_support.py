@@ -218,7 +218,7 @@ def run_shell(
 ) -> str:
     """Run a shell block's commands in `run_dir`; return its output, after checking the status and `expect`.
 
-    With `shims` (tests/docs_forkserver.py), the console scripts run through the fork server, unless the
+    With `shims` (tests/forkserver.py), the console scripts run through the fork server, unless the
     block's marker says `forkserver: false` (a block that signals its commands, say).
     """
     text = block.text

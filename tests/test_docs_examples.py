@@ -7,14 +7,11 @@ drift from the code. A page marked `after: OTHER` continues in OTHER's directory
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from docs_forkserver import write_shims
 from docs_support import (
     DOCS,
     ROOT,
@@ -31,6 +28,7 @@ from docs_support import (
     shrink,
     write_file,
 )
+from forkserver import ForkServer
 
 from nnx_cli.config import Config, from_dict, merge, to_dict
 
@@ -66,22 +64,13 @@ def _check_config(text: str, where: str) -> None:
 
 @pytest.fixture(scope="session")
 def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    """`(hf_home, shims)`: one Hugging Face home and one fork server (tests/docs_forkserver.py) per worker."""
-    base = tmp_path_factory.mktemp("docs-shell")
-    hf_home, shims, socket_path = base / "hf", base / "bin", str(base / "server.sock")
-    server = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "docs_forkserver.py"), socket_path],
-        env=environment(hf_home, {}),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    """`(hf_home, shims)`: one Hugging Face home and one fork server (tests/forkserver.py) per worker."""
+    hf_home = tmp_path_factory.mktemp("docs-shell") / "hf"
+    server = ForkServer(environment(hf_home, {}))
     try:
-        assert server.stdout.readline().strip() == "ready", "the fork server did not start"
-        write_shims(shims, socket_path)
-        yield hf_home, shims
+        yield hf_home, server.bin
     finally:
-        server.terminate()
-        server.wait()
+        server.stop()
 
 
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda chain: "+".join(page.path for page in chain))
