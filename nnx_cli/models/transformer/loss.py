@@ -221,9 +221,10 @@ def _chunked_backward(spec, chunk, saved, cotangents):
             part = lax.dot_general(rows, hs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         else:  # [E, V]
             part = lax.dot_general(hs, rows, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return total + part, None
+        return constrain(total + part, axes), None
 
-    zeros = jnp.zeros(head.shape, jnp.float32)
+    axes = ("vocab", "embed") if spec.tied else ("embed", "vocab")  # the sum sharded as the head is
+    zeros = constrain(jnp.zeros(head.shape, jnp.float32), axes)
     d_head, _ = lax.scan(body, zeros, (_split(h, chunk), _split(targets, chunk), _split(g, chunk)))
     d_h = (g[..., None] * to_h).astype(h.dtype)
     return d_h, d_head.astype(head.dtype), None
