@@ -6,7 +6,9 @@ Token and (learned) position embeddings (scaled by `sqrt(embed_dim)` with
 a head (soft-capped with `logit_softcap`). The vocabulary is padded to a multiple of 128
 (257 -> 384) for sharding and alignment; the padded ids get a large negative
 logit (in float32) wherever logits come out, so the loss, accuracy and
-sampling never pick them.
+sampling never pick them. The losses (`metrics`, `token_losses`: SFT, DPO,
+GRPO) come from the head and the cross-entropy computed together in chunks of
+positions when the logits would be large (:mod:`.loss`).
 
 With `moe` (`model.moe`), blocks hold a mixture of experts instead of an
 MLP (:mod:`.moe`); their routers' load-balancing loss (`aux_loss`) is a
