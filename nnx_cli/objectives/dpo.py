@@ -30,7 +30,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import nnx
 from nnx_cli.config import Config
@@ -47,8 +46,10 @@ def sequence_logps(model: nnx.Module, batch: Batch, ctx: nnx.Context | None) -> 
     targets = tokens[:, 1:]
     # a target counts when marked, and when it continues the same (real) sequence as the token before it
     counts = batch["targets"][:, 1:].astype(bool) & (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
-    logits = model.logits(tokens[:, :-1], ctx, positions=batch["positions"][:, :-1], segments=segments[:, :-1])
-    token_logps = -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    losses, _ = model.token_losses(
+        tokens[:, :-1], targets, ctx, positions=batch["positions"][:, :-1], segments=segments[:, :-1]
+    )
+    token_logps = -losses
     slots = 2 * (targets.shape[1] // 2) + 1
     ids = jnp.where(counts, segments[:, 1:], 0)
 
@@ -106,7 +107,7 @@ class DPO:
             raise UserError(
                 "config key 'data.train_on_prompt' is true, but objective dpo scores the responses only; drop it"
             )
-        if not callable(getattr(model_cls, "logits", None)):
+        if not callable(getattr(model_cls, "token_losses", None)):
             raise UserError(
                 f"objective dpo needs a language model that gives token logits (transformer_lm); model "
                 f"{cfg.model.name!r} does not"

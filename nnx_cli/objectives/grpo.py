@@ -49,7 +49,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import nnx
 from nnx_cli.config import Config
@@ -167,8 +166,15 @@ def token_logps(model: nnx.Module, batch: Batch, ctx: nnx.Context | None, temper
     """`log pi(y_t | y_<t)` at `temperature` of each next token `[N, W - 1]` (their mask is `targets[:, 1:]`)."""
     tokens = jnp.asarray(batch["tokens"], jnp.int32)
     segments = jnp.asarray(batch["segments"], jnp.int32)
-    logits = model.logits(tokens[:, :-1], ctx, positions=batch["positions"][:, :-1], segments=segments[:, :-1])
-    return -optax.softmax_cross_entropy_with_integer_labels(logits / temperature, tokens[:, 1:])
+    losses, _ = model.token_losses(
+        tokens[:, :-1],
+        tokens[:, 1:],
+        ctx,
+        positions=batch["positions"][:, :-1],
+        segments=segments[:, :-1],
+        temperature=temperature,
+    )
+    return -losses
 
 
 def policy_loss(logps: jax.Array, old_logps: jax.Array, ref_logps: jax.Array | None, batch: Batch,
@@ -228,7 +234,7 @@ class GRPO:
             raise UserError(
                 "config key 'data.train_on_prompt' is true, but objective grpo trains on its completions only; drop it"
             )
-        for name in ("logits", "init_cache", "prefill", "decode"):
+        for name in ("token_losses", "init_cache", "prefill", "decode"):
             if not callable(getattr(model_cls, name, None)):
                 raise UserError(
                     f"objective grpo samples from a language model with a key-value cache (transformer_lm); model "

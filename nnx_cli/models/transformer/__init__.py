@@ -33,6 +33,8 @@ One module per part, each building its layers from the checked options
 
 - :mod:`.model`: `TransformerLM` (embeddings, the stack of blocks, logits,
   metrics, decoding entry points) and the vocabulary padding;
+- :mod:`.loss`: the head and the cross-entropy in chunks of positions, so
+  that a training step never holds the `[B, T, vocab]` logits;
 - :mod:`.block`: `Block`, the pre-norm residual layout (and post norms) and
   rematerialisation;
 - :mod:`.attention`: `Attention`, its masks (`visible`: causal, windowed,

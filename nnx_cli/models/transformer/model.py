@@ -6,7 +6,9 @@ Token and (learned) position embeddings (scaled by `sqrt(embed_dim)` with
 a head (soft-capped with `logit_softcap`). The vocabulary is padded to a multiple of 128
 (257 -> 384) for sharding and alignment; the padded ids get a large negative
 logit (in float32) wherever logits come out, so the loss, accuracy and
-sampling never pick them.
+sampling never pick them. The losses (`metrics`, `token_losses`: SFT, DPO,
+GRPO) come from the head and the cross-entropy computed together in chunks of
+positions when the logits would be large (:mod:`.loss`).
 
 With `moe` (`model.moe`), blocks hold a mixture of experts instead of an
 MLP (:mod:`.moe`); their routers' load-balancing loss (`aux_loss`) is a
@@ -21,14 +23,13 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import optax
-from jax import lax
 
 import nnx
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
 from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
+from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture, architecture
@@ -317,19 +318,19 @@ class TransformerLM(nnx.Module):
     def _logits(self, h: jax.Array) -> jax.Array:
         """Float32 logits over the padded vocabulary, padded ids masked."""
         h = self.final_norm(h)
-        if self.tie_embeddings:  # `embedding.attend(h)`, accumulated and returned in float32
-            # One 2D product over [tokens, embed], contracting the table's own rows as `_last_logits` does (their
-            # logits stay bitwise equal): the table's gradient is then `g^T h` with no transposed copy of `g`.
-            table = self.embedding.embedding.astype(h.dtype)
-            rows = h.reshape(-1, h.shape[-1])
-            logits = lax.dot_general(rows, table, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            logits = logits.reshape(*h.shape[:-1], -1)
-        else:
-            logits = self.head(h)
-        logits = constrain(soft_cap(logits, self.logit_softcap), ("batch", "length", "vocab"))
-        if logits.shape[-1] == self.vocab_size:  # nothing padded: a select over every logit would change none
-            return logits
-        return jnp.where(jnp.arange(logits.shape[-1]) < self.vocab_size, logits, MASKED_LOGIT)
+        return head_logits(
+            h, self._head(), tied=self.tie_embeddings, vocab_size=self.vocab_size, softcap=self.logit_softcap
+        )
+
+    def _head(self) -> jax.Array:
+        """The head's weights: the tied embedding table `[vocab, embed]`, or the head's kernel `[embed, vocab]`."""
+        return self.embedding.embedding if self.tie_embeddings else self.head.kernel
+
+    def _token_losses(self, h: jax.Array, targets: jax.Array, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+        """Each target's cross-entropy `[B, T]` after the blocks' `h`, and whether it is the argmax, computed by
+        :func:`.loss.token_cross_entropy`: in chunks of positions when the logits would be large."""
+        spec = {"tied": self.tie_embeddings, "vocab_size": self.vocab_size, "softcap": self.logit_softcap}
+        return token_cross_entropy(self.final_norm(h), self._head(), targets, temperature=temperature, **spec)
 
     def _last_logits(self, h: jax.Array) -> jax.Array:
         """:meth:`_logits` of one position per row, `h` `[B, 1, embed]` -> `[B, padded vocab]` (prefill, decode).
@@ -372,16 +373,38 @@ class TransformerLM(nnx.Module):
         give their own `positions` `[B, T]` (each example from 0) and `segments` `[B, T]` (an id per example):
         attention then stays within a segment, so each example is computed as if alone.
         """
-        return self._forward(tokens, ctx, positions, segments)[0]
+        return self._logits(self._hidden(tokens, ctx, positions, segments)[0])
 
-    def _forward(
+    def token_losses(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        ctx: nnx.Context | None = None,
+        *,
+        positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The cross-entropy (float32) of each of `targets` `[B, T]`, the next tokens of `tokens` `[B, T]`, under
+        the logits divided by `temperature`, and whether each target is their argmax (a tie counts), both
+        `[B, T]`: `-log_softmax(logits(tokens) / temperature)[target]` without the `[B, T, vocab]` logits (and
+        their gradient) in memory at once when they would be large (:mod:`.loss`). `ctx`, `positions` and
+        `segments` as in :meth:`logits`::
+
+            loss, hit = model.token_losses(batch["tokens"][:, :-1], batch["tokens"][:, 1:])
+        """
+        h, _ = self._hidden(tokens, ctx, positions, segments)
+        return self._token_losses(h, jnp.asarray(targets, jnp.int32), temperature)
+
+    def _hidden(
         self,
         tokens: jax.Array,
         ctx: nnx.Context | None = None,
         positions: jax.Array | None = None,
         segments: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """The logits, and the routers' load-balancing loss over the real tokens (None without experts)."""
+        """The last block's output `[B, T, embed]` (before the final norm), and the routers' load-balancing loss
+        over the real tokens (None without experts)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         length = tokens.shape[1]
         if self.positions == "learned" and length > self.max_positions:
@@ -397,7 +420,7 @@ class TransformerLM(nnx.Module):
             segments = jnp.asarray(segments, jnp.int32)
             h, statistics = self._blocks("__call__", h, positions, segments, deterministic=deterministic, ctx=ctx)
         aux = None if statistics is None else load_balancing_loss(statistics, self.moe.num_experts)
-        return self._logits(h), aux
+        return h, aux
 
     def _with_aux_loss(self, out: dict[str, jax.Array], aux: jax.Array | None) -> dict[str, jax.Array]:
         """`aux_loss` beside the metrics (the batch's, on every row), and its gradient, times the coefficient,
@@ -419,11 +442,11 @@ class TransformerLM(nnx.Module):
             return self._example_metrics(batch, ctx)
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
         targets = tokens[:, 1:]
-        logits, aux = self._forward(tokens[:, :-1], ctx)
-        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        h, aux = self._hidden(tokens[:, :-1], ctx)
+        token_loss, hit = self._token_losses(h, targets)
         out = {
             "loss": jnp.mean(token_loss, axis=-1),
-            "accuracy": jnp.mean(is_argmax(logits, targets), axis=-1, dtype=jnp.float32),
+            "accuracy": jnp.mean(hit, axis=-1, dtype=jnp.float32),
         }
         if self.bits_per_byte:
             is_byte = targets < _BYTES
@@ -437,13 +460,13 @@ class TransformerLM(nnx.Module):
         targets = tokens[:, 1:]
         # a target counts when marked, and when it continues the same (real) example as the token before it
         counts = batch["targets"][:, 1:].astype(bool) & (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
-        logits, aux = self._forward(tokens[:, :-1], ctx, batch["positions"][:, :-1], segments[:, :-1])
-        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        h, aux = self._hidden(tokens[:, :-1], ctx, batch["positions"][:, :-1], segments[:, :-1])
+        token_loss, hit = self._token_losses(h, targets)
         weight = jnp.sum(counts, axis=-1, dtype=jnp.float32)
         per_row = lambda x: jnp.sum(jnp.where(counts, x, 0.0), axis=-1) / jnp.maximum(weight, 1.0)  # noqa: E731
         out = {
             "loss": per_row(token_loss),
-            "accuracy": per_row(is_argmax(logits, targets).astype(jnp.float32)),
+            "accuracy": per_row(hit.astype(jnp.float32)),
             "weight": weight,
         }
         return self._with_aux_loss(out, aux)
@@ -544,20 +567,6 @@ class TransformerLM(nnx.Module):
         model.layers = nnx.Sequence(blocks)
         model.scan_layers = False
         return model
-
-
-def is_argmax(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Whether each target's logit is the largest of its row: `argmax(logits) == target`, where a target tied
-    with another id at the maximum also counts as predicted.
-
-    The maximum is the one the cross-entropy computes anyway, so this costs
-    a gather: `jnp.argmax`'s paired (value, index) reduction over the
-    vocabulary ran several times slower than the whole cross-entropy, and
-    its exact first-index tie-break cost another pass over the logits and
-    200 MB of memory at SmolLM2 shapes.
-    """
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return target_logit >= jnp.max(logits, axis=-1)
 
 
 def _window_and_vocabulary(

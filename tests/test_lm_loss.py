@@ -1,0 +1,286 @@
+"""The head and the cross-entropy computed in chunks of positions (`models/transformer/loss.py`) equal the whole
+logits' loss, accuracy and gradients; the model, DPO and GRPO read their losses through it.
+
+Chunking is forced on small shapes by passing `chunk`, or, through the model, by lowering `loss.CHUNK_BYTES`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import nnx
+from nnx_cli import steps
+from nnx_cli.models.transformer import TransformerLM
+from nnx_cli.models.transformer import loss as loss_module
+from nnx_cli.models.transformer.loss import chunk_length, is_argmax, token_cross_entropy
+from nnx_cli.objectives import dpo, grpo
+
+BATCH, LENGTH, EMBED, VOCAB, REAL = 2, 11, 16, 256, 250  # 11 positions: chunks of 4 leave a ragged last one
+
+
+def normal(shape, seed, scale=1.0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+
+
+def problem(tied: bool, dtype=jnp.float32):
+    """Hidden states, a head (table or kernel) and targets, a third of them the argmax of their row."""
+    h = normal((BATCH, LENGTH, EMBED), 0).astype(dtype)
+    head = normal((VOCAB, EMBED) if tied else (EMBED, VOCAB), 1, 0.5)
+    logits = jnp.einsum("bte,ve->btv" if tied else "bte,ev->btv", h.astype(jnp.float32), head)[..., :REAL]
+    drawn = jnp.asarray(np.random.default_rng(2).integers(0, REAL, (BATCH, LENGTH)), jnp.int32)
+    targets = jnp.where(jnp.arange(LENGTH) % 3 == 0, jnp.argmax(logits, -1), drawn)
+    return h, head, targets
+
+
+def reference(h, head, targets, tied, softcap=None, temperature=1.0):
+    """The whole logits' loss and accuracy, written out: what the model computed before chunking."""
+    logits = jnp.einsum("bte,ve->btv" if tied else "bte,ev->btv", h, head.astype(h.dtype),
+                        preferred_element_type=jnp.float32)  # fmt: skip
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = jnp.where(jnp.arange(VOCAB) < REAL, logits, -1e30) / temperature
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets), is_argmax(logits, targets)
+
+
+OPTIONS = {"plain": {}, "soft-capped": {"softcap": 3.0}, "temperature": {"temperature": 0.7}}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_chunked_loss_and_accuracy_equal_the_whole_logits(tied, options):
+    h, head, targets = problem(tied)
+    got = jax.jit(lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, chunk=4, **options))
+    loss, hit = got(h, head)
+    want_loss, want_hit = reference(h, head, targets, tied, **options)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(hit, want_hit)
+    assert 0 < np.mean(hit) < 1
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_chunked_gradients_equal_autodiff_of_the_whole_logits(tied, options):
+    h, head, targets = problem(tied)
+    weights = normal((BATCH, LENGTH), 3)  # each token's upstream gradient, as a masked mean makes them
+
+    def total(f):
+        return jax.jit(jax.grad(lambda h, w: jnp.sum(f(h, w)[0] * weights), (0, 1)))(h, head)
+
+    got = total(lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, chunk=4, **options))
+    want = total(lambda h, w: reference(h, w, targets, tied, **options))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
+def test_bfloat16_hidden_states_give_float32_losses_and_gradients_as_close_as_autodiffs(tied):
+    h, head, targets = problem(tied, jnp.bfloat16)
+    weights = normal((BATCH, LENGTH), 3)
+    options = {"softcap": 3.0, "temperature": 0.7}
+
+    def run(f, h):
+        return jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(f(h, w)[0] * weights), (0, 1)))(h, head)
+
+    chunked = lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, chunk=4, **options)  # noqa: E731
+    ours = run(chunked, h)
+    autodiff = run(lambda h, w: reference(h, w, targets, tied, **options), h)
+    exact = run(lambda h, w: reference(h, w, targets, tied, **options), h.astype(jnp.float32))  # float32 throughout
+    assert token_cross_entropy(h, head, targets, tied=tied, vocab_size=REAL, chunk=4)[0].dtype == jnp.float32
+    assert ours[1][0].dtype == jnp.bfloat16 and ours[1][1].dtype == jnp.float32
+    np.testing.assert_allclose(ours[0], autodiff[0], rtol=1e-5)
+    for g, a, e in zip(ours[1], autodiff[1], exact[1], strict=True):
+        scale = np.max(np.abs(e))
+        error = np.max(np.abs(np.asarray(g, np.float32) - e)) / scale
+        assert error < max(2 * np.max(np.abs(np.asarray(a, np.float32) - e)) / scale, 1e-2)
+
+
+def test_a_target_tied_with_another_id_at_the_maximum_counts_as_the_argmax():
+    h, head, targets = problem(tied=True)
+    top = int(targets[0, 0])  # position 0 targets its row's argmax
+    twin = top + 1 if top + 1 < REAL else top - 1
+    head = head.at[twin].set(head[top])
+    targets = targets.at[0, 0].set(max(top, twin))  # jnp.argmax would name the other
+    _, hit = token_cross_entropy(h, head, targets, tied=True, vocab_size=REAL, chunk=4)
+    assert hit[0, 0]
+
+
+def test_padded_ids_are_never_the_argmax_and_take_no_probability():
+    h, head, targets = problem(tied=True)
+    head = head.at[REAL:].set(100.0 * h[0, 0])  # the padded ids' logits would dominate every position
+    loss, hit = token_cross_entropy(h, head, targets, tied=True, vocab_size=REAL, chunk=4)
+    want_loss, want_hit = reference(h, head.at[REAL:].set(0.0), targets, tied=True)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(hit, want_hit)
+
+
+def test_chunks_hold_about_chunk_bytes_of_logits_in_equal_parts_and_small_logits_stay_whole():
+    assert chunk_length(8, 256, 384) == 256  # a byte vocabulary: one chunk
+    length = chunk_length(2, 512, 151936)  # Qwen2.5's vocabulary: 9.3 chunks' worth of logits
+    chunks = -(-512 // length)
+    assert 4 * 2 * length * 151936 <= loss_module.CHUNK_BYTES and chunks == 10
+    assert chunks * length - 512 < chunks  # the chunks equal but for a position each
+
+
+def _compiled(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_the_forward_pass_alone_multiplies_by_the_head_once_and_a_frozen_head_gets_no_gradient_loop():
+    h, head, targets = problem(tied=True)
+
+    def loss(h, w):
+        return jnp.sum(token_cross_entropy(h, w, targets, tied=True, vocab_size=REAL, chunk=4)[0])
+
+    dots = lambda text: len(re.findall(r" dot\(", text))  # noqa: E731
+    loops = lambda text: len(re.findall(r" while\(", text))  # noqa: E731
+    primal, frozen, trained = (_compiled(f, h, head) for f in (loss, jax.grad(loss), jax.grad(loss, (0, 1))))
+    assert (loops(primal), dots(primal)) == (1, 1)  # the logits only
+    assert (loops(frozen), dots(frozen)) == (1, 2)  # and G, in the same loop: `h`'s gradient needs no other
+    assert (loops(trained), dots(trained)) == (2, 4)  # the head's gradient recomputes each chunk's logits
+
+
+# Through the model
+# ------------------------------------------------------------------------------
+
+
+def small_model(**options) -> TransformerLM:
+    options = {"num_layers": 1, "num_heads": 2, "embed_dim": 32, "positions": "rope", "norm": "rmsnorm",
+               "dropout": 0.0, **options}  # fmt: skip
+    return TransformerLM((LENGTH + 1,), 1000, **options, ctx=nnx.context(0))  # 1000 ids padded to 1024
+
+
+def packed_batch() -> dict[str, jax.Array]:
+    """Two rows of 13 tokens: packed examples (segments 1, 2, then padding), the second half of each marked."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 1000, (BATCH, LENGTH + 2))
+    segments = np.array([[1] * 5 + [2] * 6 + [0] * 2, [1] * 9 + [2] * 3 + [0]])
+    positions = np.concatenate([np.arange(np.sum(row == s)) for row in segments for s in (1, 2, 0)]).reshape(2, -1)
+    targets = (positions >= 2) & (segments > 0)
+    return {k: jnp.asarray(v, jnp.int32) for k, v in
+            dict(tokens=tokens, segments=segments, positions=positions, targets=targets).items()}  # fmt: skip
+
+
+def _metrics_and_gradients(model: TransformerLM, batch: dict[str, jax.Array]):
+    params, moduledef = model.partition(nnx.Param)
+
+    def loss(params):
+        out = moduledef.apply(params).metrics(batch, None)[0]
+        return jnp.sum(out["loss"] * out["weight"]), out
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+
+@pytest.mark.parametrize("options", [{}, {"tie_embeddings": False, "logit_softcap": 5.0}], ids=["tied", "head"])
+def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monkeypatch, options):
+    model, batch = small_model(**options), packed_batch()
+    (_, whole), whole_grads = _metrics_and_gradients(model, batch)
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)  # chunks of 3 positions
+    (_, chunked), chunked_grads = _metrics_and_gradients(model, batch)
+    for name in ("loss", "accuracy", "weight"):
+        np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-5, err_msg=name)
+    for path, g in whole_grads.items():
+        np.testing.assert_allclose(chunked_grads[path].value, g.value, rtol=1e-4, atol=1e-6, err_msg=path)
+
+
+def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monkeypatch):
+    model, batch = small_model(tie_embeddings=False), packed_batch()
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)
+    params, moduledef = model.partition(nnx.Param)
+    tokens = batch["tokens"]
+    logits = moduledef.merge(params).logits(
+        tokens[:, :-1], positions=batch["positions"][:, :-1], segments=batch["segments"][:, :-1]
+    )
+    for temperature in (1.0, 0.7):
+        want = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature), tokens[:, 1:, None], -1)[..., 0]
+        got = jax.jit(lambda p, b, t=temperature: grpo.token_logps(moduledef.merge(p), b, None, t))(params, batch)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    logps, counts = jax.jit(lambda p, b: dpo.sequence_logps(moduledef.merge(p), b, None))(params, batch)
+    marked = batch["targets"][:, 1:].astype(bool) & (batch["segments"][:, 1:] == batch["segments"][:, :-1])
+    each = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+    for segment in (1, 2):
+        where = marked & (batch["segments"][:, 1:] == segment)
+        np.testing.assert_allclose(logps[:, segment], jnp.sum(jnp.where(where, each, 0.0), -1), rtol=1e-5)
+        np.testing.assert_array_equal(counts[:, segment], jnp.sum(where, -1))
+    assert logps.shape == (BATCH, 2 * (LENGTH + 1) // 2 + 1)
+
+
+def test_a_lora_train_step_computes_no_gradient_of_the_frozen_head(monkeypatch):
+    """The head's gradient, a `[vocab, embed]` product, is in a full fine-tuning step and not in a LoRA one."""
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)
+    batch = {"tokens": packed_batch()["tokens"][:, : LENGTH + 1]}
+    head_gradient = re.compile(r"f32\[1024,32\]\{[0-9,]*\} dot\(")
+
+    def step_text(**options) -> str:
+        tx = optax.sgd(0.1)
+        moduledef, state = steps.init_state(lambda ctx: small_model(**options), tx, 0)
+        sums = steps.empty_sums(["loss", "accuracy"])
+        step = lambda state, sums, b: steps.train_step(moduledef, tx, "loss", 0, state, sums, b)  # noqa: E731
+        return _compiled(step, state, sums, batch)
+
+    assert head_gradient.search(step_text())
+    assert not head_gradient.search(step_text(lora={"rank": 4}))
+
+
+# Several devices: a batch over `data`, the vocabulary over `model`
+# ------------------------------------------------------------------------------
+
+_EIGHT_DEVICES = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import nnx
+    from nnx_cli.config import ShardingConfig
+    from nnx_cli.models.transformer.loss import token_cross_entropy
+    from nnx_cli.sharding import axis_rules, make_mesh
+
+    cfg = ShardingConfig(mesh={"data": 4, "model": 2}, rules=[["batch", "data"], ["embed", "data"], ["vocab", "model"]])
+    mesh, rules = make_mesh(cfg), axis_rules(cfg)
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((8, 12, 16)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((256, 16)) * 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 250, (8, 12)), jnp.int32)
+    g = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
+
+    def run(h, table, chunk):
+        def total(h, table):
+            loss, hit = token_cross_entropy(h, table, targets, tied=True, vocab_size=250, softcap=4.0, chunk=chunk)
+            return jnp.sum(loss * g), (loss, hit)
+        return jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))(h, table)
+
+    (_, (want, want_hit)), want_grads = run(h, table, None)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        h = jax.device_put(h, NamedSharding(mesh, P("data")))
+        table = jax.device_put(table, NamedSharding(mesh, P("model", "data")))
+        (_, (loss, hit)), grads = run(h, table, 5)
+    print("loss", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)))
+    print("grads", max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
+    print("spec", tuple(loss.sharding.spec)[:1], tuple(grads[1].sharding.spec))
+    """
+)
+
+
+def test_chunks_keep_a_batch_sharded_over_data_and_a_vocabulary_over_model_on_eight_devices():
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        "JAX_DEFAULT_MATMUL_PRECISION": os.environ["JAX_DEFAULT_MATMUL_PRECISION"],
+    }  # conftest.py's policy
+    out = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    error, same_hits = lines["loss"].split()
+    assert float(error) < 1e-5 and same_hits == "True"
+    assert float(lines["grads"]) < 1e-5
+    assert lines["spec"] == "('data',) ('model', 'data')"  # the table's gradient sharded as the table
