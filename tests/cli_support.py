@@ -1,8 +1,7 @@
 """Running the console scripts as a user does: real subprocesses, real files.
 
-`cli()` runs a command to its end through a fork server (tests/forkserver.py: a process of its own, the
-imports already done) where it would run the same alone; `start()`, for runs a test signals, kills or
-watches, always starts the console script itself. `NNX_TESTS_FORKSERVER=0` turns the server off."""
+`cli()` and `start()` run a command through a fork server (tests/forkserver.py: a process of its own, the
+imports already done) where it would run the same alone; `NNX_TESTS_FORKSERVER=0` turns the server off."""
 
 from __future__ import annotations
 
@@ -122,12 +121,25 @@ def _limit_file_size(limit: int) -> None:
 
 
 def start(
-    name: str, *args: str, cwd: Path, devices: int | None = None, extra_env: dict[str, str] | None = None
+    name: str,
+    *args: str,
+    cwd: Path,
+    devices: int | None = None,
+    extra_env: dict[str, str] | None = None,
+    own_pid: bool = False,
 ) -> subprocess.Popen:
+    """A console script started, for a test to wait on, signal or kill (through the fork server, which passes
+    SIGINT / SIGTERM / SIGHUP on to the command, and kills it with the shim on SIGKILL). With `own_pid`, the
+    command is the process started (`.pid` is the command's), not a shim."""
+    environment = env(cwd, devices, **(extra_env or {}))
+    server = None if own_pid else _server()
     return subprocess.Popen(
-        [str(BIN / name), *map(str, args)],
+        [
+            server.shim(name) if server is not None and server.serves(name, environment) else str(BIN / name),
+            *map(str, args),
+        ],
         cwd=cwd,
-        env=env(cwd, devices, **(extra_env or {})),
+        env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,7 +10,7 @@ in the server, so each command's devices (`XLA_FLAGS`) are its own; what the lib
 environment when imported is the server's, so a command whose JAX settings (`JAX_*`) differ from the
 server's must not come here (:meth:`ForkServer.serves`), and the Hugging Face libraries' cache locations are
 read again from each command's environment. A command whose shim goes away (a test's timeout killed it) is
-killed with its process group.
+killed with its process group; its interrupt, termination and hangup signals are passed on to the command.
 
 Protocol, per connection: the shim sends one JSON line `{"argv", "cwd", "env"}` with its three standard
 file descriptors attached (SCM_RIGHTS); the server replies with one line, the exit status. With
@@ -75,11 +75,13 @@ def console_scripts() -> dict[str, str]:
 
 
 _SHIM = """#!{python} -I
-import json, os, socket, sys
+import json, os, signal, socket, sys
 s = socket.socket(socket.AF_UNIX)
 s.connect({socket!r})
 request = json.dumps({{"argv": [{name!r}, *sys.argv[1:]], "cwd": os.getcwd(), "env": dict(os.environ)}})
 socket.send_fds(s, [request.encode() + b"\\n"], [0, 1, 2])
+for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # passed on to the command
+    signal.signal(signum, lambda signum, frame: s.send(bytes([signum])))
 reply = s.makefile().readline()
 sys.exit(int(reply) if reply.strip() else 1)
 """
@@ -141,15 +143,20 @@ def _serve(connection: socket.socket) -> None:
         _run(request["argv"], request["cwd"], request["env"])
     for fd in fds:
         os.close(fd)
+    exited = os.pidfd_open(pid)
     while True:
-        finished, status, usage = os.wait4(pid, os.WNOHANG)
-        if finished:
+        readable, _, _ = select.select([connection, exited], [], [])
+        if exited in readable:
             break
-        readable, _, _ = select.select([connection], [], [], 0.2)
-        if readable and not connection.recv(1):  # the shim is gone: so is the command
+        signals = connection.recv(16)
+        if not signals:  # the shim is gone (killed): so is the command
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             os._exit(0)
+        for signum in signals:  # the shim's signals, for the command
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    _, status, usage = os.wait4(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if os.environ.get("NNX_DOCS_CPU_LOG"):  # where the time goes: one line per command, its CPU seconds
         with open(os.environ["NNX_DOCS_CPU_LOG"], "a") as log:

@@ -327,7 +327,7 @@ def test_no_eval_runs_on_parameters_that_went_non_finite(project: Path):
 
 
 def test_a_second_run_on_a_busy_work_dir_stops_at_once(project: Path):
-    first = start("nnx-train", "run.yaml", "train.steps=100000", "--workdir", "busy", cwd=project)
+    first = start("nnx-train", "run.yaml", "train.steps=100000", "--workdir", "busy", cwd=project, own_pid=True)
     try:
         wait_for_checkpoint(project / "busy", 40, [first])
         assert_user_error(
