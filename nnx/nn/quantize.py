@@ -494,11 +494,15 @@ def _zeros(batch: tuple[int, ...], fan_in: int, fan_out: int, block: int, double
 
 
 def _dot(x: Array, w: Array, out_dtype: Any) -> Array:
-    return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    # accumulated in float32 whatever the output: XLA's CPU product of 16-bit operands runs about 2.5x faster
+    # with a float32 result than with a 16-bit one (and rounds once, as a GPU's does)
+    return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(
+        out_dtype or x.dtype
+    )
 
 
 def _dot_transpose(g: Array, w: Array, out_dtype: Any) -> Array:
-    return jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))
+    return jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(g.dtype)
 
 
 def dequantized_product(

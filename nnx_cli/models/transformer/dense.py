@@ -53,7 +53,8 @@ def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None)
 def frozen_matmul(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
     """`x @ kernel` (`[tokens, in] @ [in, out]`) for a frozen kernel: the backward pass gives `x` its gradient
     `g kernel^T` and the kernel none, keeping nothing but the kernel itself."""
-    return lax.dot_general(x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+    y = lax.dot_general(x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)  # accumulated in float32: XLA's CPU 16-bit product is 2.5x faster so
 
 
 def _frozen_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
@@ -62,7 +63,7 @@ def _frozen_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[ja
 
 def _frozen_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     kernel, x_like = saved
-    dx = lax.dot_general(g.astype(kernel.dtype), kernel, (((1,), (1,)), ((), ())))
+    dx = lax.dot_general(g.astype(kernel.dtype), kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return dx.astype(x_like.dtype), jnp.zeros_like(kernel)
 
 
