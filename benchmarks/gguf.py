@@ -7,10 +7,11 @@ of a random model shaped like Qwen2.5-0.5B (24 layers, 896 wide, 14 heads sharin
 151,936-token vocabulary, tied embeddings, bfloat16 on disk), at each `--dtype`, and reports wall time, file size
 and each route's peak resident memory (the largest process of the route, from getrusage), each route twice in the
 order A B B A with the page cache's dirty pages written out before each command (the means of the times, the
-largest peaks). Targets: ours at least 2x faster end to end, peak memory no higher. The two files must be equal (the converter is told the pre-tokenizer
-name, as tests/fixtures/make_gguf_fixtures.py does: the random model's tokenizer is not a real one) at f32, where
-both start from the same float32 weights; at the other types the two-step route's Hugging Face export is in the
-base model's bfloat16, as a user makes it, and ours quantises the merged float32 weights directly.
+largest peaks). Targets: ours at least 2x faster end to end, peak memory no higher. The two files must be equal
+(the converter is told the pre-tokenizer name, as tests/fixtures/make_gguf_fixtures.py does: the random model's
+tokenizer is not a real one) at f32, where both start from the same float32 weights; at the other types the
+two-step route's Hugging Face export is in the base model's bfloat16, as a user makes it, and ours quantises the
+merged float32 weights directly.
 
 With `--transformers`, also the logits `transformers` computes from our f32 file (`gguf_file=`) against nnx's own
 from the run, on a few tokens (transformers does not read every family's GGUF faithfully; it reads Qwen2's).
