@@ -338,7 +338,7 @@ class _Converted:
             step = max(1, _CHUNK // (rows.shape[1] * 4))
             self.waiting = [rows[i : i + step] for i in range(0, rows.shape[0], step)]
             self.ready = [_device_quantize(self.waiting.pop(0), change=change, kind=self.kind)]  # started now
-        shape = change.apply(np.broadcast_to(np.float32(0), data.shape)).shape  # only strides move
+        shape = tuple(reversed(data.shape)) if change.transpose else tuple(data.shape)  # permuted rows keep it
         self.shape = shape if qtype in (q.F32, q.F16) else tuple(gguf.quant_shape_to_byte_shape(shape, qtype))
         self.nbytes = math.prod(gguf.quant_shape_to_byte_shape(shape, qtype))
 
@@ -374,9 +374,9 @@ def _device_quantize(data: Any, *, change: families.Change, kind: str) -> Any:
     if kind != "q8_0":
         return convert(data, change, kind, None, None)
     scale = _jax_get(block_max(data, change)) / np.float32(127)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):  # a scale past float16's range is inf, as gguf-py's
         inverse = np.where(scale == 0, np.float32(0), np.float32(1) / scale)
-    return convert(data, change, kind, scale.astype(np.float16), inverse)
+        return convert(data, change, kind, scale.astype(np.float16), inverse)
 
 
 def _jax_get(x: Any) -> np.ndarray:
