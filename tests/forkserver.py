@@ -27,6 +27,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -176,8 +177,8 @@ class ForkServer:
 
     def __init__(self, env: Mapping[str, str]):
         self.env = dict(env)
-        base = Path(tempfile.mkdtemp(prefix="nnx-forkserver-"))
-        self.bin, socket_path = base / "bin", str(base / "server.sock")
+        self.base = Path(tempfile.mkdtemp(prefix="nnx-forkserver-"))
+        self.bin, socket_path = self.base / "bin", str(self.base / "server.sock")
         self.process = subprocess.Popen([sys.executable, __file__, socket_path], env=self.env, stdout=subprocess.PIPE,
                                         text=True)  # fmt: skip
         atexit.register(self.stop)
@@ -198,6 +199,7 @@ class ForkServer:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait()
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
 def main(socket_path: str) -> None:
