@@ -370,9 +370,12 @@ def _device_quantize(data: Any, *, change: families.Change, kind: str) -> Any:
     `max |x| / 127` per 32 values, stored in float16, and each `x * (1 / scale)` rounded half away from zero).
     The scales, one per 32 values, are divided by numpy: XLA turns a division by a broadcast scalar into a
     product with its reciprocal, which rounds differently."""
+    import jax
+
     convert, block_max = _compiled()
     if kind != "q8_0":
         return convert(data, change, kind, None, None)
+    data = jax.device_put(data)  # once, for both programs
     scale = _jax_get(block_max(data, change)) / np.float32(127)
     with np.errstate(divide="ignore", over="ignore"):  # a scale past float16's range is inf, as gguf-py's
         inverse = np.where(scale == 0, np.float32(0), np.float32(1) / scale)
