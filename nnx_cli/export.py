@@ -72,7 +72,7 @@ def export(
     exp = language_model(run, "nnx-export writes")
     exporting.check(exp, out, adapter=adapter, dtype=dtype)
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
-    step, params = restore_parameters(run, exp, jax.devices("cpu")[0])
+    step, params = restore_parameters(run, exp, jax.devices("cpu")[0], as_stored=True)
     arrays = {path: np.asarray(variable.value) for path, variable in params.items()}  # views of the host buffers
     del params
     files = exporting.export(exp, arrays, out, adapter=adapter, dtype=dtype, tokenizer=tokenizer)
@@ -120,11 +120,12 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
         run = open_run(target, [], step, best=best)
         exp = language_model(run, "nnx-export writes")
         tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
-        step, params = restore_parameters(run, exp, jax.devices("cpu")[0])
+        step, params = restore_parameters(run, exp, jax.devices("cpu")[0], as_stored=True)
         arrays = {path: np.asarray(variable.value) for path, variable in params.items()}
         del params
         with tempfile.TemporaryDirectory(prefix="nnx-gguf-") as files:
             source = gguf_export.from_run(exp, arrays, tokenizer, Path(files), name=run.workdir.name)
+            del arrays  # the source's are the only references left: each parameter is freed once written
             written = gguf_export.write(source, out, dtype, overwrite=overwrite)
         origin = str(run.checkpoints / str(step))
     if ollama:

@@ -244,9 +244,11 @@ def language_model(run: Any, what: str, place: bool = False) -> Any:
     return exp
 
 
-def restore_parameters(run: Any, exp: Any, device: Any) -> tuple[int, Any]:
+def restore_parameters(run: Any, exp: Any, device: Any, *, as_stored: bool = False) -> tuple[int, Any]:
     """Every parameter of the run's newest usable (or requested) step on `device`: an adapter run's adapters
-    with the base parameters they adapt (whose weights must be those they were trained on)."""
+    with the base parameters they adapt (whose weights must be those they were trained on). `as_stored`: the
+    base's float32 parameters in the 16-bit dtype its files store them in, when they all share one (an export,
+    which writes them as they were: half the memory, and nothing lost)."""
     import jax
 
     from nnx_cli import restore, steps
@@ -262,7 +264,11 @@ def restore_parameters(run: Any, exp: Any, device: Any) -> tuple[int, Any]:
 
     step, params = restore.from_run(run, read, lambda m: console.print(m, highlight=False))
     if steps.FROZEN in exp.abstract:  # adapters: their base parameters too
-        params = params | exp.frozen_params(place(exp.abstract[steps.FROZEN]))
+        frozen = place(exp.abstract[steps.FROZEN])
+        stored = exp.pretrained.stored_float if as_stored and exp.pretrained is not None else None
+        if stored is not None:
+            frozen = jax.tree.map(lambda a: a.update(dtype=stored) if a.dtype == np.float32 else a, frozen)
+        params = params | exp.frozen_params(frozen)
     return step, params
 
 

@@ -326,6 +326,23 @@ def test_a_failed_export_leaves_no_file_and_an_existing_one_as_it_was(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.gguf"] and (tmp_path / "out.gguf").read_bytes() == b"before"
 
 
+def test_a_write_that_fails_on_the_writing_thread_is_raised_and_leaves_no_file(tmp_path, monkeypatch):
+    import gguf
+
+    write, calls = gguf.GGUFWriter.write_tensor_data, []
+
+    def failing(self, tensor, *args, **kwargs):
+        calls.append(tensor.nbytes)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return write(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", failing)
+    with pytest.raises(OSError, match="No space"):
+        export.write(export.from_model_dir(fixture("llama")), tmp_path / "out.gguf", "q8_0")
+    assert list(tmp_path.iterdir()) == [] and len(calls) == 3  # nothing written after the failure
+
+
 def test_without_the_gguf_package_the_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(UserError, match=r"pip install 'nnx\[gguf\]'"):

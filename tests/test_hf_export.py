@@ -155,6 +155,21 @@ def test_merged_adapters_export_the_weights_peft_merges(adapted, tmp_path):
     assert relative_error(logits, gold["merged_logits"]) < 1e-4
 
 
+def test_an_adapter_merged_into_a_16_bit_base_keeps_an_update_finer_than_the_base_holds():
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    kernel = rng.normal(size=(2, 64, 32)).astype(ml_dtypes.bfloat16)  # stacked layers, as a base read as stored
+    a, b = rng.normal(size=(2, 64, 4)).astype(np.float32) * 1e-4, rng.normal(size=(2, 4, 32)).astype(np.float32)
+    params = {"layers/scan_module/mlp/up/kernel": kernel, "layers/scan_module/mlp/up/lora/a": a,
+              "layers/scan_module/mlp/up/lora/b": b}  # fmt: skip
+    merged = np.asarray(exporting.merged(params, scale=2.0)["layers/scan_module/mlp/up/kernel"])
+    assert merged.dtype == np.float32
+    expected = kernel.astype(np.float32) + np.einsum("lir,lro->lio", a, b) * 2
+    np.testing.assert_allclose(merged, expected, rtol=1e-6, atol=1e-9)
+    assert (merged.astype(ml_dtypes.bfloat16) == kernel).mean() > 0.5  # rounded back, most of the update is gone
+
+
 @pytest.mark.parametrize(
     "lora, message",
     [

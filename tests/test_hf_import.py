@@ -283,6 +283,17 @@ def test_bfloat16_copied_into_the_upper_halves_of_fresh_pages_is_exact_straight_
         np.testing.assert_array_equal(out, expected.astype(np.float32))
 
 
+@pytest.mark.parametrize("stored", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("target", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_parameters_hold_their_own_types_bits_and_round_any_other(stored, target):
+    source = (np.random.default_rng(0).normal(size=(300, 200)) * 1e3).astype(stored)  # some past float16's grid
+    raw = source.view(np.uint16) if stored == ml_dtypes.bfloat16 else source
+    for view, expected in ((raw, source), (raw.T, source.T)):
+        out = np.zeros(view.shape, target)
+        convert(view, out, zeroed=True)
+        np.testing.assert_array_equal(out.view(np.uint16), expected.astype(np.float32).astype(target).view(np.uint16))
+
+
 def test_parameters_over_a_mebibyte_are_faulted_in_ahead_and_filled_layer_by_layer(tmp_path):
     config = {**LLAMA_CONFIG, "hidden_size": 256, "intermediate_size": 1152, "num_attention_heads": 8}
     tensors = write_model_dir(tmp_path / "wide", config, dtype="bfloat16")  # each layer's MLP kernel: 1.1 MiB

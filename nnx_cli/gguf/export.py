@@ -83,7 +83,8 @@ def default_dtype(stored: str) -> str:
 
 def from_model_dir(directory: Path) -> Source:
     """A Hugging Face model directory: its config.json and tokenizer files, its tensors read from the safetensors
-    (float16 as stored, bfloat16 and float32 as float32, which is what llama.cpp's converter computes in)."""
+    as they are stored (a bfloat16 tensor is widened to float32, what llama.cpp's converter computes in, as it is
+    converted)."""
     from nnx_cli.hf import families as hf_families
     from nnx_cli.hf import open_pretrained, read_config
 
@@ -95,16 +96,11 @@ def from_model_dir(directory: Path) -> Source:
     dtype = "bfloat16" if stored == {"BF16"} else "float16" if stored == {"F16"} else "float32"
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        from nnx_cli.hf.weights import convert
+        import ml_dtypes
 
         for name in shapes:
-            raw = weights.view(name)
-            if raw.dtype == np.float16:
-                yield name, np.array(raw)
-            else:
-                out = np.empty(raw.shape, np.float32)
-                convert(raw, out)
-                yield name, out
+            raw = weights.view(name)  # float32 and float16 as stored; bfloat16 is widened to float32 as converted
+            yield name, raw.view(ml_dtypes.bfloat16) if raw.dtype == np.uint16 else raw
             del raw
 
     return Source(config, pretrained.directory, shapes, tensors, pretrained.directory.name, pretrained.directory,
@@ -150,7 +146,7 @@ def from_run(exp: Any, params: Mapping[str, Any], tokenizer: Any, files: Path, n
     hf_export._write_tokenizer(files, cfg, pretrained, tokenizer, config)
     shapes = hf_families.layout(maps, options["num_layers"])
     card = pretrained.directory if pretrained is not None else None
-    return Source(config, files, shapes, lambda: tensors_of(params, maps), name, card, stored)
+    return Source(config, files, shapes, lambda: tensors_of(params, maps, release=True), name, card, stored)
 
 
 # Writing
@@ -268,26 +264,21 @@ def _qtype(name: str, shape: tuple[int, ...], dtype: str, gguf: Any) -> Any:
 
 def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, source: Source, plan: list[_Planned],
                    extra: dict[str, np.ndarray], gguf: Any) -> None:  # fmt: skip
-    """Each planned tensor's data, in plan order, as the source's tensors arrive. Each tensor's conversion is
-    started before the one before it is written, so XLA converts while the file is written."""
+    """Each planned tensor's data, in plan order, as the source's tensors arrive. The file is written on a thread
+    of its own (:class:`_Background`), a tensor or two behind: the next tensors are made (an adapter merged,
+    a kernel transposed) and converted by XLA while the last ones are written."""
     from nnx_cli.hf.weights import progress
 
     by_source = {s: t for t in plan for s in t.sources}
     parts: dict[str, dict[int, np.ndarray]] = {}  # stacked experts' tensors as they come, by expert
     total = sum(t.nbytes for t in plan)
-    pending: list[_Converted] = []
-    with progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance:
+    with (
+        progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance,
+        _Background(writer, advance) as background,
+    ):
 
         def emit(t: _Planned, data: np.ndarray, change: families.Change = families.Change()) -> None:
-            pending.append(_Converted(data, t.qtype, gguf, change))
-            if len(pending) > 1:
-                flush()
-
-        def flush() -> None:
-            converted = pending.pop(0)
-            writer.write_tensor_data(converted)
-            if advance is not None:
-                advance(converted.nbytes)
+            background.put(_Converted(data, t.qtype, gguf, change))
 
         for name, data in extra.items():
             emit(by_name(plan, name), data)
@@ -295,8 +286,8 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
             t = by_source.get(name)
             if t is None:
                 continue
-            if data.dtype not in (np.float16, np.float32):
-                data = data.astype(np.float32)
+            if data.dtype not in (np.float16, np.float32) and (len(t.sources) > 1 or data.size < _ON_DEVICE):
+                data = data.astype(np.float32)  # larger bfloat16 tensors are widened by XLA, as they are converted
             if len(t.sources) == 1:
                 emit(t, data, arch.change(name, hp))
                 continue
@@ -305,8 +296,49 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
             if len(experts) == len(t.sources):
                 emit(t, np.stack([experts[e] for e in sorted(experts)]))
                 del parts[t.name]
-        while pending:
-            flush()
+
+
+class _Background:
+    """`writer.write_tensor_data` of each converted tensor given to :meth:`put`, in order, on a thread of its own
+    (the write itself leaves Python's lock), at most `depth` tensors behind. What the thread raises is raised
+    by the next :meth:`put`, or on leaving; leaving on an error stops it at the next tensor."""
+
+    def __init__(self, writer: Any, advance: Callable[[int], None] | None, depth: int = 2):
+        import queue
+        import threading
+
+        self.writer, self.advance = writer, advance
+        self.queue: queue.Queue[_Converted | None] = queue.Queue(depth)
+        self.error: BaseException | None = None
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="nnx-gguf-write", daemon=True)
+
+    def __enter__(self) -> _Background:
+        self.thread.start()
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        self.stop = kind is not None
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None and kind is None:
+            raise self.error
+
+    def put(self, converted: _Converted) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(converted)
+
+    def _run(self) -> None:
+        while (converted := self.queue.get()) is not None:
+            if self.error is not None or self.stop:
+                continue  # drained, unwritten, until told to end
+            try:
+                self.writer.write_tensor_data(converted)
+                if self.advance is not None:
+                    self.advance(converted.nbytes)
+            except BaseException as e:  # raised in the caller's thread
+                self.error = e
 
 
 _CHUNK = 16 << 20  # bytes of float32 rows converted at a time
@@ -328,7 +360,8 @@ class _Converted:
         self.ready: list[Any] = []  # converted chunks, or chunks whose conversion XLA has started
         self.waiting: list[np.ndarray] = []  # rows to convert
         if data.size < _ON_DEVICE or self.kind is None:
-            self.ready = [np.ascontiguousarray(gguf.quants.quantize(change.apply(np.asarray(data)), qtype))]
+            small = np.asarray(data) if data.dtype in (np.float16, np.float32) else np.asarray(data, np.float32)
+            self.ready = [np.ascontiguousarray(gguf.quants.quantize(change.apply(small), qtype))]
         elif self.kind == "f32" and change == families.Change() and data.dtype == np.float32:
             self.ready = [np.ascontiguousarray(data)]
         elif change.transpose or change.heads is not None:  # the rows themselves change: whole (small tensors)
@@ -395,6 +428,8 @@ def _compiled() -> tuple[Callable, Callable]:
     from jax import lax
 
     def changed(data: Any, change: families.Change, kind: str) -> Any:
+        if data.dtype == jnp.bfloat16:  # float32 first, exactly, as the weights reach gguf-py's caller
+            data = data.astype(jnp.float32)
         x = change.apply(data)  # in the source's dtype, as gguf-py's caller changes it
         return x.astype(jnp.float32) if kind in ("bf16", "q8_0") else x
 

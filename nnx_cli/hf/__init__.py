@@ -69,6 +69,17 @@ class Pretrained:
             return weights.load(self.weights, self.maps, abstract, advance, quantize)
 
     @functools.cached_property
+    def stored_float(self) -> Any:
+        """numpy's 16-bit float dtype when every tensor of the model is stored in it (a float32 parameter read in
+        it loses nothing), else None."""
+        import ml_dtypes
+        import numpy as np
+
+        names = [name for m in self.maps for name in m.names(self.options["num_layers"])]
+        stored = {self.weights.info(name)[0] for name in names}
+        return {"BF16": ml_dtypes.bfloat16, "F16": np.float16}.get(stored.pop()) if len(stored) == 1 else None
+
+    @functools.cached_property
     def file_checksums(self) -> dict[str, str]:
         """xxh3-128 of each weight file: what an adapter checkpoint records, and what resuming one checks."""
         from nnx_cli.hf.weights import file_checksums

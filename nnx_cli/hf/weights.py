@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from nnx.nn.quantize import quantize_kernel
@@ -160,6 +161,28 @@ class Weights:
         dtype, shape = self._info[name]
         return np.memmap(self.files[name], dtype=_RAW[dtype], mode="r", offset=self._starts[name], shape=shape)
 
+    def read_rows(self, name: str, rows: slice, out: np.ndarray) -> bool:
+        """Rows `rows` of 2-D tensor `name` (whole rows) read from its file straight into `out`, a C-contiguous
+        array of the tensor's own type (its bits: `uint16` or bfloat16 for bfloat16), without mapping the file: the
+        pages of a mapped tensor count in this process's memory until they are unmapped, an embedding's
+        hundreds of MB at once. False (nothing read) when the tensor is stored in another type."""
+        if name in self.bnb.states or not out.flags.c_contiguous:
+            return False
+        dtype, shape = self._info[name]
+        if len(shape) != 2 or _BITS.get(out.dtype, out.dtype) != _RAW[dtype]:
+            return False
+        start, stop, _ = rows.indices(shape[0])
+        assert out.size == (stop - start) * shape[1], (out.shape, rows, shape)
+        where = self._starts[name] + start * shape[1] * out.itemsize
+        with open(self.files[name], "rb", buffering=0) as f:
+            target = memoryview(out.reshape(-1).view(np.uint8))
+            while target.nbytes:
+                done = os.preadv(f.fileno(), [target], where)
+                if done <= 0:
+                    raise UserError(f"{self.files[name]}: ends inside tensor {name!r} (a truncated file)")
+                target, where = target[done:], where + done
+        return True
+
     def quantized(self, name: str, type: str, block: int, double: bool) -> dict[str, np.ndarray] | None:
         """Tensor `name`'s `nnx.QuantizedKernel` parts as stored, when it is a bitsandbytes 4-bit weight quantised
         as `type`, `block`, `double` say (else None: it is read as floats and quantised here)."""
@@ -181,10 +204,12 @@ class Weights:
 
 
 _RAW = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8}
+_BITS = {np.dtype(np.float16): np.float16, np.dtype(ml_dtypes.bfloat16): np.uint16}  # a 16-bit dtype's raw view
 
 
 def convert(raw: np.ndarray, out: np.ndarray, zeroed: bool = False) -> None:
-    """Write `raw` (a :meth:`Weights.view` block, any strides) into the float32 array `out` of the same shape.
+    """Write `raw` (a :meth:`Weights.view` block, any strides) into the float32 array `out` of the same shape (or
+    into a 16-bit one: the bits as they are from a tensor stored in its type, else rounded from float32).
 
     bfloat16 is the upper half of a float32. Into an `out` that holds zeros (`zeroed`: fresh pages do), it is
     copied there as 16-bit values, the lower halves left as they are: about 0.7x the time of widening every
@@ -194,7 +219,15 @@ def convert(raw: np.ndarray, out: np.ndarray, zeroed: bool = False) -> None:
     cache, narrower ones spend their time in NumPy's per-row overhead). That is about 1.6x faster than
     converting the whole view at once, and still about 2.5x the time of a straight conversion.
     """
-    half = _upper_halves(out) if zeroed and raw.dtype == np.uint16 else None
+    if out.dtype != np.float32 and raw.dtype != _BITS.get(out.dtype):  # to 16 bits from another type: rounded
+        wide = np.empty(raw.shape, np.float32)
+        convert(raw, wide)
+        out[...] = wide.astype(out.dtype)
+        return
+    if out.dtype != np.float32:  # a 16-bit parameter from a tensor of its own type: its bits, copied
+        half = out.view(raw.dtype)
+    else:
+        half = _upper_halves(out) if zeroed and raw.dtype == np.uint16 else None
     if raw.ndim == 2 and raw.shape[1] > _BAND and raw.strides[0] < raw.strides[1]:
         for start in range(0, raw.shape[1], _BAND):
             band = slice(start, start + _BAND)
@@ -301,8 +334,8 @@ def block(
     out: np.ndarray,
     expert: int | None = None,
 ) -> None:
-    """Fill `out` (float32, all zeros) with the block `index` of our (unstacked) parameter of shape `ours` (of one
-    expert for a map of stacked experts), read from its tensor."""
+    """Fill `out` (float32 or 16-bit, all zeros) with the block `index` of our (unstacked) parameter of shape
+    `ours` (of one expert for a map of stacked experts), read from its tensor."""
     name = m.name.format(i=layer, e=expert)
     rows_shape, cols_shape = ours[: m.split], ours[m.split :]
     row_index, col_index = index[: m.split], index[m.split :]
@@ -311,19 +344,21 @@ def block(
     (c0, c1), col_inner = _span(cols_shape, col_index)
     whole = all(s.indices(n) == (0, n, 1) for s, n in zip(row_inner + col_inner, rows_shape[1:] + cols_shape[1:]))
     direct = whole and out.flags.c_contiguous  # then `out` itself is the block's matrix: no copy
-    matrix = out.reshape(r1 - r0, c1 - c0) if direct else np.zeros((r1 - r0, c1 - c0), np.float32)
+    matrix = out.reshape(r1 - r0, c1 - c0) if direct else np.zeros((r1 - r0, c1 - c0), out.dtype)
     theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
     view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
     rr1, cc1 = min(r1, view_rows), min(c1 + m.offset, view_cols) - m.offset
     if rr1 > r0 and cc1 > c0:  # rows and columns past the tensor's (the padded vocabulary) stay zero
         rows, cols = slice(r0, rr1), slice(c0 + m.offset, cc1 + m.offset)
-        tensor = weights.view(name)
-        if len(m.shape) == 1:
-            raw = tensor[cols][None, :]
-        else:
-            raw = tensor[cols, rows].T if m.transpose else tensor[rows, cols]
-        convert(raw, matrix[: rr1 - r0, : cc1 - c0], zeroed=True)
-        del tensor, raw  # unmapped
+        whole_rows = len(m.shape) == 2 and not m.transpose and (cols.start, cols.stop, c1) == (0, view_cols, cc1)
+        if not (whole_rows and weights.read_rows(name, rows, matrix[: rr1 - r0])):
+            tensor = weights.view(name)
+            if len(m.shape) == 1:
+                raw = tensor[cols][None, :]
+            else:
+                raw = tensor[cols, rows].T if m.transpose else tensor[rows, cols]
+            convert(raw, matrix[: rr1 - r0, : cc1 - c0], zeroed=True)
+            del tensor, raw  # unmapped
     if not direct:
         blocked = matrix.reshape(*_block_shape(rows_shape, row_index), *_block_shape(cols_shape, col_index))
         inner = (slice(None), *row_inner, slice(None), *col_inner) if rows_shape else (slice(None), *col_inner)
@@ -433,7 +468,7 @@ def _keys(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[tuple[int, 
 
 def _buffers(spec: Any) -> dict[tuple, np.ndarray]:
     """The float32 buffers, not yet faulted in, of the blocks of `spec` this process's devices hold (none for
-    another dtype: those are converted from a temporary float32 block)."""
+    a 16-bit dtype: those buffers are made as they are filled)."""
     if spec.dtype != np.float32:
         return {}
     shape = tuple(spec.shape)
@@ -516,20 +551,16 @@ def _array(
         index = tuple(slice(*k) for k in key)
         if key not in done:
             size = tuple(stop - start for start, stop, _ in key)
-            convert = spec.dtype != np.float32  # then each slot is read as float32 and converted on its own
-            buffer = buffers[key] if key in buffers else (np.empty(size, spec.dtype) if convert else _aligned(size))
+            buffer = buffers[key] if key in buffers else _aligned(size, dtype=spec.dtype)
             spans = [range(*k[:2]) for k in key[:lead]]
             layers = spans.pop(0) if stacked else [layer]
             experts = spans.pop(0) if m.experts else [None]
             for j, i in enumerate(layers):  # each layer's (and expert's) tensor straight into its slot
                 for k, e in enumerate(experts):
                     where = (j,) * stacked + (k,) * (e is not None)
-                    slot = _aligned(buffer[where].shape) if convert else buffer[where]
-                    if not convert:
-                        memory.wait(buffer, slot)
+                    slot = buffer[where]
+                    memory.wait(buffer, slot)
                     block(weights, m, i, ours, index[lead:], slot, expert=e)
-                    if convert:
-                        buffer[where] = slot.astype(spec.dtype)
             done[key] = buffer
         return done[key]
 
@@ -551,7 +582,7 @@ def _quantized(
     fan_in, fan_out = 2 * codes[-2], codes[-1]
     block_size = fan_in // specs["absmax"].shape[-2]
     kind, double = quantize.get("type", "nf4"), "nested_absmax" in specs
-    host = {part: np.empty(spec.shape, spec.dtype) for part, spec in specs.items()}
+    host = {part: _aligned(spec.shape, dtype=spec.dtype) for part, spec in specs.items()}  # taken without a copy
     layers = range(codes[0]) if stacked else [layer]
     experts = range(m.experts) if m.experts else [None]
     flat = dataclasses.replace(m, split=1)  # the whole weight as one [in, out] matrix
@@ -578,9 +609,9 @@ def _quantized(
     }
 
 
-def _aligned(shape: tuple[int, ...], alignment: int = 64, populate: bool = True) -> np.ndarray:
-    """A float32 array of zeros whose data starts on an `alignment`-byte boundary: on CPU, JAX then takes it as the
-    device buffer without a copy.
+def _aligned(shape: tuple[int, ...], alignment: int = 64, populate: bool = True, dtype: Any = np.float32) -> np.ndarray:
+    """An array of zeros (float32 unless `dtype` says) whose data starts on an `alignment`-byte boundary: on CPU,
+    JAX then takes it as the device buffer without a copy (NumPy's own large arrays start 16 bytes into a page).
 
     Large ones are private anonymous memory maps (page-aligned, freed with the array), their pages faulted in
     by one call (:func:`_populate`; with `populate=False`, by :class:`_Prefault`), rather than NumPy
@@ -589,16 +620,16 @@ def _aligned(shape: tuple[int, ...], alignment: int = 64, populate: bool = True)
     of them took 1.1-3.8 s against 0.45-0.6 s for ordinary pages (0.16 s once the host has backed them). A
     shared map (`mmap`'s default) is slower still: its pages fault in as shared memory, about 1.6x the cost of
     private ones."""
-    size = math.prod(shape) * 4
+    size = math.prod(shape) * np.dtype(dtype).itemsize
     if size >= _MAPPED:
         buffer = mmap.mmap(-1, size, **_PRIVATE)
-        array = np.frombuffer(buffer, np.float32)
+        array = np.frombuffer(buffer, dtype)
         if populate:
             _populate(array)
         return array.reshape(shape)
     raw = np.zeros(size + alignment, np.uint8)
     start = (-raw.ctypes.data) % alignment
-    return raw[start : start + size].view(np.float32).reshape(shape)
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 _PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}  # not Windows
@@ -631,10 +662,14 @@ def _populate(array: np.ndarray) -> None:
         madvise(array.ctypes.data, array.nbytes, _POPULATE_WRITE)
 
 
-def tensors_of(params: Mapping[str, Any], maps: list[TensorMap]) -> Iterator[tuple[str, np.ndarray]]:
+def tensors_of(
+    params: Mapping[str, Any], maps: list[TensorMap], *, release: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """Our parameters (path -> array, `layers` stacked or not) as the family's tensors, one at a time (name,
     array), in name order: the inverse of :func:`load`, padded vocabulary rows dropped. Only the tensor being
-    yielded is held beside the parameters."""
+    yielded is held beside the parameters. `release`: each parameter is deleted from `params` (a dict) once its
+    last tensor is yielded, so that a writer holding the only other reference frees it when written (the
+    embedding, whose name comes before the layers', is gone before them)."""
     by_path = {m.path: m for m in maps}
     parts: dict[str, list[tuple[TensorMap, str, tuple[int, ...]]]] = {}  # tensor name -> (map, our path, index)
     for path, value in params.items():
@@ -644,6 +679,7 @@ def tensors_of(params: Mapping[str, Any], maps: list[TensorMap]) -> Iterator[tup
             for k, e in enumerate(range(m.experts) if m.experts else [None]):
                 index = (j,) * stacked + (k,) * (e is not None)
                 parts.setdefault(m.name.format(i=i, e=e), []).append((m, path, index))
+    last = {path: name for name in sorted(parts) for _, path, _ in parts[name]}  # path -> its last tensor
     for name in sorted(parts):
         view = None
         for m, path, index in parts[name]:
@@ -665,6 +701,10 @@ def tensors_of(params: Mapping[str, Any], maps: list[TensorMap]) -> Iterator[tup
             if len(m.shape) == 1
             else (transposed(view) if m.transpose else np.ascontiguousarray(view)),
         )
+        if release:
+            view = ours = matrix = None
+            for path in {path for _, path, _ in parts[name] if last[path] == name}:
+                del params[path]
 
 
 def transposed(matrix: np.ndarray) -> np.ndarray:
