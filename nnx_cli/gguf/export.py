@@ -303,7 +303,7 @@ class _Background:
     (the write itself leaves Python's lock), at most `depth` tensors behind. What the thread raises is raised
     by the next :meth:`put`, or on leaving; leaving on an error stops it at the next tensor."""
 
-    def __init__(self, writer: Any, advance: Callable[[int], None] | None, depth: int = 2):
+    def __init__(self, writer: Any, advance: Callable[[int], None] | None, depth: int = 1):
         import queue
         import threading
 
