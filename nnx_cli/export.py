@@ -18,6 +18,7 @@ bf16 or q8_0 (default: bf16 for bfloat16 weights, else f16). `--ollama` adds a `
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -48,7 +49,6 @@ def export(
 ) -> None:
     """Write a run's weights as a Hugging Face model directory (or a PEFT adapter), or as one GGUF file."""
     import jax
-    import numpy as np
 
     from nnx_cli import runtime
     from nnx_cli.data.tokenizers import load_tokenizer
@@ -72,8 +72,8 @@ def export(
     exp = language_model(run, "nnx-export writes")
     exporting.check(exp, out, adapter=adapter, dtype=dtype)
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
-    step, params = restore_parameters(run, exp, jax.devices("cpu")[0], as_stored=True)
-    arrays = {path: np.asarray(variable.value) for path, variable in params.items()}  # views of the host buffers
+    step, params = restore_parameters(run, exp, jax.devices("cpu")[0], export=True)
+    arrays = _host(params)
     del params
     files = exporting.export(exp, arrays, out, adapter=adapter, dtype=dtype, tokenizer=tokenizer)
     stderr_console().print(
@@ -110,7 +110,6 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
         origin = str(source.files)
     else:
         import jax
-        import numpy as np
 
         from nnx_cli.data.tokenizers import load_tokenizer
         from nnx_cli.generate import language_model, restore_parameters
@@ -120,8 +119,8 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
         run = open_run(target, [], step, best=best)
         exp = language_model(run, "nnx-export writes")
         tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
-        step, params = restore_parameters(run, exp, jax.devices("cpu")[0], as_stored=True)
-        arrays = {path: np.asarray(variable.value) for path, variable in params.items()}
+        step, params = restore_parameters(run, exp, jax.devices("cpu")[0], export=True)
+        arrays = _host(params)
         del params
         with tempfile.TemporaryDirectory(prefix="nnx-gguf-") as files:
             source = gguf_export.from_run(exp, arrays, tokenizer, Path(files), name=run.workdir.name)
@@ -147,3 +146,13 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _host(params: Any) -> dict[str, Any]:
+    """Path -> each parameter as a host array (a view of its buffer), or the reader a base parameter is
+    (:meth:`.hf.Pretrained.lazy`), left to read itself as it is written."""
+    import numpy as np
+
+    from nnx_cli.hf.weights import Lazy
+
+    return {path: v.value if isinstance(v.value, Lazy) else np.asarray(v.value) for path, v in params.items()}

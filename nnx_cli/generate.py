@@ -244,11 +244,14 @@ def language_model(run: Any, what: str, place: bool = False) -> Any:
     return exp
 
 
-def restore_parameters(run: Any, exp: Any, device: Any, *, as_stored: bool = False) -> tuple[int, Any]:
+def restore_parameters(run: Any, exp: Any, device: Any, *, export: bool = False) -> tuple[int, Any]:
     """Every parameter of the run's newest usable (or requested) step on `device`: an adapter run's adapters
-    with the base parameters they adapt (whose weights must be those they were trained on). `as_stored`: the
-    base's float32 parameters in the 16-bit dtype its files store them in, when they all share one (an export,
-    which writes them as they were: half the memory, and nothing lost)."""
+    with the base parameters they adapt (whose weights must be those they were trained on).
+
+    `export`: the base as an export, which writes each parameter once, wants it: its float32 parameters in the
+    16-bit type its files store them in when they all share one (nothing is lost), and, read from a model
+    directory without 4-bit kernels, each a reader of its tensors (:meth:`.hf.Pretrained.lazy`) rather than
+    an array: the export never holds the base model."""
     import jax
 
     from nnx_cli import restore, steps
@@ -265,9 +268,13 @@ def restore_parameters(run: Any, exp: Any, device: Any, *, as_stored: bool = Fal
     step, params = restore.from_run(run, read, lambda m: console.print(m, highlight=False))
     if steps.FROZEN in exp.abstract:  # adapters: their base parameters too
         frozen = place(exp.abstract[steps.FROZEN])
-        stored = exp.pretrained.stored_float if as_stored and exp.pretrained is not None else None
+        stored = exp.pretrained.stored_float if export and exp.pretrained is not None else None
         if stored is not None:
             frozen = jax.tree.map(lambda a: a.update(dtype=stored) if a.dtype == np.float32 else a, frozen)
+        quantize = exp.cfg.model.options.get("quantize") or {}
+        four_bit = bool(quantize) and quantize.get("type", "nf4") != "bfloat16"
+        if export and exp.pretrained is not None and not four_bit:
+            return step, params | exp.pretrained.lazy(frozen)
         params = params | exp.frozen_params(frozen)
     return step, params
 

@@ -170,6 +170,33 @@ def test_an_adapter_merged_into_a_16_bit_base_keeps_an_update_finer_than_the_bas
     assert (merged.astype(ml_dtypes.bfloat16) == kernel).mean() > 0.5  # rounded back, most of the update is gone
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "phi3", "mixtral", "qwen3_moe", "gemma2"])
+def test_a_base_read_lazily_with_merged_adapters_gives_the_tensors_of_the_base_loaded_whole(name):
+    from nnx_cli.hf.weights import lazy, tensors_of
+
+    exp = setup(hf.model_dir_config(fixture(name), []), data=None)
+    abstract = exp.frozen_target()
+    eager = {path: np.asarray(v.value) for path, v in exp.load_pretrained(abstract).items()}
+    readers = lazy(exp.pretrained.weights, exp.pretrained.maps, {path: v.value for path, v in abstract.items()})
+    rng = np.random.default_rng(0)
+    adapters = {}  # an adapter on every kernel, as merged() finds them: a [in..., rank], b [rank, out...]
+    for path, value in eager.items():
+        m = next(m for m in exp.pretrained.maps if path.endswith(m.path))
+        if path.endswith("/kernel") and ("/moe/" in f"/{path}") == (m.experts > 0):  # a router takes none
+            lead, split = int(path.startswith("layers/scan_module/")) + int(m.experts > 0), m.split
+            shape = value.shape[lead:]
+            adapters[path[: -len("kernel")] + "lora/a"] = rng.normal(size=(*value.shape[:lead], *shape[:split], 2))
+            adapters[path[: -len("kernel")] + "lora/b"] = rng.normal(size=(*value.shape[:lead], 2, *shape[split:]))
+    assert adapters
+    for plain, read in ((eager, readers), (exporting.merged(eager | adapters, 0.5),
+                                           exporting.merged(readers | adapters, 0.5))):  # fmt: skip
+        expected = dict(tensors_of(plain, exp.pretrained.maps))
+        got = dict(tensors_of(read, exp.pretrained.maps))
+        assert got.keys() == expected.keys()
+        for tensor in expected:
+            np.testing.assert_allclose(got[tensor], expected[tensor], rtol=1e-6, atol=1e-6, err_msg=tensor)
+
+
 @pytest.mark.parametrize(
     "lora, message",
     [

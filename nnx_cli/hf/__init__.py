@@ -68,6 +68,16 @@ class Pretrained:
         with weights.progress(f"loading {self.directory.name}", total) as advance:
             return weights.load(self.weights, self.maps, abstract, advance, quantize)
 
+    def lazy(self, abstract: Any) -> Any:
+        """The parameters `abstract` describes (as for :meth:`load`; no 4-bit kernels), each a reader of its
+        tensors that reads a layer when indexed (:class:`.weights.Lazy`) rather than an array: for an export,
+        which writes each once."""
+        import nnx
+        from nnx_cli.hf import weights
+
+        readers = weights.lazy(self.weights, self.maps, {path: v.value for path, v in abstract.items()})
+        return nnx.State({path: v.replace(value=readers[path]) for path, v in abstract.items()})
+
     @functools.cached_property
     def stored_float(self) -> Any:
         """numpy's 16-bit float dtype when every tensor of the model is stored in it (a float32 parameter read in

@@ -13,6 +13,7 @@ Everything is written into a temporary directory beside `--out` and renamed into
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -124,6 +125,37 @@ class _Merged:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[()]
         return whole if dtype is None else whole.astype(dtype)
+
+    def stored(self, index: tuple[int, ...]) -> np.ndarray | None:
+        """`self[index]` as the tensor its kernel is read from (a :class:`.weights.Lazy` one, as the file lays it
+        out: what `tensors_of` makes of it), the sum made in that layout in one pass (the update in float32, as
+        the file's tensor is widened); None where the kernel is not such a reader or not the whole tensor."""
+        reader = getattr(self.kernel, "stored", None)
+        if reader is None or len(index) != self.lead:
+            return None
+        m, ours = self.kernel.m, self.shape[self.lead :]
+        rows = math.prod(ours[: m.split])
+        cols = math.prod(ours) // rows
+        if math.prod(np.shape(self.a)[self.lead : -1]) != rows or len(m.shape) != 2:
+            return None
+        tensor = reader(index)
+        if tensor.shape != ((cols, rows) if m.transpose else (rows, cols)):  # padded rows (a vocabulary)
+            return None
+        a = np.asarray(self.a[index], np.float32).reshape(rows, -1)
+        b = np.asarray(self.b[index], np.float32).reshape(-1, cols)
+        return np.asarray(jax.device_get(_merge_stored(tensor, a, b, self.scale, transpose=m.transpose)))
+
+
+@functools.partial(jax.jit, static_argnames="transpose")
+def _merge_stored(tensor: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, transpose: bool) -> jax.Array:
+    """:func:`_merge` for a kernel as its file's tensor lays it out: `[out, in]` (`transpose`) or `[in, out]`,
+    with `a` `[in, rank]` and `b` `[rank, out]`."""
+    highest = jax.lax.Precision.HIGHEST
+    if transpose:
+        delta = jax.lax.dot_general(b, a, (((0,), (1,)), ((), ())), precision=highest)  # (a b) transposed
+    else:
+        delta = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=highest)
+    return tensor.astype(jnp.float32) + delta * scale
 
 
 def bytes_tokenizer(directory: Path, context: int) -> None:

@@ -459,6 +459,66 @@ def load(
     return nnx.State(out) if not isinstance(abstract, dict) else out
 
 
+def lazy(weights: Weights, maps: list[TensorMap], shapes: Mapping[str, Any]) -> dict[str, Lazy]:
+    """The parameters `shapes` describes (path -> anything with `shape` and `dtype`), each a :class:`Lazy` reader
+    of its tensors rather than an array: what an export that writes them once needs (no 4-bit kernels)."""
+    by_path = {m.path: m for m in maps}
+    out = {}
+    for path, spec in shapes.items():
+        stacked, layer, relative = _layer_and_path(path)
+        if relative not in by_path:
+            raise UserError(f"no tensor of the model directory fills parameter {path!r}")
+        out[path] = Lazy(weights, by_path[relative], stacked, layer, tuple(spec.shape), np.dtype(spec.dtype))
+    return out
+
+
+class Lazy:
+    """A parameter read from the model directory when indexed: a layer's (and an expert's) slice of a stacked one
+    at a time, or whole (`np.asarray`), as :func:`load` would fill it. An export reads each layer as it writes
+    it, and never holds the base model: its peak memory is a few tensors, not the model."""
+
+    def __init__(self, weights: Weights, m: TensorMap, stacked: bool, layer: int | None, shape: tuple[int, ...],
+                 dtype: np.dtype):  # fmt: skip
+        self.weights, self.m, self.stacked, self.layer, self.shape, self.dtype = (
+            weights,
+            m,
+            stacked,
+            layer,
+            shape,
+            dtype,
+        )
+        self.lead = int(stacked) + int(m.experts > 0)  # the layers and experts axes, a tensor per index
+
+    def __getitem__(self, index: int | tuple[int, ...]) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) < self.lead:
+            return np.stack([self[(*index, i)] for i in range(self.shape[len(index)])])
+        ours = self.shape[self.lead :]
+        out = _aligned(ours, dtype=self.dtype)
+        layer, expert = self._layer_expert(index)
+        block(self.weights, self.m, layer, ours, tuple(slice(None) for _ in ours), out, expert=expert)
+        return out
+
+    def stored(self, index: tuple[int, ...]) -> np.ndarray:
+        """The tensor `self[index]` is read from (an index into every `lead` axis), as the file lays it out, in
+        this parameter's dtype: what :func:`tensors_of` makes of `self[index]` when that is the whole tensor
+        (its own padded rows dropped), read in one pass with nothing transposed."""
+        layer, expert = self._layer_expert(index)
+        name = self.m.name.format(i=layer, e=expert)
+        out = _aligned(self.weights.info(name)[1], dtype=self.dtype)
+        if not (out.ndim == 2 and self.weights.read_rows(name, slice(None), out)):
+            convert(self.weights.view(name), out)
+        return out
+
+    def _layer_expert(self, index: tuple[int, ...]) -> tuple[int | None, int | None]:
+        assert len(index) == self.lead
+        return (index[0] if self.stacked else self.layer), (index[-1] if self.m.experts else None)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[()]
+        return whole if dtype is None else whole.astype(dtype)
+
+
 def _keys(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[tuple[int, int, int], ...]:
     """The block `index` of an array of `shape` as `(start, stop, step)` per axis (devices holding the same
     block have the same key)."""
@@ -681,6 +741,16 @@ def tensors_of(
                 parts.setdefault(m.name.format(i=i, e=e), []).append((m, path, index))
     last = {path: name for name in sorted(parts) for _, path, _ in parts[name]}  # path -> its last tensor
     for name in sorted(parts):
+        m, path, index = parts[name][0]
+        stored = getattr(params[path], "stored", None)  # a reader of the tensor itself (Lazy, a merge on one)
+        whole = stored is not None and len(parts[name]) == 1 and m.offset == 0
+        tensor = stored(index) if whole else None
+        if tensor is not None:
+            yield name, tensor
+            tensor = None
+            if release and last[path] == name:
+                del params[path]
+            continue
         view = None
         for m, path, index in parts[name]:
             ours = _part(params[path], index)
