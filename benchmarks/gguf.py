@@ -231,8 +231,10 @@ def main() -> None:
         ok = speedup >= 2 and ours_m <= two_m and equal is not False
         failed |= not ok
         print(
-            f"{dtype:>5}: ours {ours_s:6.1f} s, {ours_m / 1e9:5.2f} GB peak, {ours_file.stat().st_size / 1e6:8.1f} MB"
-            f" | two-step {two_s:6.1f} s (export {hf_s:.1f} + converter {conv_s:.1f}), {two_m / 1e9:5.2f} GB peak "
+            f"{dtype:>5}: ours {ours_s:6.1f} s ({', '.join(f'{s:.1f}' for s, _ in ours_runs)}), "
+            f"{ours_m / 1e9:5.2f} GB peak, {ours_file.stat().st_size / 1e6:8.1f} MB"
+            f" | two-step {two_s:6.1f} s ({', '.join(f'{h[0] + c[0]:.1f}' for h, c in two_runs)}; export {hf_s:.1f}"
+            f" + converter {conv_s:.1f}), {two_m / 1e9:5.2f} GB peak "
             f"(export {hf_m / 1e9:.2f}, converter {conv_m / 1e9:.2f}), "
             f"{theirs_file.stat().st_size / 1e6:8.1f} MB | {speedup:.2f}x faster"
             f"{'' if equal is None else ', files equal' if equal else ', FILES DIFFER'} | {'ok' if ok else 'MISSED'}"
