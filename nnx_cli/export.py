@@ -140,14 +140,6 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
     )
 
 
-def main() -> None:
-    run_app(app)
-
-
-if __name__ == "__main__":
-    main()
-
-
 def _host(params: Any) -> dict[str, Any]:
     """Path -> each parameter as a host array (a view of its buffer), or the reader a base parameter is
     (:meth:`.hf.Pretrained.lazy`), left to read itself as it is written."""
@@ -156,3 +148,11 @@ def _host(params: Any) -> dict[str, Any]:
     from nnx_cli.hf.weights import Lazy
 
     return {path: v.value if isinstance(v.value, Lazy) else np.asarray(v.value) for path, v in params.items()}
+
+
+def main() -> None:
+    run_app(app)
+
+
+if __name__ == "__main__":
+    main()

@@ -271,8 +271,7 @@ def restore_parameters(run: Any, exp: Any, device: Any, *, export: bool = False)
         stored = exp.pretrained.stored_float if export and exp.pretrained is not None else None
         if stored is not None:
             frozen = jax.tree.map(lambda a: a.update(dtype=stored) if a.dtype == np.float32 else a, frozen)
-        quantize = exp.cfg.model.options.get("quantize") or {}
-        four_bit = bool(quantize) and quantize.get("type", "nf4") != "bfloat16"
+        four_bit = any(path.endswith("/codes") for path, _ in frozen.items())  # an nnx.QuantizedKernel's
         if export and exp.pretrained is not None and not four_bit:
             return step, params | exp.pretrained.lazy(frozen)
         params = params | exp.frozen_params(frozen)

@@ -479,14 +479,8 @@ class Lazy:
 
     def __init__(self, weights: Weights, m: TensorMap, stacked: bool, layer: int | None, shape: tuple[int, ...],
                  dtype: np.dtype):  # fmt: skip
-        self.weights, self.m, self.stacked, self.layer, self.shape, self.dtype = (
-            weights,
-            m,
-            stacked,
-            layer,
-            shape,
-            dtype,
-        )
+        self.weights, self.m, self.stacked, self.layer = weights, m, stacked, layer
+        self.shape, self.dtype = shape, dtype
         self.lead = int(stacked) + int(m.experts > 0)  # the layers and experts axes, a tensor per index
 
     def __getitem__(self, index: int | tuple[int, ...]) -> np.ndarray:
