@@ -91,9 +91,8 @@ def from_model_dir(directory: Path) -> Source:
     pretrained = open_pretrained(str(directory))
     config = read_config(pretrained.directory)
     shapes = hf_families.layout(pretrained.maps, pretrained.options["num_layers"])
-    weights = pretrained.weights
-    stored = {weights.info(n)[0] for n in shapes}
-    dtype = "bfloat16" if stored == {"BF16"} else "float16" if stored == {"F16"} else "float32"
+    weights, stored = pretrained.weights, pretrained.stored_float
+    dtype = "float32" if stored is None else np.dtype(stored).name
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         import ml_dtypes
@@ -286,13 +285,12 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
             t = by_source.get(name)
             if t is None:
                 continue
-            if data.dtype not in (np.float16, np.float32) and (len(t.sources) > 1 or data.size < _ON_DEVICE):
-                data = data.astype(np.float32)  # larger bfloat16 tensors are widened by XLA, as they are converted
-            if len(t.sources) == 1:
+            if len(t.sources) == 1:  # any float type: _Converted widens a bfloat16 one as it converts it
                 emit(t, data, arch.change(name, hp))
                 continue
             experts = parts.setdefault(t.name, {})
-            experts[arch.tensor_name(name)[1]] = arch.transform(name, np.asarray(data), hp)
+            wide = data if data.dtype in (np.float16, np.float32) else data.astype(np.float32)
+            experts[arch.tensor_name(name)[1]] = arch.transform(name, np.asarray(wide), hp)
             if len(experts) == len(t.sources):
                 emit(t, np.stack([experts[e] for e in sorted(experts)]))
                 del parts[t.name]

@@ -13,7 +13,6 @@ Everything is written into a temporary directory beside `--out` and renamed into
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import shutil
@@ -143,19 +142,9 @@ class _Merged:
             return None
         a = np.asarray(self.a[index], np.float32).reshape(rows, -1)
         b = np.asarray(self.b[index], np.float32).reshape(-1, cols)
-        return np.asarray(jax.device_get(_merge_stored(tensor, a, b, self.scale, transpose=m.transpose)))
-
-
-@functools.partial(jax.jit, static_argnames="transpose")
-def _merge_stored(tensor: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, transpose: bool) -> jax.Array:
-    """:func:`_merge` for a kernel as its file's tensor lays it out: `[out, in]` (`transpose`) or `[in, out]`,
-    with `a` `[in, rank]` and `b` `[rank, out]`."""
-    highest = jax.lax.Precision.HIGHEST
-    if transpose:
-        delta = jax.lax.dot_general(b, a, (((0,), (1,)), ((), ())), precision=highest)  # (a b) transposed
-    else:
-        delta = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=highest)
-    return tensor.astype(jnp.float32) + delta * scale
+        if m.transpose:  # [out, in]: the sum of its transposed update, b' a'
+            a, b = b.T, a.T
+        return np.asarray(jax.device_get(_merge(tensor, a, b, self.scale)))
 
 
 def bytes_tokenizer(directory: Path, context: int) -> None:

@@ -737,38 +737,33 @@ def tensors_of(
     for name in sorted(parts):
         m, path, index = parts[name][0]
         stored = getattr(params[path], "stored", None)  # a reader of the tensor itself (Lazy, a merge on one)
-        whole = stored is not None and len(parts[name]) == 1 and m.offset == 0
-        tensor = stored(index) if whole else None
-        if tensor is not None:
-            yield name, tensor
-            tensor = None
-            if release and last[path] == name:
-                del params[path]
-            continue
-        view = None
-        for m, path, index in parts[name]:
-            ours = _part(params[path], index)
-            theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
-            view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
-            matrix = ours.reshape(math.prod(ours.shape[: m.split]), -1)
-            if len(parts[name]) == 1 and m.offset == 0 and matrix.shape == (view_rows, view_cols):
-                view = matrix  # the whole tensor: no copy
-                break
-            if view is None:
-                view = np.zeros((view_rows, view_cols), ours.dtype)
-            cols = min(matrix.shape[1], view_cols - m.offset)
-            view[:, m.offset : m.offset + cols] = matrix[:view_rows, :cols]
-        # contiguous: safetensors writes an array's buffer as it lies in memory, a transposed view included
-        yield (
-            name,
-            np.ascontiguousarray(view[0])
-            if len(m.shape) == 1
-            else (transposed(view) if m.transpose else np.ascontiguousarray(view)),
-        )
+        tensor = stored(index) if stored is not None and len(parts[name]) == 1 and m.offset == 0 else None
+        yield name, tensor if tensor is not None else _assembled(params, parts[name])
+        tensor = None
         if release:
-            view = ours = matrix = None
             for path in {path for _, path, _ in parts[name] if last[path] == name}:
                 del params[path]
+
+
+def _assembled(params: Mapping[str, Any], sources: list[tuple[TensorMap, str, tuple[int, ...]]]) -> np.ndarray:
+    """One tensor of the family from the parts of our parameters `sources` names (map, path, index), contiguous:
+    safetensors writes an array's buffer as it lies in memory, a transposed view included."""
+    view = None
+    for m, path, index in sources:
+        ours = _part(params[path], index)
+        theirs = m.shape if len(m.shape) == 2 else (1, m.shape[0])
+        view_rows, view_cols = (theirs[1], theirs[0]) if m.transpose else theirs
+        matrix = ours.reshape(math.prod(ours.shape[: m.split]), -1)
+        if len(sources) == 1 and m.offset == 0 and matrix.shape == (view_rows, view_cols):
+            view = matrix  # the whole tensor: no copy
+            break
+        if view is None:
+            view = np.zeros((view_rows, view_cols), ours.dtype)
+        cols = min(matrix.shape[1], view_cols - m.offset)
+        view[:, m.offset : m.offset + cols] = matrix[:view_rows, :cols]
+    if len(m.shape) == 1:
+        return np.ascontiguousarray(view[0])
+    return transposed(view) if m.transpose else np.ascontiguousarray(view)
 
 
 def transposed(matrix: np.ndarray) -> np.ndarray:
