@@ -1,17 +1,17 @@
 """A fine-tuned run to one GGUF file: `nnx-export --format gguf` against the two-step route through llama.cpp.
 
-The route a user has without it is two steps: our Hugging Face export of the run (`nnx-export RUN --out DIR`),
-then llama.cpp's converter (`convert_hf_to_gguf.py DIR`, from llama.cpp's source, run with the reference
-virtualenv's python, which has torch). This times both end to end on the same run, a LoRA fine-tune (one step)
-of a random model shaped like Qwen2.5-0.5B (24 layers, 896 wide, 14 heads sharing 2 key-value heads, a
-151,936-token vocabulary, tied embeddings, bfloat16 on disk), at each `--dtype`, and reports wall time, file size
-and each route's peak resident memory (the largest process of the route, from getrusage), each route twice in the
-order A B B A with the page cache's dirty pages written out before each command (the means of the times, the
-largest peaks). Targets: ours at least 2x faster end to end, peak memory no higher. The two files must be equal
-(the converter is told the pre-tokenizer name, as tests/fixtures/make_gguf_fixtures.py does: the random model's
-tokenizer is not a real one) at f32, where both start from the same float32 weights; at the other types the
-two-step route's Hugging Face export is in the base model's bfloat16, as a user makes it, and ours quantises the
-merged float32 weights directly.
+The route a user has without it is two steps: our Hugging Face export of the run (`nnx-export RUN --out DIR`), then
+llama.cpp's converter (`convert_hf_to_gguf.py DIR`, from llama.cpp's source, run with the reference virtualenv's
+python, which has torch). This times both end to end on the same run, a LoRA fine-tune (one step) of a random model
+shaped like Qwen2.5-0.5B (24 layers, 896 wide, 14 heads sharing 2 key-value heads, a 151,936-token vocabulary, tied
+embeddings, bfloat16 on disk), at each `--dtype`, and reports wall time, file size and each route's peak resident
+memory (the largest process of the route, from getrusage), each route twice in the order A B B A (`--rounds N`: that
+N times) with the page cache's dirty pages written out before each command (the means of the times, the largest
+peaks). Targets: ours at least 2x faster end to end, peak memory no higher. The two files must be equal (the
+converter is told the pre-tokenizer name, as tests/fixtures/make_gguf_fixtures.py does: the random model's tokenizer
+is not a real one) at f32, where both start from the same float32 weights; at the other types the two-step route's
+Hugging Face export is in the base model's bfloat16, as a user makes it, and ours quantises the merged float32
+weights directly.
 
 With `--transformers`, also the logits `transformers` computes from our f32 file (`gguf_file=`) against nnx's own
 from the run, on a few tokens (transformers does not read every family's GGUF faithfully; it reads Qwen2's).
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree (its converter)")
     parser.add_argument("--size", choices=sorted(SIZES), default="qwen2.5-0.5b")
     parser.add_argument("--dtype", nargs="+", default=["f16", "q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
+    parser.add_argument("--rounds", type=int, default=1, help="A B B A this many times (f32's 2 GB writes vary)")
     parser.add_argument("--workdir", type=Path, help="keep the model and runs here (default: a temporary dir)")
     parser.add_argument("--transformers", action="store_true", help="also compare transformers' logits (f32)")
     args = parser.parse_args()
@@ -206,7 +207,7 @@ def main() -> None:
             path.unlink(missing_ok=True)
         shutil.rmtree(hf_dir.parent, ignore_errors=True)
         ours_runs, two_runs = [], []
-        for side in ("ours", "two-step", "two-step", "ours"):  # A B B A; dirty pages flushed before each
+        for side in ("ours", "two-step", "two-step", "ours") * args.rounds:  # A B B A; dirty pages flushed first
             os.sync()
             if side == "ours":
                 ours_file.unlink(missing_ok=True)
