@@ -125,6 +125,7 @@ def evaluate(
             exp.check_base(ckpt.manifest(s), ckpt.directory / str(s))
             return restore.read_state(ckpt, s, exp.restore_target())
 
+        exp.hash_base()
         step, state = restore.from_run(run, read, say)
         state, what = exp.with_reference(exp.with_frozen(state), say), str(run.checkpoints / str(step))
     sampling = hasattr(exp.objective, "evaluator")  # it lays out its own batches (GRPO's completions)

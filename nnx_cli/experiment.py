@@ -138,6 +138,12 @@ class Experiment:
             return self.pretrained.record()
         return None
 
+    def hash_base(self) -> None:
+        """Start hashing the base model's files (what :meth:`check_base` compares) on a thread of their own, to be
+        done by the time a read-only command has imported Orbax and found its checkpoint."""
+        if steps.FROZEN in self.abstract and self.pretrained is not None:
+            self.pretrained.hash_files()
+
     def check_base(self, manifest: dict[str, Any], where: Any) -> None:
         """The base weights are those the adapters of the checkpoint `where` (whose `manifest` this is) were
         trained on; a UserError naming the file otherwise."""

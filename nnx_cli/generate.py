@@ -265,6 +265,7 @@ def restore_parameters(run: Any, exp: Any, device: Any, *, export: bool = False)
         exp.check_base(ckpt.manifest(s), ckpt.directory / str(s))  # adapters: the base weights they were made on
         return ckpt.restore_params(s, place(exp.abstract["params"]))
 
+    exp.hash_base()
     step, params = restore.from_run(run, read, lambda m: console.print(m, highlight=False))
     if steps.FROZEN in exp.abstract:  # adapters: their base parameters too
         frozen = place(exp.abstract[steps.FROZEN])

@@ -423,6 +423,15 @@ def test_a_lora_fine_tune_from_a_gguf_file_exports_to_gguf_with_the_adapters_mer
     assert tuned["tensors"]["blk.0.attn_q.weight"][1] == "F32"
     assert tuned["tensors"]["output_norm.weight"][2] == summary_f32_of(exported / "llama.gguf", "output_norm.weight")
     assert tuned["tensors"]["blk.0.attn_q.weight"][2] != summary_f32_of(exported / "llama.gguf", "blk.0.attn_q.weight")
+    # the base's files are hashed beside the export: a changed one still stops it before a file is written
+    moved = exported / "moved"
+    shutil.copytree(exported / "tune", moved / "tune")
+    data = bytearray((exported / "llama.gguf").read_bytes())
+    data[-3] ^= 0x01  # one bit of the last tensor
+    (moved / "llama.gguf").write_bytes(bytes(data))
+    result = cli("nnx-export", "tune", "--format", "gguf", "--out", "tuned.gguf", cwd=moved)
+    assert_user_error(result, "llama.gguf: the base model's weights changed since the adapters in")
+    assert not (moved / "tuned.gguf").exists() and not list(moved.glob(".tuned.gguf*"))
 
 
 def summary_f32_of(path: Path, name: str) -> str:

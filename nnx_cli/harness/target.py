@@ -94,6 +94,7 @@ def _run(target: str | Path, overrides: list[str], step: int | None, best: bool,
         exp.check_base(ckpt.manifest(s), ckpt.directory / str(s))  # adapters: the base weights they were made on
         return ckpt.restore_params(s, placed["params"])
 
+    exp.hash_base()
     restored, params = restore.from_run(run, read, say)
     if steps.FROZEN in placed:  # adapters: their base parameters too
         params = params | exp.frozen_params(placed[steps.FROZEN])

@@ -57,6 +57,7 @@ class Pretrained:
     options: dict[str, Any]
     weights: Weights
     maps: list[families.TensorMap]
+    _checksums: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def load(self, abstract: Any, say: Any = None, quantize: dict[str, Any] | None = None) -> Any:
         """The parameters `abstract` describes (a State of Param over ShapeDtypeStructs with shardings), read
@@ -89,12 +90,24 @@ class Pretrained:
         stored = {self.weights.info(name)[0] for name in names}
         return {"BF16": ml_dtypes.bfloat16, "F16": np.float16}.get(stored.pop()) if len(stored) == 1 else None
 
-    @functools.cached_property
+    @property
     def file_checksums(self) -> dict[str, str]:
         """xxh3-128 of each weight file: what an adapter checkpoint records, and what resuming one checks."""
-        from nnx_cli.hf.weights import file_checksums
+        return self.hash_files().result()
 
-        return file_checksums(self.weights.paths())
+    def hash_files(self) -> Any:
+        """The future of :attr:`file_checksums`, computed once, on a thread of its own (reading and hashing let
+        go of the GIL): a command that will check them calls this first, and what it does meanwhile (imports,
+        restoring a checkpoint) hides the 0.2 s a 1 GB model's files take."""
+        if self._checksums is None:
+            import concurrent.futures
+
+            from nnx_cli.hf.weights import file_checksums
+
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nnx-checksums")
+            self._checksums = pool.submit(file_checksums, self.weights.paths())
+            pool.shutdown(wait=False)
+        return self._checksums
 
     @property
     def checksum(self) -> str:
@@ -114,6 +127,11 @@ class Pretrained:
             now = self.file_checksums.get(name)
             if now != value:
                 state = "is missing" if now is None else f"changed (checksum {value} when trained, {now} now)"
+                if self.source.endswith(".gguf"):  # the directory is its conversion, named after its bytes
+                    raise UserError(
+                        f"{self.source}: the base model's weights changed since the adapters in {where} were trained "
+                        f"on them (its conversion's checksum was {value}, it is {now} now); restore the original file"
+                    )
                 raise UserError(
                     f"{self.directory / name}: the base model's weights {state} since the adapters in {where} were "
                     "trained on them; restore the original files, or point model.pretrained at the directory they "

