@@ -83,16 +83,6 @@ def test_on_eight_devices_the_requests_split_over_the_mesh_and_the_answers_stay_
     compare_metrics(json.loads(result.stdout)["metrics"], golden("gpt2"))
 
 
-def test_lm_evals_own_command_line_takes_the_nnx_model(project):
-    result = subprocess.run(
-        [sys.executable, "-m", "nnx_cli.harness", "--model", "nnx", "--model_args", f"pretrained={fixture('llama')}",
-         "--tasks", "local_choices", "--include_path", "tasks", "--limit", "2", "--batch_size", "8"],
-        cwd=project, env=env(project), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "nnx (" in result.stdout and "|local_choices|" in result.stdout.replace(" ", "")
-
-
 # Mistakes, named
 # --------------------------------------------------------------------------------------------------------------
 
