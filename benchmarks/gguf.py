@@ -6,12 +6,12 @@ python, which has torch). This times both end to end on the same run, a LoRA fin
 shaped like Qwen2.5-0.5B (24 layers, 896 wide, 14 heads sharing 2 key-value heads, a 151,936-token vocabulary, tied
 embeddings, bfloat16 on disk), at each `--dtype`, and reports wall time, file size and each route's peak resident
 memory (the largest process of the route, from getrusage), each route twice in the order A B B A (`--rounds N`: that
-N times) with the page cache's dirty pages written out before each command (the means of the times, the largest
-peaks). Targets: ours at least 2x faster end to end, peak memory no higher. The two files must be equal (the
-converter is told the pre-tokenizer name, as tests/fixtures/make_gguf_fixtures.py does: the random model's tokenizer
-is not a real one) at f32, where both start from the same float32 weights; at the other types the two-step route's
-Hugging Face export is in the base model's bfloat16, as a user makes it, and ours quantises the merged float32
-weights directly.
+N times), after one unmeasured run of each (`--warmup`), with the page cache's dirty pages written out before each
+command (the means of the times, the largest peaks). Targets: ours at least 2x faster end to end, peak memory no
+higher. The two files must be equal (the converter is told the pre-tokenizer name, as
+tests/fixtures/make_gguf_fixtures.py does: the random model's tokenizer is not a real one) at f32, where both
+start from the same float32 weights; at the other types the two-step route's Hugging Face export is in the base
+model's bfloat16, as a user makes it, and ours quantises the merged float32 weights directly.
 
 With `--transformers`, also the logits `transformers` computes from our f32 file (`gguf_file=`) against nnx's own
 from the run, on a few tokens (transformers does not read every family's GGUF faithfully; it reads Qwen2's).
@@ -182,6 +182,13 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="qwen2.5-0.5b")
     parser.add_argument("--dtype", nargs="+", default=["f16", "q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
     parser.add_argument("--rounds", type=int, default=1, help="A B B A this many times (f32's 2 GB writes vary)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unmeasured runs of each side first (this many each): "
+        "a VM's first touch of memory it has not used for a while costs several times a later one",
+    )
     parser.add_argument("--workdir", type=Path, help="keep the model and runs here (default: a temporary dir)")
     parser.add_argument("--transformers", action="store_true", help="also compare transformers' logits (f32)")
     args = parser.parse_args()
@@ -207,12 +214,16 @@ def main() -> None:
             path.unlink(missing_ok=True)
         shutil.rmtree(hf_dir.parent, ignore_errors=True)
         ours_runs, two_runs = [], []
-        for side in ("ours", "two-step", "two-step", "ours") * args.rounds:  # A B B A; dirty pages flushed first
+        # unmeasured runs of each side first (--warmup), then A B B A; dirty pages flushed before each command
+        order = [(side, False) for side in ("ours", "two-step") * args.warmup]
+        order += [(side, True) for side in ("ours", "two-step", "two-step", "ours") * args.rounds]
+        for side, kept in order:
             os.sync()
             if side == "ours":
                 ours_file.unlink(missing_ok=True)
-                ours_runs.append(measured([BIN / "nnx-export", run, "--format", "gguf", "--dtype", dtype, "--out",
-                                           ours_file], work))  # fmt: skip
+                timed = measured([BIN / "nnx-export", run, "--format", "gguf", "--dtype", dtype, "--out", ours_file],
+                                 work)  # fmt: skip
+                ours_runs += [timed] if kept else []
                 continue
             theirs_file.unlink(missing_ok=True)
             shutil.rmtree(hf_dir.parent, ignore_errors=True)
@@ -222,7 +233,7 @@ def main() -> None:
             os.sync()
             conv = measured([args.reference, "-c", CONVERT, args.llama_cpp, hf_dir, "--outfile", theirs_file,
                              "--outtype", dtype], work, env)  # fmt: skip
-            two_runs.append((hf, conv))
+            two_runs += [(hf, conv)] if kept else []
         ours_s, ours_m = statistics.mean(s for s, _ in ours_runs), max(m for _, m in ours_runs)
         hf_s, conv_s = (statistics.mean(r[i][0] for r in two_runs) for i in (0, 1))
         hf_m, conv_m = (max(r[i][1] for r in two_runs) for i in (0, 1))
