@@ -45,8 +45,8 @@ def env(tmp: Path, devices: int | None = None, **extra: str) -> dict[str, str]:
     return out
 
 
-def _session_flags(without: str) -> list[str]:
-    """The test session's `XLA_FLAGS` (conftest.py adds its own), less those starting with `without`."""
+def _session_flags(*without: str) -> list[str]:
+    """The test session's `XLA_FLAGS` (conftest.py adds its own), less those starting with any of `without`."""
     return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(without)]
 
 
@@ -67,9 +67,9 @@ def device_flags(devices: int) -> str:
 
 
 def optimized_flags() -> str:
-    """The session's `XLA_FLAGS` without its fast-compile flag (conftest.py): for the long CLI runs, which
+    """The session's `XLA_FLAGS` without its fast-compile flags (conftest.py): for the long CLI runs, which
     spend their time executing rather than compiling. Runs compared with each other must all use it."""
-    return " ".join(_session_flags("--xla_backend_optimization_level"))
+    return " ".join(_session_flags("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters"))
 
 
 def cli(
