@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--reference", required=True, help="python of a virtualenv with torch and transformers")
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree (its converter)")
     parser.add_argument("--size", choices=sorted(SIZES), default="qwen2.5-0.5b")
-    parser.add_argument("--dtype", nargs="+", default=["f16", "q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "f16", "q8_0"], choices=["f32", "f16", "bf16", "q8_0"])
     parser.add_argument("--rounds", type=int, default=1, help="A B B A this many times (f32's 2 GB writes vary)")
     parser.add_argument(
         "--warmup",
