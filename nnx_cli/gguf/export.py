@@ -289,8 +289,7 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
                 emit(t, data, arch.change(name, hp))
                 continue
             experts = parts.setdefault(t.name, {})
-            wide = data if data.dtype in (np.float16, np.float32) else data.astype(np.float32)
-            experts[arch.tensor_name(name)[1]] = arch.transform(name, np.asarray(wide), hp)
+            experts[arch.tensor_name(name)[1]] = arch.transform(name, _numpy_float(data), hp)
             if len(experts) == len(t.sources):
                 emit(t, np.stack([experts[e] for e in sorted(experts)]))
                 del parts[t.name]
@@ -339,6 +338,12 @@ class _Background:
                 self.error = e
 
 
+def _numpy_float(data: np.ndarray) -> np.ndarray:
+    """`data` as numpy computes on it here (gguf-py, the experts' transforms): float16 and float32 as they are,
+    anything else (bfloat16) widened to float32, exactly."""
+    return np.asarray(data) if data.dtype in (np.float16, np.float32) else np.asarray(data, np.float32)
+
+
 _CHUNK = 16 << 20  # bytes of float32 rows converted at a time
 _ON_DEVICE = 1 << 16  # tensors of at least this many values are converted by XLA, smaller ones by gguf-py
 
@@ -358,8 +363,7 @@ class _Converted:
         self.ready: list[Any] = []  # converted chunks, or chunks whose conversion XLA has started
         self.waiting: list[np.ndarray] = []  # rows to convert
         if data.size < _ON_DEVICE or self.kind is None:
-            small = np.asarray(data) if data.dtype in (np.float16, np.float32) else np.asarray(data, np.float32)
-            self.ready = [np.ascontiguousarray(gguf.quants.quantize(change.apply(small), qtype))]
+            self.ready = [np.ascontiguousarray(gguf.quants.quantize(change.apply(_numpy_float(data)), qtype))]
         elif self.kind == "f32" and change == families.Change() and data.dtype == np.float32:
             self.ready = [np.ascontiguousarray(data)]
         elif change.transpose or change.heads is not None:  # the rows themselves change: whole (small tensors)

@@ -127,15 +127,12 @@ class Pretrained:
             now = self.file_checksums.get(name)
             if now != value:
                 state = "is missing" if now is None else f"changed (checksum {value} when trained, {now} now)"
+                what, fix = self.directory / name, "files, or point model.pretrained at the directory they came from"
                 if self.source.endswith(".gguf"):  # the directory is its conversion, named after its bytes
-                    raise UserError(
-                        f"{self.source}: the base model's weights changed since the adapters in {where} were trained "
-                        f"on them (its conversion's checksum was {value}, it is {now} now); restore the original file"
-                    )
+                    what, state, fix = self.source, "changed", "file"
                 raise UserError(
-                    f"{self.directory / name}: the base model's weights {state} since the adapters in {where} were "
-                    "trained on them; restore the original files, or point model.pretrained at the directory they "
-                    "came from"
+                    f"{what}: the base model's weights {state} since the adapters in {where} were trained on them; "
+                    f"restore the original {fix}"
                 )
 
 
