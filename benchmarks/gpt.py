@@ -41,17 +41,18 @@ TARGET_MFU, TARGET_LOSS, TARGET_SPEEDUP = 0.45, 1.34, 1.5
 
 
 def run(command: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> str:
-    """A whole process; its stdout (a failure ends the benchmark with its stderr's end)."""
+    """A whole process; its stdout. Its stderr goes to ours as it comes, so that the log of a run cut off by a
+    time limit shows how far it got; a failure ends the figure."""
     done = subprocess.run(
         [str(c) for c in command],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
         text=True,
         env=env or dict(os.environ),
         timeout=timeout,
     )
     if done.returncode != 0:
-        sys.exit(f"{' '.join(map(str, command))} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        sys.exit(f"{' '.join(map(str, command))} failed ({done.returncode}): its output is above")
     return done.stdout
 
 
@@ -119,6 +120,7 @@ def gpt2(args, tmp: Path) -> list[tuple]:
     dump = tmp / "hlo"
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
     ours = nnx_train(overrides, tmp / "gpt2", config, env)
+    print(f"nnx-train: {ours}", file=sys.stderr, flush=True)  # kept should PyTorch's side fail
     calls = fused_attention_calls(dump)
     theirs = torch_gpt(args.reference, {**shape, "steps": steps}, ["--random"], args.tiny)
     peak = matmul_peak()
@@ -150,6 +152,7 @@ def shakespeare(args, tmp: Path) -> list[tuple]:
                       "train.eval_max_batches=2", "checkpoint.every_steps=20",
                       "optimizer.learning_rate.warmup_steps=5"]  # fmt: skip
     ours = nnx_train(overrides, tmp / "shakespeare", ROOT / "configs" / "shakespeare_char.yaml", dict(os.environ))
+    print(f"nnx-train: {ours}", file=sys.stderr, flush=True)
     extra = [f"--data={args.data}", "--dropout=0.2", f"--steps={shape['steps']}"]
     extra += ["--eval-windows=16"] if args.tiny else []
     theirs = torch_gpt(args.reference, {k: v for k, v in shape.items() if k != "steps"}, extra, args.tiny)
@@ -177,15 +180,19 @@ def main() -> None:
     unknown = sorted(set(args.figures.split(",")) - set(figures))
     if unknown:
         parser.error(f"--figures: unknown {', '.join(unknown)}; choose from {', '.join(figures)}")
-    rows = []
+    # each figure's rows as soon as it is done, so that a run cut off by its time limit keeps the earlier ones
+    print("| figure | nnx | PyTorch | ratio | target |")
+    print("| --- | --- | --- | --- | --- |", flush=True)
     with tempfile.TemporaryDirectory(prefix="nnx-gpt-") as tmp:
         for name in args.figures.split(","):
-            rows += figures[name](args, Path(tmp))
+            try:
+                rows = figures[name](args, Path(tmp))
+            except (SystemExit, subprocess.TimeoutExpired) as failure:  # the next figure still runs
+                print(failure, file=sys.stderr, flush=True)
+                rows = [(name, "failed (its log above)", "", "", "")]
+            for row in rows:
+                print("| " + " | ".join(row) + " |", flush=True)
             print(f"{name} done", file=sys.stderr, flush=True)
-    print("| figure | nnx | PyTorch | ratio | target |")
-    print("| --- | --- | --- | --- | --- |")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU figures (issue 34), a part per call, each within 8 minutes on one H100 and ending with its table:
 #
-#   bash benchmarks/gpu.sh PART [OUT]          # OUT: where the logs go (default $OUT, else /tmp/gpu-PART)
+#   bash benchmarks/gpu.sh PART[:SECONDS][,PART...] [OUT]   # OUT: where the logs go (default $OUT, else /tmp/gpu-PARTS)
+#
+# Parts run in the order given; SECONDS caps a part's steps together (a stretch of GPU time that holds less than
+# two whole parts can hold the first figures of two: `train:220,suite` with FIGURES=gpt2). A step that reaches
+# its limit gets SIGINT first, so pytest still prints the failures it has seen, and KILL 30 s later.
 #
 # Once, here: `bash benchmarks/gpu_wheels.sh` (the wheels the machine lacks, and the data). Then one `run`
 # per part, timeout_s 540, carrying what the part needs (every part installs .whl/*/*.whl that came along):
@@ -20,10 +24,19 @@
 #
 #   GPU_SH_CPU=1 REFERENCE=/work/refvenv/bin/python DATA=/work/shared/data bash benchmarks/gpu.sh apps
 set -u
-part=${1:?usage: bash benchmarks/gpu.sh suite|attention|train|lora|apps [OUT]}
-out=${2:-${OUT:-/tmp/gpu-$part}}
+parts=${1:?usage: bash benchmarks/gpu.sh suite|attention|train|lora|apps[:SECONDS][,...] [OUT]}
+out=${2:-${OUT:-/tmp/gpu-${parts//[:,]/-}}}
 cpu=${GPU_SH_CPU:-0}
 data=$(realpath "${DATA:-.data}")
+for spec in ${parts//,/ }; do
+  case "${spec%%:*}" in
+  suite | attention | train | lora | apps) ;;
+  *)
+    echo "unknown part ${spec%%:*}: suite, attention, train, lora or apps" >&2
+    exit 2
+    ;;
+  esac
+done
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
@@ -40,14 +53,21 @@ else
   site=/tmp/site
   mkdir -p "$site"
   declare -A seen=()
+  wheels=()
   for wheel in .whl/*/*.whl; do  # one version of a distribution: two stop pip
     [ -e "$wheel" ] || continue
     name=$(basename "$wheel" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
     [ -n "${seen[$name]:-}" ] && continue
     seen[$name]=1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheel" \
-      >>"$out/install.txt" 2>&1 || echo "could not install $wheel" | tee -a "$out/install.txt"
+    wheels+=("$wheel")
   done
+  install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$@"; }
+  # one pip for them all (a second a wheel apart); wheel by wheel only if that fails, to name the one at fault
+  if [ "${#wheels[@]}" -gt 0 ] && ! install "${wheels[@]}" >>"$out/install.txt" 2>&1; then
+    for wheel in "${wheels[@]}"; do
+      install "$wheel" >>"$out/install.txt" 2>&1 || echo "could not install $wheel" | tee -a "$out/install.txt"
+    done
+  fi
   if [ -d .whl/tokamax ] && ! PYTHONPATH=$site python3 -c "import xprof.cli.tools" 2>/dev/null; then
     # tokamax imports this one name of xprof (its own profiling, unused here) when it loads
     mkdir -p "$site/xprof/cli" && touch "$site/xprof/__init__.py" "$site/xprof/cli/__init__.py"
@@ -58,18 +78,29 @@ else
 fi
 {
   nvidia-smi -L 2>/dev/null
-  $py -c 'import jax; print("jax", jax.__version__, jax.devices())'
-  for module in datasets grain wandb tensorboardX lm_eval tokamax torch transformers peft; do
-    $py -c "import $module; print('$module', getattr($module, '__version__', '?'))" 2>&1 | tail -1
-  done
+  $py - <<'EOF'
+import importlib
+import jax
+print("jax", jax.__version__, jax.devices())
+for name in "datasets grain wandb tensorboardX lm_eval tokamax torch transformers peft".split():
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as error:  # what the part lacks, said
+        print(name, "missing:", repr(error)[:200])
+EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-step() {  # step SECONDS NAME COMMAND...: the command under its own time limit, its output in OUT/NAME.log
+step() {  # step SECONDS NAME COMMAND...: the command under its time limit (and the part's), output in OUT/NAME.log
   local limit=$1 name=$2
   shift 2
-  echo "== $name (limit ${limit} s, $(($(date +%s) - start)) s into the part)"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  if [ -n "$cap" ]; then
+    local left=$((part_start + cap - $(date +%s)))
+    [ "$left" -lt "$limit" ] && limit=$left
+    [ "$limit" -lt 10 ] && echo "$name: skipped, its part's $cap s are spent" | tee -a "$out/status.txt" && return 0
+  fi
+  echo "== $name (limit ${limit} s, $(($(date +%s) - start)) s into the call)"
+  timeout -s INT -k 30 "$limit" "$@" >"$out/$name.log" 2>&1
   local status=$?
   [ "$status" = 0 ] || echo "$name: exit $status$([ "$status" = 124 ] && echo ' (time limit)')" | tee -a "$out/status.txt"
   return 0
@@ -83,6 +114,7 @@ tables() {  # the markdown tables of the logs named
   done
 }
 
+run_part() {
 case "$part" in
 suite)
   if [ "$cpu" = 1 ]; then
@@ -90,7 +122,7 @@ suite)
       tests/test_data_pipeline.py -k "implementation or on_device or workers"
   else
     # -v: each result as it comes, so that a run cut off by its time limit still names its failures
-    step 450 pytest $py -m pytest -o addopts="" -n 12 -v -rfE -p no:cacheprovider --durations=15 tests
+    step 450 pytest $py -m pytest -o addopts="" -n 12 --dist loadscope -v -rfE -p no:cacheprovider --durations=15 tests
   fi
   echo
   echo "| suite | result |"
@@ -112,7 +144,7 @@ attention)
   ;;
 train)
   tiny=$([ "$cpu" = 1 ] && echo --tiny)
-  step 470 gpt $py benchmarks/gpt.py --data "$data/shakespeare" --reference "$reference" $tiny
+  step 470 gpt $py benchmarks/gpt.py --data "$data/shakespeare" --reference "$reference" --figures "${FIGURES:-gpt2,shakespeare}" $tiny
   tables gpt
   ;;
 lora)
@@ -146,11 +178,15 @@ apps)
   grep -E '^\| [0-9]+ \|' "$out/generate.log" | sed 's/^| \([0-9]*\) | \(.*\) | \(.*\) | \(.*\) |$/| nnx-generate batch \1 tokens\/s | \2 | transformers \3 (\4) | |/'
   grep -E 'cold|warm' "$out/mnist_vae.log"
   ;;
-*)
-  echo "unknown part $part: suite, attention, train, lora or apps" >&2
-  exit 2
-  ;;
 esac
 echo
-echo "part $part: $(($(date +%s) - start)) s; logs in $out"
+echo "part $part: $(($(date +%s) - part_start)) s; logs in $out"
+}
+
+for spec in ${parts//,/ }; do
+  part=${spec%%:*}
+  cap=$([ "$spec" != "$part" ] && echo "${spec#*:}")
+  part_start=$(date +%s)
+  run_part
+done
 cat "$out/status.txt" 2>/dev/null

@@ -8,7 +8,7 @@
 # them, 2026-11-17), so that nothing of the image is shadowed: its huggingface_hub (1.33), which its
 # transformers accepts and datasets 5.2 too, stays. The sets, by the parts that carry them:
 #   .whl/base     datasets, grain and their missing dependencies (every part: the package imports them);
-#   .whl/suite    wandb, tensorboardX and lm-eval with theirs (the suite's logger and harness tests);
+#   .whl/suite    wandb, tensorboardX, lm-eval and gguf with theirs (the suite's logger, harness and GGUF tests);
 #   .whl/tokamax  tokamax 0.0.17 and its dependencies but xprof (the attention part measures its kernel);
 #   .data         ../shared/data's mnist and shakespeare (the training parts read them).
 # Under 64 MiB per call: base (6 MB) + suite (36 MB); base + tokamax (6 MB); base + .data (21 MB).
@@ -58,7 +58,7 @@ fetch() {  # fetch SET [--no-deps] REQUIREMENT...: the set's wheels, less the im
 exclude=$(git rev-parse --git-path info/exclude)
 for ignored in /.whl/ /.data/; do grep -qxF "$ignored" "$exclude" 2>/dev/null || echo "$ignored" >>"$exclude"; done
 fetch base datasets==5.2.0 grain==0.2.18
-fetch suite wandb==0.31.0 tensorboardX==2.6.5 lm-eval==0.4.13
+fetch suite wandb==0.31.0 tensorboardX==2.6.5 lm-eval==0.4.13 gguf==0.19.0
 # tokamax without xprof (32 MB, and 40 more of its dependencies): tokamax imports it for its own profiling
 # only, and benchmarks/gpu.sh gives it a stub of that one name
 fetch tokamax --no-deps tokamax==0.0.17 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 pydantic==2.14.4 \
