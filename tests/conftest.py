@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # One persistent compilation cache for the whole test session (never the user's own): runs of the same config
@@ -29,10 +31,25 @@ os.environ["NNX_COMPILATION_CACHE"] = os.environ[_SESSION]
 # older emitters on these tiny programs: without them test_lm_model and test_lm_decoding took 34 s instead of 53 s
 # on 2 cores (a 20-step CLI run: 3.1 s of compiling instead of 4.6, 0.5 s more running). Same flags everywhere,
 # dropped together by cli_support.optimized_flags.
+# XLA aborts a process whose XLA_FLAGS name a flag it does not know, and it retires flags as it goes (the CPU
+# fusion emitters' switch is due to go with the older emitters): the process that starts the session asks a
+# jaxlib of its own (about a second) and keeps the flags it accepts; workers and subprocesses inherit the result.
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-for _flag in _FAST_COMPILE:
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+_CHECKED = "NNX_TESTS_XLA_FLAGS_CHECKED"
+
+
+def _accepted(flags: list[str]) -> bool:
+    probe = "import jax; jax.devices()"
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+
+
+if _CHECKED not in os.environ:
+    _missing = [flag for flag in _FAST_COMPILE if flag not in os.environ.get("XLA_FLAGS", "")]
+    if _missing and not _accepted(_missing):
+        _missing = [flag for flag in _missing if _accepted([flag])]
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_missing]).strip()
+    os.environ[_CHECKED] = "1"
 
 # One precision policy: float32 products at float32 precision in every process of the session, so that the
 # tolerances of tests comparing float32 numbers with a reference (transformers' logits, plain attention, the
