@@ -50,14 +50,21 @@ def _session_flags(*without: str) -> list[str]:
     return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(without)]
 
 
+CPU_MEMORY = 16 << 30
+"""The address space a CLI run on the CPU gets when a test asks for :func:`cli_device_memory` (`cli(...,
+memory_limit=True)`). What a CPU process may allocate is the operating system's call: a host that overcommits
+memory (`vm.overcommit_memory=1`, common on GPU machines) grants any allocation and ends the process with its
+OOM killer minutes later, once the pages are touched; a limit on the address space fails the allocation
+itself, as a GPU's allocator does, on every host."""
+
+
 def cli_device_memory() -> int:
-    """Bytes of memory on the device a CLI run computes on: the host's memory and swap when it runs on the CPU,
-    else the memory the first accelerator reports."""
+    """Bytes of memory on the device a CLI run computes on: :data:`CPU_MEMORY` when it runs on the CPU (run it
+    with `memory_limit=True`), else the memory the first accelerator reports."""
     import jax
 
     if CLI_PLATFORM == "cpu" or jax.default_backend() == "cpu":
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        return sum(int(meminfo[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal"))
+        return CPU_MEMORY
     return jax.devices()[0].memory_stats()["bytes_limit"]
 
 
@@ -80,10 +87,13 @@ def cli(
     devices: int | None = None,
     extra_env: dict[str, str] | None = None,
     file_size_limit: int | None = None,
+    memory_limit: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run a console script; `file_size_limit` (bytes) makes larger writes fail with EFBIG, like a full disk."""
+    """Run a console script; `file_size_limit` (bytes) makes larger writes fail with EFBIG, like a full disk;
+    `memory_limit` gives a run on the CPU :data:`CPU_MEMORY` of address space (:func:`cli_device_memory`)."""
     environment = env(cwd, devices, **(extra_env or {}))
-    server = None if file_size_limit else _server()
+    memory = CPU_MEMORY if memory_limit and environment.get("JAX_PLATFORMS") == "cpu" else None
+    server = None if file_size_limit or memory else _server()
     return subprocess.run(
         [
             server.shim(name) if server is not None and server.serves(name, environment) else str(BIN / name),
@@ -94,7 +104,7 @@ def cli(
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=(lambda: _limit_file_size(file_size_limit)) if file_size_limit else None,
+        preexec_fn=(lambda: _limit(file_size_limit, memory)) if file_size_limit or memory else None,
     )
 
 
@@ -112,12 +122,15 @@ def _server() -> ForkServer | None:
     return _SERVERS[0]
 
 
-def _limit_file_size(limit: int) -> None:
+def _limit(file_size: int | None, memory: int | None) -> None:
     import resource
     import signal
 
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited across exec: a write past the limit fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    if file_size:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited across exec: a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+    if memory:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 
 def start(

@@ -465,6 +465,7 @@ def test_running_out_of_memory_is_exit_1_naming_the_knobs(project: Path):
         "--workdir",
         "huge",
         cwd=project,
+        memory_limit=True,
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr

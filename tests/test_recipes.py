@@ -123,7 +123,7 @@ def installed(dist: Path, tmp_path_factory) -> Path:
     (packages / "dependencies.pth").write_text("".join(f"{p}\n" for p in site.getsitepackages()))
     [wheel] = dist.glob("*.whl")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "--python", python]
-    run(*pip, "install", "--no-deps", "--no-index", wheel)
+    run(*pip, "install", "--no-deps", "--no-index", "--ignore-installed", wheel)
     return venv
 
 

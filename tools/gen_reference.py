@@ -272,13 +272,17 @@ def _click_command(module_name: str) -> Any:
 
 
 _TYPE_NAMES = {bool: "flag", int: "integer", float: "number", str: "text", Path: "path"}
+_CLICK_TYPE_NAMES = {"integer range": "integer", "float": "number", "float range": "number", "boolean": "flag"}
 
 
 def _param_type(param: Any) -> str:
     descriptor = getattr(param, "type_descriptor", None)
     annotation = getattr(descriptor, "annotation", None)
-    if annotation is None:  # plain click
-        return "flag" if getattr(param, "is_flag", False) else param.type.name
+    if annotation is None:  # a Typer on click (before 0.20 or so) or plain click: click's types, named alike
+        if getattr(param, "is_flag", False):
+            return "flag"
+        name = _CLICK_TYPE_NAMES.get(param.type.name, param.type.name)
+        return f"{name}, repeated" if getattr(param, "multiple", False) or param.nargs == -1 else name
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
         annotation = args[0]
