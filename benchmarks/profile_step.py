@@ -1,7 +1,8 @@
 """Where the time of one training step goes: the per-part split of a step, read from the XLA trace.
 
 Builds `transformer_lm` on a shape (by default SmolLM2-135M's: 30 layers, 576 wide, 9 query heads sharing 3
-key-value heads, SwiGLU 1536, vocabulary 49152, tied head), random weights, and jits the trainer's own
+key-value heads, SwiGLU 1536, vocabulary 49152, tied head; `--shape gpt2` is GPT-2 small, the GPU's MFU figure's
+model, to profile on a GPU with `--dtype bfloat16 --batch 16`), random weights, and jits the trainer's own
 `steps.train_step` with AdamW, LoRA (rank 16, alpha 32, all seven projections) or fully. Runs a few steps,
 then traces `--trace-steps` more with `jax.profiler` and sums each executed XLA operation's time into a part:
 
@@ -58,6 +59,10 @@ SHAPES = {
     "qwen05": dict(  # Qwen2.5-0.5B: benchmarks/qlora.py's shape
         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, embed_dim=896, mlp_dim=4864, vocab_size=151936,
         qkv_bias=True, rope_theta=1000000.0, seq_len=512,
+    ),
+    "gpt2": dict(  # GPT-2 small as benchmarks/gpt.py trains it on a GPU: LayerNorm, GELU, learned positions, biases
+        num_layers=12, num_heads=12, embed_dim=768, mlp_dim=3072, vocab_size=50304, mlp="gelu", bias=True,
+        qkv_bias=True, norm="layernorm", positions="learned", seq_len=1024,
     ),
 }  # fmt: skip
 LLAMA = dict(mlp="swiglu", bias=False, norm="rmsnorm", norm_eps=1e-5, positions="rope", tie_embeddings=True,
@@ -264,10 +269,17 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model.dtype")
     parser.add_argument("--quantize", choices=("nf4", "fp4", "bfloat16"), help="model.quantize's type (with --lora)")
     parser.add_argument("--remat", choices=("none", "dots", "full"), default="none", help="model.remat")
+    parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=false: the layers unrolled")
+    parser.add_argument("--loss-chunk-mb", type=int, help="float32 logits per chunk of the head and loss (64)")
     args = parser.parse_args()
+    if args.loss_chunk_mb:  # a trade of memory for speed to measure: fewer, larger head products
+        from nnx_cli.models.transformer import loss
+
+        loss.CHUNK_BYTES = args.loss_chunk_mb << 20
     extra = {
         "dtype": args.dtype,
         "remat": args.remat,
+        "scan_layers": not args.unrolled,
         **({"quantize": {"type": args.quantize}} if args.quantize else {}),
     }
     step, state, sums, batch, options = make_step(args.shape, args.lora, args.batch, args.seq_len, args.layers, extra)
