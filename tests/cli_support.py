@@ -94,17 +94,21 @@ def cli(
     environment = env(cwd, devices, **(extra_env or {}))
     memory = CPU_MEMORY if memory_limit and environment.get("JAX_PLATFORMS") == "cpu" else None
     server = None if file_size_limit or memory else _server()
+    command = [
+        server.shim(name) if server is not None and server.serves(name, environment) else str(BIN / name),
+        *map(str, args),
+    ]
+    if memory:  # set by a small Python that then becomes the command: no fork of this multithreaded process
+        limit = f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))"
+        command = [sys.executable, "-c", f"{limit}; os.execv(sys.argv[1], sys.argv[1:])", *command]
     return subprocess.run(
-        [
-            server.shim(name) if server is not None and server.serves(name, environment) else str(BIN / name),
-            *map(str, args),
-        ],
+        command,
         cwd=cwd,
         env=environment,
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=(lambda: _limit(file_size_limit, memory)) if file_size_limit or memory else None,
+        preexec_fn=(lambda: _limit_file_size(file_size_limit)) if file_size_limit else None,
     )
 
 
@@ -122,15 +126,12 @@ def _server() -> ForkServer | None:
     return _SERVERS[0]
 
 
-def _limit(file_size: int | None, memory: int | None) -> None:
+def _limit_file_size(limit: int) -> None:
     import resource
     import signal
 
-    if file_size:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited across exec: a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-    if memory:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited across exec: a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def start(
