@@ -81,6 +81,29 @@ def test_a_second_load_reads_the_cache_without_decoding(tmp_path: Path, monkeypa
     np.testing.assert_array_equal(second.image[..., 0], pixels)
 
 
+def test_a_warm_load_of_unchanged_local_files_opens_no_dataset_and_an_edit_is_decoded_again(tmp_path: Path):
+    """The entry's own key needs the opened dataset's fingerprint (importing `datasets`, 0.7 s of a warm
+    run); an alias from the local files' sizes and times finds it without."""
+    cfg, pixels = parquet_config(tmp_path)
+    first = load_images(cfg, "train")  # decodes, and records the alias
+    probe = textwrap.dedent(
+        f"""
+        import sys
+        from nnx_cli.config import DataConfig
+        from nnx_cli.data.images import load_images
+        arrays = load_images(DataConfig(**{vars(cfg)!r}), "train")
+        print(arrays.path, arrays.image[..., 0].sum(), "datasets" in sys.modules)
+        """
+    )
+    warm = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert warm == [str(first.path), str(pixels.sum()), "False"]
+
+    edited = png_parquet(tmp_path / "tiny.parquet", 30)  # the same file written again, other images
+    second = load_images(cfg, "train")
+    assert second.path != first.path and len(entries(tmp_path / "cache")) == 2
+    np.testing.assert_array_equal(second.image[..., 0], edited)
+
+
 def test_another_split_column_or_source_makes_another_cache_entry(tmp_path: Path):
     import datasets
 

@@ -115,6 +115,30 @@ def get_or_build(root: Path, name: str, parts: dict[str, Any], build: Callable[[
     return Entry(final)
 
 
+def find_alias(root: Path, parts: dict[str, Any]) -> Path | None:
+    """The committed entry an earlier run recorded for `parts` (:func:`record_alias`), or None.
+
+    An alias names an entry by what can be known without opening the source (a local source's path and
+    :func:`local_fingerprint`, the options), where the entry's own key needs the opened dataset's fingerprint:
+    a warm run then need not import `datasets` at all.
+    """
+    try:
+        target = root / (root / f"alias-{cache_key(parts)}").read_text().strip()
+    except OSError:
+        return None
+    return target if (target / _META).is_file() else None
+
+
+def record_alias(root: Path, parts: dict[str, Any], entry: Path) -> None:
+    """Record `entry` (a committed directory under `root`) under `parts`; best effort: a cache that cannot be
+    written only loses the shortcut."""
+    alias = root / f"alias-{cache_key(parts)}"
+    partial = alias.with_name(f"{alias.name}.partial-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        partial.write_text(Path(entry).name)
+        os.replace(partial, alias)
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     with open(path, "a+") as f:

@@ -49,7 +49,7 @@ import numpy as np
 
 from nnx_cli.config import DataConfig
 from nnx_cli.data.base import DataSpec
-from nnx_cli.data.cache import cache_root, get_or_build
+from nnx_cli.data.cache import cache_root, find_alias, get_or_build, local_fingerprint, record_alias
 from nnx_cli.data.pipeline import worker_count
 from nnx_cli.errors import UserError, did_you_mean
 from nnx_cli.pixels import ArrowImages, DatasetImages, decoded
@@ -273,10 +273,16 @@ def load_images(cfg: DataConfig, split: str, key: str = "data.train_split") -> I
     """
     fn = _source_function(cfg.source)
     if fn is None:
+        shortcut = _local_alias(cfg, split)
+        if shortcut is not None and (entry := find_alias(cache_root(cfg.cache_dir), shortcut)) is not None:
+            return ImageArrays.from_cache(entry)  # unchanged local files decoded before: no `datasets` import
         from nnx_cli.data.sources import open_dataset
 
         ds = _dataset_split(open_dataset(cfg.source), cfg.source, split, key)
-        return _cached(ds, cfg, split, _source_id(cfg.source))
+        arrays = _cached(ds, cfg, split, _source_id(cfg.source))
+        if shortcut is not None:
+            record_alias(cache_root(cfg.cache_dir), shortcut, arrays.path)
+        return arrays
     result = _call_source(fn, cfg.source, split, key)
     if _is_dataset(result):
         return _cached(result, cfg, split, cfg.source)
@@ -288,6 +294,22 @@ def load_images(cfg: DataConfig, split: str, key: str = "data.train_split") -> I
         f"config key 'data.source': {cfg.source}({split!r}) returned a {type(result).__name__}; expected a "
         "datasets.Dataset, a mapping with an 'image' array (and optionally 'label'), or an ImageArrays"
     )
+
+
+def _local_alias(cfg: DataConfig, split: str) -> dict[str, Any] | None:
+    """What names a local source's decoded split without opening it (its files' sizes and times, the options
+    that pick the columns), for :func:`nnx_cli.data.cache.find_alias`; None for a source on the Hub."""
+    path = Path(cfg.source).expanduser()
+    if not path.exists():
+        return None
+    return {
+        "kind": "images-alias",
+        "source": str(path.resolve()),
+        "files": local_fingerprint(path),
+        "split": split,
+        "image_key": cfg.image_key,
+        "label_key": cfg.label_key,
+    }
 
 
 def _source_function(source: str) -> Callable[[str], Any] | None:
