@@ -15,7 +15,7 @@
 # | suite | .whl/base .whl/suite | the test suite on 12 workers (CLI runs on the CPU: cli_support.CLI_PLATFORM), then benchmarks/decode_gap.py |
 # | attention | .whl/base .whl/tokamax | the GPT-2-small attention: each implementation and pass compiled and run apart, the old harness and XLA's autotuner off beside them (benchmarks/attention.py) |
 # | train | .whl/base .data | GPT-2 small's model-FLOPs utilisation and shakespeare_char, against PyTorch (benchmarks/gpt.py) |
-# | profile | .whl/base | where GPT-2 small's bfloat16 step spends its time, and with cuBLAS or unrolled layers (profile_step.py) |
+# | profile | .whl/base | where GPT-2 small's bfloat16 step spends its time (also with cuBLAS, unrolled, larger loss chunks), and shakespeare_char's |
 # | lora | .whl/base | LoRA and full fine-tuning against transformers + peft, bfloat16 both (benchmarks/lora.py --part 1) |
 # | apps | .whl/base .data | mnist_vae cold and warm against the plain on-device script; nnx-generate against transformers |
 #
@@ -161,10 +161,14 @@ profile)
   step 90 profile-gpt2-cublas env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" $py $common
   step 90 profile-gpt2-unrolled $py $common --unrolled
   step 90 profile-gpt2-chunk1g $py $common --loss-chunk-mb 1024  # the head and loss in 4 chunks, not 52
-  for name in profile-gpt2 profile-gpt2-cublas profile-gpt2-unrolled profile-gpt2-chunk1g; do
+  # shakespeare_char's step (did not reach 5,000 steps in 165 s there: under 0.55 M tokens/s, PyTorch 0.91 M)
+  small=$([ "$cpu" = 1 ] && echo "--layers 1 --batch 4" || echo "--batch 64")
+  step 90 profile-shakespeare $py benchmarks/profile_step.py --shape shakespeare --dtype bfloat16 --dropout 0.2 \
+    $small --warmup 3 --trace-steps 5 --top 20 --details
+  for name in profile-gpt2 profile-gpt2-cublas profile-gpt2-unrolled profile-gpt2-chunk1g profile-shakespeare; do
     echo "$name: $(grep -h 'one step' "$out/$name.log" 2>/dev/null)"
   done
-  tables profile-gpt2 profile-gpt2-cublas profile-gpt2-unrolled profile-gpt2-chunk1g
+  tables profile-gpt2 profile-gpt2-cublas profile-gpt2-unrolled profile-gpt2-chunk1g profile-shakespeare
   ;;
 lora)
   if [ "$cpu" = 1 ]; then

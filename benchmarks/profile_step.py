@@ -64,6 +64,10 @@ SHAPES = {
         num_layers=12, num_heads=12, embed_dim=768, mlp_dim=3072, vocab_size=50304, mlp="gelu", bias=True,
         qkv_bias=True, norm="layernorm", positions="learned", seq_len=1024,
     ),
+    "shakespeare": dict(  # configs/shakespeare_char.yaml's byte-level GPT (train with --batch 64 --dropout 0.2)
+        num_layers=6, num_heads=6, embed_dim=384, mlp_dim=1536, vocab_size=384, mlp="gelu", bias=True,
+        qkv_bias=True, norm="layernorm", positions="learned", seq_len=256,
+    ),
 }  # fmt: skip
 LLAMA = dict(mlp="swiglu", bias=False, norm="rmsnorm", norm_eps=1e-5, positions="rope", tie_embeddings=True,
              dropout=0.0, scan_layers=True)  # fmt: skip
@@ -270,6 +274,7 @@ def main() -> None:
     parser.add_argument("--quantize", choices=("nf4", "fp4", "bfloat16"), help="model.quantize's type (with --lora)")
     parser.add_argument("--remat", choices=("none", "dots", "full"), default="none", help="model.remat")
     parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=false: the layers unrolled")
+    parser.add_argument("--dropout", type=float, default=0.0, help="model.dropout (the recipes train with 0.2)")
     parser.add_argument("--loss-chunk-mb", type=int, help="float32 logits per chunk of the head and loss (64)")
     args = parser.parse_args()
     if args.loss_chunk_mb:  # a trade of memory for speed to measure: fewer, larger head products
@@ -280,6 +285,7 @@ def main() -> None:
         "dtype": args.dtype,
         "remat": args.remat,
         "scan_layers": not args.unrolled,
+        "dropout": args.dropout,
         **({"quantize": {"type": args.quantize}} if args.quantize else {}),
     }
     step, state, sums, batch, options = make_step(args.shape, args.lora, args.batch, args.seq_len, args.layers, extra)
