@@ -98,17 +98,13 @@ def cli(
         server.shim(name) if server is not None and server.serves(name, environment) else str(BIN / name),
         *map(str, args),
     ]
-    if memory:  # set by a small Python that then becomes the command: no fork of this multithreaded process
-        limit = f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))"
-        command = [sys.executable, "-c", f"{limit}; os.execv(sys.argv[1], sys.argv[1:])", *command]
     return subprocess.run(
-        command,
+        _limited(command, file_size_limit, memory),
         cwd=cwd,
         env=environment,
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=(lambda: _limit_file_size(file_size_limit)) if file_size_limit else None,
     )
 
 
@@ -126,12 +122,19 @@ def _server() -> ForkServer | None:
     return _SERVERS[0]
 
 
-def _limit_file_size(limit: int) -> None:
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited across exec: a write past the limit fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+def _limited(command: list[str], file_size: int | None, memory: int | None) -> list[str]:
+    """`command` under resource limits, set by a small Python that then execs it (no preexec_fn: that forks this
+    multithreaded process). `file_size` (bytes): larger writes fail with EFBIG, SIGXFSZ ignored (its disposition
+    is inherited across exec); `memory`: the address space."""
+    limits = ["import os, resource, signal, sys"]
+    if file_size:
+        limits += ["signal.signal(signal.SIGXFSZ, signal.SIG_IGN)",
+                   f"resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size}, {file_size}))"]  # fmt: skip
+    if memory:
+        limits.append(f"resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))")
+    if len(limits) == 1:
+        return command
+    return [sys.executable, "-c", "; ".join([*limits, "os.execv(sys.argv[1], sys.argv[1:])"]), *command]
 
 
 def start(
