@@ -123,7 +123,7 @@ def find_alias(root: Path, parts: dict[str, Any]) -> Path | None:
     a warm run then need not import `datasets` at all.
     """
     try:
-        target = root / (root / f"alias-{cache_key(parts)}").read_text().strip()
+        target = root / _alias(root, parts).read_text().strip()
     except OSError:
         return None
     return target if (target / _META).is_file() else None
@@ -132,11 +132,15 @@ def find_alias(root: Path, parts: dict[str, Any]) -> Path | None:
 def record_alias(root: Path, parts: dict[str, Any], entry: Path) -> None:
     """Record `entry` (a committed directory under `root`) under `parts`; best effort: a cache that cannot be
     written only loses the shortcut."""
-    alias = root / f"alias-{cache_key(parts)}"
+    alias = _alias(root, parts)
     partial = alias.with_name(f"{alias.name}.partial-{os.getpid()}")
     with contextlib.suppress(OSError):
         partial.write_text(Path(entry).name)
         os.replace(partial, alias)
+
+
+def _alias(root: Path, parts: dict[str, Any]) -> Path:
+    return root / f"alias-{cache_key(parts)}"
 
 
 @contextlib.contextmanager
