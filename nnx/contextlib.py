@@ -166,10 +166,21 @@ class Context:
         """A Context at the current trace level sharing these streams and flags."""
         return Context(self._rngs, self._flags)
 
-    def partition(self) -> PureContext:
-        """Forks every stream into a pure ``(keys, contextdef)`` pytree."""
+    def partition(self, *, fork: bool = True) -> PureContext:
+        """Forks every stream into a pure ``(keys, contextdef)`` pytree.
+
+        With ``fork=False`` the streams go as they are, for a Context none of
+        whose streams has drawn a key yet (one a scan made for a layer, say)
+        handed to a transform in its place: the merged Context draws exactly
+        the keys this one would have drawn, so this one must draw no more.
+        ``ValueError`` if a stream has drawn.
+        """
         self._check_trace()
-        forks = {name: stream.fork() for name, stream in self._rngs.items()}
+        if not fork:
+            drawn = sorted(name for name, stream in self._rngs.items() if stream.count)
+            if drawn:
+                raise ValueError(f"Cannot partition a Context without forking: streams {drawn} have drawn keys")
+        forks = {name: stream.fork() if fork else stream for name, stream in self._rngs.items()}
         keys = {name: stream.key for name, stream in forks.items()}
         rng_counts = tuple((name, stream.count_path) for name, stream in forks.items())
         return PureContext(keys, ContextDef(rng_counts, tuple(self._flags.items())))

@@ -74,6 +74,17 @@ def test_merging_the_same_partition_twice_gives_identical_streams():
     assert not np.equal(ctx.make_rng("dropout"), key2).all()
 
 
+def test_partition_without_forking_hands_over_the_streams_as_they_are():
+    fresh = nnx.context(params=0, dropout=1, flags={"deterministic": False})
+    merged = fresh.copy().partition(fork=False).merge()
+    for name in ("params", "dropout"):
+        for _ in range(2):
+            np.testing.assert_array_equal(merged.make_rng(name), fresh.make_rng(name))
+    assert merged.get_flag("deterministic") is False
+    with pytest.raises(ValueError, match=r"without forking: streams \['dropout', 'params'\] have drawn"):
+        fresh.partition(fork=False)
+
+
 def test_pure_context_crosses_jit_without_retracing():
     traces = 0
 

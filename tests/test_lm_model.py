@@ -427,3 +427,28 @@ def test_dropout_makes_training_forward_passes_random_and_eval_deterministic():
     assert not np.allclose(train[0], train[1])
     evals = [loss(model.partition(), jax.random.key(i), training=False) for i in (0, 1)]
     np.testing.assert_array_equal(evals[0], evals[1])
+
+
+def test_scanned_blocks_keep_16_bit_residuals_as_bits_on_a_cpu_with_the_same_gradients(monkeypatch):
+    """On a CPU a scanned block's bfloat16 residuals are stacked as uint16 (XLA widens a bfloat16 stack to float32):
+    the loss and every gradient are bitwise those of the plain call, and the step's temporaries are smaller."""
+    from nnx_cli.models.transformer import block
+
+    model = build(dtype="bfloat16", dropout=0.1, num_layers=4, embed_dim=64)
+    params, moduledef = model.partition(nnx.Param)
+    batch = windows(batch=8)
+
+    def loss(params, key):
+        ctx = nnx.context(dropout=key, flags={"deterministic": False})
+        return jnp.mean(moduledef.apply(params).metrics(batch, ctx)[0]["loss"])
+
+    def run(pack: bool):
+        monkeypatch.setattr(block, "packs", lambda: pack)
+        step = jax.jit(jax.value_and_grad(loss)).lower(params, jax.random.key(3)).compile()
+        return step(params, jax.random.key(3)), step.memory_analysis().temp_size_in_bytes
+
+    (loss_packed, grads_packed), packed_bytes = run(True)
+    (loss_plain, grads_plain), plain_bytes = run(False)
+    np.testing.assert_array_equal(loss_packed, loss_plain)
+    jax.tree.map(np.testing.assert_array_equal, grads_packed, grads_plain)
+    assert packed_bytes < plain_bytes

@@ -19,6 +19,7 @@ from nnx_cli.models.transformer.mlp import MLP
 from nnx_cli.models.transformer.moe import MoE
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture
+from nnx_cli.models.transformer.residuals import packed_call, packs
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -97,6 +98,8 @@ class Block(nnx.Module):
         if self.remat != "none":
             # Under lax.scan, CSE cannot undo rematerialisation, and preventing it costs speed.
             forward = nnx.remat(forward, policy=_REMAT_POLICIES[self.remat], prevent_cse=not self.scanned)
+        if self.scanned and not deterministic and packs():  # a CPU stacks the scan's 16-bit residuals in float32
+            return packed_call(forward, self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer)
         return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer)
 
     def prefill(self, h: jax.Array, layer: Layer, positions: jax.Array, lengths: jax.Array) -> tuple[jax.Array, None]:
