@@ -296,6 +296,35 @@ def test_adapters_on_a_bfloat16_base_get_the_gradients_they_get_on_its_weights_i
         np.testing.assert_allclose(ours[path].value, theirs[path].value, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
+def test_a_scanned_bfloat16_base_is_sliced_as_its_bits_on_a_cpu_with_the_same_gradients(monkeypatch):
+    """On a CPU the stacked bfloat16 frozen kernels go through the layer scan as uint16 (a bfloat16 stack XLA
+    widens to float32, whole): the same loss and adapter gradients, bitwise, and smaller step temporaries; the
+    model holds its bfloat16 kernels again afterwards."""
+    from nnx_cli.models.transformer import dense
+
+    model = TransformerLM((16,), 300, quantize={"type": "bfloat16"}, lora={"rank": 4}, ctx=nnx.context(0),
+                          **{**TINY, "num_layers": 4})  # fmt: skip
+    (adapters, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
+    adapters = jax.tree.map(lambda a: a + 0.01, adapters)
+
+    def loss(adapters):
+        merged = moduledef.merge(adapters, frozen, rest)
+        value = jnp.mean(merged.metrics({"tokens": TOKENS}, nnx.context(1))["loss"])
+        assert merged.layers.scan_module.mlp.fc.kernel.dtype == jnp.bfloat16
+        return value
+
+    def run(bits: bool):
+        monkeypatch.setattr(dense, "packs", lambda: bits)
+        step = jax.jit(jax.value_and_grad(loss)).lower(adapters).compile()
+        return step(adapters), step.memory_analysis().temp_size_in_bytes
+
+    (loss_bits, grads_bits), bits_bytes = run(True)
+    (loss_plain, grads_plain), plain_bytes = run(False)
+    np.testing.assert_array_equal(loss_bits, loss_plain)
+    jax.tree.map(np.testing.assert_array_equal, grads_bits, grads_plain)
+    assert bits_bytes < plain_bytes
+
+
 def test_a_bfloat16_base_reads_a_16bit_checkpoint_as_it_is():
     from safetensors.numpy import load_file
 

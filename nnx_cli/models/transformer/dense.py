@@ -8,17 +8,20 @@ constrained to logical axes at the seams (:func:`constrain`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import nnx
 from nnx_cli.models.transformer.options import Lora, Quantize
+from nnx_cli.models.transformer.residuals import packs
 
 LAYERS = "layers"
 """The logical axis of the scanned blocks' stacked parameters and key-value caches."""
@@ -49,22 +52,65 @@ def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None)
     return y.reshape(*tokens, *out_shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def frozen_matmul(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
-    """`x @ kernel` (`[tokens, in] @ [in, out]`) for a frozen kernel: the backward pass gives `x` its gradient
-    `g kernel^T` and the kernel none, keeping nothing but the kernel itself."""
-    y = lax.dot_general(x, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(out_dtype or x.dtype)  # accumulated in float32: XLA's CPU 16-bit product is 2.5x faster so
+def _frozen_weight(kernel: jax.Array, fan_in: int, compute: Any) -> jax.Array:
+    """A frozen kernel as the `[in, out]` matrix it multiplies by, in `compute`: given as stored or as its
+    bfloat16 bits (`uint16`, :func:`as_bits`)."""
+    if kernel.dtype == jnp.uint16:
+        kernel = lax.bitcast_convert_type(kernel, jnp.bfloat16)
+    return kernel.astype(compute).reshape(fan_in, -1)
 
 
-def _frozen_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
-    return frozen_matmul(x, kernel, out_dtype), (kernel, jnp.zeros((), x.dtype))
+def as_bits(kernel: jax.Array) -> jax.Array:
+    """A bfloat16 frozen kernel's bits as `uint16`: what a CPU slices out of a stack without widening it all."""
+    return lax.bitcast_convert_type(kernel, jnp.uint16)
 
 
-def _frozen_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+@contextlib.contextmanager
+def frozen_kernels_as_bits(module: nnx.Module) -> Iterator[None]:
+    """On a CPU, the bfloat16 frozen kernels (`model.quantize: {type: bfloat16}`) of `module`'s Dense layers
+    held as their bits (:func:`as_bits`) for the duration, then as they were.
+
+    Around the layer scan: XLA's CPU backend has no bfloat16 `dynamic-slice`, so it would widen each stacked
+    kernel to float32 to take a layer's slice, hoisting that out of the loop whole (1.3 GB more than the
+    bfloat16 base itself at Qwen2.5-0.5B's shapes); a uint16 stack it slices as it is. A frozen kernel has no
+    gradient, so its bits lose nothing; a GPU slices bfloat16 as it is."""
+    if not packs():
+        yield
+        return
+    held = []
+    for _, dense in module.modules():
+        kernel = dense.kernel if isinstance(dense, Dense) and dense.frozen else None
+        if isinstance(kernel, jax.Array) and kernel.dtype == jnp.bfloat16:
+            held.append((dense, kernel))
+            dense.kernel = as_bits(kernel)
+    try:
+        yield
+    finally:
+        for dense, kernel in held:
+            dense.kernel = kernel
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def frozen_matmul(x: jax.Array, kernel: jax.Array, out_dtype: Any, compute: Any) -> jax.Array:
+    """`x @ kernel` (`[tokens, in] @ kernel` seen as `[in, out]`, in `compute`) for a frozen kernel, given as
+    stored or as its bfloat16 bits (:func:`as_bits`): the backward pass gives `x` its gradient `g kernel^T`
+    and the kernel none, keeping nothing but the kernel itself, as it was given (a scanned layer's slice of
+    the stack, which the scan then does not stack again)."""
+    w = _frozen_weight(kernel, x.shape[1], compute)
+    y = lax.dot_general(x.astype(compute), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or compute)  # accumulated in float32: XLA's CPU 16-bit product is 2.5x faster so
+
+
+def _frozen_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any, compute: Any) -> tuple[jax.Array, tuple]:
+    return frozen_matmul(x, kernel, out_dtype, compute), (kernel, jnp.zeros((), x.dtype))
+
+
+def _frozen_backward(out_dtype: Any, compute: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, Any]:
     kernel, x_like = saved
-    dx = lax.dot_general(g.astype(kernel.dtype), kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(x_like.dtype), jnp.zeros_like(kernel)
+    w = _frozen_weight(kernel, kernel.size // g.shape[1], compute)
+    dx = lax.dot_general(g.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    none = np.zeros(kernel.shape, jax.dtypes.float0) if kernel.dtype == jnp.uint16 else jnp.zeros_like(kernel)
+    return dx.astype(x_like.dtype), none
 
 
 frozen_matmul.defvjp(_frozen_forward, _frozen_backward)
@@ -151,8 +197,8 @@ class Dense(nnx.Module):
         elif self.frozen:
             tokens, out_shape = x.shape[: x.ndim - self.in_rank], kernel.shape[self.in_rank :]
             x2 = x.astype(self.compute_dtype).reshape(math.prod(tokens), -1)
-            w = kernel.astype(self.compute_dtype).reshape(x2.shape[1], -1)
-            y = frozen_matmul(x2, w, self.out_dtype).reshape(*tokens, *out_shape).astype(self.out_dtype or self.dtype)
+            y = frozen_matmul(x2, kernel, self.out_dtype, self.compute_dtype).reshape(*tokens, *out_shape)
+            y = y.astype(self.out_dtype or self.dtype)
         else:
             y = matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype), self.in_rank, self.out_dtype)
             y = y.astype(self.out_dtype or self.dtype)

@@ -28,7 +28,7 @@ import nnx
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
-from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, normal
+from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, frozen_kernels_as_bits, normal
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
@@ -306,7 +306,8 @@ class TransformerLM(nnx.Module):
         Python int; and the expert blocks' router statistics summed (None: none)."""
         if self.scan_layers:
             index = jnp.arange(self.num_layers) if self.layers_differ else None
-            h, statistics = getattr(self.layers.call, method)(h, index, *args, **kwargs)
+            with frozen_kernels_as_bits(self.layers):
+                h, statistics = getattr(self.layers.call, method)(h, index, *args, **kwargs)
             return h, jax.tree.map(lambda x: jnp.sum(x, axis=0), statistics)
         each = []
         for i, block in enumerate(self.layers):
