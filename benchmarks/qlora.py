@@ -187,7 +187,7 @@ def part1(reference: str, cwd: Path, steps: int, tiny: bool) -> bool:
     for what, ratio, target, bound, at_most in checks:
         met = ratio <= bound if at_most else ratio >= bound
         ok &= met
-        print(f"{what}: {ratio:.2f}x (target {target}x){'' if met else '  MISSED'}")
+        print(f"{what}: {ratio:.3f}x (target {target}x){'' if met else '  MISSED'}")
     print(f"\nload average at the end (1 min, this benchmark's own runs included): {os.getloadavg()[0]:.2f}")
     return ok
 

@@ -49,7 +49,9 @@ def _is_zero(x: Any) -> bool:
 
 
 def packed(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """`fun` (of arrays) with the same values and gradients, its bfloat16 residuals kept as `uint16` bits."""
+    """`fun` (of arrays) with the same values and gradients, its bfloat16 residuals kept as `uint16` bits. A
+    residual that is one of the leaves of `fun`'s first argument (the weights) is kept as it is given; one
+    that is another argument (`h`, which the scan stacks in any case) is packed like the rest."""
     meta: dict[str, Any] = {}
 
     @jax.custom_vjp
@@ -69,11 +71,13 @@ def packed(fun: Callable[..., Any]) -> Callable[..., Any]:
 
         out, vjp = jax.vjp(differentiated, *(values[i] for i in live))
         residuals, vjp_tree = jax.tree.flatten(vjp)
+        weights = len(jax.tree.leaves(args[0], is_leaf=_is_primal))
         positions = {id(v): i for i, v in enumerate(values)}
         kinds, kept = [], []
         for r in residuals:
-            if positions.get(id(r)) is not None and values[positions[id(r)]] is r:
-                kinds.append(positions[id(r)])  # an input: passed through, not stacked again
+            i = positions.get(id(r))
+            if i is not None and values[i] is r and (i < weights or r.dtype != jnp.bfloat16):
+                kinds.append(i)  # an input: passed through (a weight slice is not stacked again)
             elif r.dtype == jnp.bfloat16:
                 kinds.append("bits")
                 kept.append(lax.bitcast_convert_type(r, jnp.uint16))
