@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import functools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,6 +33,7 @@ from nnx_cli.sharding import put_replicated
 
 _MAX_IN_FLIGHT = 2  # dispatches queued ahead of the one being computed
 _AUTO_MAX_STEPS = 100  # auto never puts more steps than this in one dispatch
+_COLLECT_ABOVE = 1 << 28  # a train state of this many bytes or more: collect Python's garbage after its first dispatch
 _AUTO_PARAM_STEPS = 20_000_000  # ... nor more than this many parameters x steps
 
 
@@ -67,9 +69,14 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
     from nnx_cli.runtime import PHASES
 
     in_flight: collections.deque = collections.deque()
+    first = True
     for k, xs in feed:
         loop.state, loop.sums, loop.finite = dispatch(loop.state, loop.sums, xs)
         loop.step += k
+        if first:
+            first = False
+            if sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(loop.state)) >= _COLLECT_ABOVE:
+                gc.collect()  # tracing a large step leaves cyclic garbage that held 1.9 GB until a full collection
         in_flight.append(loop.finite)
         if len(in_flight) > _MAX_IN_FLIGHT:  # bound async dispatch: keeps collectives on few CPU cores from starving
             in_flight.popleft().block_until_ready()
