@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import functools
+import gc
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
