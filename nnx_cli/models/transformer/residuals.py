@@ -73,22 +73,23 @@ def packed(fun: Callable[..., Any]) -> Callable[..., Any]:
         residuals, vjp_tree = jax.tree.flatten(vjp)
         weights = len(jax.tree.leaves(args[0], is_leaf=_is_primal))
         positions = {id(v): i for i, v in enumerate(values)}
-        kinds, kept = [], []
+        kinds, kept, inputs = [], [], []
         for r in residuals:
-            i = positions.get(id(r))
-            if i is not None and values[i] is r and (i < weights or r.dtype != jnp.bfloat16):
-                kinds.append(i)  # an input: passed through (a weight slice is not stacked again)
-            elif r.dtype == jnp.bfloat16:
+            i, bits = positions.get(id(r)), getattr(r, "dtype", None) == jnp.bfloat16
+            if i is not None and values[i] is r and (i < weights or not bits):
+                kinds.append(len(inputs))  # an input: passed through (a weight slice is not stacked again)
+                inputs.append(r)
+            elif bits:
                 kinds.append("bits")
                 kept.append(lax.bitcast_convert_type(r, jnp.uint16))
             else:
                 kinds.append("as is")
                 kept.append(r)
         meta.update(kinds=kinds, vjp_tree=vjp_tree, live=live, tree=tree, count=len(values))
-        return out, (values, kept)
+        return out, (inputs, kept)
 
     def backward(saved: tuple, g: Any) -> tuple:
-        values, kept = saved
+        inputs, kept = saved
         stored = iter(kept)
         residuals = []
         for kind in meta["kinds"]:
@@ -97,7 +98,7 @@ def packed(fun: Callable[..., Any]) -> Callable[..., Any]:
             elif kind == "as is":
                 residuals.append(next(stored))
             else:
-                residuals.append(values[kind])
+                residuals.append(inputs[kind])
         vjp = jax.tree.unflatten(meta["vjp_tree"], residuals)
         g = jax.tree.map(lambda x: jnp.zeros(x.aval.shape, x.aval.dtype) if _is_zero(x) else x, g, is_leaf=_is_zero)
         cotangents: list[Any] = [None] * meta["count"]
