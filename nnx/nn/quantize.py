@@ -357,9 +357,19 @@ def dequantize_kernel(parts: dict[str, Array], type: str, dtype: Any, xp: Any = 
     fan_in, blocks = 2 * half, absmax.shape[-2]
     if "nested_absmax" in parts:
         absmax = _undo_double(absmax, parts["nested_absmax"], parts["offset"], xp)
-    q = xp.stack([codes >> 4, codes & 15], axis=-2).reshape(*batch, fan_in, fan_out)
-    values = _lookup(q, code(type), xp).reshape(*batch, blocks, fan_in // blocks, fan_out)
+    values = _lookup(codes, _byte_values(type), xp)  # [*batch, in / 2, out, 2]: each byte's two values
+    values = xp.moveaxis(values, -1, -2).reshape(*batch, blocks, fan_in // blocks, fan_out)
     return (values * absmax.astype(np.float32)[..., :, None, :]).astype(dtype).reshape(*batch, fan_in, fan_out)
+
+
+@functools.cache
+def _byte_values(type: str) -> np.ndarray:
+    """``[256, 2]`` float32: the values of a byte's two codes, high half first. One lookup per byte, not one per
+    code after unpacking: XLA's CPU loop fusing the lookup with a layer's slice of the stacked codes (under the
+    layer scan) ran 4x faster so (3.8 against 16 ms for a 896 x 4864 kernel, bitwise the same)."""
+    table = code(type).astype(np.float32)
+    byte = np.arange(256)
+    return np.stack([table[byte >> 4], table[byte & 15]], axis=-1)
 
 
 def _undo_double(codes: Array, nested: Array, offset: Array, xp: Any) -> Array:
