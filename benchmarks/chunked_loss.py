@@ -1,24 +1,28 @@
-"""The head and cross-entropy in chunks of positions (`models/transformer/loss.py`) against the whole logits.
+"""The head and cross-entropy split (`models/transformer/loss.py`): chunks of positions, blocks of the vocabulary,
+against the whole logits.
 
 On `benchmarks/profile_step.py`'s Qwen2.5-0.5B shape (24 layers, 896 wide, vocabulary 151,936, tied head),
 sequence 512, batch 2, AdamW, LoRA rank 16 on all seven projections, computing in bfloat16, the trainer's own
-`steps.train_step` is compiled twice: with the logits computed whole (`loss.CHUNK_BYTES` raised past them: one
-chunk, plain autodiff, the computation the model made before chunking) and in chunks (the default). Prints:
+`steps.train_step` is compiled three ways: with the logits computed whole (`loss.CHUNK_BYTES` raised past them:
+plain autodiff, the computation the model made before splitting), in chunks of positions (what a GPU, or a mesh
+sharding the vocabulary, takes) and in blocks of the vocabulary (what a CPU takes). Prints:
 
 1. XLA's memory analysis of each compiled step (MiB of temporaries, the step's own peak beside the state it
    reads), for LoRA on a bfloat16 base (`model.quantize: {type: bfloat16}`) and QLoRA (`{type: nf4}`), each with
-   `model.remat` none and full. Nothing runs: the state is abstract. Target: the chunked step's temporaries at
-   least 1 GB below the whole one's in every row (the float32 logits and their gradient, 2 x 593 MiB).
-2. The step's time, whole (A) against chunked (B), run A B B A, `--steps` steps each after one unmeasured, on
-   one variant (`--time`, default QLoRA, remat none): the median of each run, the A/B ratio, and how far the two
-   runs of each side differ (the machine's noise). Target: chunked within 5% of whole (it multiplies by the
-   head twice in the forward pass, logits and `G`, as the whole logits' backward pass does once). Speed means
-   nothing on a busy machine: run it idle; the load average is printed before and after.
+   `model.remat` none and full. Nothing runs: the state is abstract. Target: both splits' temporaries at least
+   1 GB below the whole one's in every row (the float32 logits and their gradient, 2 x 593 MiB).
+2. The step's time on this machine, chunks of positions (A) against vocabulary blocks (B), run A B B A,
+   `--steps` steps each after one unmeasured, on one variant (`--time`, default QLoRA, remat none, computing in
+   `--dtype`, default bfloat16): the median of each run, the B/A ratio, and how far the two runs of each side
+   differ (the machine's noise). Blocks are the default on a CPU computing in float32, where they cost no memory
+   (`loss.blocks_apply`); a 16-bit head is sliced as its bits, a copy of the table, so part 1's blocks column
+   holds about 200 MiB more there and chunks stay the default. Speed means nothing on a busy machine: run it
+   idle; the load average is printed before and after.
 
-    python benchmarks/chunked_loss.py [--part 1|2] [--time qlora|lora] [--steps 3] [--tiny]
+    python benchmarks/chunked_loss.py [--part 1|2] [--time qlora|lora] [--dtype float32|bfloat16] [--steps 3] [--tiny]
 
 `--tiny` (2 layers, sequence 128) smoke-tests the script; the vocabulary stays Qwen's, so the logits are still
-chunked (156 MB of them: three chunks).
+split (156 MB of them: three chunks).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ WHOLE = 1 << 62  # loss.CHUNK_BYTES past any logits: one chunk
 MIB = 2**20
 
 
-def compile_step(variant: str, remat: str, chunk_bytes: int, batch: int, seq_len: int | None, layers: int | None):
-    """The train step of `variant` compiled with `loss.CHUNK_BYTES` at `chunk_bytes` (donating its state), and
-    what builds its state: the model's builder, the optimizer, the model's options."""
-    builder, options = build("qwen05", True, seq_len, layers, {"dtype": "bfloat16", "remat": remat,
+def compile_step(variant: str, remat: str, chunk_bytes: int, batch: int, seq_len: int | None, layers: int | None,
+                 blocks: bool = False, dtype: str = "bfloat16"):  # fmt: skip
+    """The train step of `variant` compiled with `loss.CHUNK_BYTES` at `chunk_bytes` (donating its state), the
+    logits split in vocabulary `blocks` or chunks of positions, and what builds its state: the model's builder,
+    the optimizer, the model's options."""
+    builder, options = build("qwen05", True, seq_len, layers, {"dtype": dtype, "remat": remat,
                                                                "quantize": VARIANTS[variant]})  # fmt: skip
     tx = optax.adamw(1e-4, weight_decay=0.0)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(builder, tx, 0))
@@ -60,39 +66,45 @@ def compile_step(variant: str, remat: str, chunk_bytes: int, batch: int, seq_len
     def step(state, sums, batch):
         return steps.train_step(moduledef, tx, "loss", 0, state, sums, batch)
 
-    loss.CHUNK_BYTES, kept = chunk_bytes, loss.CHUNK_BYTES
+    kept = loss.CHUNK_BYTES, loss.blocks_apply
+    loss.CHUNK_BYTES, loss.blocks_apply = chunk_bytes, lambda *shape: blocks
     try:
         compiled = jax.jit(step, donate_argnums=(0,)).lower(abstract, sums, {"tokens": tokens}).compile()
     finally:
-        loss.CHUNK_BYTES = kept
+        loss.CHUNK_BYTES, loss.blocks_apply = kept
     return compiled, (builder, tx, options)
 
 
 def part1(batch: int, seq_len: int | None, layers: int | None) -> None:
-    print("XLA's memory analysis of the train step (MiB): temporaries, whole logits -> chunked (arguments)\n")
-    print("| variant | remat | whole | chunked | saved | arguments |\n| --- | --- | --- | --- | --- | --- |")
+    print("XLA's memory analysis of the train step (MiB): temporaries, whole logits -> split (arguments)\n")
+    print("| variant | remat | whole | position chunks | vocabulary blocks | saved (least) | arguments |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for variant in VARIANTS:
         for remat in ("none", "full"):
-            whole, chunked = (compile_step(variant, remat, b, batch, seq_len, layers)[0].memory_analysis()
-                              for b in (WHOLE, loss.CHUNK_BYTES))  # fmt: skip
-            before, after = whole.temp_size_in_bytes / MIB, chunked.temp_size_in_bytes / MIB
-            print(f"| {variant} | {remat} | {before:.0f} | {after:.0f} | {before - after:.0f} "
+            whole, chunked, blocked = (compile_step(variant, remat, b, batch, seq_len, layers, k)[0].memory_analysis()
+                                       for b, k in ((WHOLE, False), (loss.CHUNK_BYTES, False),
+                                                    (loss.CHUNK_BYTES, True)))  # fmt: skip
+            before, chunks, blocks = (x.temp_size_in_bytes / MIB for x in (whole, chunked, blocked))
+            after = max(chunks, blocks)
+            print(f"| {variant} | {remat} | {before:.0f} | {chunks:.0f} | {blocks:.0f} | {before - after:.0f} "
                   f"({1 - after / before:.0%}) | {chunked.argument_size_in_bytes / MIB:.0f} |", flush=True)  # fmt: skip
 
 
-def part2(variant: str, batch: int, seq_len: int | None, layers: int | None, n: int) -> None:
-    whole, (builder, tx, options) = compile_step(variant, "none", WHOLE, batch, seq_len, layers)
-    chunked, _ = compile_step(variant, "none", loss.CHUNK_BYTES, batch, seq_len, layers)
+def part2(variant: str, batch: int, seq_len: int | None, layers: int | None, n: int, dtype: str) -> None:
+    chunked, (builder, tx, options) = compile_step(variant, "none", loss.CHUNK_BYTES, batch, seq_len, layers,
+                                                   dtype=dtype)  # fmt: skip
+    blocked, _ = compile_step(variant, "none", loss.CHUNK_BYTES, batch, seq_len, layers, blocks=True, dtype=dtype)
     _, state = jax.jit(lambda: steps.init_state(builder, tx, 0))()
     sums = steps.empty_sums(["loss", "accuracy"])
     tokens = np.random.default_rng(0).integers(0, options["vocab_size"], (batch, options["seq_len"] + 1))
     data = {"tokens": jnp.asarray(tokens, jnp.int32)}
-    print(f"\n{variant}, remat none, batch {batch}, sequence {options['seq_len']}: seconds per step, A B B A "
-          f"(A: whole logits, B: chunked), {n} steps each after one unmeasured; load average "
+    print(f"\n{variant}, computing in {dtype}, remat none, batch {batch}, sequence {options['seq_len']}: seconds "
+          f"per step, A B B A "
+          f"(A: chunks of positions, B: vocabulary blocks), {n} steps each after one unmeasured; load average "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     runs: dict[str, list[float]] = {"A": [], "B": []}
     for name in "ABBA":
-        step = whole if name == "A" else chunked
+        step = chunked if name == "A" else blocked
         seconds = []
         for i in range(n + 1):
             start = time.perf_counter()
@@ -104,7 +116,7 @@ def part2(variant: str, batch: int, seq_len: int | None, layers: int | None, n: 
         print(f"  {name}: median {runs[name][-1]:.2f} s  (each: {' '.join(f'{s:.2f}' for s in seconds)})", flush=True)
     a, b = statistics.mean(runs["A"]), statistics.mean(runs["B"])
     noise = max(abs(x - y) / min(x, y) for x, y in (runs["A"], runs["B"]))
-    print(f"whole {a:.2f} s, chunked {b:.2f} s per step: chunked takes {b / a:.3f}x the time; the two runs of a "
+    print(f"chunks {a:.2f} s, blocks {b:.2f} s per step: blocks take {b / a:.3f}x the time; the two runs of a "
           f"side differ by up to {noise:.1%}; load average {os.getloadavg()[0]:.2f}")  # fmt: skip
 
 
@@ -114,13 +126,14 @@ def main() -> None:
     parser.add_argument("--time", choices=sorted(VARIANTS), default="qlora", help="part 2's variant")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run of part 2")
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="part 2's model.dtype")
     parser.add_argument("--tiny", action="store_true", help="2 layers, sequence 128: a smoke test of the script")
     args = parser.parse_args()
     seq_len, layers = (128, 2) if args.tiny else (None, None)
     if args.part in (None, 1):
         part1(args.batch, seq_len, layers)
     if args.part in (None, 2):
-        part2(args.time, args.batch, seq_len, layers, args.steps)
+        part2(args.time, args.batch, seq_len, layers, args.steps, args.dtype)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ PARTS = {
     "attention": ("Attention._causal", "attention_core", "_core_forward", "_core_backward", "dot_product_attention"),
     "head": ("TransformerLM._logits", "TransformerLM.metrics", "TransformerLM._example_metrics",
              "softmax_cross_entropy_with_integer_labels", "Embed.attend", "TransformerLM._embed", "head_logits",
-             "tied_logits", "token_cross_entropy", "_chunked_forward", "_chunked_backward", "_chunked"),
+             "tied_logits", "token_cross_entropy", "_chunked_forward", "_chunked_backward", "_chunked",
+             "_blocked_pass", "_blocked_backward", "_blocked", "_block_logits"),
     "optimizer": ("update_fn", "apply_updates", "tree_norm", "tree_update_moment", "_means", "safe_increment",
                   "train_step.<locals>.<dictcomp>"),
 }  # fmt: skip

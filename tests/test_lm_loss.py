@@ -1,7 +1,10 @@
-"""The head and the cross-entropy computed in chunks of positions (`models/transformer/loss.py`) equal the whole
-logits' loss, accuracy and gradients; the model, DPO and GRPO read their losses through it.
+"""The head and the cross-entropy computed in chunks of positions or in blocks of the vocabulary
+(`models/transformer/loss.py`) equal the whole logits' loss, accuracy and gradients; the model, DPO and GRPO read
+their losses through it.
 
-Chunking is forced on small shapes by passing `chunk`, or, through the model, by lowering `loss.CHUNK_BYTES`.
+Either split is forced on small shapes by passing `chunk` or `block`, or, through the model, by lowering
+`loss.CHUNK_BYTES` and choosing `loss.blocks_apply`'s answer (a CPU computing in float32 takes vocabulary
+blocks unless a mesh shards the vocabulary).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import nnx
 from nnx_cli import steps
 from nnx_cli.models.transformer import TransformerLM
 from nnx_cli.models.transformer import loss as loss_module
-from nnx_cli.models.transformer.loss import chunk_length, is_argmax, token_cross_entropy
+from nnx_cli.models.transformer.loss import block_rows, blocks_apply, chunk_length, is_argmax, token_cross_entropy
 from nnx_cli.objectives import dpo, grpo
 
 BATCH, LENGTH, EMBED, VOCAB, REAL = 2, 11, 16, 256, 250  # 11 positions: chunks of 4 leave a ragged last one
@@ -53,13 +56,15 @@ def reference(h, head, targets, tied, softcap=None, temperature=1.0):
 
 
 OPTIONS = {"plain": {}, "soft-capped": {"softcap": 3.0}, "temperature": {"temperature": 0.7}}
+SPLITS = {"positions": {"chunk": 4}, "vocabulary": {"block": 100}}  # 256 padded ids: blocks 0-99, 100-199, 156-255
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-def test_chunked_loss_and_accuracy_equal_the_whole_logits(tied, options):
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+def test_split_loss_and_accuracy_equal_the_whole_logits(split, tied, options):
     h, head, targets = problem(tied)
-    got = jax.jit(lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, chunk=4, **options))
+    got = jax.jit(lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, **split, **options))
     loss, hit = got(h, head)
     want_loss, want_hit = reference(h, head, targets, tied, **options)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
@@ -69,21 +74,23 @@ def test_chunked_loss_and_accuracy_equal_the_whole_logits(tied, options):
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-def test_chunked_gradients_equal_autodiff_of_the_whole_logits(tied, options):
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+def test_split_gradients_equal_autodiff_of_the_whole_logits(split, tied, options):
     h, head, targets = problem(tied)
     weights = normal((BATCH, LENGTH), 3)  # each token's upstream gradient, as a masked mean makes them
 
     def total(f):
         return jax.jit(jax.grad(lambda h, w: jnp.sum(f(h, w)[0] * weights), (0, 1)))(h, head)
 
-    got = total(lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, chunk=4, **options))
+    got = total(lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, **split, **options))
     want = total(lambda h, w: reference(h, w, targets, tied, **options))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
-def test_bfloat16_hidden_states_give_float32_losses_and_gradients_as_close_as_autodiffs(tied):
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+def test_bfloat16_hidden_states_give_float32_losses_and_gradients_as_close_as_autodiffs(split, tied):
     h, head, targets = problem(tied, jnp.bfloat16)
     weights = normal((BATCH, LENGTH), 3)
     options = {"softcap": 3.0, "temperature": 0.7}
@@ -91,11 +98,11 @@ def test_bfloat16_hidden_states_give_float32_losses_and_gradients_as_close_as_au
     def run(f, h):
         return jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(f(h, w)[0] * weights), (0, 1)))(h, head)
 
-    chunked = lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, chunk=4, **options)  # noqa: E731
+    chunked = lambda h, w: token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, **split, **options)  # noqa: E731
     ours = run(chunked, h)
     autodiff = run(lambda h, w: reference(h, w, targets, tied, **options), h)
     exact = run(lambda h, w: reference(h, w, targets, tied, **options), h.astype(jnp.float32))  # float32 throughout
-    assert token_cross_entropy(h, head, targets, tied=tied, vocab_size=REAL, chunk=4)[0].dtype == jnp.float32
+    assert token_cross_entropy(h, head, targets, tied=tied, vocab_size=REAL, **split)[0].dtype == jnp.float32
     assert ours[1][0].dtype == jnp.bfloat16 and ours[1][1].dtype == jnp.float32
     np.testing.assert_allclose(ours[0], autodiff[0], rtol=1e-5)
     for g, a, e in zip(ours[1], autodiff[1], exact[1], strict=True):
@@ -104,20 +111,22 @@ def test_bfloat16_hidden_states_give_float32_losses_and_gradients_as_close_as_au
         assert error < max(2 * np.max(np.abs(np.asarray(a, np.float32) - e)) / scale, 1e-2)
 
 
-def test_a_target_tied_with_another_id_at_the_maximum_counts_as_the_argmax():
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+def test_a_target_tied_with_another_id_at_the_maximum_counts_as_the_argmax(split):
     h, head, targets = problem(tied=True)
     top = int(targets[0, 0])  # position 0 targets its row's argmax
     twin = top + 1 if top + 1 < REAL else top - 1
     head = head.at[twin].set(head[top])
     targets = targets.at[0, 0].set(max(top, twin))  # jnp.argmax would name the other
-    _, hit = token_cross_entropy(h, head, targets, tied=True, vocab_size=REAL, chunk=4)
+    _, hit = token_cross_entropy(h, head, targets, tied=True, vocab_size=REAL, **split)
     assert hit[0, 0]
 
 
-def test_padded_ids_are_never_the_argmax_and_take_no_probability():
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+def test_padded_ids_are_never_the_argmax_and_take_no_probability(split):
     h, head, targets = problem(tied=True)
     head = head.at[REAL:].set(100.0 * h[0, 0])  # the padded ids' logits would dominate every position
-    loss, hit = token_cross_entropy(h, head, targets, tied=True, vocab_size=REAL, chunk=4)
+    loss, hit = token_cross_entropy(h, head, targets, tied=True, vocab_size=REAL, **split)
     want_loss, want_hit = reference(h, head.at[REAL:].set(0.0), targets, tied=True)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(hit, want_hit)
@@ -131,15 +140,25 @@ def test_chunks_hold_about_chunk_bytes_of_logits_in_equal_parts_and_small_logits
     assert chunks * length - 512 < chunks  # the chunks equal but for a position each
 
 
+def test_vocabulary_blocks_hold_block_rows_ids_fewer_where_their_logits_would_pass_chunk_bytes():
+    assert block_rows(1024, 151936) == loss_module.BLOCK_ROWS  # Qwen2.5, 2 x 512 positions: 16 MB of logits
+    assert block_rows(16 * 1024, 50304) == loss_module.CHUNK_BYTES // (4 * 16 * 1024)  # GPT-2, 16 x 1,024
+    assert block_rows(22, 300) == 300  # never more than the vocabulary
+    assert blocks_apply(2, 512, 151936, jnp.float32)  # a CPU with no mesh: large logits a block of ids at a time
+    assert not blocks_apply(2, 512, 151936, jnp.bfloat16)  # a 16-bit head would be copied whole to be sliced
+    assert not blocks_apply(2, 512, 384, jnp.float32)  # a byte vocabulary's logits are computed whole
+
+
 def _compiled(f, *args) -> str:
     return jax.jit(f).lower(*args).compile().as_text()
 
 
-def test_the_forward_pass_alone_multiplies_by_the_head_once_and_a_frozen_head_gets_no_gradient_loop():
+@pytest.mark.parametrize("split", SPLITS.values(), ids=SPLITS.keys())
+def test_the_forward_pass_alone_multiplies_by_the_head_once_and_a_frozen_head_gets_no_gradient_loop(split):
     h, head, targets = problem(tied=True)
 
     def loss(h, w):
-        return jnp.sum(token_cross_entropy(h, w, targets, tied=True, vocab_size=REAL, chunk=4)[0])
+        return jnp.sum(token_cross_entropy(h, w, targets, tied=True, vocab_size=REAL, **split)[0])
 
     dots = lambda text: len(re.findall(r" dot\(", text))  # noqa: E731
     loops = lambda text: len(re.findall(r" while\(", text))  # noqa: E731
@@ -180,11 +199,21 @@ def _metrics_and_gradients(model: TransformerLM, batch: dict[str, jax.Array]):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
+PATHS = {"positions": False, "vocabulary": True}  # loss.blocks_apply's answer
+
+
+def split_small(monkeypatch, blocks: bool) -> None:
+    """Logits of more than 3 positions split: chunks of 3 positions, or blocks of 279 of the 1,024 padded ids."""
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)
+    monkeypatch.setattr(loss_module, "blocks_apply", lambda *shape: blocks)
+
+
+@pytest.mark.parametrize("blocks", PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("options", [{}, {"tie_embeddings": False, "logit_softcap": 5.0}], ids=["tied", "head"])
-def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monkeypatch, options):
+def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monkeypatch, options, blocks):
     model, batch = small_model(**options), packed_batch()
     (_, whole), whole_grads = _metrics_and_gradients(model, batch)
-    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)  # chunks of 3 positions
+    split_small(monkeypatch, blocks)
     (_, chunked), chunked_grads = _metrics_and_gradients(model, batch)
     for name in ("loss", "accuracy", "weight"):
         np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-5, err_msg=name)
@@ -192,9 +221,10 @@ def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monke
         np.testing.assert_allclose(chunked_grads[path].value, g.value, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
-def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monkeypatch):
+@pytest.mark.parametrize("blocks", PATHS.values(), ids=PATHS.keys())
+def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monkeypatch, blocks):
     model, batch = small_model(tie_embeddings=False), packed_batch()
-    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)
+    split_small(monkeypatch, blocks)
     params, moduledef = model.partition(nnx.Param)
     tokens = batch["tokens"]
     logits = moduledef.merge(params).logits(
@@ -214,11 +244,13 @@ def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monk
     assert logps.shape == (BATCH, 2 * (LENGTH + 1) // 2 + 1)
 
 
-def test_a_lora_train_step_computes_no_gradient_of_the_frozen_head(monkeypatch):
-    """The head's gradient, a `[vocab, embed]` product, is in a full fine-tuning step and not in a LoRA one."""
-    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)
+@pytest.mark.parametrize("blocks", PATHS.values(), ids=PATHS.keys())
+def test_a_lora_train_step_computes_no_gradient_of_the_frozen_head(monkeypatch, blocks):
+    """The head's gradient, a `[vocab, embed]` product (a block of the vocabulary's rows at a time), is in a full
+    fine-tuning step and not in a LoRA one."""
+    split_small(monkeypatch, blocks)
     batch = {"tokens": packed_batch()["tokens"][:, : LENGTH + 1]}
-    head_gradient = re.compile(r"f32\[1024,32\]\{[0-9,]*\} dot\(")
+    head_gradient = re.compile(rf"f32\[{279 if blocks else 1024},32\]\{{[0-9,]*\}} dot\(")
 
     def step_text(**options) -> str:
         tx = optax.sgd(0.1)
@@ -240,7 +272,7 @@ _EIGHT_DEVICES = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     import nnx
     from nnx_cli.config import ShardingConfig
-    from nnx_cli.models.transformer.loss import token_cross_entropy
+    from nnx_cli.models.transformer.loss import blocks_apply, token_cross_entropy
     from nnx_cli.sharding import axis_rules, make_mesh
 
     cfg = ShardingConfig(mesh={"data": 4, "model": 2}, rules=[["batch", "data"], ["embed", "data"], ["vocab", "model"]])
@@ -251,9 +283,10 @@ _EIGHT_DEVICES = textwrap.dedent(
     targets = jnp.asarray(rng.integers(0, 250, (8, 12)), jnp.int32)
     g = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
 
-    def run(h, table, chunk):
+    def run(h, table, chunk, block=None):
         def total(h, table):
-            loss, hit = token_cross_entropy(h, table, targets, tied=True, vocab_size=250, softcap=4.0, chunk=chunk)
+            loss, hit = token_cross_entropy(h, table, targets, tied=True, vocab_size=250, softcap=4.0, chunk=chunk,
+                                            block=block)
             return jnp.sum(loss * g), (loss, hit)
         return jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))(h, table)
 
@@ -265,6 +298,11 @@ _EIGHT_DEVICES = textwrap.dedent(
     print("loss", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)))
     print("grads", max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
     print("spec", tuple(loss.sharding.spec)[:1], tuple(grads[1].sharding.spec))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        print("blocks", blocks_apply(2, 512, 151936, jnp.float32))  # the vocabulary over `model`: positions
+        (_, (loss, hit)), grads = run(h, table, None, 100)  # blocks, asked for: the same numbers
+    print("blocked", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)),
+          max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
     """
 )
 
@@ -284,3 +322,6 @@ def test_chunks_keep_a_batch_sharded_over_data_and_a_vocabulary_over_model_on_ei
     assert float(error) < 1e-5 and same_hits == "True"
     assert float(lines["grads"]) < 1e-5
     assert lines["spec"] == "('data',) ('model', 'data')"  # the table's gradient sharded as the table
+    assert lines["blocks"] == "False"  # a sharded vocabulary is taken in chunks of positions by default
+    error, same_hits, grads = lines["blocked"].split()
+    assert float(error) < 1e-5 and same_hits == "True" and float(grads) < 1e-5

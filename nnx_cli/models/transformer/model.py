@@ -329,7 +329,8 @@ class TransformerLM(nnx.Module):
 
     def _token_losses(self, h: jax.Array, targets: jax.Array, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
         """Each target's cross-entropy `[B, T]` after the blocks' `h`, and whether it is the argmax, computed by
-        :func:`.loss.token_cross_entropy`: in chunks of positions when the logits would be large."""
+        :func:`.loss.token_cross_entropy`: in chunks of positions or blocks of the vocabulary when the logits
+        would be large."""
         spec = {"tied": self.tie_embeddings, "vocab_size": self.vocab_size, "softcap": self.logit_softcap}
         return token_cross_entropy(self.final_norm(h), self._head(), targets, temperature=temperature, **spec)
 
