@@ -26,13 +26,15 @@ as plain autodiff would (:func:`chunk_length`).
 On a CPU computing in float32 the same loss is computed over blocks of the
 vocabulary instead (:func:`blocks_apply`; every position in each block):
 XLA's CPU multiplies all positions by a block of 4,096 rows of the table
-three to four times faster than a chunk of positions by the whole table. One pass over the blocks
-keeps each position's running maximum `m`, sum `s = sum exp(y - m)` and
-`A = sum exp(y - m) dy/dz w` (rescaled by `exp(m_old - m_new)` as the maximum
-grows, the online softmax of flash attention), so that `G = A / s - dy/dz_t
-w_t` at the end: no block's logits are computed twice for `h`'s gradient
-either. A mesh that shards the vocabulary keeps the chunks of positions (a
-block of a sharded table would live on one device).
+three to four times faster than a chunk of positions by the whole table.
+One pass over the blocks keeps each position's running maximum `m`, sum
+`s = sum exp(y - m)` and `A = sum exp(y - m) dy/dz w` (rescaled by
+`exp(m_old - m_new)` as the maximum grows, the online softmax of flash
+attention), so that `G = A / s - dy/dz_t w_t` at the end: no block's logits
+are computed twice for `h`'s gradient either. A 16-bit head keeps the chunks
+of positions (XLA's CPU would copy the whole table as its bits to slice it),
+as does a mesh that shards the vocabulary (a block of a sharded table would
+live on one device).
 
 The technique is Liger-Kernel's fused linear cross-entropy (Hsu et al.,
 2024) and Wijmans et al.'s "Cut Your Losses in Large-Vocabulary Language
