@@ -4,8 +4,9 @@ against the whole logits.
 On `benchmarks/profile_step.py`'s Qwen2.5-0.5B shape (24 layers, 896 wide, vocabulary 151,936, tied head),
 sequence 512, batch 2, AdamW, LoRA rank 16 on all seven projections, computing in bfloat16, the trainer's own
 `steps.train_step` is compiled three ways: with the logits computed whole (`loss.CHUNK_BYTES` raised past them:
-plain autodiff, the computation the model made before splitting), in chunks of positions (what a GPU, or a mesh
-sharding the vocabulary, takes) and in blocks of the vocabulary (what a CPU takes). Prints:
+plain autodiff, the computation the model made before splitting), in chunks of positions (what a GPU, a 16-bit
+head or a mesh sharding the vocabulary takes) and in blocks of the vocabulary (what a CPU computing in float32
+takes). Prints:
 
 1. XLA's memory analysis of each compiled step (MiB of temporaries, the step's own peak beside the state it
    reads), for LoRA on a bfloat16 base (`model.quantize: {type: bfloat16}`) and QLoRA (`{type: nf4}`), each with

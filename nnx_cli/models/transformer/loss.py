@@ -299,20 +299,31 @@ class _Block(NamedTuple):
     count: int  # blocks
 
 
-def _block_logits(x: jax.Array, weights: jax.Array, j: jax.Array, spec: _Block, dtype: Any) -> tuple:
-    """Block `j` of `weights` (:func:`_as_bits`'s, of `dtype`): its weights, the product `x @ weights[ids]`
-    `[N, rows]` (float32), its finished logits (ids of an earlier block and padded ids masked) and the ids."""
+class _BlockOf(NamedTuple):
+    """One block of the head, as :func:`_block_logits` computes it."""
+
+    start: jax.Array  # its first id (the last block starts at vocab - rows)
+    ids: jax.Array  # `[rows]`
+    fresh: jax.Array  # `[rows]`: not an id of an earlier block (the last block repeats some)
+    w: jax.Array  # its rows (tied) or columns of the head, in the compute dtype
+    product: jax.Array  # `x @ w` `[N, rows]`, float32
+    logits: jax.Array  # the product finished: soft-capped, repeated and padded ids masked, over the temperature
+
+
+def _block_logits(x: jax.Array, weights: jax.Array, j: jax.Array, spec: _Block, dtype: Any) -> _BlockOf:
+    """Block `j` of `weights` (:func:`_as_bits`'s, of `dtype`)."""
     vocab = weights.shape[0 if spec.head.tied else 1]
     start = jnp.minimum(j * spec.rows, vocab - spec.rows)
     w = _as_stored(lax.dynamic_slice_in_dim(weights, start, spec.rows, axis=0 if spec.head.tied else 1), dtype)
     contract = (((1,), (1 if spec.head.tied else 0,)), ((), ()))
     product = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
     ids = start + jnp.arange(spec.rows)
+    fresh = ids >= j * spec.rows
     logits = soft_cap(product, spec.head.softcap)
-    logits = jnp.where((ids >= j * spec.rows) & (ids < spec.head.vocab_size), logits, MASKED_LOGIT)
+    logits = jnp.where(fresh & (ids < spec.head.vocab_size), logits, MASKED_LOGIT)
     if spec.head.temperature != 1.0:
         logits = logits / spec.head.temperature
-    return w, product, logits, ids
+    return _BlockOf(start, ids, fresh, w, product, logits)
 
 
 def _slope(product: jax.Array, head: _Head) -> jax.Array:
@@ -333,18 +344,18 @@ def _blocked_pass(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Bloc
 
     def body(carry, j):
         m, s, a, logit, target = carry
-        w, product, logits, ids = _block_logits(x, weights, j, spec, h.dtype)
-        top = jnp.maximum(m, jnp.max(logits, axis=-1))
+        block = _block_logits(x, weights, j, spec, h.dtype)
+        top = jnp.maximum(m, jnp.max(block.logits, axis=-1))
         rescale = jnp.exp(m - top)
-        p = jnp.exp(logits - top[:, None])
+        p = jnp.exp(block.logits - top[:, None])
         s = s * rescale + jnp.sum(p, axis=-1)
-        is_target = (ids == rows[:, None]) & (ids >= j * spec.rows)  # selects, not gathers: once per target
-        logit = logit + jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+        is_target = (block.ids == rows[:, None]) & block.fresh  # selects, not gathers: once per target
+        logit = logit + jnp.sum(jnp.where(is_target, block.logits, 0.0), axis=-1)
         if gradient:
-            target = target + jnp.sum(jnp.where(is_target, product, 0.0), axis=-1)
-            d = (p * _slope(product, spec.head)).astype(h.dtype)
+            target = target + jnp.sum(jnp.where(is_target, block.product, 0.0), axis=-1)
+            d = (p * _slope(block.product, spec.head)).astype(h.dtype)
             contract = (((1,), (0 if spec.head.tied else 1,)), ((), ()))
-            a = a * rescale[:, None] + lax.dot_general(d, w, contract, preferred_element_type=jnp.float32)
+            a = a * rescale[:, None] + lax.dot_general(d, block.w, contract, preferred_element_type=jnp.float32)
         return (top, s, a, logit, target), None
 
     zeros = jnp.zeros((n,), jnp.float32)
@@ -392,21 +403,19 @@ def _blocked_backward(spec, saved, cotangents):
     x = h.reshape(-1, h.shape[-1])
     weights = _as_bits(head.astype(h.dtype))
     rows = targets.reshape(-1)
-    vocab = head.shape[0 if spec.head.tied else 1]
 
     def body(total, j):
-        _, product, logits, ids = _block_logits(x, weights, j, spec, h.dtype)
-        p = jnp.exp(logits - normalizer[:, None]) - (ids == rows[:, None])
-        d = (p * _slope(product, spec.head) * g[:, None]).astype(h.dtype)
-        d = jnp.where(ids >= j * spec.rows, d, 0)  # an id of an earlier block: counted there
+        block = _block_logits(x, weights, j, spec, h.dtype)
+        p = jnp.exp(block.logits - normalizer[:, None]) - (block.ids == rows[:, None])
+        d = (p * _slope(block.product, spec.head) * g[:, None]).astype(h.dtype)
+        d = jnp.where(block.fresh, d, 0)  # an id of an earlier block: counted there
         if spec.head.tied:  # [rows, E]
             part = lax.dot_general(d, x, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         else:  # [E, rows]
             part = lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        start = jnp.minimum(j * spec.rows, vocab - spec.rows)
         axis = 0 if spec.head.tied else 1
-        block = lax.dynamic_slice_in_dim(total, start, spec.rows, axis=axis) + part
-        return lax.dynamic_update_slice_in_dim(total, block, start, axis=axis), None
+        rows_of = lax.dynamic_slice_in_dim(total, block.start, spec.rows, axis=axis) + part
+        return lax.dynamic_update_slice_in_dim(total, rows_of, block.start, axis=axis), None
 
     d_head, _ = lax.scan(body, jnp.zeros(head.shape, jnp.float32), jnp.arange(spec.count))
     d_h = (g[:, None] * to_h).astype(h.dtype).reshape(h.shape)
