@@ -58,14 +58,47 @@ def test_dequantize_4bit_equals_bitsandbytes(name, kind, double):
         assert np.array_equal(bf16.view(np.uint16), GOLDENS[f"{key}_dequantized_bf16"])
 
 
+@pytest.mark.parametrize("copies", [False, True])
 @pytest.mark.parametrize("name,kind,double", CASES)
-def test_kernel_layout_holds_bitsandbytes_arrays(name, kind, double):
-    """Our [in, out] kernel quantised is bitsandbytes' [out, in] weight quantised, transposed."""
+def test_kernel_layout_holds_bitsandbytes_arrays(name, kind, double, copies):
+    """Our [in, out] kernel quantised is bitsandbytes' [out, in] weight quantised, transposed. Sixteen copies
+    of the weight's rows (each row's blocks as they were, so bitsandbytes' codes and block scales are its own
+    as many times) make a kernel large enough for NumPy's input to be quantised by XLA."""
     key = f"{name}_{kind}_{double}"
-    parts = q.quantize_kernel(weight(name).T, kind, 64, double == "double")
+    tiles = -(-q._XLA_SIZE // weight(name).size) if copies else 1
+    w = np.tile(weight(name), (tiles, 1))
+    assert (w.size >= q._XLA_SIZE) == copies
+    parts = q.quantize_kernel(w.T, kind, 64, double == "double")
+    assert not any(isinstance(v, jax.Array) for v in parts.values())  # NumPy in, NumPy out
     flat = q.to_bitsandbytes(parts)
-    assert np.array_equal(flat["packed"], GOLDENS[f"{key}_packed"])
-    assert np.array_equal(flat["absmax"], GOLDENS[f"{key}_absmax"])
+    assert np.array_equal(flat["packed"], np.tile(GOLDENS[f"{key}_packed"], tiles))
+    if tiles == 1 or double == "single":  # double-quantised, the copies' scales fall into other nested blocks
+        assert np.array_equal(flat["absmax"], np.tile(GOLDENS[f"{key}_absmax"], tiles))
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_numpy_kernels_quantised_by_xla_get_numpys_codes_at_the_edges(kind, tiny, monkeypatch):
+    """A large kernel given as NumPy is quantised by XLA: the same codes and scales as NumPy's own formula at
+    each level's midpoint (a value there rounds down), just beside it, at the extremes and in an all-zero block.
+    A kernel holding a subnormal value (which XLA's CPU would flush to zero: FP4 has a code for +0 and one for
+    -0) is quantised by NumPy."""
+    midpoints, _ = q._bounds(kind)
+    above = np.where(midpoints == 0, np.float32(2.0**-90), np.nextafter(midpoints, np.float32(2)))
+    edges = np.concatenate([midpoints, above, [-1.0, 1.0, 0.0, -0.0, 1e-45 if tiny else 0.0]])
+    blocks = np.zeros((q._XLA_SIZE // 64, 64), np.float32)
+    blocks[: len(edges) // 64 + 1, :] = 0.5  # scaled by 1 (each of these blocks holds a 1.0 or a -1.0 below)
+    blocks.reshape(-1)[: len(edges)] = edges
+    blocks[0, -1], blocks[1, -1] = 1.0, -1.0
+    blocks[5:] = np.random.default_rng(0).standard_normal((len(blocks) - 5, 64)) * 0.02
+    blocks[-1] = 0.0
+    w = blocks.reshape(-1, 256).T  # [in, out], bitsandbytes' blocks down its columns
+    assert q._has_tiny(w) == tiny
+    ours = q.quantize_kernel(w, kind, 64, double_quant=True)
+    monkeypatch.setattr(q, "_XLA_SIZE", w.size + 1)
+    numpys = q.quantize_kernel(w, kind, 64, double_quant=True)
+    for part in numpys:
+        assert np.array_equal(ours[part], numpys[part]), part
 
 
 @pytest.mark.parametrize("name,kind,double", CASES)

@@ -291,14 +291,38 @@ def quantize_kernel(
     *batch, fan_in, fan_out = w.shape
     if fan_in % block:
         raise ValueError(f"a kernel's input size ({fan_in}) must be a multiple of the block size ({block})")
-    torch_layout = xp.swapaxes(w, -1, -2)  # [*batch, out, in]: bitsandbytes' blocks run along `in`
-    packed, absmax = quantize_4bit(torch_layout, type, block, xp)  # each weight a whole number of blocks
+    if xp is np and math.prod(w.shape) >= _XLA_SIZE and not _has_tiny(w):  # the same codes, computed by XLA
+        packed, absmax = (np.asarray(a) for a in _quantize_4bit_xla(type, block)(w))
+    else:
+        torch_layout = xp.swapaxes(w, -1, -2)  # [*batch, out, in]: bitsandbytes' blocks run along `in`
+        packed, absmax = quantize_4bit(torch_layout, type, block, xp)  # each weight a whole number of blocks
     parts = {"codes": xp.swapaxes(packed.reshape(*batch, fan_out, fan_in // 2), -1, -2)}
     absmax = absmax.reshape(*batch, fan_out * fan_in // block)
     if double_quant:
         absmax, parts["nested_absmax"], parts["offset"] = _double_quantize_rows(absmax, xp)
     parts["absmax"] = xp.swapaxes(absmax.reshape(*batch, fan_out, fan_in // block), -1, -2)
     return parts
+
+
+_XLA_SIZE = 1 << 16
+"""Weights of at least this many values that :func:`quantize_kernel` is given as NumPy arrays are quantised to 4
+bits by XLA: a model quantised as it loads (`model.quantize`) took 16.7 s for Qwen2.5-0.5B's 358 M weights
+in NumPy, whose `searchsorted` of 15 levels alone is 70% of it; XLA compares with all of them at once on every
+core, 30x faster (0.007 against 0.216 s for an 896 x 4,864 kernel), giving the same codes and scales."""
+
+
+def _has_tiny(w: np.ndarray) -> bool:
+    """Whether `w` holds a value other than zero below 2^-100 in magnitude, where XLA's CPU (which flushes
+    subnormal numbers to zero) could round differently from NumPy and bitsandbytes: FP4's +0 and -0 codes for a
+    subnormal scaled value, a whole block's scale if all of it is subnormal. Such kernels stay in NumPy."""
+    magnitude = np.abs(w)
+    return bool(np.any((magnitude < np.float32(2.0**-100)) & (magnitude > 0)))
+
+
+@functools.cache
+def _quantize_4bit_xla(type: str, block: int) -> Callable[[Array], tuple[Array, Array]]:
+    """:func:`quantize_4bit` of a kernel's `[out, in]` transpose (its last two axes swapped), jitted."""
+    return jax.jit(lambda w: quantize_4bit(jnp.swapaxes(jnp.asarray(w), -1, -2), type, block, jnp))
 
 
 def _double_quantize_rows(absmax: Array, xp: Any) -> tuple[Array, Array, Array]:
