@@ -15,10 +15,10 @@ takes). Prints:
 2. The step's time on this machine, chunks of positions (A) against vocabulary blocks (B), run A B B A,
    `--steps` steps each after one unmeasured, on one variant (`--time`, default QLoRA, remat none, computing in
    `--dtype`, default bfloat16): the median of each run, the B/A ratio, and how far the two runs of each side
-   differ (the machine's noise). Blocks are the default on a CPU computing in float32, where they cost no memory
-   (`loss.blocks_apply`); a 16-bit head is sliced as its bits, a copy of the table, so part 1's blocks column
-   holds about 200 MiB more there and chunks stay the default. Speed means nothing on a busy machine: run it
-   idle; the load average is printed before and after.
+   differ (the machine's noise). Blocks are the default on a CPU (`loss.blocks_apply`); a 16-bit head is sliced
+   as its bits, and both parts give the step its frozen base as the trainer does, as bits
+   (`steps.frozen_as_bits`). Speed means nothing on a busy machine: run it idle; the load average is printed
+   before and after.
 
     python benchmarks/chunked_loss.py [--part 1|2] [--time qlora|lora] [--dtype float32|bfloat16] [--steps 3] [--tiny]
 
@@ -61,6 +61,7 @@ def compile_step(variant: str, remat: str, chunk_bytes: int, batch: int, seq_len
                                                                "quantize": VARIANTS[variant]})  # fmt: skip
     tx = optax.adamw(1e-4, weight_decay=0.0)
     moduledef, abstract = jax.eval_shape(lambda: steps.init_state(builder, tx, 0))
+    abstract[steps.FROZEN] = jax.eval_shape(steps.frozen_as_bits, abstract[steps.FROZEN])  # as the trainer holds it
     sums = jax.eval_shape(lambda: steps.empty_sums(["loss", "accuracy"]))
     tokens = jax.ShapeDtypeStruct((batch, options["seq_len"] + 1), jnp.int32)
 
@@ -96,6 +97,7 @@ def part2(variant: str, batch: int, seq_len: int | None, layers: int | None, n: 
                                                    dtype=dtype)  # fmt: skip
     blocked, _ = compile_step(variant, "none", loss.CHUNK_BYTES, batch, seq_len, layers, blocks=True, dtype=dtype)
     _, state = jax.jit(lambda: steps.init_state(builder, tx, 0))()
+    state[steps.FROZEN] = steps.frozen_as_bits(state[steps.FROZEN])
     sums = steps.empty_sums(["loss", "accuracy"])
     tokens = np.random.default_rng(0).integers(0, options["vocab_size"], (batch, options["seq_len"] + 1))
     data = {"tokens": jnp.asarray(tokens, jnp.int32)}

@@ -114,6 +114,8 @@ def make_step(shape: str, lora: bool, batch: int, seq_len: int | None = None, la
     builder, options = build(shape, lora, seq_len, layers, extra)
     tx = optax.adamw(1e-4, weight_decay=0.0)
     moduledef, state = jax.jit(lambda: steps.init_state(builder, tx, seed), static_argnums=())()
+    if steps.FROZEN in state:  # as the trainer holds them (a 16-bit base as its bits on a CPU)
+        state[steps.FROZEN] = steps.frozen_as_bits(state[steps.FROZEN])
     names = ["loss", "accuracy"]
     sums = steps.empty_sums(names)
     tokens = np.random.default_rng(seed).integers(0, options["vocab_size"], (batch, options["seq_len"] + 1))

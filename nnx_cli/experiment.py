@@ -81,10 +81,11 @@ class Experiment:
 
     def with_frozen(self, state: steps.TrainState) -> steps.TrainState:
         """A restored state completed with the frozen parameters adapters adapt (none without adapters): read
-        from `model.pretrained`, else drawn as a fresh run draws them."""
+        from `model.pretrained`, else drawn as a fresh run draws them (on a CPU, bfloat16 ones held as their bits:
+        `steps.frozen_as_bits`)."""
         if steps.FROZEN not in self.abstract:
             return state
-        return {**state, steps.FROZEN: self.frozen_params(self.frozen_target())}
+        return {**state, steps.FROZEN: steps.frozen_as_bits(self.frozen_params(self.frozen_target()))}
 
     def with_reference(self, state: steps.TrainState, say: Callable[[str], None]) -> steps.TrainState:
         """A restored state completed with the copy of its starting parameters that the objective's reference
@@ -158,7 +159,14 @@ class Experiment:
 
     def init_state(self) -> steps.TrainState:
         """A fresh train state, created directly on the devices in its shardings; with `model.pretrained`, its
-        parameters streamed from the model directory's weights."""
+        parameters streamed from the model directory's weights. On a CPU, frozen bfloat16 parameters are held as
+        their bits (`steps.frozen_as_bits`)."""
+        state = self._fresh_state()
+        if steps.FROZEN in state:
+            state[steps.FROZEN] = steps.frozen_as_bits(state[steps.FROZEN])
+        return state
+
+    def _fresh_state(self) -> steps.TrainState:
         reference = steps.REFERENCE in self.abstract
         if self.pretrained is None:
             fresh = jax.jit(

@@ -293,7 +293,7 @@ class HarnessEval:
             self.lm = NNXLM(target, batch_size=self.options.batch_size)
         else:
             self.lm.engine.set_params(params)
-            self.lm.target.step = loop.step
+            self.lm.target.params, self.lm.target.step = params, loop.step
         saved = random.getstate(), np.random.get_state()
         try:
             limit = self.options.limit
@@ -306,6 +306,9 @@ class HarnessEval:
         finally:  # lm-eval seeds Python's and NumPy's global generators: the run's are left as they were
             random.setstate(saved[0])
             np.random.set_state(saved[1])
+            # not held until the next evaluation: a frozen base the state holds as bits is a copy here
+            self.lm.engine.set_params(None)
+            self.lm.target.params = None
         self.loggers.log(loop.step, "harness", harness.flat_metrics(results))
         self.done = loop.step
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from cli_support import assert_user_error, cli
 from hf_support import FIXTURES, fixture, goldens
@@ -323,6 +324,44 @@ def test_a_scanned_bfloat16_base_is_sliced_as_its_bits_on_a_cpu_with_the_same_gr
     np.testing.assert_array_equal(loss_bits, loss_plain)
     jax.tree.map(np.testing.assert_array_equal, grads_bits, grads_plain)
     assert bits_bytes < plain_bytes
+
+
+@pytest.mark.parametrize("quantize,chunk_bytes", [("bfloat16", 1 << 30), ("nf4", 4 * 16 * 64)])  # whole, blocks of 64
+def test_a_cpu_train_state_holds_its_16bit_base_as_bits_and_steps_as_it_would_on_it(quantize, chunk_bytes, monkeypatch):
+    """`steps.frozen_as_bits`: the train state's bfloat16 frozen parameters (a 16-bit base's kernels and table, a
+    4-bit base's table) held as uint16. Train steps on it (the loss whole, or in vocabulary blocks) give the
+    loss and adapters they give on the bfloat16 state, bitwise; `steps.parameters` gives bfloat16 back. (What it
+    saves, a copy of the stacks and the table into bits each step, shows in XLA's memory analysis at full
+    optimisation, not at the tests' level: `benchmarks/qlora.py` prints it.)"""
+    from nnx_cli.models.transformer import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", chunk_bytes)
+    tx = optax.adamw(1e-2)
+    shape = dict(num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=64, mlp_dim=128, mlp="swiglu", positions="rope",
+                 norm="rmsnorm", dtype="bfloat16")  # fmt: skip
+
+    def build(ctx):
+        return TransformerLM((16,), 300, quantize={"type": quantize}, lora={"rank": 4}, ctx=ctx, **shape)
+
+    moduledef, plain = steps.init_state(build, tx, 0)
+    bits = jax.tree.map(jnp.copy, plain)  # its own arrays: each state is donated to its steps
+    bits[steps.FROZEN] = steps.frozen_as_bits(bits[steps.FROZEN])
+    before = {p: v.value.dtype for p, v in plain[steps.FROZEN].items()}
+    after = {p: v.value.dtype for p, v in bits[steps.FROZEN].items()}
+    assert {p for p in before if before[p] == jnp.bfloat16} == {p for p in after if after[p] == jnp.uint16}
+    assert "embedding/embedding" in {p for p in after if after[p] == jnp.uint16}
+    jax.tree.map(np.testing.assert_array_equal, steps.parameters(bits), steps.parameters(plain))
+
+    sums = steps.empty_sums(["loss", "accuracy"])
+    step = jax.jit(
+        lambda s, sums: steps.train_step(moduledef, tx, "loss", 0, s, sums, {"tokens": TOKENS}), donate_argnums=0
+    )  # as the loop donates it
+    for _ in range(2):
+        plain, _, plain_loss = step(plain, sums)
+        bits, _, bits_loss = step(bits, sums)
+        np.testing.assert_array_equal(bits_loss, plain_loss)
+    jax.tree.map(np.testing.assert_array_equal, bits["params"], plain["params"])
+    assert {p: v.value.dtype for p, v in bits[steps.FROZEN].items()} == after  # held as bits through the steps
 
 
 def test_a_bfloat16_base_reads_a_16bit_checkpoint_as_it_is():

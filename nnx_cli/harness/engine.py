@@ -174,8 +174,9 @@ class Engine:
         ways = math.prod(self.mesh.shape[a] for a in names)
         return ways, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes))
 
-    def set_params(self, params: nnx.State) -> None:
-        """New values for the same parameters (a training run's current ones); nothing recompiles."""
+    def set_params(self, params: nnx.State | None) -> None:
+        """New values for the same parameters (a training run's current ones); nothing recompiles. None lets go
+        of them until the next ones (a training run between two evaluations)."""
         self.params = params.filter(nnx.Param) if hasattr(params, "filter") else params
         self._decoder = None
 

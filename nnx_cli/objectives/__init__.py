@@ -100,8 +100,13 @@ class Steps(Protocol):
     ) -> tuple[dict[str, Any], dict[str, Any], jax.Array]:
         """One optimizer step on `batch`, its batch-mean metrics added to `sums`; the loss besides."""
 
-    def model_states(self, state: dict[str, Any], params: Any = None, rest: Any = None) -> tuple[Any, ...]:
-        """The states `moduledef.apply` (or `merge`) takes, from the train state."""
+    def model_states(self, state: dict[str, Any], params: Any = None, rest: Any = None, *, bits: bool = False
+                     ) -> tuple[Any, ...]:  # fmt: skip
+        """The states `moduledef.apply` (or `merge`) takes, from the train state (frozen parameters held as their
+        bits as they are with `bits`: see `steps.frozen_as_bits`)."""
+
+    def stored(self, tree: Any) -> Any:
+        """`tree` with frozen parameters held as their bits in bfloat16 again (`steps.frozen_as_bits`)."""
 
     def all_finite(self, tree: Any) -> jax.Array:
         """Whether every element of every array in `tree` is finite."""

@@ -32,7 +32,7 @@ completions the eval drew for them and their rewards.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +100,16 @@ def sample_completions(moduledef: nnx.ModuleDef, states: tuple, tokens: jax.Arra
 
 
 @functools.lru_cache(maxsize=4)
-def _sampler(moduledef: nnx.ModuleDef, max_new_tokens: int, temperature: float, stops: tuple[int, ...]) -> Any:
-    """`sample_completions` jitted once per model and settings: training, evals and samples share its compilations."""
-    fn = functools.partial(
-        sample_completions, moduledef, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stops
-    )
+def _sampler(moduledef: nnx.ModuleDef, max_new_tokens: int, temperature: float, stops: tuple[int, ...],
+             stored: Callable[[Any], Any]) -> Any:  # fmt: skip
+    """`sample_completions` jitted once per model and settings: training, evals and samples share its compilations.
+    It takes the states as the train state holds them, frozen parameters maybe as their bits (`stored` gives them
+    in bfloat16 again inside the jitted function, where that costs nothing: `steps.frozen_as_bits`)."""
+
+    def fn(states: tuple, tokens: jax.Array, lengths: jax.Array, key: jax.Array) -> dict[str, jax.Array]:
+        return sample_completions(moduledef, stored(states), tokens, lengths, key, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, stop_ids=stops)  # fmt: skip
+
     return jax.jit(fn)
 
 
@@ -132,7 +137,8 @@ class Rollouts:
         self.options = exp.objective.options
         self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         self.stop_ids = stop_ids(self.tokenizer, chat=True)  # its eos_token too, as TRL stops
-        self._sample = _sampler(exp.moduledef, self.options.max_new_tokens, self.options.temperature, self.stop_ids)
+        self._sample = _sampler(exp.moduledef, self.options.max_new_tokens, self.options.temperature, self.stop_ids,
+                                steps.stored)  # fmt: skip
 
     def layout(self, prompts: int, key: str) -> Any:
         """The layout of a batch of `prompts` prompts' completions on the run's mesh (config key `key`)."""
@@ -168,7 +174,7 @@ class Rollouts:
             "lengths": np.repeat(np.asarray(prompts["lengths"], np.int32), g, axis=0),
         }
         placed = layout.place(repeated)
-        drawn = self._sample(self.steps.model_states(state), placed["tokens"], placed["lengths"], key)
+        drawn = self._sample(self.steps.model_states(state, bits=True), placed["tokens"], placed["lengths"], key)
         return {**jax.device_get(drawn), "prompts": repeated["tokens"], "prompt_lengths": repeated["lengths"]}
 
     def texts(self, drawn: dict[str, np.ndarray]) -> list[str]:

@@ -23,18 +23,18 @@ loop. Without a gradient (evaluation) the forward pass computes the loss
 only. Small logits (a byte vocabulary, the test models) are computed whole,
 as plain autodiff would (:func:`chunk_length`).
 
-On a CPU computing in float32 the same loss is computed over blocks of the
-vocabulary instead (:func:`blocks_apply`; every position in each block):
+On a CPU the same loss is computed over blocks of the vocabulary instead
+(:func:`blocks_apply`; every position in each block):
 XLA's CPU multiplies all positions by a block of 4,096 rows of the table
 three to four times faster than a chunk of positions by the whole table.
 One pass over the blocks keeps each position's running maximum `m`, sum
 `s = sum exp(y - m)` and `A = sum exp(y - m) dy/dz w` (rescaled by
 `exp(m_old - m_new)` as the maximum grows, the online softmax of flash
 attention), so that `G = A / s - dy/dz_t w_t` at the end: no block's logits
-are computed twice for `h`'s gradient either. A 16-bit head keeps the chunks
-of positions (XLA's CPU would copy the whole table as its bits to slice it),
-as does a mesh that shards the vocabulary (a block of a sharded table would
-live on one device).
+are computed twice for `h`'s gradient either. A 16-bit head is sliced as its
+bits (a training step is given a frozen 16-bit base as its bits, so that XLA's
+CPU slices it as it is). A mesh that shards the vocabulary keeps the chunks of
+positions (a block of a sharded table would live on one device).
 
 The technique is Liger-Kernel's fused linear cross-entropy (Hsu et al.,
 2024) and Wijmans et al.'s "Cut Your Losses in Large-Vocabulary Language
@@ -112,7 +112,7 @@ def token_cross_entropy(
     batch, length = targets.shape
     vocab = head.shape[0 if tied else 1]
     targets = jnp.asarray(targets, jnp.int32)
-    if block is None and chunk is None and blocks_apply(batch, length, vocab, h.dtype):
+    if block is None and chunk is None and blocks_apply(batch, length, vocab):
         block = block_rows(batch * length, vocab)
     if block is not None:
         rows = min(int(block), vocab)
@@ -269,17 +269,18 @@ def block_rows(tokens: int, vocab: int) -> int:
     return max(1, min(vocab, BLOCK_ROWS, CHUNK_BYTES // (4 * tokens)))
 
 
-def blocks_apply(batch: int, length: int, vocab: int, dtype: Any) -> bool:
+def blocks_apply(batch: int, length: int, vocab: int) -> bool:
     """Whether :func:`token_cross_entropy` takes vocabulary blocks by default: on a CPU (where XLA multiplies a
     block of the table by every position several times faster than a chunk of positions by the whole table),
-    computing in float32, when the logits would not fit in one chunk and no mesh axis shards the vocabulary (a
-    block of a sharded table would live on one device).
+    when the logits would not fit in one chunk and no mesh axis shards the vocabulary (a block of a sharded
+    table would live on one device). At Qwen2.5-0.5B's shapes the blocks took 0.55x the loss's time in float32
+    (and 50 against 128 MiB of temporaries), 0.5-0.7x in bfloat16.
 
-    A 16-bit head stays in chunks of positions: XLA's CPU slices it only as its bits, a copy of the whole table
-    (272 MB at Qwen2.5-0.5B's, live at the step's peak), where chunks read it as it is. At those shapes the blocks
-    took 0.55x the loss's time in float32 (and 50 against 128 MiB of temporaries), 0.5-0.7x in bfloat16 with the
-    copy."""
-    if jax.default_backend() != "cpu" or jnp.dtype(dtype).itemsize == 2 or 4 * batch * length * vocab <= CHUNK_BYTES:
+    XLA's CPU slices a 16-bit head only as its bits (:func:`_as_bits`). A 16-bit head is a frozen base's
+    (`model.quantize`), which a training step is given as its bits (`steps.frozen_as_bits`), so the conversion
+    costs nothing there; a 16-bit head given as it is (a model used outside the trainer) costs a copy of its bits
+    (272 MB at those shapes)."""
+    if jax.default_backend() != "cpu" or 4 * batch * length * vocab <= CHUNK_BYTES:
         return False
     from nnx.spmd import current_mesh, logical_to_mesh_axes
 
