@@ -3,8 +3,8 @@
 their losses through it.
 
 Either split is forced on small shapes by passing `chunk` or `block`, or, through the model, by lowering
-`loss.CHUNK_BYTES` and choosing `loss.blocks_apply`'s answer (a CPU takes vocabulary blocks unless a mesh
-shards the vocabulary).
+`loss.CHUNK_BYTES` and choosing `loss.blocks_apply`'s answer (a CPU takes vocabulary blocks when the head is
+stored in the compute dtype, unless a mesh shards the vocabulary).
 """
 
 from __future__ import annotations
@@ -144,8 +144,11 @@ def test_vocabulary_blocks_hold_block_rows_ids_fewer_where_their_logits_would_pa
     assert block_rows(1024, 151936) == loss_module.BLOCK_ROWS  # Qwen2.5, 2 x 512 positions: 16 MB of logits
     assert block_rows(16 * 1024, 50304) == loss_module.CHUNK_BYTES // (4 * 16 * 1024)  # GPT-2, 16 x 1,024
     assert block_rows(22, 300) == 300  # never more than the vocabulary
-    assert blocks_apply(2, 512, 151936)  # a CPU with no mesh: large logits a block of ids at a time
-    assert not blocks_apply(2, 512, 384)  # a byte vocabulary's logits are computed whole
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert blocks_apply(2, 512, 151936, f32, f32)  # a CPU with no mesh: large logits a block of ids at a time
+    assert blocks_apply(2, 512, 151936, bf16, bf16)  # a 16-bit base (which a train step is given as its bits)
+    assert not blocks_apply(2, 512, 151936, bf16, f32)  # a float32 table computing in bfloat16: not copied whole
+    assert not blocks_apply(2, 512, 384, f32, f32)  # a byte vocabulary's logits are computed whole
 
 
 def _compiled(f, *args) -> str:
@@ -298,7 +301,8 @@ _EIGHT_DEVICES = textwrap.dedent(
     print("grads", max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
     print("spec", tuple(loss.sharding.spec)[:1], tuple(grads[1].sharding.spec))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        print("blocks", blocks_apply(2, 512, 151936))  # the vocabulary over `model`: positions
+        f32 = jnp.float32
+        print("blocks", blocks_apply(2, 512, 151936, f32, f32))  # the vocabulary over `model`: positions
         (_, (loss, hit)), grads = run(h, table, None, 100)  # blocks, asked for: the same numbers
     print("blocked", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)),
           max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))

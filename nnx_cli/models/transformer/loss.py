@@ -23,8 +23,9 @@ loop. Without a gradient (evaluation) the forward pass computes the loss
 only. Small logits (a byte vocabulary, the test models) are computed whole,
 as plain autodiff would (:func:`chunk_length`).
 
-On a CPU the same loss is computed over blocks of the vocabulary instead
-(:func:`blocks_apply`; every position in each block):
+On a CPU the same loss is computed over blocks of the vocabulary instead, when
+the head is stored in the compute dtype (:func:`blocks_apply`; every position
+in each block):
 XLA's CPU multiplies all positions by a block of 4,096 rows of the table
 three to four times faster than a chunk of positions by the whole table.
 One pass over the blocks keeps each position's running maximum `m`, sum
@@ -112,7 +113,7 @@ def token_cross_entropy(
     batch, length = targets.shape
     vocab = head.shape[0 if tied else 1]
     targets = jnp.asarray(targets, jnp.int32)
-    if block is None and chunk is None and blocks_apply(batch, length, vocab):
+    if block is None and chunk is None and blocks_apply(batch, length, vocab, h.dtype, head.dtype):
         block = block_rows(batch * length, vocab)
     if block is not None:
         rows = min(int(block), vocab)
@@ -269,18 +270,21 @@ def block_rows(tokens: int, vocab: int) -> int:
     return max(1, min(vocab, BLOCK_ROWS, CHUNK_BYTES // (4 * tokens)))
 
 
-def blocks_apply(batch: int, length: int, vocab: int) -> bool:
+def blocks_apply(batch: int, length: int, vocab: int, dtype: Any, head_dtype: Any) -> bool:
     """Whether :func:`token_cross_entropy` takes vocabulary blocks by default: on a CPU (where XLA multiplies a
     block of the table by every position several times faster than a chunk of positions by the whole table),
-    when the logits would not fit in one chunk and no mesh axis shards the vocabulary (a block of a sharded
-    table would live on one device). At Qwen2.5-0.5B's shapes the blocks took 0.55x the loss's time in float32
-    (and 50 against 128 MiB of temporaries), 0.5-0.7x in bfloat16.
+    when the head is stored in the compute dtype `dtype`, the logits would not fit in one chunk and no mesh axis
+    shards the vocabulary (a block of a sharded table would live on one device). At Qwen2.5-0.5B's shapes the
+    blocks took 0.55x the loss's time in float32 (and 50 against 128 MiB of temporaries), 0.5-0.7x in bfloat16.
 
+    A head stored in another dtype than the compute dtype (a float32 base computing in bfloat16) would be
+    converted whole to be sliced (+243 MiB of the step's temporaries at those shapes): chunks read it as it is.
     XLA's CPU slices a 16-bit head only as its bits (:func:`_as_bits`). A 16-bit head is a frozen base's
-    (`model.quantize`), which a training step is given as its bits (`steps.frozen_as_bits`), so the conversion
-    costs nothing there; a 16-bit head given as it is (a model used outside the trainer) costs a copy of its bits
-    (272 MB at those shapes)."""
-    if jax.default_backend() != "cpu" or 4 * batch * length * vocab <= CHUNK_BYTES:
+    (`model.quantize`), which a training step is given as its bits (`steps.frozen_as_bits`), so that costs
+    nothing there; a 16-bit head given as it is (a model used outside the trainer) costs a copy of its bits (272
+    MB at those shapes)."""
+    same = jnp.dtype(dtype) == jnp.dtype(head_dtype)
+    if jax.default_backend() != "cpu" or not same or 4 * batch * length * vocab <= CHUNK_BYTES:
         return False
     from nnx.spmd import current_mesh, logical_to_mesh_axes
 
