@@ -31,6 +31,7 @@ run draws exactly the keys an uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -100,8 +101,12 @@ def frozen_as_bits(frozen: Any) -> Any:
     loss in vocabulary blocks, which a 16-bit table did not take for that copy)."""
     if jax.default_backend() != "cpu":
         return frozen
-    to_bits = jax.jit(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16), donate_argnums=0)
-    return jax.tree.map(lambda x: to_bits(x) if x.dtype == jnp.bfloat16 else x, frozen)
+    return jax.tree.map(lambda x: _to_bits(x) if x.dtype == jnp.bfloat16 else x, frozen)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _to_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)  # a new buffer (another dtype): the donated one goes
 
 
 def stored(tree: Any) -> Any:
