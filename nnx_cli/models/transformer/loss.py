@@ -293,7 +293,7 @@ def blocks_apply(batch: int, length: int, vocab: int, dtype: Any, head_dtype: An
     if mesh is None or mesh.empty or spec is None or spec[0] is None:
         return True
     axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
-    return all(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] == 1 for a in axes)
+    return all(mesh.shape[a] == 1 for a in axes)
 
 
 class _Block(NamedTuple):
