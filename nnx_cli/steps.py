@@ -97,7 +97,7 @@ def frozen_as_bits(frozen: Any) -> Any:
     loss blocks of the embedding table, as bits (:func:`.dense.frozen_kernels_as_bits`). Given bfloat16
     parameters, the step copied each stack and the table into bits every step (680 MB at Qwen2.5-0.5B's
     shapes, at the step's peak); given the bits, XLA folds the conversion there and back away and slices the
-    parameters as they are: the step's temporaries 1,664 -> 979 MiB, a 4-bit base's step 0.79x the time (the
+    parameters as they are: the step's temporaries 1,664 -> 979 MiB, a 4-bit base's step 0.84x the time (the
     loss in vocabulary blocks, which a 16-bit table did not take for that copy)."""
     if jax.default_backend() != "cpu":
         return frozen
