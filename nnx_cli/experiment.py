@@ -163,7 +163,7 @@ class Experiment:
         their bits (`steps.frozen_as_bits`)."""
         state = self._fresh_state()
         if steps.FROZEN in state:
-            state[steps.FROZEN] = steps.frozen_as_bits(state[steps.FROZEN])
+            state[steps.FROZEN] = steps.frozen_as_bits(state.pop(steps.FROZEN))
         return state
 
     def _fresh_state(self) -> steps.TrainState:
@@ -175,15 +175,21 @@ class Experiment:
             )
             return fresh()
         loaded = self.load_pretrained(self.frozen_target())
+        if steps.FROZEN in self.abstract:  # fresh adapters beside the loaded base, which is not passed through a
+            # jitted function: it would come out copied whole (XLA cannot take the loader's memory as its own)
+            def adapters() -> steps.TrainState:
+                return _without(steps.init_state(self.build, self.tx, self.cfg.seed, reference)[1], steps.FROZEN)
+
+            state = jax.jit(adapters, out_shardings=_without(self.shardings, steps.FROZEN))()
+            return {**state, steps.FROZEN: loaded}
 
         def around(loaded: nnx.State) -> steps.TrainState:  # the random parameters it draws go unused: XLA drops them
             state = steps.init_state(self.build, self.tx, self.cfg.seed, reference)[1]
-            if steps.FROZEN in state:  # adapters start fresh on the loaded weights
-                return {**state, steps.FROZEN: loaded}
             extra = {steps.REFERENCE: loaded} if reference else {}
             return {**state, "params": loaded, "opt_state": self.tx.init(loaded), **extra}
 
-        return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(loaded)
+        # the loaded weights in XLA's buffers first, one at a time: the donated ones then pass through uncopied
+        return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(steps.owned(loaded))
 
     def load_pretrained(self, target: Any = None) -> nnx.State:
         """The parameters of `model.pretrained`, each read into its sharding (`target`: the abstract parameters
@@ -204,6 +210,10 @@ class Experiment:
     def steps_per_epoch(self) -> int:
         assert self.train is not None
         return self.train.steps_per_epoch(self.cfg.train.batch_size)
+
+
+def _without(tree: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in tree.items() if k != key}
 
 
 def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Experiment:

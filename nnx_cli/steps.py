@@ -89,24 +89,39 @@ def parameters(state: TrainState) -> nnx.State:
 
 
 def frozen_as_bits(frozen: Any) -> Any:
-    """On a CPU, the bfloat16 arrays of `frozen` (a train state's frozen parameters: a 16-bit base,
-    `model.quantize`) as their bits, `uint16`, each converted on its own (the memory of one array more at a time);
-    elsewhere `frozen` as it is. Undone by :func:`stored`.
+    """On a CPU, `frozen` (a train state's frozen parameters, given up by the caller) as a step holds it: its
+    bfloat16 arrays (a 16-bit base, `model.quantize`) as their bits, `uint16`, and every array in a buffer of
+    XLA's own; elsewhere `frozen` as it is. Undone by :func:`stored`.
 
     XLA's CPU backend has no bfloat16 `dynamic-slice`: a step slices a layer's kernels out of their stack, and the
     loss blocks of the embedding table, as bits (:func:`.dense.frozen_kernels_as_bits`). Given bfloat16
     parameters, the step copied each stack and the table into bits every step (680 MB at Qwen2.5-0.5B's
     shapes, at the step's peak); given the bits, XLA folds the conversion there and back away and slices the
     parameters as they are: the step's temporaries 1,664 -> 979 MiB, a 4-bit base's step 0.84x the time (the
-    loss in vocabulary blocks, which a 16-bit table did not take for that copy)."""
+    loss in vocabulary blocks, which a 16-bit table did not take for that copy).
+
+    The loader hands the base over in memory of its own (no copy on a CPU), and a step can only donate XLA's
+    buffers: given such an array, a donated step would copy it every time. So each array is converted, or
+    copied, on its own and the given one let go as soon as it is (the memory of one array more at a time)."""
     if jax.default_backend() != "cpu":
         return frozen
-    return jax.tree.map(lambda x: _to_bits(x) if x.dtype == jnp.bfloat16 else x, frozen)
+    return jax.tree.map(_held, frozen)
+
+
+def owned(tree: Any) -> Any:
+    """On a CPU, `tree`'s arrays (given up by the caller) each in a buffer of XLA's own: the loader's arrays
+    (memory of its own, see :func:`frozen_as_bits`) copied one at a time and let go, XLA's passed on as they
+    are. Elsewhere `tree` as it is."""
+    return jax.tree.map(_owned, tree) if jax.default_backend() == "cpu" else tree
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _to_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.uint16)  # a new buffer (another dtype): the donated one goes
+def _held(x: jax.Array) -> jax.Array:
+    # donated: a buffer of XLA's own is reused (bits or not); one the loader made from its own memory is copied
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+_owned = jax.jit(lambda x: x, donate_argnums=0)
 
 
 def stored(tree: Any) -> Any:

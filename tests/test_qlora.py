@@ -364,6 +364,26 @@ def test_a_cpu_train_state_holds_its_16bit_base_as_bits_and_steps_as_it_would_on
     assert {p: v.value.dtype for p, v in bits[steps.FROZEN].items()} == after  # held as bits through the steps
 
 
+@pytest.mark.parametrize("quantize,kernels", [("null", jnp.float32), ("{type: bfloat16}", jnp.uint16),
+                                              ("{type: nf4}", jnp.uint8)])  # fmt: skip
+def test_a_loaded_base_is_held_in_buffers_a_donated_step_reuses_fresh_and_resumed(tmp_path, quantize, kernels):
+    """The loader hands a base over in memory of its own, which XLA cannot take as its own: a donated step
+    given such an array copies it every step. A fresh state (`init_state`) and a resumed one (`with_frozen`)
+    hold every frozen array in a buffer that a donated function reuses in place; a 16-bit base as its bits."""
+    cfg = qlora_config(tmp_path, "model.lora={rank: 4}", f"model.quantize={quantize}", "train.batch_size=1",
+                       pretrained="llama_bnb4bit_float")  # fmt: skip
+    exp = setup(cfg)
+    reuse = jax.jit(lambda a: a, donate_argnums=0)
+    fresh = exp.init_state()
+    resumed = exp.with_frozen(steps.trainable(fresh))
+    for state in (fresh, resumed):
+        leaves = jax.tree.leaves(state[steps.FROZEN])
+        assert any(x.dtype == kernels for x in leaves)  # the layers' kernels (a 16-bit base's as its bits)
+        for x in leaves:
+            where = x.unsafe_buffer_pointer()
+            assert reuse(x).unsafe_buffer_pointer() == where, (x.dtype, x.shape)
+
+
 def test_a_bfloat16_base_reads_a_16bit_checkpoint_as_it_is():
     from safetensors.numpy import load_file
 
