@@ -32,7 +32,8 @@ run's own (computed in float32) to 1e-4 of the largest.
                                [--tiny]
 
 Part 1's runs keep every activation (`model.remat: none`, as benchmarks/lora.py's) unless `--remat` says
-otherwise; bitsandbytes' side does not checkpoint either.
+otherwise; bitsandbytes' side does not checkpoint either, except with `--remat full`, where it recomputes each
+decoder layer too (`gradient_checkpointing_enable`, as `peft.prepare_model_for_kbit_training` turns on by default).
 
 `--tiny` runs everything at toy sizes (a smoke test of the script, not a measurement).
 """
@@ -105,8 +106,9 @@ def nnx_run(cwd: Path, name: str, quantize: dict | None, length: int, batch: int
 
 def bnb_run(reference: str, cwd: Path, batches: Path) -> tuple:
     """One `peft_train.py --load-4bit nf4` run: tokens/s of each step after the first two, and the peak."""
+    checkpointing = ["--gradient-checkpointing"] if REMAT == "full" else []  # as the nnx runs recompute
     _, peak = run([reference, REFERENCE, cwd / "model", batches, cwd / "bnb.json", "--learning-rate", "1e-4",
-                   "--lora", "16", "32", "--load-4bit", "nf4", "--dtype", "bfloat16"], cwd)  # fmt: skip
+                   "--lora", "16", "32", "--load-4bit", "nf4", "--dtype", "bfloat16", *checkpointing], cwd)  # fmt: skip
     result = json.loads((cwd / "bnb.json").read_text())
     _, batch, length = np.load(batches)["tokens"].shape
     return [batch * (length - 1) / s for s in result["seconds"][2:]], peak

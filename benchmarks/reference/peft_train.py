@@ -42,6 +42,7 @@ parser.add_argument("--threads", type=int, default=0)
 parser.add_argument("--load-4bit", choices=["nf4", "fp4"], help="a bitsandbytes 4-bit base (QLoRA)")
 parser.add_argument("--device", default="cpu", help="cuda: the weights, batches and steps on the GPU")
 parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the loaded weights")
+parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward pass")
 args = parser.parse_args()
 device = torch.device(args.device)
 if args.threads:
@@ -67,6 +68,10 @@ if args.lora:
         model = peft.get_peft_model(model, config)
     if args.save_init:
         model.save_pretrained(args.save_init)
+if args.gradient_checkpointing:  # each decoder layer recomputed in the backward pass (model.remat: full)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora:
+        model.enable_input_require_grads()
 model.train()
 trainable = [p for p in model.parameters() if p.requires_grad]
 optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
