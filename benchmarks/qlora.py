@@ -28,8 +28,14 @@ as 16-bit LoRA, and its held-out loss is within 3% of LoRA's. Then the QLoRA run
 (`tests/fixtures/make_qlora_fixtures.py --peft-logits ... --load-4bit nf4`): its float32 logits must equal the
 run's own (computed in float32) to 1e-4 of the largest.
 
-    python benchmarks/qlora.py --reference /tmp/refvenv/bin/python [--part 1|2] [--remat none|dots|full] [--force]
-                               [--tiny]
+Part 3 (the floor): the matrix products of one step of part 1 (the seven projections of each layer forward and their
+input gradients, the tied head forward and its input gradient), each timed alone as XLA multiplies them in nnx's
+step and as PyTorch does in `transformers` (`benchmarks/reference/torch_products.py`), A B B A. Their sum is the
+least time a step can take with those kernels; beside part 1's measured steps it says how far each trainer is
+from its floor, and so whether a speed ratio asks for a faster trainer or for faster products.
+
+    python benchmarks/qlora.py --reference /tmp/refvenv/bin/python [--part 1 2 3] [--remat none|dots|full]
+                               [--force] [--tiny]
 
 Part 1's runs keep every activation (`model.remat: none`, as benchmarks/lora.py's) unless `--remat` says
 otherwise; bitsandbytes' side does not checkpoint either, except with `--remat full`, where it recomputes each
@@ -141,7 +147,7 @@ def step_memory(cwd: Path, name: str) -> dict[str, float]:
     return {"temp": analysis.temp_size_in_bytes / mib, "arguments": analysis.argument_size_in_bytes / mib}
 
 
-def part1(reference: str, cwd: Path, steps: int, tiny: bool) -> bool:
+def part1(reference: str, cwd: Path, steps: int, tiny: bool) -> tuple[bool, dict[str, float]]:
     config, length, batch = (TINY, 64, 2) if tiny else (QWEN, 512, 2)
     count = write_model(cwd / "model", config)
     rng = np.random.default_rng(0)
@@ -194,7 +200,7 @@ def part1(reference: str, cwd: Path, steps: int, tiny: bool) -> bool:
         ok &= met
         print(f"{what}: {ratio:.3f}x (target {target}x){'' if met else '  MISSED'}")
     print(f"\nload average at the end (1 min, this benchmark's own runs included): {os.getloadavg()[0]:.2f}")
-    return ok
+    return ok, speed
 
 
 # Part 2: learning 24 facts, QLoRA against 16-bit LoRA
@@ -269,11 +275,91 @@ def peft_check(reference: str, cwd: Path, workdir: Path, base: Path, prompts: li
     return float(np.abs(ours[..., : theirs.shape[-1]] - theirs).max() / np.abs(theirs).max())
 
 
+# Part 3: the floor the matrix products set, XLA's and PyTorch's
+# ------------------------------------------------------------------------------
+
+
+TORCH_PRODUCTS = Path(__file__).resolve().parent / "reference/torch_products.py"
+
+
+def xla_products(config: dict, tokens: int, repeats: int) -> dict[str, float]:
+    """Seconds per step of the matrix products of a LoRA step on a frozen bfloat16 base, as nnx's step multiplies
+    them (bfloat16 operands, float32 accumulation): per layer each of the seven projections forward and its input
+    gradient; the tied head forward and its input gradient, a block of the vocabulary at a time as the loss takes
+    it on a CPU. Each product timed alone (the fastest of `repeats`)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_cli.models.transformer.loss import block_rows
+
+    def fastest(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def product(contract: int):  # x [T, K] times w, contracting w's axis `contract`
+        dims = (((1,), (contract,)), ((), ()))
+        return jax.jit(lambda x, w: jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(x.dtype))
+
+    hidden, head_dim = config["hidden_size"], config["hidden_size"] // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    projections = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden)] + [(hidden, config["intermediate_size"])] * 2
+    projections.append((config["intermediate_size"], hidden))
+    keys = iter(jax.random.split(jax.random.key(0), 3 * len(projections) + 3))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.bfloat16)  # noqa: E731
+    layer = 0.0
+    for fan_in, fan_out in projections:  # our kernels are [in, out]
+        w = normal(fan_in, fan_out)
+        layer += fastest(product(0), normal(tokens, fan_in), w) + fastest(product(1), normal(tokens, fan_out), w)
+    rows = block_rows(tokens, config["vocab_size"])
+    block = normal(rows, hidden)
+    head = fastest(product(1), normal(tokens, hidden), block) + fastest(product(0), normal(tokens, rows), block)
+    return {"layers": layer * config["num_hidden_layers"], "head": head * config["vocab_size"] / rows}
+
+
+def part3(reference: str, cwd: Path, tiny: bool, measured: dict[str, float]) -> None:
+    """The least time one step's matrix products take in XLA and in PyTorch (A B B A, the faster of each pair),
+    beside the measured steps when part 1 ran: how far each trainer's step is from what its products allow."""
+    config, length, batch = (TINY, 64, 2) if tiny else (QWEN, 512, 2)
+    tokens, repeats = batch * length, 3 if tiny else 10
+    shape = ["--hidden", config["hidden_size"], "--intermediate", config["intermediate_size"],
+             "--heads", config["num_attention_heads"], "--kv-heads", config["num_key_value_heads"],
+             "--head-dim", config["hidden_size"] // config["num_attention_heads"], "--vocab", config["vocab_size"],
+             "--layers", config["num_hidden_layers"], "--tokens", tokens, "--repeats", repeats]  # fmt: skip
+    floors: dict[str, list[dict[str, float]]] = {"XLA": [], "PyTorch": []}
+    for side in ("XLA", "PyTorch", "PyTorch", "XLA"):
+        if side == "XLA":
+            floors[side].append(xla_products(config, tokens, repeats))
+        else:
+            out = cwd / "products.json"
+            subprocess.run([reference, str(TORCH_PRODUCTS), str(out), *map(str, shape)], check=True)
+            floors[side].append(json.loads(out.read_text()))
+        print(f"  {side} products: {sum(floors[side][-1][k] for k in ('layers', 'head')):.2f} s a step "
+              f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
+    print(f"\nthe matrix products of one step ({tokens} tokens: seven projections forward and input gradient per "
+          "layer, the tied head forward and input gradient; LoRA's own and attention's products left out), each "
+          "timed alone, the faster of two runs:")  # fmt: skip
+    print("| products of | layers s | head s | step s | tokens/s if a step were only these | measured step s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for side, runs in floors.items():
+        best = min(runs, key=lambda r: r["layers"] + r["head"])
+        total = best["layers"] + best["head"]
+        name = "QLoRA" if side == "XLA" else "bnb QLoRA"
+        step = f"{tokens / measured[name]:.2f} ({tokens / measured[name] / total:.1f}x)" if name in measured else "-"
+        print(f"| {side} | {best['layers']:.2f} | {best['head']:.2f} | {total:.2f} | {tokens / total:,.0f} | {step} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", required=True, help="python of a virtualenv with torch, transformers, peft, "
                         "bitsandbytes")  # fmt: skip
-    parser.add_argument("--part", type=int, choices=(1, 2), default=None, help="run one part only")
+    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2, 3), default=(1, 2, 3), help="the parts to run")
     parser.add_argument("--speed-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--force", action="store_true", help="measure speed even on a busy machine (warns)")
@@ -283,11 +369,15 @@ def main() -> None:
     global REMAT
     REMAT = args.remat
     cwd = Path(tempfile.mkdtemp(prefix="nnx-qlora-"))
-    ok = True
-    if args.part in (None, 1):
+    ok, speed = True, {}
+    if {1, 3} & set(args.part):
         check_idle(args.force or args.tiny)
-        ok &= part1(args.reference, cwd, args.speed_steps, args.tiny)
-    if args.part in (None, 2):
+    if 1 in args.part:
+        met, speed = part1(args.reference, cwd, args.speed_steps, args.tiny)
+        ok &= met
+    if 3 in args.part:
+        part3(args.reference, cwd, args.tiny, speed)
+    if 2 in args.part:
         ok &= part2(args.reference, cwd, 20 if args.tiny else args.steps)
     subprocess.run(["rm", "-rf", str(cwd)], check=False)
     raise SystemExit(0 if ok else 1)
