@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from nnx import spmd
 from nnx.containers import Param
@@ -181,8 +182,39 @@ def _scales(blocks: Array, xp: Any) -> tuple[Array, Array]:
     absmax = xp.max(xp.abs(blocks), axis=-1)
     # bitsandbytes divides by max(absmax, 1e-38); an all-zero block then scales to zeros, which here does not
     # rest on 1e-38, a subnormal that XLA's CPU flushes to zero
-    inverse = xp.where(absmax > 0, 1.0 / xp.maximum(absmax, np.float32(1e-38)), 0.0).astype(np.float32)
+    inverse = xp.where(absmax > 0, _reciprocal(xp.maximum(absmax, np.float32(1e-38)), xp), 0.0).astype(np.float32)
     return absmax, xp.clip(blocks * inverse[..., None], -1.0, 1.0)
+
+
+def _reciprocal(a: Array, xp: Any) -> Array:
+    """``1 / a`` of float32 ``a``, correctly rounded (as bitsandbytes' kernels and NumPy divide) on every backend.
+
+    XLA's GPU backend divides float32 with PTX's ``div.full`` (within 2 units in the last place, not correctly
+    rounded): a reciprocal one unit off moves a scaled value across a code's boundary now and then (an H200
+    gave 4-bit codes other than bitsandbytes' for a bfloat16 weight in FP4). So with JAX the reciprocal of a
+    normal ``a = M 2^(e - 150)`` (``M`` its 24-bit significand) is ``2^48 / M`` by long division in 32-bit
+    integers, 8 bits a step, rounded to 24 bits half to even; other values (zero, subnormal, huge) are divided
+    as XLA divides."""
+    if xp is np:
+        return np.float32(1) / a
+    a = a.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(a, jnp.uint32)
+    exponent = (bits >> 23) & 0xFF
+    m = (bits & 0x7FFFFF) | 0x800000
+    q = jnp.uint32(1 << 24) // m  # 1, or 2 when m is 2^23
+    r = jnp.uint32(1 << 24) - q * m
+    for _ in range(3):  # three more 8-bit digits: q = floor(2^48 / m), r the remainder
+        n = r << 8
+        digit = n // m
+        r = n - digit * m
+        q = (q << 8) | digit
+    mantissa, half = q >> 1, q & 1  # q has 25 bits (26 when m is 2^23): keep 24, round on the 25th
+    mantissa = mantissa + (half & ((r != 0) | (mantissa & 1)).astype(jnp.uint32))
+    carry = mantissa >> 24  # rounded (or exactly) up to 2^24: one more in the exponent
+    mantissa = jnp.where(carry > 0, mantissa >> 1, mantissa)
+    biased = jnp.uint32(253) - exponent + carry
+    exact = lax.bitcast_convert_type((biased << 23) | (mantissa & 0x7FFFFF), jnp.float32)
+    return jnp.where((exponent >= 1) & (exponent <= 252), exact, 1 / a)
 
 
 def quantize_4bit(w: Array, type: str = "nf4", block: int = 64, xp: Any = np) -> tuple[Array, Array]:
