@@ -60,6 +60,7 @@ os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 # In-process tests compile through the same cache: many build the same small models and jit the same programs.
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 from nnx_cli.runtime import cache_compilations  # noqa: E402
 
@@ -82,3 +83,11 @@ def pytest_collection_modifyitems(items: list) -> None:
         return _FIRST.index(name) if name in _FIRST else len(_FIRST)
 
     items.sort(key=rank)
+
+
+@pytest.fixture
+def on_the_cpu():
+    """The test's arrays and programs on the CPU device, whatever the default device: for tests of what XLA's CPU
+    backend is given (a transformation the trainer applies on a CPU only), run on a GPU machine too."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -194,9 +194,10 @@ def test_a_fresh_run_starts_at_zero_rewards_and_a_loss_of_log_2(tmp_path):
         exp = experiment(tmp_path / str(lora), RECORD["llama_conversational"], lora=lora)
         metrics = pair_metrics(exp, exp.init_state())
         # the policy's and the reference's log-probabilities come from different programs (adapters whose product
-        # is zero, or a frozen copy): equal on a CPU, 1.5e-6 apart on a GPU (sums of order 100 rounded to float32)
+        # is zero, or a frozen copy): equal on a CPU, 1.5e-6 apart on a GPU (sums of order 100 rounded to float32);
+        # the loss, log(1 + exp(-margin)), moves by half the margin (7.7e-7 on an H200)
         np.testing.assert_allclose(metrics["reward_margin"], 0.0, atol=1e-5)
-        np.testing.assert_allclose(metrics["loss"], math.log(2), rtol=1e-6)
+        np.testing.assert_allclose(metrics["loss"], math.log(2), atol=5e-6)
 
 
 def test_metrics_are_means_over_pairs_however_rows_pack_them(tmp_path):

@@ -429,9 +429,11 @@ def test_dropout_makes_training_forward_passes_random_and_eval_deterministic():
     np.testing.assert_array_equal(evals[0], evals[1])
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 def test_scanned_blocks_keep_16_bit_residuals_as_bits_on_a_cpu_with_the_same_gradients(monkeypatch):
     """On a CPU a scanned block's bfloat16 residuals are stacked as uint16 (XLA widens a bfloat16 stack to float32):
-    the loss and every gradient are bitwise those of the plain call, and the step's temporaries are smaller."""
+    the loss and every gradient are bitwise those of the plain call, and the step's temporaries are smaller. (On
+    the CPU device wherever the suite runs: a GPU stacks bfloat16 as it is and does not pack.)"""
     from nnx_cli.models.transformer import block
 
     model = build(dtype="bfloat16", dropout=0.1, num_layers=4, embed_dim=64)
