@@ -272,13 +272,15 @@ def _click_command(module_name: str) -> Any:
 
 
 _TYPE_NAMES = {bool: "flag", int: "integer", float: "number", str: "text", Path: "path"}
-_CLICK_TYPE_NAMES = {"integer range": "integer", "float": "number", "float range": "number", "boolean": "flag"}
+# click's type names, and those of the click types Typer 0.2x carries itself (0.27: "str", "int", "int range")
+_CLICK_TYPE_NAMES = {"integer range": "integer", "float": "number", "float range": "number", "boolean": "flag",
+                     "str": "text", "int": "integer", "int range": "integer"}  # fmt: skip
 
 
 def _param_type(param: Any) -> str:
     descriptor = getattr(param, "type_descriptor", None)
     annotation = getattr(descriptor, "annotation", None)
-    if annotation is None:  # a Typer on click (before 0.20 or so) or plain click: click's types, named alike
+    if annotation is None:  # a Typer on click (before 0.20 or so), one with click's types of its own, or plain click
         if getattr(param, "is_flag", False):
             return "flag"
         name = _CLICK_TYPE_NAMES.get(param.type.name, param.type.name)
