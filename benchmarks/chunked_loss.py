@@ -84,8 +84,8 @@ def part1(batch: int, seq_len: int | None, layers: int | None) -> None:
     for variant in VARIANTS:
         for remat in ("none", "full"):
             whole, chunked, blocked = (compile_step(variant, remat, b, batch, seq_len, layers, k)[0].memory_analysis()
-                                       for b, k in ((WHOLE, False), (loss.CHUNK_BYTES, False),
-                                                    (loss.CHUNK_BYTES, True)))  # fmt: skip
+                                       for b, k in ((WHOLE, False), (loss.chunk_bytes(), False),
+                                                    (loss.chunk_bytes(), True)))  # fmt: skip
             before, chunks, blocks = (x.temp_size_in_bytes / MIB for x in (whole, chunked, blocked))
             after = max(chunks, blocks)
             print(f"| {variant} | {remat} | {before:.0f} | {chunks:.0f} | {blocks:.0f} | {before - after:.0f} "
@@ -93,9 +93,9 @@ def part1(batch: int, seq_len: int | None, layers: int | None) -> None:
 
 
 def part2(variant: str, batch: int, seq_len: int | None, layers: int | None, n: int, dtype: str) -> None:
-    chunked, (builder, tx, options) = compile_step(variant, "none", loss.CHUNK_BYTES, batch, seq_len, layers,
+    chunked, (builder, tx, options) = compile_step(variant, "none", loss.chunk_bytes(), batch, seq_len, layers,
                                                    dtype=dtype)  # fmt: skip
-    blocked, _ = compile_step(variant, "none", loss.CHUNK_BYTES, batch, seq_len, layers, blocks=True, dtype=dtype)
+    blocked, _ = compile_step(variant, "none", loss.chunk_bytes(), batch, seq_len, layers, blocks=True, dtype=dtype)
     _, state = jax.jit(lambda: steps.init_state(builder, tx, 0))()
     state[steps.FROZEN] = steps.frozen_as_bits(state[steps.FROZEN])
     sums = steps.empty_sums(["loss", "accuracy"])

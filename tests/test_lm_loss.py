@@ -2,9 +2,9 @@
 (`models/transformer/loss.py`) equal the whole logits' loss, accuracy and gradients; the model, DPO and GRPO read
 their losses through it.
 
-Either split is forced on small shapes by passing `chunk` or `block`, or, through the model, by lowering
-`loss.CHUNK_BYTES` and choosing `loss.blocks_apply`'s answer (a CPU takes vocabulary blocks when the head is
-stored in the compute dtype, unless a mesh shards the vocabulary).
+Either split is forced on small shapes by passing `chunk` or `block`, or, through the model, by setting
+`loss.CHUNK_BYTES` (by default the platform's, `loss.chunk_bytes`) and choosing `loss.blocks_apply`'s answer (a
+CPU takes vocabulary blocks when the head is stored in the compute dtype, unless a mesh shards the vocabulary).
 """
 
 from __future__ import annotations
@@ -136,17 +136,19 @@ def test_chunks_hold_about_chunk_bytes_of_logits_in_equal_parts_and_small_logits
     assert chunk_length(8, 256, 384) == 256  # a byte vocabulary: one chunk
     length = chunk_length(2, 512, 151936)  # Qwen2.5's vocabulary: 9.3 chunks' worth of logits
     chunks = -(-512 // length)
-    assert 4 * 2 * length * 151936 <= loss_module.CHUNK_BYTES and chunks == 10
+    assert 4 * 2 * length * 151936 <= loss_module.chunk_bytes()
+    assert chunks == -(-4 * 2 * 512 * 151936 // loss_module.chunk_bytes())  # 10 of 64 MiB on a CPU
     assert chunks * length - 512 < chunks  # the chunks equal but for a position each
 
 
 def test_vocabulary_blocks_hold_block_rows_ids_fewer_where_their_logits_would_pass_chunk_bytes():
     assert block_rows(1024, 151936) == loss_module.BLOCK_ROWS  # Qwen2.5, 2 x 512 positions: 16 MB of logits
-    assert block_rows(16 * 1024, 50304) == loss_module.CHUNK_BYTES // (4 * 16 * 1024)  # GPT-2, 16 x 1,024
+    assert block_rows(16 * 1024, 50304) == loss_module.chunk_bytes() // (4 * 16 * 1024)  # GPT-2, 16 x 1,024
     assert block_rows(22, 300) == 300  # never more than the vocabulary
     f32, bf16 = jnp.float32, jnp.bfloat16
-    assert blocks_apply(2, 512, 151936, f32, f32)  # a CPU with no mesh: large logits a block of ids at a time
-    assert blocks_apply(2, 512, 151936, bf16, bf16)  # a 16-bit base (which a train step is given as its bits)
+    cpu = jax.default_backend() == "cpu"  # a GPU multiplies chunks of positions by the whole table
+    assert blocks_apply(2, 512, 151936, f32, f32) == cpu  # a CPU with no mesh: large logits a block of ids at a time
+    assert blocks_apply(2, 512, 151936, bf16, bf16) == cpu  # a 16-bit base (which a train step is given as its bits)
     assert not blocks_apply(2, 512, 151936, bf16, f32)  # a float32 table computing in bfloat16: not copied whole
     assert not blocks_apply(2, 512, 384, f32, f32)  # a byte vocabulary's logits are computed whole
 

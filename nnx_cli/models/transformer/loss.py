@@ -55,9 +55,19 @@ from jax import lax
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, soft_cap
 from nnx_cli.models.transformer.dense import constrain
 
-CHUNK_BYTES = 64 << 20
-"""The float32 logits of one chunk of positions (every row of the batch): about this many bytes. Logits no larger
-than this are computed whole."""
+CHUNK_BYTES: int | None = None
+"""The float32 logits of one chunk of positions (every row of the batch): about this many bytes; logits no larger
+than this are computed whole. None: the platform's, :func:`chunk_bytes`."""
+
+
+def chunk_bytes() -> int:
+    """:data:`CHUNK_BYTES` where set, else 64 MiB on a CPU and 1 GiB on a GPU or TPU. On one H200, GPT-2 small's
+    bfloat16 step at batch 16 x 1,024 (3.3 GB of float32 logits) took 56.1 ms in 52 chunks of 64 MiB and 48.4 ms
+    in 4 of 1 GiB (`benchmarks/profile_step.py --shape gpt2 --loss-chunk-mb`): a chunk of 320 positions leaves
+    the GPU's products small and 52 of them in a row; a CPU's caches favour the small ones."""
+    if CHUNK_BYTES is not None:
+        return CHUNK_BYTES
+    return 64 << 20 if jax.default_backend() == "cpu" else 1 << 30
 
 
 class _Head(NamedTuple):
@@ -71,13 +81,13 @@ class _Head(NamedTuple):
 
 def chunk_length(batch: int, length: int, vocab: int) -> int:
     """Positions per chunk: `length` (one chunk) when `[batch, length, vocab]` float32 logits fit in
-    :data:`CHUNK_BYTES`, else about that many bytes of logits per chunk, the chunks equal (`length` 512 over
+    :func:`chunk_bytes`, else about that many bytes of logits per chunk, the chunks equal (`length` 512 over
     10 chunks of 52 rather than 9 of 53 and one of 35).
 
         chunk_length(2, 512, 151936)    # 52: ten chunks of 63 MB instead of 623 MB of logits
         chunk_length(8, 256, 384)       # 256: a byte vocabulary's 3 MB of logits, whole
     """
-    most = max(1, CHUNK_BYTES // (4 * batch * vocab))
+    most = max(1, chunk_bytes() // (4 * batch * vocab))
     if most >= length:
         return length
     chunks = -(-length // most)
@@ -266,8 +276,8 @@ whole train steps both ways."""
 
 def block_rows(tokens: int, vocab: int) -> int:
     """Ids per vocabulary block for `tokens` positions: :data:`BLOCK_ROWS`, fewer when that many float32 logits
-    per position would pass :data:`CHUNK_BYTES`, never more than the vocabulary."""
-    return max(1, min(vocab, BLOCK_ROWS, CHUNK_BYTES // (4 * tokens)))
+    per position would pass :func:`chunk_bytes`, never more than the vocabulary."""
+    return max(1, min(vocab, BLOCK_ROWS, chunk_bytes() // (4 * tokens)))
 
 
 def blocks_apply(batch: int, length: int, vocab: int, dtype: Any, head_dtype: Any) -> bool:
@@ -284,7 +294,7 @@ def blocks_apply(batch: int, length: int, vocab: int, dtype: Any, head_dtype: An
     nothing there; a 16-bit head given as it is (a model used outside the trainer) costs a copy of its bits (272
     MB at those shapes)."""
     same = jnp.dtype(dtype) == jnp.dtype(head_dtype)
-    if jax.default_backend() != "cpu" or not same or 4 * batch * length * vocab <= CHUNK_BYTES:
+    if jax.default_backend() != "cpu" or not same or 4 * batch * length * vocab <= chunk_bytes():
         return False
     from nnx.spmd import current_mesh, logical_to_mesh_axes
 
