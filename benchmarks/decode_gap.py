@@ -16,12 +16,15 @@ many bit-identical, and the first that differs):
 - each bfloat16 full pass and cached run against the float32 model's full pass (same weights): a cached run no
   further from float32 than the full pass is rounding, not a bug.
 
-Then the same table from a child process with `XLA_FLAGS += --xla_allow_excess_precision=false` (XLA's default
-lets it keep bfloat16 intermediates in float32 where it fuses them, which may differ between the two programs).
+Then the model's products (its projections' shapes) of every row at once against the first rows alone, as a
+decode step multiplies them: how many bfloat16 outputs differ (none on a CPU). Then the same tables from a child
+process with `XLA_FLAGS += --xla_allow_excess_precision=false` (XLA's default lets it keep bfloat16
+intermediates in float32 where it fuses them, which may differ between the two programs).
 Matrix products in float32 run at `highest` precision, as in the test session (tests/conftest.py); the tests'
 fast-compile flags are not applied unless given with `--xla-flags`.
 
-    python benchmarks/decode_gap.py [--xla-flags="--xla_backend_optimization_level=0"]
+    python benchmarks/decode_gap.py [--xla-flags="--xla_backend_optimization_level=0"] [--attentions core,cudnn]
+                                    [--no-child]
 
 Both tables take about 70 s on 2 CPU cores, most of it compiling the cached loops (27 decode steps
 unrolled, as the test has them).
@@ -105,7 +108,7 @@ def compare(label: str, logits, reference) -> str:
     )
 
 
-def table(title: str) -> None:
+def table(title: str, attentions: tuple[str, ...] = ATTENTIONS) -> None:
     """Computes every comparison in this process and prints them as one markdown table."""
     import jax
     import jax.numpy as jnp
@@ -121,7 +124,7 @@ def table(title: str) -> None:
     params, float32_def = model_def("core", "float32")  # the reference; the same weights as every bfloat16 model
     float32 = full_logits(float32_def, params, sequence)
     rows, notes, full, cached = [], [], {}, {}
-    for attention in ATTENTIONS:
+    for attention in attentions:
         if attention == "cudnn" and not gpu:
             notes.append(f"cudnn rows skipped: cuDNN's kernel needs a GPU (backend {jax.default_backend()})")
             continue
@@ -149,7 +152,29 @@ def table(title: str) -> None:
           f"float32 std {float(jnp.std(float32)):.3g}.")  # fmt: skip
     for note in notes:
         print(f"- {note}")
+    products()
     sys.stdout.flush()
+
+
+def products() -> None:
+    """The model's bfloat16 products (its projections' shapes) of all `BATCH x SEQ_LEN` rows, as a full pass
+    multiplies them, against the same first `BATCH` rows alone, as a decode step does: how many outputs differ.
+    On a CPU none; a GPU may accumulate other shapes in another order (another kernel, split sums), and one
+    output a unit apart in bfloat16 is what a weights-x10 model turns into the gap above."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    width, rows = SMALL["embed_dim"], BATCH * SEQ_LEN
+    print("\n| product (rows x inner x out) | outputs that differ, first rows alone against all rows |")
+    print("| --- | --- |")
+    for inner, out in ((width, 3 * width), (width, width), (width, 4 * width), (4 * width, width), (width, VOCAB)):
+        kx, kw = jax.random.split(jax.random.key(inner * 1000 + out))
+        x = (10 * jax.random.normal(kx, (rows, inner))).astype(jnp.bfloat16)
+        w = jax.random.normal(kw, (inner, out)).astype(jnp.bfloat16)
+        product = jax.jit(lambda x, w: x @ w)
+        whole, alone = np.asarray(product(x, w)[:BATCH], np.float32), np.asarray(product(x[:BATCH], w), np.float32)
+        print(f"| {rows} x {inner} x {out} against {BATCH} rows | {int((whole != alone).sum())} of {alone.size} |")
 
 
 def main() -> None:
@@ -157,7 +182,13 @@ def main() -> None:
     only = f"only the table with XLA_FLAGS += {NO_EXCESS_PRECISION} (what the parent runs in its child)"
     parser.add_argument("--no-excess-precision", action="store_true", help=only)
     parser.add_argument("--xla-flags", default="", help="added to XLA_FLAGS here and in the child")
+    parser.add_argument("--attentions", default=",".join(ATTENTIONS), help="which model.attention rows (each "
+                        "compiles its cached loop: about 20 s apiece on an H200)")  # fmt: skip
+    parser.add_argument("--no-child", action="store_true", help="the default table only")
     args = parser.parse_args()
+    attentions = tuple(a for a in args.attentions.split(",") if a)
+    if set(attentions) - set(ATTENTIONS):
+        parser.error(f"--attentions: each one of {', '.join(ATTENTIONS)}")
     added = [args.xla_flags] if args.xla_flags else []
     if args.no_excess_precision and NO_EXCESS_PRECISION not in os.environ.get("XLA_FLAGS", ""):
         added.append(NO_EXCESS_PRECISION)
@@ -165,10 +196,13 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *added]).strip()
     sys.path.insert(0, str(ROOT))  # nnx and nnx_cli from this checkout
     if args.no_excess_precision:
-        return table(f"Excess precision off ({NO_EXCESS_PRECISION})")
-    table("XLA's default excess precision")
+        return table(f"Excess precision off ({NO_EXCESS_PRECISION})", attentions)
+    table("XLA's default excess precision", attentions)
+    if args.no_child:
+        return
     # The child: the parent's environment (its --xla-flags included); it turns excess precision off itself.
-    done = subprocess.run([sys.executable, __file__, "--no-excess-precision"], env=os.environ, cwd=ROOT)
+    child = [sys.executable, __file__, "--no-excess-precision", f"--attentions={args.attentions}"]
+    done = subprocess.run(child, env=os.environ, cwd=ROOT)
     if done.returncode:
         print(f"\nthe child with {NO_EXCESS_PRECISION} exited {done.returncode}")
 

@@ -226,8 +226,9 @@ class Classifier:
         return "other"
 
 
-def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[dict[str, float], list[tuple], float]:
-    """Seconds per part and the most expensive operations, per step, from a `jax.profiler` trace."""
+def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[dict, list[tuple], float, float | None]:
+    """Seconds per part and the most expensive operations, per step, from a `jax.profiler` trace; the step's wall
+    time; and on a GPU the seconds a step kept the device busy (kernels and copies, overlaps once)."""
     from jax.profiler import ProfileData
 
     hlo = step.lower(state, sums, batch).compile().as_text()
@@ -240,22 +241,36 @@ def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[di
             loss.block_until_ready()
     wall = (time.perf_counter() - start) / steps
     (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+    planes = list(ProfileData.from_file(path).planes)
+    # On a GPU the kernels' own planes (`/device:GPU:N`) hold the time the device spent; the host's planes hold
+    # the launches. On a CPU the host's threads run the operations themselves.
+    devices = [plane for plane in planes if plane.name.startswith("/device:")]
     parts: dict[str, float] = collections.Counter()
     ops: dict[str, float] = collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
+    intervals: list[tuple[int, int]] = []
+    for plane in devices or planes:
         for line in plane.lines:
             for event in line.events:
                 stats = dict(event.stats)
-                if "hlo_op" not in stats:
-                    continue
-                name = stats["hlo_op"]
-                if classifier.is_control(name):
+                if devices:
+                    intervals.append((event.start_ns, event.start_ns + event.duration_ns))
+                name = stats.get("hlo_op") or (f"kernel {event.name[:80]}" if devices else None)
+                if name is None or classifier.is_control(name):
                     continue
                 seconds = event.duration_ns / 1e9 / steps
-                parts[classifier.part(name)] += seconds
+                parts[classifier.part(name) if name in classifier.instructions else "unattributed"] += seconds
                 ops[name] += seconds
+    busy = None
+    if intervals:  # the time some kernel or copy ran on the device, overlaps counted once
+        busy, end = 0, None
+        for start, stop in sorted(intervals):
+            if end is None or start > end:
+                busy, end = busy + stop - start, stop
+            elif stop > end:
+                busy, end = busy + stop - end, stop
+        busy = busy / 1e9 / steps
     top = [(s, n, classifier.part(n), classifier.describe(n)) for n, s in ops.most_common(top_ops)]
-    return dict(parts), top, wall
+    return dict(parts), top, wall, busy
 
 
 def load_average() -> float:
@@ -270,6 +285,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the shape's (256; held-out 512)")
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's (30; held-out 12)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--time-steps", type=int, default=3, help="untraced steps whose median wall time is quoted")
     parser.add_argument("--trace-steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=10, help="list this many of the most expensive operations")
     parser.add_argument("--details", action="store_true", help="with each operation, its shape, fused ops, source")
@@ -296,15 +312,29 @@ def main() -> None:
     print(f"{args.shape} shape, {what}, batch {args.batch}, sequence {options['seq_len']}, "
           f"load average {load_average():.2f}")  # fmt: skip
     _, state = time_steps(step, state, sums, batch, args.warmup)
-    parts, top, wall = profile(step, state, sums, batch, args.trace_steps, args.top)
+    seconds, state = time_steps(step, state, sums, batch, args.time_steps)  # untraced: the wall time quoted
+    parts, top, _, busy = profile(step, state, sums, batch, args.trace_steps, args.top)
+    wall = float(np.median(seconds))
     total = sum(parts.values())
-    print(f"\none step: {wall:.2f} s wall, {total:.2f} s of XLA operations (summed over threads)\n")
-    print("| part | seconds | share |\n| --- | --- | --- |")
-    for part in ("matmuls", "attention", "head", "transposes/copies", "scan residuals", "optimizer", "other"):
-        print(f"| {part} | {parts.get(part, 0.0):.3f} | {parts.get(part, 0.0) / total:.1%} |")
+    tokens = args.batch * options["seq_len"] / wall
+    where = f"{busy * 1e3:.1f} ms with the device busy ({busy / wall:.0%})" if busy else "summed over threads"
+    print(f"\none step: {wall * 1e3:.1f} ms wall (median of {args.time_steps} untraced) ({tokens:,.0f} tokens/s), "
+          f"{total * 1e3:.1f} ms of XLA operations ({where})\n")  # fmt: skip
+    print("| part | ms | share |\n| --- | --- | --- |")
+    for part in (
+        "matmuls",
+        "attention",
+        "head",
+        "transposes/copies",
+        "scan residuals",
+        "optimizer",
+        "other",
+        "unattributed",
+    ):
+        print(f"| {part} | {parts.get(part, 0.0) * 1e3:.2f} | {parts.get(part, 0.0) / total:.1%} |")
     print("\nmost expensive operations:")
     for s, name, part, description in top:
-        print(f"  {s:7.3f} s  {name}  ({part})" + (f"  {description}" if args.details else ""))
+        print(f"  {s * 1e3:8.2f} ms  {name}  ({part})" + (f"  {description}" if args.details else ""))
 
 
 if __name__ == "__main__":
