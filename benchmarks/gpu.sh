@@ -122,9 +122,11 @@ suite)
     step 600 pytest $py -m pytest -o addopts="" -n 2 -q -p no:cacheprovider tests/test_lm_attention.py \
       tests/test_data_pipeline.py -k "implementation or on_device or workers"
   else
-    # the one failure the H200 run of 2026-11-27 left open, first (the suite may reach its cap): bfloat16 cached
-    # decoding against a full pass
-    step 60 decode_gap $py benchmarks/decode_gap.py
+    # the one failure the H200 runs left open, first (the suite may reach its cap): bfloat16 cached decoding
+    # against a full pass. On 2026-11-28 the core's full pass equalled cuDNN's bit for bit and decoding differed
+    # alike with either: the core's rows, the products table and the child with excess precision off tell what
+    # is left apart (about 20 s a table there)
+    step 90 decode_gap $py benchmarks/decode_gap.py --attentions core
     # -v: each result as it comes, so that a run cut off by its time limit still names its failures
     # TESTS: what to run (default all); e.g. the files a cut-off run did not reach
     step 450 pytest $py -m pytest -o addopts="" -n 12 --dist loadscope -v -rfE -p no:cacheprovider --durations=15 \
