@@ -193,8 +193,8 @@ def _reciprocal(a: Array, xp: Any) -> Array:
     rounded): a reciprocal one unit off moves a scaled value across a code's boundary now and then (an H200
     gave 4-bit codes other than bitsandbytes' for a bfloat16 weight in FP4). So with JAX the reciprocal of a
     normal ``a = M 2^(e - 150)`` (``M`` its 24-bit significand) is ``2^48 / M`` by long division in 32-bit
-    integers, 8 bits a step, rounded to 24 bits half to even; other values (zero, subnormal, huge) are divided
-    as XLA divides."""
+    integers, 8 bits a step, rounded to 24 bits on the next (never a tie: ``2^49 / M`` is whole only for ``M`` a
+    power of two, whose reciprocal is exact); other values (zero, subnormal, huge) are divided as XLA divides."""
     if xp is np:
         return np.float32(1) / a
     a = a.astype(jnp.float32)
@@ -208,8 +208,7 @@ def _reciprocal(a: Array, xp: Any) -> Array:
         digit = n // m
         r = n - digit * m
         q = (q << 8) | digit
-    mantissa, half = q >> 1, q & 1  # q has 25 bits (26 when m is 2^23): keep 24, round on the 25th
-    mantissa = mantissa + (half & ((r != 0) | (mantissa & 1)).astype(jnp.uint32))
+    mantissa = (q >> 1) + (q & 1)  # q has 25 bits (26 when m is 2^23): keep 24, rounded on the 25th
     carry = mantissa >> 24  # rounded (or exactly) up to 2^24: one more in the exponent
     mantissa = jnp.where(carry > 0, mantissa >> 1, mantissa)
     biased = jnp.uint32(253) - exponent + carry
