@@ -84,7 +84,7 @@ def chunk_length(batch: int, length: int, vocab: int) -> int:
     :func:`chunk_bytes`, else about that many bytes of logits per chunk, the chunks equal (`length` 512 over
     10 chunks of 52 rather than 9 of 53 and one of 35).
 
-        chunk_length(2, 512, 151936)    # 52: ten chunks of 63 MB instead of 623 MB of logits
+        chunk_length(2, 512, 151936)    # on a CPU 52: ten chunks of 63 MB instead of 623 MB of logits
         chunk_length(8, 256, 384)       # 256: a byte vocabulary's 3 MB of logits, whole
     """
     most = max(1, chunk_bytes() // (4 * batch * vocab))
