@@ -17,8 +17,8 @@ many bit-identical, and the first that differs):
   further from float32 than the full pass is rounding, not a bug.
 
 Then the model's products (its projections' shapes) of every row at once against the first rows alone, as a
-decode step multiplies them: how many bfloat16 outputs differ (none on a CPU). Then the same tables from a child
-process with `XLA_FLAGS += --xla_allow_excess_precision=false` (XLA's default lets it keep bfloat16
+decode step multiplies them: how many bfloat16 outputs differ (none on a CPU). Then the first table again from a
+child process with `XLA_FLAGS += --xla_allow_excess_precision=false` (XLA's default lets it keep bfloat16
 intermediates in float32 where it fuses them, which may differ between the two programs).
 Matrix products in float32 run at `highest` precision, as in the test session (tests/conftest.py); the tests'
 fast-compile flags are not applied unless given with `--xla-flags`.
@@ -152,7 +152,6 @@ def table(title: str, attentions: tuple[str, ...] = ATTENTIONS) -> None:
           f"float32 std {float(jnp.std(float32)):.3g}.")  # fmt: skip
     for note in notes:
         print(f"- {note}")
-    products()
     sys.stdout.flush()
 
 
@@ -198,6 +197,8 @@ def main() -> None:
     if args.no_excess_precision:
         return table(f"Excess precision off ({NO_EXCESS_PRECISION})", attentions)
     table("XLA's default excess precision", attentions)
+    products()  # plain products: excess precision (the child's question) has no fusion to act on there
+    sys.stdout.flush()
     if args.no_child:
         return
     # The child: the parent's environment (its --xla-flags included); it turns excess precision off itself.

@@ -90,6 +90,7 @@ MOVES = {"transpose", "copy", "concatenate", "pad", "slice", "reshape", "bitcast
 SCAN = {"dynamic-update-slice", "dynamic-slice"}
 SCANNING = ("_scan_apply", "Scan._run")  # where the layer scan's own buffers are made
 CONTROL = {"while", "call", "conditional", "async-start", "async-done"}  # contain other operations' time
+ORDER = ("matmuls", "attention", "head", "transposes/copies", "scan residuals", "optimizer", "other", "unattributed")
 
 
 def build(shape: str, lora: bool, seq_len: int | None = None, layers: int | None = None,
@@ -226,20 +227,19 @@ class Classifier:
         return "other"
 
 
-def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[dict, list[tuple], float, float | None]:
-    """Seconds per part and the most expensive operations, per step, from a `jax.profiler` trace; the step's wall
-    time; and on a GPU the seconds a step kept the device busy (kernels and copies, overlaps once)."""
+def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[dict, list[tuple], float | None]:
+    """Seconds per part and the most expensive operations, per step, from a `jax.profiler` trace; on a GPU also
+    the seconds a step kept the device busy (kernels and copies, overlaps once). The traced steps' wall time is
+    the tracer's too: :func:`time_steps` times untraced ones."""
     from jax.profiler import ProfileData
 
     hlo = step.lower(state, sums, batch).compile().as_text()
     classifier = Classifier(hlo)
     directory = tempfile.mkdtemp(prefix="nnx-profile-")
-    start = time.perf_counter()
     with jax.profiler.trace(directory):
         for _ in range(steps):
             state, sums, loss = step(state, sums, batch)
             loss.block_until_ready()
-    wall = (time.perf_counter() - start) / steps
     (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
     planes = list(ProfileData.from_file(path).planes)
     # On a GPU the kernels' own planes (`/device:GPU:N`) hold the time the device spent; the host's planes hold
@@ -270,7 +270,7 @@ def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[di
                 busy, end = busy + stop - end, stop
         busy = busy / 1e9 / steps
     top = [(s, n, classifier.part(n), classifier.describe(n)) for n, s in ops.most_common(top_ops)]
-    return dict(parts), top, wall, busy
+    return dict(parts), top, busy
 
 
 def load_average() -> float:
@@ -313,7 +313,7 @@ def main() -> None:
           f"load average {load_average():.2f}")  # fmt: skip
     _, state = time_steps(step, state, sums, batch, args.warmup)
     seconds, state = time_steps(step, state, sums, batch, args.time_steps)  # untraced: the wall time quoted
-    parts, top, _, busy = profile(step, state, sums, batch, args.trace_steps, args.top)
+    parts, top, busy = profile(step, state, sums, batch, args.trace_steps, args.top)
     wall = float(np.median(seconds))
     total = sum(parts.values())
     tokens = args.batch * options["seq_len"] / wall
@@ -321,16 +321,7 @@ def main() -> None:
     print(f"\none step: {wall * 1e3:.1f} ms wall (median of {args.time_steps} untraced) ({tokens:,.0f} tokens/s), "
           f"{total * 1e3:.1f} ms of XLA operations ({where})\n")  # fmt: skip
     print("| part | ms | share |\n| --- | --- | --- |")
-    for part in (
-        "matmuls",
-        "attention",
-        "head",
-        "transposes/copies",
-        "scan residuals",
-        "optimizer",
-        "other",
-        "unattributed",
-    ):
+    for part in ORDER:
         print(f"| {part} | {parts.get(part, 0.0) * 1e3:.2f} | {parts.get(part, 0.0) / total:.1%} |")
     print("\nmost expensive operations:")
     for s, name, part, description in top:
