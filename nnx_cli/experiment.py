@@ -101,7 +101,7 @@ class Experiment:
             params = self.load_pretrained(target)
         else:
             fresh = lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1]["params"]  # noqa: E731
-            params = jax.jit(fresh, out_shardings=jax.tree.map(lambda a: a.sharding, target))()
+            params = steps.jit_drawing(fresh, out_shardings=jax.tree.map(lambda a: a.sharding, target))()
         return {**state, steps.REFERENCE: params}
 
     def init_from_params(self, source: str, say: Callable[[str], None]) -> tuple[nnx.State, str, str]:
@@ -130,7 +130,7 @@ class Experiment:
         if self.pretrained is not None:
             return self.load_pretrained(target)
         fresh = lambda: steps.init_state(self.build, self.tx, self.cfg.seed)[1][steps.FROZEN]  # noqa: E731
-        return jax.jit(fresh, out_shardings=jax.tree.map(lambda a: a.sharding, target))()
+        return steps.jit_drawing(fresh, out_shardings=jax.tree.map(lambda a: a.sharding, target))()
 
     def base_record(self) -> dict[str, Any] | None:
         """What a checkpoint of this run keeps of its base model: for adapters on `model.pretrained`, the
@@ -169,7 +169,7 @@ class Experiment:
     def _fresh_state(self) -> steps.TrainState:
         reference = steps.REFERENCE in self.abstract
         if self.pretrained is None:
-            fresh = jax.jit(
+            fresh = steps.jit_drawing(
                 lambda: steps.init_state(self.build, self.tx, self.cfg.seed, reference)[1],
                 out_shardings=self.shardings,
             )
@@ -180,7 +180,7 @@ class Experiment:
             def adapters() -> steps.TrainState:
                 return _without(steps.init_state(self.build, self.tx, self.cfg.seed, reference)[1], steps.FROZEN)
 
-            state = jax.jit(adapters, out_shardings=_without(self.shardings, steps.FROZEN))()
+            state = steps.jit_drawing(adapters, out_shardings=_without(self.shardings, steps.FROZEN))()
             return {**state, steps.FROZEN: loaded}
 
         def around(loaded: nnx.State) -> steps.TrainState:  # the random parameters it draws go unused: XLA drops them
@@ -189,7 +189,7 @@ class Experiment:
             return {**state, "params": loaded, "opt_state": self.tx.init(loaded), **extra}
 
         # the loaded weights in XLA's buffers first, one at a time: the donated ones then pass through uncopied
-        return jax.jit(around, out_shardings=self.shardings, donate_argnums=0)(steps.owned(loaded))
+        return steps.jit_drawing(around, out_shardings=self.shardings, donate_argnums=0)(steps.owned(loaded))
 
     def load_pretrained(self, target: Any = None) -> nnx.State:
         """The parameters of `model.pretrained`, each read into its sharding (`target`: the abstract parameters

@@ -73,6 +73,20 @@ def init_state(
     return moduledef, {**state, **extra}
 
 
+def jit_drawing(fun: Callable, **jit_kwargs: Any) -> Callable:
+    """`jax.jit(fun, **jit_kwargs)` for a program that draws initial values and runs once per process.
+
+    On a CPU it is compiled at XLA's optimisation level 0 whatever `XLA_FLAGS` say: a program that runs once
+    gains nothing from an optimised backend (the test LM's initialiser compiles in 1.7 s instead of 4.0), and
+    its values no longer depend on the flags (the optimised backend rounds some draws another way). So a run,
+    its resumption (which draws the reference or a frozen base again) and the test suite's processes (which
+    compile at level 0) all start from the same values. Every program that draws from the seed goes through
+    here, or a resumed run would not find the values it started from."""
+    if jax.default_backend() == "cpu":
+        jit_kwargs["compiler_options"] = {"xla_backend_optimization_level": 0, **jit_kwargs.get("compiler_options", {})}
+    return jax.jit(fun, **jit_kwargs)
+
+
 def model_states(state: TrainState, params: Any = None, rest: Any = None, *, bits: bool = False) -> tuple[Any, ...]:
     """The states `moduledef.apply` takes: `params` (default: the state's), the frozen ones if any, `rest`.
     Frozen parameters held as their bits (:func:`frozen_as_bits`) are given in bfloat16 again (free inside a

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cli_support import cli
+import jax
+import numpy as np
+from cli_support import cli, final_state, optimized_flags
 
 from nnx_cli.runtime import compilation_cache_dir
 
@@ -51,3 +53,20 @@ def test_off_writes_no_cache(tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "xdg").exists()
+
+
+def test_a_fresh_run_draws_the_same_parameters_whatever_xla_backend_it_compiles_with(tmp_path: Path):
+    """The initialiser runs once, at XLA's optimisation level 0 on a CPU (`steps.jit_drawing`): the optimised
+    backend would round some draws another way, so the suite's processes (level 0) would check other values
+    than users get, and a resumed run could not draw its reference again in a process with other flags."""
+    (tmp_path / "run.yaml").write_text("{}\n")
+    unmoved = ["train.steps=1", "optimizer.learning_rate=0.0", "checkpoint.every_steps=1"]  # params stay as drawn
+    drawn = []
+    for name, flags in [("optimised", optimized_flags()), ("suite", None)]:
+        extra = {"NNX_COMPILATION_CACHE": "off", **({"XLA_FLAGS": flags} if flags is not None else {})}
+        result = cli("nnx-train", "run.yaml", *unmoved, "--workdir", name, cwd=tmp_path, extra_env=extra)
+        assert result.returncode == 0, result.stderr
+        drawn.append(jax.tree.leaves(final_state(tmp_path / name)["params"]))
+    assert len(drawn[0]) == len(drawn[1]) > 0
+    for a, b in zip(*drawn):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
