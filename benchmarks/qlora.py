@@ -122,9 +122,11 @@ def bnb_run(reference: str, cwd: Path, batches: Path) -> tuple:
 
 def step_memory(cwd: Path, name: str) -> dict[str, float]:
     """XLA's memory analysis of the variant's compiled train step (MiB): its temporaries and its arguments. The
-    step is compiled as the loop compiles it: its state donated, a 16-bit frozen base given as its bits."""
+    step is compiled as the loop compiles it: its state donated, a 16-bit frozen base given as its bits, traced
+    under the run's mesh and logical rules."""
     import jax
 
+    import nnx
     from nnx_cli import sharding, steps
     from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
@@ -142,7 +144,8 @@ def step_memory(cwd: Path, name: str) -> dict[str, float]:
     def step(state, sums, batch):
         return steps.train_step(exp.moduledef, exp.tx, exp.objective, 0, state, sums, batch)
 
-    analysis = jax.jit(step, donate_argnums=(0,)).lower(state, sums, batch).compile().memory_analysis()  # as the loop
+    with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules):  # as the loop
+        analysis = jax.jit(step, donate_argnums=(0,)).lower(state, sums, batch).compile().memory_analysis()
     mib = 2**20
     return {"temp": analysis.temp_size_in_bytes / mib, "arguments": analysis.argument_size_in_bytes / mib}
 

@@ -179,6 +179,18 @@ def unbox(container: Container[A]) -> A:
     return container.value
 
 
+def stored_value(obj: tp.Any, name: str) -> tp.Any:
+    """``obj``'s attribute ``name`` as stored: a container's value without its ``unbox_fn`` (the sharding
+    constraint that reading a logically partitioned parameter adds); anything else as it is.
+
+    For a layer's reads of the weights it multiplies by. Under ``nnx.Scan`` such a read is a layer's slice of
+    the stacked array, which carries its sharding already; constrained once more it is a value of its own,
+    which autodiff keeps for the backward pass and the scan stacks again (a copy of the weights among the
+    step's temporaries) where the slice itself is read back from the stack."""
+    value = vars(obj)[name]
+    return value.value if isinstance(value, Container) else value
+
+
 def getattribute_unboxed(obj: tp.Any, name: str) -> tp.Any:
     """``__getattribute__`` of Modules and Pytrees: containers read as values."""
     value = object.__getattribute__(obj, name)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from nnx import spmd
-from nnx.containers import Param
+from nnx.containers import Param, stored_value
 from nnx.contextlib import Context
 from nnx.module import Module
 from nnx.nn import initializers
@@ -141,11 +141,10 @@ class LoRA(Module):
     def __call__(self, x: Array, *, deterministic: bool | None = True, ctx: Context | None = None) -> Array:
         dtype = self.dtype or x.dtype
         x = self.dropout(x, deterministic=deterministic, ctx=ctx)
-        tokens, out_shape = x.shape[: x.ndim - self.in_rank], self.b.shape[1:]
-        a = self.a.astype(dtype).reshape(-1, self.rank)
-        y = _low_rank(
-            x.astype(dtype).reshape(-1, a.shape[0]), a, self.b.astype(dtype).reshape(self.rank, -1), self.scale
-        )
+        a, b = stored_value(self, "a"), stored_value(self, "b")  # not constrained: a scan would stack them again
+        tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
+        a = a.astype(dtype).reshape(-1, self.rank)
+        y = _low_rank(x.astype(dtype).reshape(-1, a.shape[0]), a, b.astype(dtype).reshape(self.rank, -1), self.scale)
         return y.reshape(*tokens, *out_shape)
 
     def delta(self) -> Array:

@@ -350,8 +350,8 @@ class LayerNorm(Module):
             x,
             mean,
             var,
-            self.scale,
-            self.bias,
+            containers.stored_value(self, "scale"),  # not constrained: a scan would stack it again
+            containers.stored_value(self, "bias"),
             self.reduction_axes,
             self.feature_axes,
             self.dtype,

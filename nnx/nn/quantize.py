@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 
 from nnx import spmd
-from nnx.containers import Param
+from nnx.containers import Param, stored_value
 from nnx.module import Module
 
 Array = Any
@@ -523,9 +523,12 @@ class QuantizedKernel(Module):
         return (*self.batch, *self.in_shape, *self.out_shape)
 
     def parts(self) -> dict[str, Array]:
-        """The stored arrays by name (``codes``, ``absmax``, and ``nested_absmax``, ``offset`` when double)."""
+        """The stored arrays by name (``codes``, ``absmax``, and ``nested_absmax``, ``offset`` when double), as
+        stored: without the sharding constraint reading a logically partitioned one adds. A product reads
+        them here (:func:`nnx.containers.stored_value`: under ``nnx.Scan`` a constrained read would be stacked
+        again for the backward pass)."""
         names = ("codes", "absmax", "nested_absmax", "offset") if self.double_quant else ("codes", "absmax")
-        return {name: getattr(self, name) for name in names}
+        return {name: stored_value(self, name) for name in names}
 
     def dequantize(self, dtype: Any = jnp.float32) -> Array:
         """The kernel in ``dtype``, shape :attr:`shape` (after any axes its arrays gained when stacked by

@@ -191,7 +191,7 @@ class Dense(nnx.Module):
             self.lora = None
 
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
-        kernel = self.kernel
+        kernel = nnx.containers.stored_value(self, "kernel")  # not constrained: a scan would stack it again
         if isinstance(kernel, nnx.QuantizedKernel):
             y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
         elif self.frozen:

@@ -206,7 +206,7 @@ class GroupedDense(nnx.Module):
     def __call__(
         self, x: jax.Array, groups: Groups, *, deterministic: bool = True, ctx: nnx.Context | None = None
     ) -> jax.Array:
-        kernel, compute = self.kernel, self.compute_dtype
+        kernel, compute = nnx.containers.stored_value(self, "kernel"), self.compute_dtype  # as Dense reads it
         if isinstance(kernel, nnx.QuantizedKernel):
             operands = (
                 (groups.sizes,) if groups.block_experts is None else (groups.sizes, groups.block_experts, groups.used)
@@ -243,8 +243,8 @@ class ExpertLoRA(nnx.Module):
         self, x: jax.Array, groups: Groups, *, deterministic: bool = True, ctx: nnx.Context | None = None
     ) -> jax.Array:
         x = self.dropout(x, deterministic=deterministic, ctx=ctx).astype(self.dtype)
-        low = groups.matmul(x, self.a.astype(self.dtype))
-        return groups.matmul(low, self.b.astype(self.dtype)) * jnp.asarray(self.scale, self.dtype)
+        a, b = (nnx.containers.stored_value(self, name).astype(self.dtype) for name in ("a", "b"))
+        return groups.matmul(groups.matmul(x, a), b) * jnp.asarray(self.scale, self.dtype)
 
     def delta(self) -> jax.Array:
         """Each expert's update as a full matrix `[expert, in, out]`, in float32: what merging adds to the kernel."""

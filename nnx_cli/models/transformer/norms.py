@@ -49,7 +49,8 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(init(ctx.make_rng("params"), (num_features,), jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale, self.epsilon, self.dtype, self.offset)
+        scale = nnx.containers.stored_value(self, "scale")  # not constrained: a scan would stack it again
+        return rms_norm(x, scale, self.epsilon, self.dtype, self.offset)
 
 
 def rms_offset(arch: Architecture) -> float:
