@@ -28,7 +28,7 @@ import nnx
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
-from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, frozen_kernels_as_bits, normal
+from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, frozen_kernels_as_bits, lookup, normal
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
@@ -259,6 +259,7 @@ class TransformerLM(nnx.Module):
         self.layers_differ = arch.layers_differ
         self.moe = arch.moe
         self.aux_loss_coef = arch.router_aux_loss_coef
+        self.frozen_base = arch.quantize is not None  # its embedding tables have no gradient
         self._build(arch, dropout, ctx)
 
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
@@ -293,11 +294,11 @@ class TransformerLM(nnx.Module):
     # --- the forward pass ---------------------------------------------------
 
     def _embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool, ctx: nnx.Context | None):
-        h = self.embedding(tokens)
+        h = lookup(self.embedding, tokens, self.frozen_base)
         if self.scale_embeddings:  # sqrt(embed_dim) in the compute dtype, as Gemma scales by a weight-dtype constant
             h = h * jnp.asarray(math.sqrt(self.embed_dim), h.dtype)
         if self.positions == "learned":
-            h = h + self.position_embedding(positions)
+            h = h + lookup(self.position_embedding, positions, self.frozen_base)
         h = constrain(h, ("batch", "length", "embed"))
         return self.dropout(h, deterministic=deterministic, ctx=ctx)
 
