@@ -131,9 +131,11 @@ def test_one_row_at_a_time_decodes_to_the_argmax_of_a_full_forward_pass():
         assert predicted[: len(sample)].tolist() == sample
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table_bit_for_bit(rows):
-    model = TransformerLM((8,), 40_000, num_layers=1, num_heads=2, embed_dim=32, dropout=0.0, ctx=nnx.context(0))
+@pytest.mark.parametrize("rows,quantize", [(1, None), (3, None), (3, {"type": "bfloat16"})])
+def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table_bit_for_bit(rows, quantize):
+    """Also for a 16-bit base's table, which the chunks slice as its bits on a CPU."""
+    model = TransformerLM((8,), 40_000, num_layers=1, num_heads=2, embed_dim=32, dropout=0.0, quantize=quantize,
+                          ctx=nnx.context(0))  # fmt: skip
     h = jax.random.normal(jax.random.key(1), (rows, 1, 32))  # 40064 padded ids: two chunks, the last overlapping
     params, moduledef = model.partition(nnx.Param)
     chunked = jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h))(params, h)

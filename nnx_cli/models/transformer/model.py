@@ -28,7 +28,15 @@ import nnx
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
-from nnx_cli.models.transformer.dense import LAYERS, Dense, constrain, frozen_kernels_as_bits, lookup, normal
+from nnx_cli.models.transformer.dense import (
+    LAYERS,
+    Dense,
+    as_bits,
+    constrain,
+    frozen_kernels_as_bits,
+    lookup,
+    normal,
+)
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
@@ -351,10 +359,16 @@ class TransformerLM(nnx.Module):
         h = self.final_norm(h[:, 0])
         vocab, width = table.shape
         chunk = min(vocab, max(VOCAB_MULTIPLE, _HEAD_CHUNK_BYTES // (width * 4) // VOCAB_MULTIPLE * VOCAB_MULTIPLE))
+        # A bfloat16 table (a quantised base's) sliced as its bits: XLA's CPU has no bfloat16 dynamic-slice and
+        # would widen the whole table to float32 once, outside the loop (a float32 copy of it while decoding).
+        sliced = as_bits(table) if table.dtype == jnp.bfloat16 else table
 
         def part(i: jax.Array, logits: jax.Array) -> jax.Array:
             start = jnp.minimum(i * chunk, vocab - chunk)  # the last chunk overlaps the one before: same values
-            rows = jax.lax.dynamic_slice_in_dim(table, start, chunk).astype(h.dtype)
+            rows = jax.lax.dynamic_slice_in_dim(sliced, start, chunk)
+            rows = (jax.lax.bitcast_convert_type(rows, table.dtype) if rows.dtype != table.dtype else rows).astype(
+                h.dtype
+            )
             dot = jax.lax.dot_general(h, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(logits, dot, start, axis=1)
 
