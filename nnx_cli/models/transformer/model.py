@@ -366,9 +366,9 @@ class TransformerLM(nnx.Module):
         def part(i: jax.Array, logits: jax.Array) -> jax.Array:
             start = jnp.minimum(i * chunk, vocab - chunk)  # the last chunk overlaps the one before: same values
             rows = jax.lax.dynamic_slice_in_dim(sliced, start, chunk)
-            rows = (jax.lax.bitcast_convert_type(rows, table.dtype) if rows.dtype != table.dtype else rows).astype(
-                h.dtype
-            )
+            if rows.dtype != table.dtype:
+                rows = jax.lax.bitcast_convert_type(rows, table.dtype)
+            rows = rows.astype(h.dtype)
             dot = jax.lax.dot_general(h, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(logits, dot, start, axis=1)
 
