@@ -90,15 +90,28 @@ def frozen_kernels_as_bits(module: nnx.Module) -> Iterator[None]:
             dense.kernel = kernel
 
 
-def lookup(embed: nnx.Embed, tokens: jax.Array, frozen: bool) -> jax.Array:
-    """`embed(tokens)`; on a CPU a `frozen` bfloat16 table is gathered from as its bits (:func:`as_bits`).
+def sliceable(weights: jax.Array) -> jax.Array:
+    """A 16-bit table as its bits (`uint16`), to be sliced and gathered from: XLA's CPU has no bfloat16
+    dynamic-slice, and widened the whole table to float32 to take each part (0.5 s and 520 MB a step at
+    Qwen2.5's 151,936 x 896). Other dtypes as they are."""
+    return lax.bitcast_convert_type(weights, jnp.uint16) if weights.dtype.itemsize == 2 else weights
+
+
+def as_stored(part: jax.Array, dtype: Any) -> jax.Array:
+    """A part of :func:`sliceable`'s array in `dtype` again."""
+    return lax.bitcast_convert_type(part, dtype) if part.dtype != dtype else part
+
+
+def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
+    """`embed(tokens)`; on a CPU a bfloat16 table is gathered from as its bits (:func:`as_bits`).
 
     XLA's CPU gathers bfloat16 rows by widening the table to float32 in the gather's fusion; when the step runs
     inside a loop (several steps a dispatch), that widening of the whole table is loop-invariant and XLA hoists
     it out of the loop, a float32 copy of the table beside the step (519 MiB at Qwen2.5-0.5B's 151,936 x 896).
-    A frozen table has no gradient, so its bits lose nothing. Out-of-range tokens give NaN rows either way."""
+    The model's tables are bfloat16 only as a quantised base's (`Quantize.storage`), frozen: a table with no
+    gradient loses nothing as bits (a bitcast would cut one). Out-of-range tokens give NaN rows either way."""
     table = embed.embedding
-    if not (frozen and packs() and embed.num_embeddings > 1 and table.dtype == jnp.bfloat16):
+    if not (packs() and embed.num_embeddings > 1 and table.dtype == jnp.bfloat16):
         return embed(tokens)
     rows = lax.bitcast_convert_type(jnp.take(as_bits(table), jnp.asarray(tokens), axis=0), jnp.bfloat16)
     return rows.astype(embed.dtype or jnp.bfloat16)

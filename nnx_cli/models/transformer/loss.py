@@ -53,7 +53,7 @@ import optax
 from jax import lax
 
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, soft_cap
-from nnx_cli.models.transformer.dense import constrain
+from nnx_cli.models.transformer.dense import as_stored, constrain, sliceable
 
 CHUNK_BYTES: int | None = None
 """The float32 logits of one chunk of positions (every row of the batch): about this many bytes; logits no larger
@@ -289,7 +289,7 @@ def blocks_apply(batch: int, length: int, vocab: int, dtype: Any, head_dtype: An
 
     A head stored in another dtype than the compute dtype (a float32 base computing in bfloat16) would be
     converted whole to be sliced (+243 MiB of the step's temporaries at those shapes): chunks read it as it is.
-    XLA's CPU slices a 16-bit head only as its bits (:func:`_as_bits`). A 16-bit head is a frozen base's
+    XLA's CPU slices a 16-bit head only as its bits (:func:`.dense.sliceable`). A 16-bit head is a frozen base's
     (`model.quantize`), which a training step is given as its bits (`steps.frozen_as_bits`), so that costs
     nothing there; a 16-bit head given as it is (a model used outside the trainer) costs a copy of its bits (272
     MB at those shapes)."""
@@ -326,10 +326,10 @@ class _BlockOf(NamedTuple):
 
 
 def _block_logits(x: jax.Array, weights: jax.Array, j: jax.Array, spec: _Block, dtype: Any) -> _BlockOf:
-    """Block `j` of `weights` (:func:`_as_bits`'s, of `dtype`)."""
+    """Block `j` of `weights` (:func:`.dense.sliceable`'s, of `dtype`)."""
     vocab = weights.shape[0 if spec.head.tied else 1]
     start = jnp.minimum(j * spec.rows, vocab - spec.rows)
-    w = _as_stored(lax.dynamic_slice_in_dim(weights, start, spec.rows, axis=0 if spec.head.tied else 1), dtype)
+    w = as_stored(lax.dynamic_slice_in_dim(weights, start, spec.rows, axis=0 if spec.head.tied else 1), dtype)
     contract = (((1,), (1 if spec.head.tied else 0,)), ((), ()))
     product = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
     ids = start + jnp.arange(spec.rows)
@@ -353,7 +353,7 @@ def _blocked_pass(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Bloc
     as `m` grows: `G = A / s - slope_target w_target` is then the gradient of each position's loss with respect
     to its `h`. Returns the loss, `is_argmax`, the log normalizer and G (None without `gradient`), `[N]`/`[N, E]`."""
     x = h.reshape(-1, h.shape[-1])
-    weights = _as_bits(head.astype(h.dtype))
+    weights = sliceable(head.astype(h.dtype))
     rows = targets.reshape(-1)
     n = rows.shape[0]
 
@@ -381,22 +381,10 @@ def _blocked_pass(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Bloc
     loss, hit = normalizer - logit, logit >= top
     if not gradient:
         return loss, hit, normalizer, None
-    picked = _as_stored(jnp.take(weights, rows, axis=0 if spec.head.tied else 1), h.dtype).astype(jnp.float32)
+    picked = as_stored(jnp.take(weights, rows, axis=0 if spec.head.tied else 1), h.dtype).astype(jnp.float32)
     picked = picked if spec.head.tied else picked.T
     g = a / s[:, None] - _slope(target, spec.head)[:, None] * picked
     return loss, hit, normalizer, g
-
-
-def _as_bits(weights: jax.Array) -> jax.Array:
-    """A 16-bit head as its bits (`uint16`), to be sliced and gathered from: XLA's CPU has no bfloat16
-    dynamic-slice, and widened the whole table to float32 to take each block (0.5 s and 520 MB a step at
-    Qwen2.5's 151,936 x 896). Other dtypes as they are."""
-    return lax.bitcast_convert_type(weights, jnp.uint16) if weights.dtype.itemsize == 2 else weights
-
-
-def _as_stored(part: jax.Array, dtype: Any) -> jax.Array:
-    """A part of :func:`_as_bits`'s array in `dtype` again."""
-    return lax.bitcast_convert_type(part, dtype) if part.dtype != dtype else part
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -416,7 +404,7 @@ def _blocked_backward(spec, saved, cotangents):
     to_h, h, head, targets, normalizer = saved
     g = cotangents[0].reshape(-1)
     x = h.reshape(-1, h.shape[-1])
-    weights = _as_bits(head.astype(h.dtype))
+    weights = sliceable(head.astype(h.dtype))
     rows = targets.reshape(-1)
 
     def body(total, j):

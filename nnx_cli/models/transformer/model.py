@@ -31,11 +31,12 @@ from nnx_cli.models.transformer.block import Block
 from nnx_cli.models.transformer.dense import (
     LAYERS,
     Dense,
-    as_bits,
+    as_stored,
     constrain,
     frozen_kernels_as_bits,
     lookup,
     normal,
+    sliceable,
 )
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import load_balancing_loss
@@ -267,7 +268,6 @@ class TransformerLM(nnx.Module):
         self.layers_differ = arch.layers_differ
         self.moe = arch.moe
         self.aux_loss_coef = arch.router_aux_loss_coef
-        self.frozen_base = arch.quantize is not None  # its embedding tables have no gradient
         self._build(arch, dropout, ctx)
 
     def _build(self, arch: Architecture, dropout: float, ctx: nnx.Context) -> None:
@@ -302,11 +302,11 @@ class TransformerLM(nnx.Module):
     # --- the forward pass ---------------------------------------------------
 
     def _embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool, ctx: nnx.Context | None):
-        h = lookup(self.embedding, tokens, self.frozen_base)
+        h = lookup(self.embedding, tokens)
         if self.scale_embeddings:  # sqrt(embed_dim) in the compute dtype, as Gemma scales by a weight-dtype constant
             h = h * jnp.asarray(math.sqrt(self.embed_dim), h.dtype)
         if self.positions == "learned":
-            h = h + lookup(self.position_embedding, positions, self.frozen_base)
+            h = h + lookup(self.position_embedding, positions)
         h = constrain(h, ("batch", "length", "embed"))
         return self.dropout(h, deterministic=deterministic, ctx=ctx)
 
@@ -361,14 +361,11 @@ class TransformerLM(nnx.Module):
         chunk = min(vocab, max(VOCAB_MULTIPLE, _HEAD_CHUNK_BYTES // (width * 4) // VOCAB_MULTIPLE * VOCAB_MULTIPLE))
         # A bfloat16 table (a quantised base's) sliced as its bits: XLA's CPU has no bfloat16 dynamic-slice and
         # would widen the whole table to float32 once, outside the loop (a float32 copy of it while decoding).
-        sliced = as_bits(table) if table.dtype == jnp.bfloat16 else table
+        sliced = sliceable(table)
 
         def part(i: jax.Array, logits: jax.Array) -> jax.Array:
             start = jnp.minimum(i * chunk, vocab - chunk)  # the last chunk overlaps the one before: same values
-            rows = jax.lax.dynamic_slice_in_dim(sliced, start, chunk)
-            if rows.dtype != table.dtype:
-                rows = jax.lax.bitcast_convert_type(rows, table.dtype)
-            rows = rows.astype(h.dtype)
+            rows = as_stored(jax.lax.dynamic_slice_in_dim(sliced, start, chunk), table.dtype).astype(h.dtype)
             dot = jax.lax.dot_general(h, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(logits, dot, start, axis=1)
 
