@@ -196,10 +196,16 @@ def _pss(pid: int) -> int:
 
 
 def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants. A thread or process that ends while it is read is passed over: a worker's
+    threads come and go (the suite once failed on a thread gone between listing and opening it)."""
     kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(c) for c in f.read().split()]
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"/proc/{pid}/task/{task}/children") as f,
+            ):
+                kids += [int(c) for c in f.read().split()]
     return [pid, *(p for kid in kids for p in _tree(kid))]
 
 
