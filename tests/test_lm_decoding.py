@@ -143,6 +143,25 @@ def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table_bit_fo
     np.testing.assert_array_equal(chunked, whole)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_bfloat16_tied_head_is_multiplied_as_stored_when_decoding(rows):
+    """A 16-bit base's table against bfloat16 rows: one product over the whole table as stored (XLA's CPU
+    multiplies bfloat16 by bfloat16 into float32 without widening either; one row is repeated, since it widens a
+    matrix-vector product's matrix), not the float32 chunks, whose slices of a bfloat16 table need its bits, a
+    copy of the table in every decoding step. The logits of the float32 product of the same numbers."""
+    model = TransformerLM((8,), 40_000, num_layers=1, num_heads=2, embed_dim=32, dropout=0.0, dtype="bfloat16",
+                          quantize={"type": "bfloat16"}, ctx=nnx.context(0))  # fmt: skip
+    h = jax.random.normal(jax.random.key(1), (rows, 1, 32), jnp.bfloat16)
+    params, moduledef = model.partition(nnx.Param)
+    compiled = jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h)).lower(params, h).compile()
+    table = model.embedding.embedding
+    rows_in = model.final_norm(h[:, 0]).astype(jnp.float32)
+    expected = (rows_in @ table.astype(jnp.float32).T)[:, :40_000]
+    np.testing.assert_allclose(compiled(params, h)[:, :40_000], expected, rtol=1e-5, atol=1e-5)
+    assert compiled.memory_analysis().temp_size_in_bytes < table.size * 2  # the table's bytes
+
+
 _SHARDED = textwrap.dedent("""
     import json, jax, nnx
     from nnx_cli.decoding import Decoder

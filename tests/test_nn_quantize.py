@@ -198,3 +198,24 @@ def test_product_runs_in_bfloat16(kernel):
     y = kernel(x, dtype=jnp.bfloat16)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(y.astype(jnp.float32), x @ kernel.dequantize(jnp.float32), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_one_row_in_16_bits_is_multiplied_without_a_float32_copy_of_the_kernel():
+    """A batch-1 decoding step's product: XLA's CPU takes one row as a matrix-vector product and widens the
+    16-bit matrix to float32 for it; the product repeats the row, which XLA multiplies as stored. The same row
+    of the product either way, and no temporary the size of a float32 copy of the kernel."""
+    w = np.asarray(jax.random.normal(jax.random.key(1), (512, 2048))) * 0.05
+    kernel = nnx.QuantizedKernel(512, 2048)
+    for part, value in q.quantize_kernel(w).items():
+        setattr(kernel, part, jnp.asarray(value))
+    parts, kerneldef = kernel.partition()
+    x = jax.random.normal(jax.random.key(2), (1, 512), jnp.bfloat16)
+
+    def product(parts, x):
+        return kerneldef.merge(parts)(x, dtype=jnp.bfloat16, out_dtype=jnp.float32)
+
+    compiled = jax.jit(product).lower(parts, x).compile()
+    expected = x.astype(jnp.float32) @ kernel.dequantize(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_allclose(compiled(parts, x), expected, rtol=1e-5, atol=1e-5)
+    assert compiled.memory_analysis().temp_size_in_bytes < 512 * 2048 * 2 + 512 * 2048  # the bfloat16 kernel, + half

@@ -334,6 +334,21 @@ def test_a_scanned_bfloat16_base_is_sliced_as_its_bits_on_a_cpu_with_the_same_gr
     assert bits_bytes < plain_bytes
 
 
+@pytest.mark.usefixtures("on_the_cpu")
+def test_one_row_on_a_bfloat16_base_is_multiplied_without_a_float32_copy_of_the_kernel():
+    """A batch-1 decoding step: XLA's CPU takes a one-row product as a matrix-vector product, which it computes
+    by widening the 16-bit kernel to float32 (a copy of every kernel, every token); the frozen product repeats
+    the row, which XLA multiplies as stored. The same row either way, and no temporary the size of that copy."""
+    from nnx_cli.models.transformer.dense import frozen_matmul
+
+    kernel = jax.random.normal(jax.random.key(0), (512, 2048), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (1, 512), jnp.bfloat16)
+    compiled = jax.jit(lambda x, k: frozen_matmul(x, k, jnp.float32, jnp.bfloat16)).lower(x, kernel).compile()
+    expected = x.astype(jnp.float32) @ kernel.astype(jnp.float32)
+    np.testing.assert_allclose(compiled(x, kernel), expected, rtol=1e-5, atol=1e-5)
+    assert compiled.memory_analysis().temp_size_in_bytes < kernel.size  # a float32 copy: 4 bytes an entry
+
+
 GPT2_LIKE = dict(TINY, mlp="gelu", positions="learned", norm="layernorm", bias=True)
 
 

@@ -563,10 +563,14 @@ def _zeros(batch: tuple[int, ...], fan_in: int, fan_out: int, block: int, double
 
 def _dot(x: Array, w: Array, out_dtype: Any) -> Array:
     # accumulated in float32 whatever the output: XLA's CPU product of 16-bit operands runs about 2.5x faster
-    # with a float32 result than with a 16-bit one (and rounds once, as a GPU's does)
-    return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(
-        out_dtype or x.dtype
-    )
+    # with a float32 result than with a 16-bit one (and rounds once, as a GPU's does). One row it would take as a
+    # matrix-vector product, which it computes by widening the 16-bit matrix to float32 first (a decoding step
+    # at batch 1): two rows, the second a copy, it multiplies as stored.
+    rows = x.shape[0]
+    if rows == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        x = jnp.concatenate([x, x])
+    product = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return product[:rows].astype(out_dtype or x.dtype)
 
 
 def _dot_transpose(g: Array, w: Array, out_dtype: Any) -> Array:

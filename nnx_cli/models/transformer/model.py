@@ -37,6 +37,7 @@ from nnx_cli.models.transformer.dense import (
     lookup,
     normal,
     sliceable,
+    two_rows,
 )
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import load_balancing_loss
@@ -352,11 +353,17 @@ class TransformerLM(nnx.Module):
         whole table (544 MB for a Qwen2.5's 151936 ids) read it from memory about once per row of `h`: the
         head 2-3x faster at batch 8 and about 1.6x at batch 1. A GPU, a mesh (a sharded table) or a head of its
         own take `_logits` as it is (a head's `[embed, vocab]` kernel read in chunks of columns is slower).
+        A bfloat16 table (a quantised base's) against bfloat16 rows is one product over the whole table as
+        stored: XLA's CPU multiplies the two into float32 without widening either (one row repeated to two,
+        :func:`.dense.two_rows`), where float32 chunks of it would need its bits sliced, a copy every step.
         """
         table = self.embedding.embedding
         if not self.tie_embeddings or jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
             return self._logits(h)[:, 0]
         h = self.final_norm(h[:, 0])
+        if table.dtype == h.dtype == jnp.bfloat16:  # a quantised base's table, multiplied as it is stored
+            spec = {"tied": True, "vocab_size": self.vocab_size, "softcap": self.logit_softcap}
+            return head_logits(two_rows(h), table, **spec)[: h.shape[0]]
         vocab, width = table.shape
         chunk = min(vocab, max(VOCAB_MULTIPLE, _HEAD_CHUNK_BYTES // (width * 4) // VOCAB_MULTIPLE * VOCAB_MULTIPLE))
         # A bfloat16 table (a quantised base's) sliced as its bits: XLA's CPU has no bfloat16 dynamic-slice and
