@@ -203,6 +203,8 @@ class Decoder:
             )
         if unstack_layers and hasattr(model, "unstack_layers"):
             model = model.unstack_layers()
+        if hasattr(model, "in_compute_dtype"):  # rounded once here, not again at every token
+            model = model.in_compute_dtype()
         self.params, self.moduledef = model.partition(nnx.Param)
         self.context_limit: int | None = model.context_limit
         self.vocab_size: int = model.vocab_size

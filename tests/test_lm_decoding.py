@@ -162,6 +162,41 @@ def test_a_bfloat16_tied_head_is_multiplied_as_stored_when_decoding(rows):
     assert compiled.memory_analysis().temp_size_in_bytes < table.size * 2  # the table's bytes
 
 
+@pytest.mark.parametrize("options", [dict(positions="learned"), dict(tie_embeddings=False, positions="rope")])
+def test_decoding_holds_a_bfloat16_models_float32_weights_rounded_once_with_the_same_logits(options):
+    """`model.dtype: bfloat16` over float32 parameters: the decoder holds the kernels and embedding tables in
+    bfloat16, rounded once (each step rounded them all again), and decodes the very same logits."""
+    model = TransformerLM((SEQ_LEN,), VOCAB, ctx=nnx.context(0), **{**SMALL, "dtype": "bfloat16", **options})
+    model.update_state(lively(model.filter(nnx.Param)))
+    held = model.in_compute_dtype()
+    assert model.layers.scan_module.mlp.fc.kernel.dtype == jnp.float32  # the original untouched
+    params = held.filter(nnx.Param).items()
+    rounded = {path for path, v in params if path.endswith(("/kernel", "/embedding")) and v.value.dtype == jnp.bfloat16}
+    assert rounded == {path for path, _ in params if path.endswith(("/kernel", "/embedding"))} and rounded
+    params, moduledef = model.partition(nnx.Param)
+    held_by_decoder = [
+        v.value.dtype for path, v in Decoder(moduledef, params, unstack_layers=False).params.items() if path in rounded
+    ]
+    assert set(held_by_decoder) == {jnp.dtype(jnp.bfloat16)} and len(held_by_decoder) == len(rounded)
+
+    def prefill_and_decode(model):
+        model = model.unstack_layers()
+        model.init_cache(2, SEQ_LEN)
+        (cache, rest), cachedef = model.partition(nnx.Cache, ...)
+
+        def run(cache, rest):
+            model = cachedef.merge(cache, rest)
+            first = model.prefill(jnp.asarray([[5, 6, 7], [8, 9, 0]]), jnp.asarray([3, 2]))
+            return first, model.decode(jnp.asarray([1, 2]), jnp.asarray([3, 2]))
+
+        return jax.jit(run)(cache, rest)
+
+    for ours, theirs in zip(prefill_and_decode(held), prefill_and_decode(model), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    plain = TransformerLM((SEQ_LEN,), VOCAB, ctx=nnx.context(0), **SMALL)
+    assert plain.in_compute_dtype() is plain  # float32: nothing to round
+
+
 _SHARDED = textwrap.dedent("""
     import json, jax, nnx
     from nnx_cli.decoding import Decoder

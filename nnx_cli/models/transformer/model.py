@@ -18,7 +18,7 @@ metric, and training minimises `loss + router_aux_loss_coef * aux_loss`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -40,7 +40,7 @@ from nnx_cli.models.transformer.dense import (
     two_rows,
 )
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
-from nnx_cli.models.transformer.moe import load_balancing_loss
+from nnx_cli.models.transformer.moe import GroupedDense, load_balancing_loss
 from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture, architecture
 
@@ -587,6 +587,34 @@ class TransformerLM(nnx.Module):
         blocks = [block_def.merge(jax.tree.map(lambda x, i=i: x[i], stacked)) for i in range(self.num_layers)]
         model.layers = nnx.Sequence(blocks)
         model.scan_layers = False
+        return model
+
+    def in_compute_dtype(self) -> TransformerLM:
+        """This model with the float32 weights it multiplies in 16 bits (`model.dtype: bfloat16`: its kernels,
+        and its embedding table) held in 16 bits: a copy, or self when there are none. The same values, each the
+        rounding its product makes anyway.
+
+        For decoding: a step rounds every such weight again (a pass over all of them for one token), most of a
+        batch-1 step's time on a CPU. Not for training, whose float32 parameters the optimizer updates.
+        """
+
+        def widened(model: TransformerLM) -> Iterator[tuple[nnx.Module, str, Any]]:
+            for _, module in model.modules():
+                if isinstance(module, (Dense, GroupedDense)):
+                    name, compute = "kernel", module.compute_dtype
+                elif module is model.embedding or module is getattr(model, "position_embedding", None):
+                    name, compute = "embedding", module.dtype
+                else:
+                    continue
+                value = getattr(module, name)
+                if isinstance(value, jax.Array) and value.dtype == jnp.float32 and jnp.dtype(compute).itemsize == 2:
+                    yield module, name, compute
+
+        if next(widened(self), None) is None:
+            return self
+        model = self.clone()
+        for module, name, compute in list(widened(model)):
+            setattr(module, name, getattr(module, name).astype(compute))
         return model
 
 
