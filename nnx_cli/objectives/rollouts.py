@@ -66,6 +66,8 @@ def sample_completions(moduledef: nnx.ModuleDef, states: tuple, tokens: jax.Arra
     model = moduledef.merge(*states)
     if hasattr(model, "unstack_layers"):  # decoding reads one layer's weights at a time
         model = model.unstack_layers()
+    if hasattr(model, "in_compute_dtype"):  # rounded once, not in every step of the loop (XLA keeps it there)
+        model = model.in_compute_dtype()
     n, width = tokens.shape
     model.init_cache(n, width + max_new_tokens - 1)
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(n, dtype=jnp.uint32))
