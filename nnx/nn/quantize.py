@@ -561,16 +561,24 @@ def _zeros(batch: tuple[int, ...], fan_in: int, fan_out: int, block: int, double
     return parts
 
 
+def two_rows(x: Array) -> Array:
+    """``x`` ``[rows, in]`` as it is, or on a CPU a single 16-bit row repeated to two: slice the product back to
+    ``x``'s rows.
+
+    XLA's CPU multiplies bfloat16 by bfloat16 into float32 as they are stored, but it takes a one-row product
+    as a matrix-vector product, and that it computes by widening the whole 16-bit matrix to float32 first:
+    every weight, every token of a batch-1 decode (2.5x the time of the two-row product at 896 x 4864, and a
+    float32 copy of the matrix in memory). The second row costs next to nothing beside reading the matrix."""
+    if x.shape[0] == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        return jnp.concatenate([x, x])
+    return x
+
+
 def _dot(x: Array, w: Array, out_dtype: Any) -> Array:
     # accumulated in float32 whatever the output: XLA's CPU product of 16-bit operands runs about 2.5x faster
-    # with a float32 result than with a 16-bit one (and rounds once, as a GPU's does). One row it would take as a
-    # matrix-vector product, which it computes by widening the 16-bit matrix to float32 first (a decoding step
-    # at batch 1): two rows, the second a copy, it multiplies as stored.
-    rows = x.shape[0]
-    if rows == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
-        x = jnp.concatenate([x, x])
-    product = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return product[:rows].astype(out_dtype or x.dtype)
+    # with a float32 result than with a 16-bit one (and rounds once, as a GPU's does)
+    product = jax.lax.dot_general(two_rows(x), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return product[: x.shape[0]].astype(out_dtype or x.dtype)
 
 
 def _dot_transpose(g: Array, w: Array, out_dtype: Any) -> Array:

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 import nnx
+from nnx.nn.quantize import two_rows
 from nnx_cli.models.transformer.options import Lora, Quantize
 from nnx_cli.models.transformer.residuals import packs
 
@@ -130,16 +131,6 @@ def sliceable(weights: jax.Array) -> jax.Array:
 def as_stored(part: jax.Array, dtype: Any) -> jax.Array:
     """A part of :func:`sliceable`'s array in `dtype` again."""
     return lax.bitcast_convert_type(part, dtype) if part.dtype != dtype else part
-
-
-def two_rows(x: jax.Array) -> jax.Array:
-    """`x` `[rows, in]` as it is, or on a CPU one row repeated to two: slice the product back to `x`'s rows.
-
-    XLA's CPU multiplies bfloat16 by bfloat16 into float32 as they are stored, but it takes a one-row product
-    as a matrix-vector product, and that it computes by widening the whole 16-bit matrix to float32 first:
-    every weight, every token of a batch-1 decode (2.5x the time of the two-row product at 896 x 4864, and a
-    float32 copy of the matrix in memory). The second row costs next to nothing beside reading the matrix."""
-    return jnp.concatenate([x, x]) if x.shape[0] == 1 and x.dtype.itemsize == 2 and packs() else x
 
 
 def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import nnx
+from nnx.nn.quantize import two_rows
 from nnx_cli.models.layers import check_sizes
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, Attention, soft_cap
 from nnx_cli.models.transformer.block import Block
@@ -37,7 +38,6 @@ from nnx_cli.models.transformer.dense import (
     lookup,
     normal,
     sliceable,
-    two_rows,
 )
 from nnx_cli.models.transformer.loss import head_logits, token_cross_entropy
 from nnx_cli.models.transformer.moe import GroupedDense, load_balancing_loss
@@ -355,7 +355,7 @@ class TransformerLM(nnx.Module):
         own take `_logits` as it is (a head's `[embed, vocab]` kernel read in chunks of columns is slower).
         A bfloat16 table (a quantised base's) against bfloat16 rows is one product over the whole table as
         stored: XLA's CPU multiplies the two into float32 without widening either (one row repeated to two,
-        :func:`.dense.two_rows`), where float32 chunks of it would need its bits sliced, a copy every step.
+        :func:`nnx.nn.quantize.two_rows`), where float32 chunks of it would need its bits sliced, a copy every step.
         """
         table = self.embedding.embedding
         if not self.tie_embeddings or jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
@@ -602,7 +602,7 @@ class TransformerLM(nnx.Module):
             for _, module in model.modules():
                 if isinstance(module, (Dense, GroupedDense)):
                     name, compute = "kernel", module.compute_dtype
-                elif module is model.embedding or module is getattr(model, "position_embedding", None):
+                elif isinstance(module, nnx.Embed):
                     name, compute = "embedding", module.dtype
                 else:
                     continue
