@@ -56,3 +56,77 @@ def test_lora_in_bfloat16_keeps_float32_gradients_close_to_float32s():
     for low, high in zip(grads(jnp.bfloat16), grads(jnp.float32), strict=True):
         assert low.dtype == jnp.float32  # the parameters stay float32, so do their gradients
         np.testing.assert_allclose(low, high, rtol=0.05, atol=0.02 * float(jnp.max(jnp.abs(high))))
+
+
+def _weight(kernel):
+    """`LoRA.adapt`'s weight from its source: here the flat `[in, out]` kernel itself."""
+    return kernel
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize(
+    "in_features, out_features, x_shape",
+    [(6, 20, (3, 4, 6)), (20, 6, (3, 4, 20)), ((2, 3), 5, (4, 2, 3))],
+    ids=["wider-out", "wider-in", "heads-in"],  # out_features an int: the kernel is the flat [in, out]
+)
+def test_adapt_is_the_base_product_plus_the_update_with_their_gradients(in_features, out_features, x_shape, dropout):
+    """`LoRA.adapt` computes `x @ W + lora(x)` as one product (the update inside the base product where the
+    output is the wider side): the same value, and the gradients autodiff gives that sum, dropout included (the
+    same key masks both). The weight `W` gets its gradient only when said to train."""
+    (params, rest), moduledef = adapter(in_features, out_features, dropout=dropout)
+    x = random(x_shape, 2)
+    fan_in, tokens = int(np.prod(in_features)), x_shape[: len(x_shape) - len(np.atleast_1d(in_features))]
+    kernel = random((fan_in, out_features), 4)
+    cotangent = random((*tokens, out_features), 3)
+    deterministic = dropout == 0.0
+
+    def ours(x, params, kernel, trainable):
+        lora = moduledef.merge(params, rest)
+        y = lora.adapt(x, _weight, kernel, trainable=trainable, deterministic=deterministic, ctx=nnx.context(dropout=7))
+        return jnp.sum(y * cotangent)
+
+    def apart(x, params, kernel):
+        lora = moduledef.merge(params, rest)
+        base = jnp.tensordot(x, kernel.reshape(*np.atleast_1d(in_features), -1), axes=lora.in_rank)
+        return jnp.sum((base + lora(x, deterministic=deterministic, ctx=nnx.context(dropout=7))) * cotangent)
+
+    np.testing.assert_allclose(ours(x, params, kernel, False), apart(x, params, kernel), rtol=1e-5)
+    want = jax.grad(apart, argnums=(0, 1, 2))(x, params, kernel)
+    for trainable in (True, False):
+        got = jax.grad(ours, argnums=(0, 1, 2))(x, params, kernel, trainable)
+        for g, w in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[2], want[2] if trainable else np.zeros_like(want[2]), rtol=1e-5, atol=1e-6)
+
+
+def test_adapt_in_bfloat16_is_the_float32_sum_rounded_once():
+    (params, rest), moduledef = adapter(32, 96, dtype=jnp.bfloat16)
+    lora = moduledef.merge(params, rest)
+    x, kernel = random((16, 32), 2).astype(jnp.bfloat16), random((32, 96), 4).astype(jnp.bfloat16)
+    y = lora.adapt(x, _weight, kernel)
+    assert y.dtype == jnp.bfloat16
+    # the same sum in float32, from the same bfloat16 operands (the update's inner product rounded as it is)
+    low = (x.astype(jnp.float32) @ lora.a.astype(jnp.bfloat16).astype(jnp.float32) * 3.0).astype(jnp.bfloat16)
+    b = lora.b.astype(jnp.bfloat16).astype(jnp.float32)
+    exact = x.astype(jnp.float32) @ kernel.astype(jnp.float32) + low.astype(jnp.float32) @ b
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(np.asarray(exact)))) - 7)
+    assert np.all(np.abs(np.asarray(y, np.float32) - np.asarray(exact)) <= 0.5 * ulp + 1e-6)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_adapt_on_a_cpu_keeps_no_float32_copy_of_a_wide_gradient():
+    """XLA's CPU multiplied the update's 16-bit products apart from the base's by widening the `[tokens, out]`
+    gradient to float32 (and wrote the update's `[tokens, out]` product in float32 besides); inside the base
+    product, the step's temporaries stay under one such copy."""
+    tokens, fan_in, fan_out = 512, 64, 2048
+    (params, rest), moduledef = adapter(fan_in, fan_out, dtype=jnp.bfloat16)
+    x, kernel = jnp.ones((tokens, fan_in), jnp.bfloat16), jnp.ones((fan_in, fan_out), jnp.bfloat16)
+    g = jnp.ones((tokens, fan_out), jnp.bfloat16)
+
+    def backward(x, params, g):
+        _, vjp = jax.vjp(lambda x, p: moduledef.merge(p, rest).adapt(x, _weight, kernel), x, params)
+        return vjp(g)
+
+    temporaries = jax.jit(backward).lower(x, params, g).compile().memory_analysis().temp_size_in_bytes
+    assert temporaries < tokens * fan_out * 4 / 2

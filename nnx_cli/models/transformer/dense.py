@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 import nnx
-from nnx.nn.quantize import two_rows
+from nnx.nn.quantize import dequantize_kernel, two_rows
 from nnx_cli.models.transformer.options import Lora, Quantize
 from nnx_cli.models.transformer.residuals import packs
 
@@ -252,6 +252,9 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
         kernel = nnx.containers.stored_value(self, "kernel")  # not constrained: a scan would stack it again
+        if self._adapts_in_one_product(x):
+            y = self._adapted(x, kernel, deterministic, ctx)
+            return y if self.bias is None else y + self.bias.astype(y.dtype)
         if isinstance(kernel, nnx.QuantizedKernel):
             y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
         elif self.frozen:
@@ -265,3 +268,35 @@ class Dense(nnx.Module):
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
         return y if self.bias is None else y + self.bias.astype(y.dtype)
+
+    def _adapts_in_one_product(self, x: jax.Array) -> bool:
+        """Whether the adapter's update is computed with the base product (`nnx.LoRA.adapt`): on a CPU, in
+        16 bits, for more than one token. XLA's CPU multiplies the update's 16-bit products, computed apart,
+        by widening or writing `[tokens, out]` activations in float32. Forward and backward of a projection
+        and its rank-16 adapter at 1,024 tokens: 896 -> 4,864 72 ms apart, 50 in one product; 4,864 -> 896
+        76 against 62 ms; a whole QLoRA step at Qwen2.5-0.5B's shapes 0.96x the time (2 CPU cores)."""
+        compute = jnp.dtype(self.compute_dtype)
+        tokens = math.prod(x.shape[: x.ndim - self.in_rank])
+        return (
+            self.lora is not None
+            and packs()
+            and compute.itemsize == 2
+            and jnp.dtype(self.lora.dtype or x.dtype) == compute
+            and tokens > 1
+        )
+
+    def _adapted(self, x: jax.Array, kernel: Any, deterministic: bool, ctx: nnx.Context | None) -> jax.Array:
+        compute, fan_in = self.compute_dtype, math.prod(x.shape[x.ndim - self.in_rank :])
+        if isinstance(kernel, nnx.QuantizedKernel):
+            weight, source = functools.partial(_dequantized, kernel.type, compute), kernel.parts()
+        else:
+            weight, source = functools.partial(_frozen_weight, fan_in=fan_in, compute=compute), kernel
+        out = self.out_dtype or self.dtype
+        x = x.astype(compute)
+        return self.lora.adapt(
+            x, weight, source, trainable=not self.frozen, out_dtype=out, deterministic=deterministic, ctx=ctx
+        )
+
+
+def _dequantized(type: str, compute: Any, parts: dict[str, jax.Array]) -> jax.Array:
+    return dequantize_kernel(parts, type, compute)
