@@ -98,7 +98,7 @@ def _adapted(spec: tuple, weight: Callable, x: Array, x_lora: Array | None, sour
 
 def _adapted_forward(spec, weight, x, x_lora, source, a, b):
     scale, out_dtype, _ = spec
-    low = (_f32_dot(x if x_lora is None else x_lora, a, ((1,), (0,))) * scale).astype(x.dtype)
+    low = (_f32_dot(x if x_lora is None else x_lora, a, ((1,), (0,))) * scale).astype(x.dtype)  # x a s
     w = weight(source)
     if w.shape[1] > w.shape[0]:  # the update rides in the base product as `rank` more input features
         y = _f32_dot(jnp.concatenate([x, low], 1), jnp.concatenate([w, b], 0), ((1,), (0,)))
@@ -120,13 +120,15 @@ def _adapted_backward(spec, weight, saved, g):
     dx_lora = _f32_dot(g_low, a, ((1,), (1,)))
     xl = x if x_lora is None else x_lora
     da_t = _f32_dot(_rows(g_low), xl, ((1,), (0,)))  # [rank, in]: the activation read as it is laid out
+    # turned by a float32 product: XLA folds a plain transpose into da_t's product, a form its CPU has no
+    # 16-bit product for (it failed to run, `BF16 x BF16 = F32`)
     da = _f32_dot(da_t, jnp.eye(da_t.shape[0], dtype=da_t.dtype), ((0,), (0,)))
     db = _f32_dot(_rows(low), g, ((1,), (0,)))
     if x_lora is None:
         dx, dxl = (dx + dx_lora).astype(x.dtype), None
     else:
         dx, dxl = dx.astype(x.dtype), dx_lora.astype(x_lora.dtype)
-    if trainable:  # a base that trains beside its adapter (no run does; what the plain product would give)
+    if trainable:  # a base held as a parameter: its gradient, which XLA drops when only the adapters train
         dsource = _f32_dot(x, g, ((0,), (0,))).reshape(source.shape).astype(source.dtype)
     else:
         dsource = jax.tree.map(_no_gradient, source)
