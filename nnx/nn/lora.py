@@ -234,9 +234,10 @@ class LoRA(Module):
         from the same product: the ``[tokens, out]`` activation and its gradient are read once, not twice.
         ``source`` gets no gradient unless ``trainable``. Made for XLA's CPU, whose separate 16-bit products
         for the update widen or write ``[tokens, out]`` activations in float32 (Qwen2.5-0.5B's MLP at 1,024
-        tokens: 0.7x the time of the base and update computed apart)::
+        tokens: 0.7-0.8x the time of the base and update computed apart)::
 
-            y = lora.adapt(x, lambda w: w.astype(jnp.bfloat16), kernel)   # frozen float32 kernel, bf16 compute
+            x = x.astype(jnp.bfloat16)                                # computes in x's dtype
+            y = lora.adapt(x, lambda w: w.astype(jnp.bfloat16), kernel)   # a frozen float32 kernel [in, out]
         """
         xl = self.dropout(x, deterministic=deterministic, ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")
