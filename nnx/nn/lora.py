@@ -30,7 +30,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from nnx import spmd
@@ -38,6 +37,7 @@ from nnx.containers import Param, stored_value
 from nnx.contextlib import Context
 from nnx.module import Module
 from nnx.nn import initializers
+from nnx.nn.quantize import no_gradient
 from nnx.nn.stochastic import Dropout
 
 Array = jax.Array
@@ -87,10 +87,6 @@ def _rows(m: Array) -> Array:
     return _f32_dot(jnp.eye(m.shape[1], dtype=m.dtype), m, ((1,), (1,))).astype(m.dtype)
 
 
-def _no_gradient(a: Array) -> Array:
-    return jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros(a.shape, jax.dtypes.float0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _adapted(spec: tuple, weight: Callable, x: Array, x_lora: Array | None, source: Any, a: Array, b: Array) -> Array:
     return _adapted_forward(spec, weight, x, x_lora, source, a, b)[0]
@@ -131,7 +127,7 @@ def _adapted_backward(spec, weight, saved, g):
     if trainable:  # a base held as a parameter: its gradient, which XLA drops when only the adapters train
         dsource = _f32_dot(x, g, ((0,), (0,))).reshape(source.shape).astype(source.dtype)
     else:
-        dsource = jax.tree.map(_no_gradient, source)
+        dsource = jax.tree.map(no_gradient, source)
     return dx, dxl, dsource, da.astype(a.dtype), db.astype(b.dtype)
 
 

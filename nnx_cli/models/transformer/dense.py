@@ -16,11 +16,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import nnx
-from nnx.nn.quantize import dequantize_kernel, two_rows
+from nnx.nn.quantize import dequantize_kernel, no_gradient, two_rows
 from nnx_cli.models.transformer.options import Lora, Quantize
 from nnx_cli.models.transformer.residuals import packs
 
@@ -169,8 +168,7 @@ def _frozen_backward(out_dtype: Any, compute: Any, saved: tuple, g: jax.Array) -
     kernel, x_like = saved
     w = _frozen_weight(kernel, kernel.size // g.shape[1], compute)
     dx = lax.dot_general(g.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    none = np.zeros(kernel.shape, jax.dtypes.float0) if kernel.dtype == jnp.uint16 else jnp.zeros_like(kernel)
-    return dx.astype(x_like.dtype), none
+    return dx.astype(x_like.dtype), no_gradient(kernel)
 
 
 frozen_matmul.defvjp(_frozen_forward, _frozen_backward)
