@@ -11,6 +11,13 @@ A B B A (and again for more `--runs`), so that a load that drifts hits both side
   `--decode-only` so that its decode is timed apart from the prefill (that extra 1-token run is taken off
   its whole-command time).
 
+With `--load-4bit nf4` both sides read the same model quantised by bitsandbytes and saved as the Hub's
+`*-bnb-4bit` directories are (the reference quantises it, once): `nnx-generate` loads it as a 4-bit base
+computing in bfloat16 (its `bnb_4bit_compute_dtype`), `transformers` + `bitsandbytes` with the rest of the
+model in bfloat16, multiplying through bitsandbytes' AVX512-BF16 kernel where the CPU has one (the table says
+whether it did). Both round differently then, so their greedy tokens are compared and reported, not required
+to agree.
+
 Reports decode tokens/s (after the first token; at batch 8, tokens of all rows) of each, medians over the
 runs, the whole command's wall time of each at batch 1 (imports, loading and generation included), and
 whether the greedy tokens agree. Targets (issues "Open weights in" and "Faster than PyTorch on the same
@@ -20,6 +27,7 @@ threads collapse under load): the load average is printed, with a warning above 
 come from an idle machine.
 
     python benchmarks/hf_generate.py --reference /tmp/refvenv/bin/python [--runs 2] [--batches 1 8]
+                                     [--load-4bit nf4]
 """
 
 from __future__ import annotations
@@ -79,11 +87,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (1 is the target)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides on this device")
+    parser.add_argument("--load-4bit", choices=("nf4", "fp4"), help="both sides on the model quantised by bitsandbytes")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family: a smoke test")
     args = parser.parse_args()
     directory = args.dir or Path(tempfile.mkdtemp(prefix="nnx-qwen-shaped-"))
     write_model(directory, {**QWEN, **TINY} if args.tiny else None)
     write_tokenizer(directory)
+    dtype = "float32"
+    if args.load_4bit:
+        quantized, dtype = directory / f"bnb-{args.load_4bit}", "bfloat16"
+        if not (quantized / "config.json").exists():
+            subprocess.run([args.reference, str(ROOT / "benchmarks/reference/transformers_generate.py"), str(directory),
+                            "--prompt", PROMPT, "--dtype", dtype, "--save-4bit", args.load_4bit, str(quantized)],
+                           check=True, capture_output=True)  # fmt: skip
+        write_tokenizer(quantized)
+        directory = quantized
     check_idle()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.device == "cpu":
@@ -91,14 +109,14 @@ def main() -> None:
     speeds: dict[int, dict[str, list[float]]] = {}
     walls: dict[str, list[float]] = {"nnx-generate": [], "transformers": []}
     outputs: dict[int, dict[str, list]] = {}
-    threads = None
+    threads, bf16_kernel = None, False
     for batch in args.batches:
         nnx = [str(Path(sys.executable).parent / "nnx-generate"), str(directory), "--prompt", PROMPT,
                "--max-tokens", str(args.max_tokens), "--temperature", "0", "--json",
                "--num-samples", str(batch)]  # fmt: skip
         reference = [args.reference, str(ROOT / "benchmarks/reference/transformers_generate.py"), str(directory),
                      "--prompt", PROMPT, "--max-tokens", str(args.max_tokens), "--batch", str(batch),
-                     "--decode-only", "--device", args.device]  # fmt: skip
+                     "--decode-only", "--device", args.device, "--dtype", dtype]  # fmt: skip
         timed(nnx, env)  # fills the compilation cache: the runs below are warm
         speeds[batch] = {"nnx-generate": [], "transformers": []}
         outputs[batch] = {}
@@ -111,13 +129,16 @@ def main() -> None:
                 else:
                     seconds -= out["decode_only_s"]  # the 1-token run that separates its prefill
                     outputs[batch]["transformers"], threads = out["tokens"], out["threads"]
+                    bf16_kernel = out.get("bf16_kernel", False)
                 if batch == 1:
                     walls[side].append(seconds)
                 print(f"  batch {batch}, {side}: {out['tokens_per_s']:.1f} tokens/s, {seconds:.1f} s "
                       f"(load average {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
-    print(f"\nmodel: {directory} (Qwen2.5-0.5B shapes, float32, {args.device}), {args.max_tokens} new tokens per "
+    stored = f"{args.load_4bit} by bitsandbytes, computing in bfloat16" if args.load_4bit else "float32"
+    kernel = f", bitsandbytes' AVX512-BF16 kernel: {'yes' if bf16_kernel else 'no'}" if args.load_4bit else ""
+    print(f"\nmodel: {directory} (Qwen2.5-0.5B shapes, {stored}, {args.device}), {args.max_tokens} new tokens per "
           "row, greedy, "
-          f"medians of {args.runs} runs; transformers with {threads} threads")  # fmt: skip
+          f"medians of {args.runs} runs; transformers with {threads} threads{kernel}")  # fmt: skip
     print("\n| batch | nnx-generate tokens/s (warm compilation cache) | transformers tokens/s | ratio |")
     print("| --- | --- | --- | --- |")
     ratios = {}
@@ -137,7 +158,7 @@ def main() -> None:
         theirs = out["transformers"]
         differ = [next((i for i, (a, b) in enumerate(zip(row, theirs)) if a != b), -1) for row in out["nnx"]]
         rows = [r for r, i in enumerate(differ) if i >= 0 or len(out["nnx"][r]) != len(theirs)]
-        same = same and not rows
+        same = same and (not rows or bool(args.load_4bit))  # 4-bit: two bfloat16 roundings, reported only
         print(f"greedy tokens identical to transformers' at batch {batch}: {not rows}"
               + (f" (row {rows[0]} differs first at token {differ[rows[0]]})" if rows else ""))  # fmt: skip
     check_idle("at the end")

@@ -185,9 +185,10 @@ class Decoder:
 
     `params` is a `State` of `nnx.Param` (what a checkpoint restores),
     `moduledef` the model's structure. A scanned model is decoded on
-    per-layer copies of its weights (`unstack_layers`), which is faster
-    (one layer's slice of stacked weights is copied at every step) at the
-    price of that copy's memory::
+    per-layer copies of its weights (`unstack_layers`; not its 4-bit ones,
+    see `TransformerLM.for_decoding`), which is faster (one layer's slice of
+    stacked weights is copied at every step) at the price of that copy's
+    memory::
 
         decoder = Decoder(moduledef, params)
         decoder.generate([prompt], max_tokens=100, temperature=0).finish().samples
@@ -201,10 +202,8 @@ class Decoder:
                 f"model {type(model).__name__} is not a language model with a key-value cache (it has no "
                 f"{', '.join(missing)}); sampling needs a model such as transformer_lm"
             )
-        if unstack_layers and hasattr(model, "unstack_layers"):
-            model = model.unstack_layers()
-        if hasattr(model, "in_compute_dtype"):  # rounded once here, not again at every token
-            model = model.in_compute_dtype()
+        if hasattr(model, "for_decoding"):  # per-layer weights; 16-bit ones rounded once, not at every token
+            model = model.for_decoding(unstack=unstack_layers)
         self.params, self.moduledef = model.partition(nnx.Param)
         self.context_limit: int | None = model.context_limit
         self.vocab_size: int = model.vocab_size

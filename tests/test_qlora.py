@@ -26,6 +26,7 @@ from nnx.nn import quantize as q
 from nnx_cli import hf, sharding, steps
 from nnx_cli.checkpoint import Checkpointer
 from nnx_cli.config import load_config
+from nnx_cli.decoding import Decoder
 from nnx_cli.errors import UserError
 from nnx_cli.experiment import setup
 from nnx_cli.hf import peft
@@ -246,6 +247,36 @@ def test_a_4bit_model_computes_what_its_dequantised_weights_compute(scan):
 
     ours, theirs = jax.jit(both)()
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_4bit_model_is_decoded_one_layers_weights_at_a_time_to_the_tokens_of_a_full_pass():
+    """The decoder keeps 4-bit layers stacked: under the scan a layer's kernels are dequantised inside its step,
+    so a step's temporaries do not grow with the depth (unrolled, XLA dequantised every layer's kernels ahead of
+    their products and held them all at once)."""
+    options = dict(TINY, embed_dim=128, mlp_dim=512, lora={"rank": 4}, dtype="bfloat16")
+
+    def build(num_layers: int, type: str = "nf4") -> TransformerLM:
+        options_here = {**options, "num_layers": num_layers}
+        return TransformerLM((16,), 300, quantize={"type": type}, ctx=nnx.context(0), **options_here)
+
+    def step_temporaries(model: TransformerLM) -> int:
+        model = model.for_decoding()
+        model.init_cache(1, 16)
+        (cache, rest), cachedef = model.partition(nnx.Cache, ...)
+        step = jax.jit(lambda cache, rest: cachedef.merge(cache, rest).decode(jnp.asarray([1]), jnp.asarray([3])))
+        return step.lower(cache, rest).compile().memory_analysis().temp_size_in_bytes
+
+    shallow, deep = build(2), build(8)
+    params, moduledef = shallow.partition(nnx.Param)
+    assert shallow.for_decoding().scan_layers
+    assert not build(2, "bfloat16").for_decoding().scan_layers  # per-layer 16-bit kernels: no slice every step
+    assert step_temporaries(deep) < 1.25 * step_temporaries(shallow)
+
+    prompt = [5, 6, 7]
+    (sample,) = Decoder(moduledef, params).generate([prompt], max_tokens=8, temperature=0).finish().samples
+    assert len(set(sample)) > 2
+    logits = jax.jit(lambda p, t: moduledef.apply(p).logits(t)[0])(params, jnp.asarray([prompt + sample]))
+    assert np.asarray(jnp.argmax(logits[0], axis=-1))[len(prompt) - 1 : -1].tolist() == sample
 
 
 def test_experts_in_4bits_compute_what_their_dequantised_weights_compute_and_their_adapters_train():

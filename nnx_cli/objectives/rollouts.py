@@ -64,10 +64,8 @@ def sample_completions(moduledef: nnx.ModuleDef, states: tuple, tokens: jax.Arra
     Returns `completions` int32 `[N, max_new_tokens]` (zero after a row's stop token), `lengths` (tokens drawn,
     the stop token included) and `stopped` (whether the row ended on a stop token, else it was cut)."""
     model = moduledef.merge(*states)
-    if hasattr(model, "unstack_layers"):  # decoding reads one layer's weights at a time
-        model = model.unstack_layers()
-    if hasattr(model, "in_compute_dtype"):  # rounded once, not in every step of the loop (XLA keeps it there)
-        model = model.in_compute_dtype()
+    if hasattr(model, "for_decoding"):  # 16-bit weights rounded once, not in every step; 4-bit ones stay stacked
+        model = model.for_decoding()
     n, width = tokens.shape
     model.init_cache(n, width + max_new_tokens - 1)
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(n, dtype=jnp.uint32))
