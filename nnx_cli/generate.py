@@ -194,16 +194,21 @@ class _Timed:
 
 
 def load_model_dir(target: Path, overrides: list[str]) -> tuple[None, Any, Any]:
-    """A model directory's (or Hub id's) weights read onto this process's first device, as a `decoding.Decoder`
-    (layers unrolled: decoding reads one layer's weights at a time), and its tokenizer."""
+    """A model directory's (or Hub id's) weights read onto this process's first device, as a `decoding.Decoder`,
+    and its tokenizer. The layers are read unrolled (decoding reads one layer's weights at a time), or stacked
+    when their kernels are stored in 4 bits (dequantised one layer at a time: `TransformerLM.for_decoding`)."""
     import jax
 
+    import nnx
     from nnx_cli import decoding, hf, steps
     from nnx_cli.data.tokenizers import load_tokenizer
     from nnx_cli.experiment import setup
 
-    cfg = hf.model_dir_config(target, overrides, scan_layers=False)
+    cfg = hf.model_dir_config(target, overrides)
     exp = setup(cfg, data=None, place=False)
+    if not any(isinstance(v, nnx.QuantizedParam) for v in steps.parameters(exp.abstract).values()):
+        cfg = hf.model_dir_config(target, overrides, scan_layers=False)
+        exp = setup(cfg, data=None, place=False)
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     every = steps.parameters(exp.abstract)  # a quantised base's are frozen
     place = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), every)

@@ -162,6 +162,36 @@ def test_a_bfloat16_tied_head_is_multiplied_as_stored_when_decoding(rows):
     assert compiled.memory_analysis().temp_size_in_bytes < table.size * 2  # the table's bytes
 
 
+@pytest.mark.usefixtures("on_the_cpu")
+def test_a_decoder_holds_a_bfloat16_table_as_its_bits_and_its_step_copies_no_table():
+    """A 16-bit base's tied table against float32 rows (`model.dtype: float32`, a bitsandbytes directory's
+    default): the head slices it in chunks and the lookup gathers from it, as bits on a CPU. Given the table in
+    bfloat16, each step converted it to its bits, a copy of the table; the decoder holds the bits, in the
+    table's own memory, and decodes the tokens of a full pass."""
+    options = {**SMALL, "embed_dim": 256}  # a table of 20 MB, five of the head's 4 MiB float32 chunks
+    model = TransformerLM((SEQ_LEN,), 40_000, quantize={"type": "bfloat16"}, ctx=nnx.context(0), **options)
+    params, moduledef = model.partition(nnx.Param)
+    params = lively(params)
+    decoder = Decoder(moduledef, params)
+    tables = [v.value for path, v in decoder.params.items() if path.endswith("/embedding")]  # tokens, positions
+    bits = [x for x in decoder._leaves if x.dtype == jnp.uint16]
+    assert {t.dtype for t in tables} == {jnp.dtype(jnp.bfloat16)} and len(bits) == len(tables) == 2
+    assert {b.unsafe_buffer_pointer() for b in bits} == {t.unsafe_buffer_pointer() for t in tables}
+    table = decoder.params["embedding/embedding"].value
+
+    model = decoder.moduledef.merge(decoder.params)
+    model.init_cache(1, SEQ_LEN)
+    (_, cache), cachedef = model.partition(nnx.Param, nnx.Cache)
+    step = jax.jit(lambda c, leaves: cachedef.merge(decoding._params(decoder._layout, leaves), c).decode(
+        jnp.asarray([1]), jnp.asarray([3])))  # fmt: skip
+    assert step.lower(cache, decoder._leaves).compile().memory_analysis().temp_size_in_bytes < table.nbytes / 2
+
+    prompt = PROMPTS[0]
+    (sample,) = decoder.generate([prompt], max_tokens=12, temperature=0).finish().samples
+    assert len(set(sample)) > 5
+    assert full_pass_argmax(moduledef, params, prompt + sample)[len(prompt) - 1 : -1].tolist() == sample
+
+
 @pytest.mark.parametrize("options", [dict(positions="learned"), dict(tie_embeddings=False, positions="rope")])
 def test_decoding_holds_a_bfloat16_models_float32_weights_rounded_once_with_the_same_logits(options):
     """`model.dtype: bfloat16` over float32 parameters: the decoder holds the kernels and embedding tables in
