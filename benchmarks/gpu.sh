@@ -17,6 +17,7 @@
 # | train | .whl/base .data | GPT-2 small's model-FLOPs utilisation and shakespeare_char, against PyTorch (benchmarks/gpt.py) |
 # | profile | .whl/base | where GPT-2 small's bfloat16 step spends its time (each operation named; the logits whole, remat dots, unrolled), and shakespeare_char's |
 # | lora | .whl/base | LoRA and full fine-tuning against transformers + peft, bfloat16 both (benchmarks/lora.py --part 1) |
+# | qlora | .whl/base .whl/qlora | QLoRA, the bfloat16 and float32 bases against transformers + peft + bitsandbytes QLoRA (benchmarks/qlora.py --part 1) |
 # | apps | .whl/base .data | mnist_vae cold and warm against the plain on-device script; nnx-generate against transformers |
 #
 # GPU_SH_CPU=1 runs a part's commands at tiny sizes on this machine's CPU, installing nothing (a smoke test of
@@ -25,15 +26,15 @@
 #
 #   GPU_SH_CPU=1 REFERENCE=/work/refvenv/bin/python DATA=/work/shared/data bash benchmarks/gpu.sh apps
 set -u
-parts=${1:?usage: bash benchmarks/gpu.sh suite|attention|train|profile|lora|apps[:SECONDS][,...] [OUT]}
+parts=${1:?usage: bash benchmarks/gpu.sh suite|attention|train|profile|lora|qlora|apps[:SECONDS][,...] [OUT]}
 out=${2:-${OUT:-/tmp/gpu-${parts//[:,]/-}}}
 cpu=${GPU_SH_CPU:-0}
 data=$(realpath "${DATA:-.data}")
 for spec in ${parts//,/ }; do
   case "${spec%%:*}" in
-  suite | attention | train | profile | lora | apps) ;;
+  suite | attention | train | profile | lora | qlora | apps) ;;
   *)
-    echo "unknown part ${spec%%:*}: suite, attention, train, profile, lora or apps" >&2
+    echo "unknown part ${spec%%:*}: suite, attention, train, profile, lora, qlora or apps" >&2
     exit 2
     ;;
   esac
@@ -83,7 +84,7 @@ fi
 import importlib
 import jax
 print("jax", jax.__version__, jax.devices())
-for name in "datasets grain wandb tensorboardX lm_eval tokamax torch transformers peft".split():
+for name in "datasets grain wandb tensorboardX lm_eval tokamax torch transformers peft bitsandbytes".split():
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as error:  # what the part lacks, said
@@ -187,6 +188,17 @@ lora)
     step 470 lora $py benchmarks/lora.py --reference "$reference" --part 1 --device cuda --speed-steps 30
   fi
   tables lora
+  ;;
+qlora)
+  # issue 35's GPU figure: a QLoRA step's tokens/s against bitsandbytes' (and the 16-bit bases'), one Qwen2.5-0.5B
+  # shape for both sides, computing in bfloat16; the peaks are each side's GPU memory
+  if [ "$cpu" = 1 ]; then
+    step 400 qlora $py benchmarks/qlora.py --reference "$reference" --part 1 --tiny --speed-steps 4 --force
+  else
+    step 480 qlora $py benchmarks/qlora.py --reference "$reference" --part 1 --device cuda --speed-steps 20
+  fi
+  tables qlora
+  grep -E 'tokens/s / |memory / ' "$out/qlora.log"
   ;;
 apps)
   epochs=$([ "$cpu" = 1 ] && echo 1 || echo 30)

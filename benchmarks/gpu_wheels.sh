@@ -10,8 +10,10 @@
 #   .whl/base     datasets, grain and their missing dependencies (every part: the package imports them);
 #   .whl/suite    wandb, tensorboardX, lm-eval and gguf with theirs (the suite's logger, harness and GGUF tests);
 #   .whl/tokamax  tokamax 0.0.17 and its dependencies but xprof (the attention part measures its kernel);
+#   .whl/qlora    bitsandbytes 0.50.2, CUDA 11.8-13.2 kernels in one wheel (the qlora part's reference side);
 #   .data         ../shared/data's mnist and shakespeare (the training parts read them).
-# Under 64 MiB per call: base (6 MB) + suite (36 MB); base + tokamax (6 MB); base + .data (21 MB).
+# Under 64 MiB per call: base (6 MB) + suite (36 MB); base + tokamax (6 MB); base + .data (21 MB); base + qlora
+# (43 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
@@ -46,7 +48,7 @@ fetch() {  # fetch SET [--no-deps] REQUIREMENT...: the set's wheels, less the im
   tmp=$(mktemp -d)
   python3 -m pip download -q --only-binary=:all: --find-links "$built" --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$tmp" "$@"
+    --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 --platform any -d "$tmp" "$@"
   rm -rf ".whl/$set" && mkdir -p ".whl/$set"
   for wheel in "$tmp"/*.whl; do
     name=$(normalize "$(basename "$wheel" | cut -d- -f1)")
@@ -63,7 +65,8 @@ fetch suite wandb==0.31.0 tensorboardX==2.6.5 lm-eval==0.4.13 gguf==0.19.0
 # only, and benchmarks/gpu.sh gives it a stub of that one name
 fetch tokamax --no-deps tokamax==0.0.17 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 pydantic==2.14.4 \
   pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tensorboardx==2.6.5
-for set in suite tokamax; do  # a distribution already in base travels once: two versions of one stop pip
+fetch qlora --no-deps bitsandbytes==0.50.2  # needs torch, numpy and packaging: the image has them
+for set in suite tokamax qlora; do  # a distribution already in base travels once: two versions of one stop pip
   for wheel in .whl/base/*.whl; do rm -f ".whl/$set/$(basename "$wheel" | cut -d- -f1)"-*.whl; done
 done
 rm -rf "$built"
