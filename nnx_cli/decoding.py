@@ -186,15 +186,28 @@ _decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2, 10), donate_argnums=(4,
 # ------------------------------------------------------------------------------
 
 
+def _sliced_tables(model: nnx.Module) -> set[str]:
+    """The paths of `model`'s bfloat16 embedding tables that compute wider than they are stored (`model.dtype:
+    float32` over a 16-bit base, a bitsandbytes directory's default), which a decoding step on a CPU reads as
+    bits (:func:`_bits`)."""
+    return {
+        f"{path}/embedding" if path else "embedding"
+        for path, m in model.modules()
+        if isinstance(m, nnx.Embed) and m.embedding.dtype == jnp.bfloat16 and jnp.dtype(m.dtype) != jnp.bfloat16
+    }
+
+
 def _bits(table: jax.Array) -> jax.Array:
     """A bfloat16 embedding table on one CPU device as its bits (`uint16`), in the same memory; else as it is.
 
-    A decoding step slices the table (the tied head reads it a chunk at a time) and gathers from it (the token
-    lookup) as bits: XLA's CPU has neither for bfloat16. Given the table in bfloat16, the step converted it
-    to its bits every time, a copy of the table in each step (272 MB at Qwen2.5's 151,936 x 896, the batch-1
-    step 1.5x the time); given its bits, the conversion there and back folds away. Only the tables: a
-    per-layer kernel given as bits is converted back for its product, a copy of every kernel in each step."""
-    if table.dtype != jnp.bfloat16 or jax.default_backend() != "cpu" or len(table.sharding.device_set) != 1:
+    A step that computes wider than the table is stored slices it (the tied head reads it a chunk at a time, in
+    float32) and gathers from it (the token lookup) as bits: XLA's CPU has neither for bfloat16. Given the
+    table in bfloat16, the step converted it to its bits every time, a copy of the table in each step (272 MB at
+    Qwen2.5's 151,936 x 896, the batch-1 step 1.5x the time); given its bits, the conversion there and back
+    folds away. Only those tables: a bfloat16 head against bfloat16 rows is one product over the table as
+    stored, and given its bits it was converted back whole, a copy in each step (16 -> 98 ms for that head);
+    a per-layer kernel given as bits, the same for every kernel."""
+    if jax.default_backend() != "cpu" or len(table.sharding.device_set) != 1:
         return table
     bits = jax.device_put(np.asarray(table).view(np.uint16), table.sharding)  # JAX takes an aligned buffer as is
     return bits if bits.unsafe_buffer_pointer() == table.unsafe_buffer_pointer() else table
@@ -227,9 +240,7 @@ class Decoder:
         self.params, self.moduledef = model.partition(nnx.Param)
         self.context_limit: int | None = model.context_limit
         self.vocab_size: int = model.vocab_size
-        tables = {
-            f"{path}/embedding" if path else "embedding" for path, m in model.modules() if isinstance(m, nnx.Embed)
-        }
+        tables = _sliced_tables(model)
         held = nnx.State(
             {path: v.replace(value=_bits(v.value)) if path in tables else v for path, v in self.params.items()}
         )
