@@ -193,7 +193,10 @@ def _sliced_tables(model: nnx.Module) -> set[str]:
     return {
         f"{path}/embedding" if path else "embedding"
         for path, m in model.modules()
-        if isinstance(m, nnx.Embed) and m.embedding.dtype == jnp.bfloat16 and jnp.dtype(m.dtype) != jnp.bfloat16
+        if isinstance(m, nnx.Embed)
+        and m.embedding.dtype == jnp.bfloat16
+        and m.dtype is not None  # None: it computes in the table's own dtype
+        and jnp.dtype(m.dtype) != jnp.bfloat16
     }
 
 
@@ -245,7 +248,11 @@ class Decoder:
             {path: v.replace(value=_bits(v.value)) if path in tables else v for path, v in self.params.items()}
         )
         self._leaves, treedef = jax.tree.flatten(held)
-        self._layout = (treedef, tuple(x.dtype == jnp.uint16 for x in self._leaves))
+        given = jax.tree.leaves(self.params)  # the same order: a leaf held as bits was given in bfloat16
+        bits = tuple(
+            x.dtype == jnp.uint16 and g.dtype == jnp.bfloat16 for x, g in zip(self._leaves, given, strict=True)
+        )
+        self._layout = (treedef, bits)
 
     def generate(
         self,
