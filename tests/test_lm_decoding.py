@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cli_support import device_flags
+from xla_support import DEPLOYED
 
 import nnx
 from nnx_cli import decoding
@@ -154,7 +155,9 @@ def test_a_bfloat16_tied_head_is_multiplied_as_stored_when_decoding(rows):
                           quantize={"type": "bfloat16"}, ctx=nnx.context(0))  # fmt: skip
     h = jax.random.normal(jax.random.key(1), (rows, 1, 32), jnp.bfloat16)
     params, moduledef = model.partition(nnx.Param)
-    compiled = jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h)).lower(params, h).compile()
+    compiled = (
+        jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h)).lower(params, h).compile(compiler_options=DEPLOYED)
+    )
     table = model.embedding.embedding
     rows_in = model.final_norm(h[:, 0]).astype(jnp.float32)
     expected = (rows_in @ table.astype(jnp.float32).T)[:, :40_000]
@@ -169,10 +172,7 @@ def decode_step_temporaries(decoder: Decoder) -> int:
     (_, cache), cachedef = model.partition(nnx.Param, nnx.Cache)
     step = jax.jit(lambda c, leaves: cachedef.merge(decoding._params(decoder._layout, leaves), c).decode(
         jnp.asarray([1]), jnp.asarray([3])))  # fmt: skip
-    # as XLA compiles it outside the tests, whose session turns the CPU's fusion emitters off (conftest): the
-    # copies below are the emitters'
-    default = {"xla_cpu_use_fusion_emitters": True} if "fusion_emitters" in os.environ.get("XLA_FLAGS", "") else None
-    return step.lower(cache, decoder._leaves).compile(compiler_options=default).memory_analysis().temp_size_in_bytes
+    return step.lower(cache, decoder._leaves).compile(compiler_options=DEPLOYED).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.usefixtures("on_the_cpu")

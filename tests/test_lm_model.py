@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from xla_support import DEPLOYED
 
 import nnx
 from nnx_cli import steps
@@ -88,7 +89,7 @@ def _loss_and_grads(model: TransformerLM, batch: dict[str, jax.Array]):
     def loss(params):
         return jnp.mean(moduledef.apply(params).metrics(batch, evaluation())[0]["loss"])
 
-    step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    step = jax.jit(jax.value_and_grad(loss)).lower(params).compile(compiler_options=DEPLOYED)
     return step(params), step.memory_analysis().temp_size_in_bytes
 
 
@@ -446,7 +447,7 @@ def test_scanned_blocks_keep_16_bit_residuals_as_bits_on_a_cpu_with_the_same_gra
 
     def run(pack: bool):
         monkeypatch.setattr(block, "packs", lambda: pack)
-        step = jax.jit(jax.value_and_grad(loss)).lower(params, jax.random.key(3)).compile()
+        step = jax.jit(jax.value_and_grad(loss)).lower(params, jax.random.key(3)).compile(compiler_options=DEPLOYED)
         return step(params, jax.random.key(3)), step.memory_analysis().temp_size_in_bytes
 
     (loss_packed, grads_packed), packed_bytes = run(True)

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hf_support import FIXTURES
+from xla_support import DEPLOYED
 
 import nnx
 from nnx.nn import quantize as q
@@ -215,7 +216,7 @@ def test_one_row_in_16_bits_is_multiplied_without_a_float32_copy_of_the_kernel()
     def product(parts, x):
         return kerneldef.merge(parts)(x, dtype=jnp.bfloat16, out_dtype=jnp.float32)
 
-    compiled = jax.jit(product).lower(parts, x).compile()
+    compiled = jax.jit(product).lower(parts, x).compile(compiler_options=DEPLOYED)
     expected = x.astype(jnp.float32) @ kernel.dequantize(jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_allclose(compiled(parts, x), expected, rtol=1e-5, atol=1e-5)
     assert compiled.memory_analysis().temp_size_in_bytes < 512 * 2048 * 2 + 512 * 2048  # the bfloat16 kernel, + half
