@@ -286,7 +286,7 @@ class Dense(nnx.Module):
     def _adapted(self, x: jax.Array, kernel: Any, deterministic: bool, ctx: nnx.Context | None) -> jax.Array:
         compute, fan_in = self.compute_dtype, math.prod(x.shape[x.ndim - self.in_rank :])
         if isinstance(kernel, nnx.QuantizedKernel):
-            weight, source = functools.partial(_dequantized, kernel.type, compute), kernel.parts()
+            weight, source = functools.partial(dequantize_kernel, type=kernel.type, dtype=compute), kernel.parts()
         else:
             weight, source = functools.partial(_frozen_weight, fan_in=fan_in, compute=compute), kernel
         out = self.out_dtype or self.dtype
@@ -294,7 +294,3 @@ class Dense(nnx.Module):
         return self.lora.adapt(
             x, weight, source, trainable=not self.frozen, out_dtype=out, deterministic=deterministic, ctx=ctx
         )
-
-
-def _dequantized(type: str, compute: Any, parts: dict[str, jax.Array]) -> jax.Array:
-    return dequantize_kernel(parts, type, compute)
