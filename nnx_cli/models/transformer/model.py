@@ -582,9 +582,9 @@ class TransformerLM(nnx.Module):
         one layer's weights at a time, its slice of the stacked codes read by the dequantisation itself. Unrolled,
         XLA dequantises every layer's kernels ahead of their products and holds them all at once, a 16-bit copy
         of the base that 4 bits are there to avoid: a Qwen2.5-0.5B-shaped nf4 model's batch-1 step held 728 MiB
-        of temporaries against 43, and took twice the time (409 against 196 ms, 2 CPU cores). A sampling loop
+        of temporaries against 43, and took twice the time (419 against 189 ms, 2 CPU cores). A sampling loop
         compiled whole (GRPO's) gives up speed for it: unrolled, XLA dequantises once before the loop; stacked,
-        at every step (8 prompts of 64 tokens, 16 new: 1,002 -> 314 MiB of temporaries, 3.2 -> 4.8 s;
+        at every step (8 prompts of 64 tokens, 16 new: 1,002 -> 314 MiB of temporaries, 3.1 -> 5.1 s;
         `benchmarks/decode_step.py`).
         """
         model = self
