@@ -153,7 +153,7 @@ def transformers_check(reference: str, gguf_file: Path, run: Path) -> float:
     the largest logit."""
     import jax
 
-    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.workdir import open_run
 
     ids = [[1, 17, 250, 33, 90, 412, 7, 5]]

@@ -79,7 +79,7 @@ def theirs(reference: str, model: Path, cwd: Path, prompts: list[str], chat: boo
 def our_logits(work: Path, ids: np.ndarray) -> np.ndarray:
     import jax
 
-    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.workdir import open_run
 
     r = open_run(work)

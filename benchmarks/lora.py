@@ -335,7 +335,7 @@ def part2(reference: str, cwd: Path, steps: int) -> bool:
 
 def answers(workdir: Path, questions: list[str]) -> list[str]:
     """Greedy replies of a run to each question, through its chat template (as nnx-generate --chat)."""
-    from nnx_cli.generate import encode_prompt, load, stops
+    from nnx_cli.lm import encode_prompt, load, stops
     from nnx_cli.workdir import open_run
 
     _, decoder, tokenizer = load(open_run(workdir))

@@ -271,8 +271,8 @@ def peft_check(reference: str, cwd: Path, workdir: Path, base: Path, prompts: li
     the largest difference of its float32 logits from the run's own (computed in float32), over the largest."""
     import jax
 
-    from nnx_cli.generate import language_model, restore_parameters
     from nnx_cli.hf import pretrained_tokenizer
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.workdir import open_run
 
     run([BIN / "nnx-export", workdir, "--out", cwd / "adapter", "--adapter"], cwd)

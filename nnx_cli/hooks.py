@@ -30,6 +30,10 @@ from nnx_cli import optim, steps
 from nnx_cli.errors import RunError
 from nnx_cli.loop import Loop
 
+# Samples written at each eval during training (`samples/<step>.txt`).
+EVAL_SAMPLE_TOKENS = 200
+EVAL_PROMPTS = 2
+
 
 class Guard:
     """Stops the run once the loss, or the parameters, are not finite; names the last good checkpoint."""
@@ -226,7 +230,6 @@ class Samples:
 
     def __init__(self, every: int, exp: Any, directory: Path | None, guard: Guard):
         from nnx_cli.data.tokenizers import load_tokenizer
-        from nnx_cli.generate import eval_prompts
 
         self.every = every
         self.exp = exp
@@ -238,7 +241,7 @@ class Samples:
 
     def __call__(self, loop: Loop) -> None:
         from nnx_cli.decoding import Decoder
-        from nnx_cli.generate import EVAL_SAMPLE_TOKENS, eval_sample_stops, write_eval_samples
+        from nnx_cli.lm import eval_sample_stops
 
         self.guard.check(loop)
         decoder = Decoder(self.exp.moduledef, steps.parameters(loop.state))
@@ -256,6 +259,49 @@ class Samples:
     def end(self, loop: Loop) -> None:
         if loop.stop_signal is None and self.done != loop.step:
             self(loop)
+
+
+def eval_prompts(exp: Any) -> list[list[int]]:
+    """The prompts of the samples written at each eval: `train.sample_prompts`, encoded (a run on conversations,
+    chats or conversational preference pairs, renders each as a user turn and the opening of the reply, as
+    `nnx-generate --chat` does); by default the first tokens of the eval split and of its middle."""
+    import numpy as np
+
+    from nnx_cli.data import examples
+    from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.lm import encode_prompt, run_chat_template
+
+    if exp.cfg.train.sample_prompts:
+        chat = examples.is_conversational(exp.cfg.data)
+        tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
+        template = run_chat_template(exp.cfg, tokenizer) if chat else None
+        return [encode_prompt(tokenizer, p, chat, None, template) for p in exp.cfg.train.sample_prompts]
+    if examples.is_examples(exp.cfg.data):  # the start of eval examples, up to where their first answer begins
+        rows = exp.eval.stored()
+        prompts = []
+        for row in sorted({0, len(rows["tokens"]) // 2})[:EVAL_PROMPTS]:
+            first = rows["segments"][row] == 1
+            answer = np.flatnonzero(first & (rows["targets"][row] > 0))
+            end = int(answer[0]) if len(answer) else int(first.sum())
+            prompts.append([int(t) for t in rows["tokens"][row][: max(end, 1)]])
+        return prompts
+    stream = exp.eval.stored()["tokens"]
+    length = max(1, min(32, exp.cfg.data.seq_len // 4))
+    starts = [0, len(stream) // 2][:EVAL_PROMPTS]
+    return [[int(t) for t in stream[s : s + length]] for s in starts]
+
+
+def write_eval_samples(path: Path, prompts: list[list[int]], drawn: Any, tokenizer: Any) -> None:
+    """`samples/<step>.txt`: each prompt and its continuation."""
+    from nnx_cli.decoding import text_of
+
+    blocks = []
+    for i, (prompt, sample) in enumerate(zip(prompts, drawn.samples)):
+        blocks.append(f"--- sample {i}\n{text_of(tokenizer, prompt)}{text_of(tokenizer, sample)}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("\n".join(blocks))
+    partial.replace(path)
 
 
 class HarnessEval:

@@ -163,7 +163,7 @@ def test_lora_on_a_mixture_of_experts_over_an_expert_mesh_axis_exports_merged_wi
     import jax
 
     from nnx_cli import hf
-    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.workdir import open_run
 
     run = open_run(project / "moe")

@@ -1,5 +1,5 @@
 """The training loop and its hooks, called directly (no subprocess): dispatch plans, steps per dispatch,
-the jitted steps, the hooks' intervals and the recipe `nnx_cli.train.run` itself."""
+the jitted steps, the hooks' intervals and the recipe `nnx_cli.commands.train.run` itself."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from cli_support import cli, optimized_flags
 
-from nnx_cli import hooks, loop, steps, train
+from nnx_cli import hooks, loop, steps
 from nnx_cli.checkpoint import Checkpointer
+from nnx_cli.commands import train
 from nnx_cli.config import load_config
 from nnx_cli.errors import RunError, UserError
 from nnx_cli.experiment import setup

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nnx_cli import train
+from nnx_cli.commands import train
 from nnx_cli.config import load_config
 from nnx_cli.errors import UserError
 from nnx_cli.registry import import_paths

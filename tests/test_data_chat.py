@@ -249,7 +249,7 @@ def test_chat_data_is_text_for_the_trainer_and_its_samples_are_user_turns(tmp_pa
 
     from nnx_cli.config import load_config
     from nnx_cli.data import eval_split, spec_from_config, train_split
-    from nnx_cli.generate import eval_prompts
+    from nnx_cli.hooks import eval_prompts
 
     source = write_jsonl(tmp_path / "chats.jsonl", chats(10))
     cfg = load_config(None, ["model.name=transformer_lm", f"model.pretrained={fixture('qwen2')}",

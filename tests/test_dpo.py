@@ -120,7 +120,8 @@ def experiment(tmp_path: Path, pairs: list[dict], beta: float = 0.1, loss: str =
 @pytest.mark.parametrize("form, chat", [("conversational", True), ("standard", False)])
 def test_eval_samples_of_a_dpo_run_reply_to_its_sample_prompts_and_stop_where_its_responses_end(tmp_path, form, chat):
     from nnx_cli.data.tokenizers import load_tokenizer
-    from nnx_cli.generate import encode_prompt, eval_prompts, eval_sample_stops
+    from nnx_cli.hooks import eval_prompts
+    from nnx_cli.lm import encode_prompt, eval_sample_stops
 
     question = "When does the fiddler come?"
     exp = experiment(tmp_path, RECORD[f"llama_{form}"], 0.1, "sigmoid", True, f"train.sample_prompts=[{question!r}]")

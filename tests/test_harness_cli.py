@@ -123,7 +123,7 @@ def test_a_task_whose_data_cannot_be_fetched_offline_is_exit_2_naming_it(project
 
 
 def test_without_lm_eval_the_harness_is_exit_2_naming_the_package(project):
-    script = ("import sys; sys.modules['lm_eval'] = None; from nnx_cli.eval import main; "
+    script = ("import sys; sys.modules['lm_eval'] = None; from nnx_cli.commands.eval import main; "
               f"sys.argv = ['nnx-eval', {str(fixture('gpt2'))!r}, '--tasks', 'hellaswag']; main()")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", script], cwd=project, env=env(project), capture_output=True,
                             text=True, timeout=120)  # fmt: skip

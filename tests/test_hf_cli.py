@@ -11,8 +11,8 @@ import pytest
 from cli_support import assert_user_error, cli
 from hf_support import LLAMA_CONFIG, fixture, write_model_dir
 
-from nnx_cli.generate import eval_sample_stops
 from nnx_cli.hf.tokenizer import PretrainedTokenizer
+from nnx_cli.lm import eval_sample_stops
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -88,7 +88,7 @@ def test_greedy_generation_equals_the_argmax_of_full_forward_passes(project):
 
 def test_chat_wraps_the_prompt_in_the_template_and_stops_at_the_end_of_the_turn(project):
     from nnx_cli import hf
-    from nnx_cli.generate import encode_prompt
+    from nnx_cli.lm import encode_prompt
 
     tokenizer = hf.pretrained_tokenizer(str(project / "model"))
     ids = encode_prompt(tokenizer, "hello", chat=True, system="be brief")

@@ -20,8 +20,8 @@ from hf_support import FIXTURES, fixture, goldens
 
 from nnx_cli import hf
 from nnx_cli.experiment import setup
-from nnx_cli.generate import encode_prompt, stops
 from nnx_cli.hf import chat
+from nnx_cli.lm import encode_prompt, stops
 
 WINDOWED = ["gemma2", "gemma3", "phi3", "mistral_window", "qwen2_window"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", *WINDOWED]

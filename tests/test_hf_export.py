@@ -358,7 +358,7 @@ def test_a_run_from_scratch_exports_as_its_family_with_the_same_logits(project, 
     assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 256}
     import jax
 
-    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.workdir import open_run
 
     run = open_run(project / name)

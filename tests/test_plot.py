@@ -10,8 +10,8 @@ import pytest
 from cli_support import cli
 from PIL import Image
 
+from nnx_cli.commands.plot import build_figure, default_metric, plot, read_metrics, run_names, save_figure
 from nnx_cli.errors import UserError
-from nnx_cli.plot import build_figure, default_metric, plot, read_metrics, run_names, save_figure
 
 
 def _write_metrics(workdir: Path, scale: float = 1.0, steps: int = 100, model: str | None = "vae") -> Path:

@@ -560,7 +560,7 @@ def losses(run: Path) -> list[float]:
 
 
 def run_logits(run: Path, input_ids: np.ndarray) -> np.ndarray:
-    from nnx_cli.generate import language_model, restore_parameters
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.workdir import open_run
 
     opened = open_run(run, [], None)

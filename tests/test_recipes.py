@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cli_support import ROOT, assert_user_error, cli, env
 
-from nnx_cli import configs
+from nnx_cli.commands import configs
 from nnx_cli.errors import UserError
 
 

@@ -306,7 +306,7 @@ def stop_ids(tokenizer: Any, chat: bool = False) -> tuple[int, ...]:
     directory's end-of-sequence ids (its generation config's, as `transformers` stops; with `chat`, also its
     tokenizer's `eos_token`, which ends a turn), else at the end-of-document token.
 
-    `nnx-generate` and the samples written at each eval (`generate.stops`) differ in one case: a model
+    `nnx-generate` and the samples written at each eval (`lm.stops`) differ in one case: a model
     directory that names no end-of-sequence id at all stops them nowhere, as `transformers`' `generate`.
 
     >>> stop_ids(BytesTokenizer())

@@ -73,7 +73,7 @@ def _model_dir(target: str, overrides: list[str]) -> Target:
 def training_target(exp: Any, params: Any, workdir: Path | None, step: int) -> Target:
     """The model a training run is training, as a Target (its current parameters)."""
     from nnx_cli.data.tokenizers import load_tokenizer
-    from nnx_cli.generate import run_chat_template
+    from nnx_cli.lm import run_chat_template
 
     tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
     template = run_chat_template(exp.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)
@@ -83,7 +83,7 @@ def training_target(exp: Any, params: Any, workdir: Path | None, step: int) -> T
 def _run(target: str | Path, overrides: list[str], step: int | None, best: bool, say: Any) -> Target:
     from nnx_cli import restore, sharding, steps
     from nnx_cli.data.tokenizers import load_tokenizer
-    from nnx_cli.generate import language_model, run_chat_template
+    from nnx_cli.lm import language_model, run_chat_template
     from nnx_cli.workdir import open_run
 
     run = open_run(target, overrides, step, best=best)

@@ -23,7 +23,7 @@ import typer
 
 from nnx_cli.errors import UserError, did_you_mean, report_errors, run_app
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 """Where the shipped configs live: package data."""
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)

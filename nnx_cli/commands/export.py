@@ -52,8 +52,8 @@ def export(
 
     from nnx_cli import runtime
     from nnx_cli.data.tokenizers import load_tokenizer
-    from nnx_cli.generate import language_model, restore_parameters
     from nnx_cli.hf import export as exporting
+    from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.report import stderr_console
     from nnx_cli.workdir import open_run
 
@@ -112,7 +112,7 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
         import jax
 
         from nnx_cli.data.tokenizers import load_tokenizer
-        from nnx_cli.generate import language_model, restore_parameters
+        from nnx_cli.lm import language_model, restore_parameters
         from nnx_cli.workdir import open_run
 
         runtime.configure()

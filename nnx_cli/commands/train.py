@@ -24,8 +24,9 @@ from typing import IO, Any
 
 import typer
 
-from nnx_cli import configs, loggers, runtime, watchdog
 from nnx_cli import distributed as _distributed
+from nnx_cli import loggers, runtime, watchdog
+from nnx_cli.commands import configs
 from nnx_cli.config import Config, load_config, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, UserError, report_errors, run_app

@@ -53,7 +53,8 @@ def inspect_state(
 ) -> None:
     """Show a model's parameters and state, built abstractly from a config or a run."""
     import nnx
-    from nnx_cli import configs, hf, steps
+    from nnx_cli import hf, steps
+    from nnx_cli.commands import configs
     from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console

@@ -1,0 +1,162 @@
+"""`nnx-generate TARGET --prompt TEXT`: continue a prompt with a trained or published language model.
+
+TARGET is a work dir, its `checkpoints/` dir or one step dir of a
+`transformer_lm` run, or a Hugging Face model directory or Hub id. A run's
+config gives the model and the tokenizer; only the parameters of its newest
+usable (or `--step`) checkpoint are restored, onto whatever devices exist (a
+model trained on 8 devices samples on 1). A model directory's weights are
+read straight onto this process's first device. Tokens are drawn from a
+key-value cache, one jitted prefill per prompt-length bucket and one jitted
+decode step reused for every token, and appear as they are drawn when stdout
+is a terminal. `--chat` wraps the prompt in the model's chat template as a
+user turn (after a `--system` turn) and stops at the end of the turn.
+`--json` prints one object: `{"step", "prompt", "samples", "tokens",
+"truncated", "stop_reasons", "tokens_per_s"}`; `"tokens"` holds each
+sample's generated ids, the token that ended it included (as `transformers`'
+`generate` returns them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from nnx_cli.errors import UserError, report_errors, run_app
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+
+
+@app.command()
+@report_errors
+def generate(
+    target: Path = typer.Argument(
+        ...,
+        metavar="TARGET",
+        help="Work dir, its checkpoints/ dir, one step dir, or a Hugging Face model dir or Hub id.",
+        show_default=False,
+    ),
+    overrides: list[str] | None = typer.Argument(
+        None, metavar="[KEY=VALUE]...", help="Config overrides, e.g. data.tokenizer=...", show_default=False
+    ),
+    prompt: str = typer.Option(..., help="The text to continue (with --chat: the user's message).", show_default=False),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
+    system: str | None = typer.Option(None, help="With --chat: a system turn before the prompt.", show_default=False),
+    max_tokens: int = typer.Option(200, help="Tokens to draw at most per sample."),
+    temperature: float = typer.Option(1.0, help="Softmax temperature; 0 is greedy."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
+    top_p: float = typer.Option(1.0, help="Keep the smallest set of tokens whose probability reaches p (1: all)."),
+    seed: int = typer.Option(0, help="Sample i draws with keys from (seed, i): the same seed, the same text."),
+    num_samples: int = typer.Option(1, help="Samples drawn in parallel, as one batch."),
+    step: int | None = typer.Option(None, help="Checkpoint step (default: the newest usable one)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the text."),
+) -> None:
+    """Continue a prompt with a trained language model."""
+    from nnx_cli import hf, runtime
+    from nnx_cli.lm import encode_prompt, load, load_model_dir, run_chat_template, stops
+    from nnx_cli.workdir import open_run
+
+    template = None
+    if not prompt:
+        raise UserError("--prompt is empty: give some text to continue")
+    if num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1, got {num_samples}")
+    if system is not None and not chat:
+        raise UserError("--system adds a system turn to a chat: pass --chat too")
+    runtime.configure()
+    if hf.is_model_dir(target):
+        if step is not None:
+            raise UserError(f"--step picks a checkpoint of a run; {str(target)!r} is a model directory")
+        restored_step, decoder, tokenizer = load_model_dir(target, overrides or [])
+    else:
+        run = open_run(target, overrides or [], step)
+        restored_step, decoder, tokenizer = load(run)
+        template = run_chat_template(run.cfg, tokenizer) if chat else None
+    prompt_ids = encode_prompt(tokenizer, prompt, chat, system, template)
+    options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
+    shown = "" if chat else prompt  # a chat shows the reply alone, not the template around the prompt
+    stream = sys.stdout.isatty() and not as_json and num_samples == 1
+    if stream:
+        _stream(drawn, shown, tokenizer)
+    drawn.finish()
+    from nnx_cli.decoding import text_of
+
+    texts = [text_of(tokenizer, sample) for sample in drawn.samples]
+    if as_json:
+        speed = drawn.tokens_per_s()
+        tokens = [s + ([t] if t is not None else []) for s, t in zip(drawn.samples, drawn.stopped_by)]
+        print(json.dumps({
+            "step": restored_step, "prompt": prompt, "samples": texts, "tokens": tokens,
+            "truncated": any(drawn.truncated), "stop_reasons": drawn.stop_reasons, "tokens_per_s": round(speed, 1),
+        }))  # fmt: skip
+    elif not stream:
+        for i, text in enumerate(texts):
+            print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + text, flush=True)
+
+
+class _Timed:
+    """A `decoding.Generation` that times its decode steps: tokens/s after the first token (which includes the
+    prefill and, on a first run, compiling)."""
+
+    def __init__(self, drawn: Any):
+        self.drawn = drawn
+        self.first: float | None = None
+        self.last = 0.0
+        self.steps = 0
+
+    def __iter__(self) -> _Timed:
+        return self
+
+    def __next__(self) -> Any:
+        tokens = next(self.drawn)
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.steps += sum(t is not None for t in tokens)
+        self.last = now
+        return tokens
+
+    def finish(self) -> _Timed:
+        for _ in self:
+            pass
+        return self
+
+    def tokens_per_s(self) -> float:
+        seconds = self.last - (self.first or self.last)
+        return round(self.steps / seconds, 1) if seconds > 0 else 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.drawn, name)
+
+
+def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
+    """Print the prompt, then each token of the first sample as it is drawn."""
+    from nnx_cli import decoding
+
+    print(prompt, end="", flush=True)
+    if hasattr(tokenizer, "to_bytes"):
+        text = decoding.Utf8Decoder()
+        for tokens in drawn:
+            print(text.decode(tokens[:1]), end="", flush=True)
+        print(text.flush(), flush=True)
+        return
+    shown = ""
+    for _ in drawn:
+        current = tokenizer.decode(drawn.samples[0])
+        print(current[len(shown) :], end="", flush=True)
+        shown = current
+    print(flush=True)
+
+
+def main() -> None:
+    run_app(app)
+
+
+if __name__ == "__main__":
+    main()
