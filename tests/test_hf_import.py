@@ -83,6 +83,18 @@ def test_olmoe_normalises_all_query_heads_together_and_all_key_heads_together():
     assert maps["attention/query_norm/scale"].shape == (32,) and maps["attention/key_norm/scale"].shape == (16,)
 
 
+def test_each_family_file_is_registered_for_loading_and_for_gguf_alike():
+    """A family is one file of `nnx_cli/hf/families/`: its FAMILIES and ARCHES entries, gathered through MODULES."""
+    from nnx_cli.gguf import families as gguf
+
+    for module in families.MODULES:
+        for name, family in module.FAMILIES.items():
+            assert families.FAMILIES[name] is family and family.architecture == name
+            assert name in families.SUPPORTED and name in families._SUPPORTED_TEXT  # the errors list it
+        assert all(gguf.ARCHES[name] is arch and name in module.FAMILIES for name, arch in module.ARCHES.items())
+    assert len(families.FAMILIES) == sum(len(module.FAMILIES) for module in families.MODULES)  # no name twice
+
+
 @pytest.mark.parametrize(
     "step, only, dense", [(1, [], []), (2, [], [0, 2]), (1, [3], [3]), (2, [1, 3], [0, 1, 2, 3]), (3, [0], [0, 1, 3])]
 )
