@@ -4,13 +4,12 @@ against the whole logits.
 On `benchmarks/profile_step.py`'s Qwen2.5-0.5B shape (24 layers, 896 wide, vocabulary 151,936, tied head),
 sequence 512, batch 2, AdamW, LoRA rank 16 on all seven projections, computing in bfloat16, the trainer's own
 `steps.train_step` is compiled three ways: with the logits computed whole (`loss.CHUNK_BYTES` raised past them:
-plain autodiff, the computation the model made before splitting), in chunks of positions (what a GPU, a 16-bit
-head or a mesh sharding the vocabulary takes) and in blocks of the vocabulary (what a CPU computing in float32
-takes). Prints:
+plain autodiff, the computation the model made before splitting), in chunks of positions (what a GPU or a mesh
+sharding the vocabulary takes) and in blocks of the vocabulary (what a CPU takes). Prints:
 
 1. XLA's memory analysis of each compiled step (MiB of temporaries, the step's own peak beside the state it
-   reads), for LoRA on a bfloat16 base (`model.quantize: {type: bfloat16}`) and QLoRA (`{type: nf4}`), each with
-   `model.remat` none and full. Nothing runs: the state is abstract. Target: both splits' temporaries at least
+   reads), for LoRA on a float32 base (`lora32`, no `model.quantize`), on a bfloat16 base (`lora`,
+   `model.quantize: {type: bfloat16}`) and QLoRA (`qlora`, `{type: nf4}`), each with `model.remat` none and full. Nothing runs: the state is abstract. Target: both splits' temporaries at least
    1 GB below the whole one's in every row (the float32 logits and their gradient, 2 x 593 MiB).
 2. The step's time on this machine, chunks of positions (A) against vocabulary blocks (B), run A B B A,
    `--steps` steps each after one unmeasured, on one variant (`--time`, default QLoRA, remat none, computing in
@@ -20,7 +19,8 @@ takes). Prints:
    (`steps.frozen_as_bits`). Speed means nothing on a busy machine: run it idle; the load average is printed
    before and after.
 
-    python benchmarks/chunked_loss.py [--part 1|2] [--time qlora|lora] [--dtype float32|bfloat16] [--steps 3] [--tiny]
+    python benchmarks/chunked_loss.py [--part 1|2] [--time qlora|lora|lora32] [--dtype float32|bfloat16] [--steps 3]
+                                      [--tiny]
 
 `--tiny` (2 layers, sequence 128) smoke-tests the script; the vocabulary stays Qwen's, so the logits are still
 split (156 MB of them: three chunks).
@@ -47,7 +47,7 @@ from profile_step import build
 from nnx_cli import steps
 from nnx_cli.models.transformer import loss
 
-VARIANTS = {"lora": {"type": "bfloat16"}, "qlora": {"type": "nf4"}}  # model.quantize of each
+VARIANTS = {"lora32": None, "lora": {"type": "bfloat16"}, "qlora": {"type": "nf4"}}  # model.quantize of each
 WHOLE = 1 << 62  # loss.CHUNK_BYTES past any logits: one chunk
 MIB = 2**20
 

@@ -4,7 +4,7 @@ their losses through it.
 
 Either split is forced on small shapes by passing `chunk` or `block`, or, through the model, by setting
 `loss.CHUNK_BYTES` (by default the platform's, `loss.chunk_bytes`) and choosing `loss.blocks_apply`'s answer (a
-CPU takes vocabulary blocks when the head is stored in the compute dtype, unless a mesh shards the vocabulary).
+CPU takes vocabulary blocks unless a mesh shards the vocabulary).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from xla_support import DEPLOYED
 
 import nnx
 from nnx_cli import steps
 from nnx_cli.models.transformer import TransformerLM
 from nnx_cli.models.transformer import loss as loss_module
+from nnx_cli.models.transformer.dense import as_stored, sliceable
 from nnx_cli.models.transformer.loss import block_rows, blocks_apply, chunk_length, is_argmax, token_cross_entropy
 from nnx_cli.objectives import dpo, grpo
 
@@ -145,12 +147,35 @@ def test_vocabulary_blocks_hold_block_rows_ids_fewer_where_their_logits_would_pa
     assert block_rows(1024, 151936) == loss_module.BLOCK_ROWS  # Qwen2.5, 2 x 512 positions: 16 MB of logits
     assert block_rows(16 * 1024, 50304) == loss_module.chunk_bytes() // (4 * 16 * 1024)  # GPT-2, 16 x 1,024
     assert block_rows(22, 300) == 300  # never more than the vocabulary
-    f32, bf16 = jnp.float32, jnp.bfloat16
     cpu = jax.default_backend() == "cpu"  # a GPU multiplies chunks of positions by the whole table
-    assert blocks_apply(2, 512, 151936, f32, f32) == cpu  # a CPU with no mesh: large logits a block of ids at a time
-    assert blocks_apply(2, 512, 151936, bf16, bf16) == cpu  # a 16-bit base (which a train step is given as its bits)
-    assert not blocks_apply(2, 512, 151936, bf16, f32)  # a float32 table computing in bfloat16: not copied whole
-    assert not blocks_apply(2, 512, 384, f32, f32)  # a byte vocabulary's logits are computed whole
+    assert blocks_apply(2, 512, 151936) == cpu  # a CPU with no mesh: large logits a block of ids at a time
+    assert not blocks_apply(2, 512, 384)  # a byte vocabulary's logits are computed whole
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("stored, computed", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+                         ids=["float32-table-in-bfloat16", "bfloat16-table-in-float32"])  # fmt: skip
+def test_vocabulary_blocks_convert_a_table_stored_in_another_dtype_one_block_at_a_time(stored, computed):
+    """A frozen float32 table computing in bfloat16 (LoRA on a float32 base), or a 16-bit one held as its bits
+    computing in float32 (a 16-bit base read wider): each block of the table is converted alone, so the loss and
+    its gradient hold no converted copy of the whole table (the chunks of positions convert it whole), and give
+    the numbers of the table converted first."""
+    vocab, embed = 32768, 128
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((2, 16, embed)), computed)
+    table = jnp.asarray(rng.standard_normal((vocab, embed)) * 0.1, stored)
+    targets = jnp.asarray(rng.integers(0, vocab, (2, 16)), jnp.int32)
+    held = sliceable(table)  # as a train step holds a frozen base
+
+    def total(h, weights):
+        return jnp.sum(token_cross_entropy(h, weights, targets, tied=True, vocab_size=vocab, block=4096)[0])
+
+    step = jax.jit(jax.value_and_grad(lambda h, held: total(h, as_stored(held, stored))))
+    temporaries = step.lower(h, held).compile(compiler_options=DEPLOYED).memory_analysis().temp_size_in_bytes
+    assert temporaries < vocab * embed * jnp.dtype(computed).itemsize / 2  # the table converted whole: 8 or 16 MB
+    (got, got_grad), (want, want_grad) = step(h, held), jax.jit(jax.value_and_grad(total))(h, table.astype(computed))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_grad, want_grad)
 
 
 def _compiled(f, *args) -> str:
@@ -303,8 +328,7 @@ _EIGHT_DEVICES = textwrap.dedent(
     print("grads", max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
     print("spec", tuple(loss.sharding.spec)[:1], tuple(grads[1].sharding.spec))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        f32 = jnp.float32
-        print("blocks", blocks_apply(2, 512, 151936, f32, f32))  # the vocabulary over `model`: positions
+        print("blocks", blocks_apply(2, 512, 151936))  # the vocabulary over `model`: positions
         (_, (loss, hit)), grads = run(h, table, None, 100)  # blocks, asked for: the same numbers
     print("blocked", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)),
           max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))

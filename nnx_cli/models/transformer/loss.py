@@ -23,9 +23,9 @@ loop. Without a gradient (evaluation) the forward pass computes the loss
 only. Small logits (a byte vocabulary, the test models) are computed whole,
 as plain autodiff would (:func:`chunk_length`).
 
-On a CPU the same loss is computed over blocks of the vocabulary instead, when
-the head is stored in the compute dtype (:func:`blocks_apply`; every position
-in each block):
+On a CPU the same loss is computed over blocks of the vocabulary instead
+(:func:`blocks_apply`; every position in each block, each block of the head
+converted to the compute dtype alone):
 XLA's CPU multiplies all positions by a block of 4,096 rows of the table
 three to four times faster than a chunk of positions by the whole table.
 One pass over the blocks keeps each position's running maximum `m`, sum
@@ -123,7 +123,7 @@ def token_cross_entropy(
     batch, length = targets.shape
     vocab = head.shape[0 if tied else 1]
     targets = jnp.asarray(targets, jnp.int32)
-    if block is None and chunk is None and blocks_apply(batch, length, vocab, h.dtype, head.dtype):
+    if block is None and chunk is None and blocks_apply(batch, length, vocab):
         block = block_rows(batch * length, vocab)
     if block is not None:
         rows = min(int(block), vocab)
@@ -280,21 +280,21 @@ def block_rows(tokens: int, vocab: int) -> int:
     return max(1, min(vocab, BLOCK_ROWS, chunk_bytes() // (4 * tokens)))
 
 
-def blocks_apply(batch: int, length: int, vocab: int, dtype: Any, head_dtype: Any) -> bool:
+def blocks_apply(batch: int, length: int, vocab: int) -> bool:
     """Whether :func:`token_cross_entropy` takes vocabulary blocks by default: on a CPU (where XLA multiplies a
     block of the table by every position several times faster than a chunk of positions by the whole table),
-    when the head is stored in the compute dtype `dtype`, the logits would not fit in one chunk and no mesh axis
-    shards the vocabulary (a block of a sharded table would live on one device). At Qwen2.5-0.5B's shapes the
-    blocks took 0.55x the loss's time in float32 (and 50 against 128 MiB of temporaries), 0.5-0.7x in bfloat16.
+    when the logits would not fit in one chunk and no mesh axis shards the vocabulary (a block of a sharded table
+    would live on one device). At Qwen2.5-0.5B's shapes the blocks took 0.55x the loss's time in float32 (and 50
+    against 128 MiB of temporaries), 0.5-0.7x in bfloat16.
 
-    A head stored in another dtype than the compute dtype (a float32 base computing in bfloat16) would be
-    converted whole to be sliced (+243 MiB of the step's temporaries at those shapes): chunks read it as it is.
-    XLA's CPU slices a 16-bit head only as its bits (:func:`.dense.sliceable`). A 16-bit head is a frozen base's
-    (`model.quantize`), which a training step is given as its bits (`steps.frozen_as_bits`), so that costs
-    nothing there; a 16-bit head given as it is (a model used outside the trainer) costs a copy of its bits (272
-    MB at those shapes)."""
-    same = jnp.dtype(dtype) == jnp.dtype(head_dtype)
-    if jax.default_backend() != "cpu" or not same or 4 * batch * length * vocab <= chunk_bytes():
+    A head stored in another dtype than the compute dtype (a float32 base computing in bfloat16, a 16-bit base
+    read in float32) is sliced as stored and each block converted alone; the chunks of positions
+    convert it whole (a LoRA step on a float32 base in bfloat16: 0.94x the time and 969 against 1,208 MiB of
+    temporaries with blocks, `benchmarks/chunked_loss.py --time lora32`). XLA's CPU slices a 16-bit head only as
+    its bits (:func:`.dense.sliceable`). A 16-bit head is a frozen base's (`model.quantize`), which a training
+    step is given as its bits (`steps.frozen_as_bits`), so that costs nothing there; a 16-bit head given as it is
+    (a model used outside the trainer) costs a copy of its bits (272 MB at those shapes)."""
+    if jax.default_backend() != "cpu" or 4 * batch * length * vocab <= chunk_bytes():
         return False
     from nnx.spmd import current_mesh, logical_to_mesh_axes
 
@@ -325,11 +325,13 @@ class _BlockOf(NamedTuple):
     logits: jax.Array  # the product finished: soft-capped, repeated and padded ids masked, over the temperature
 
 
-def _block_logits(x: jax.Array, weights: jax.Array, j: jax.Array, spec: _Block, dtype: Any) -> _BlockOf:
-    """Block `j` of `weights` (:func:`.dense.sliceable`'s, of `dtype`)."""
+def _block_logits(x: jax.Array, weights: jax.Array, j: jax.Array, spec: _Block, stored: Any) -> _BlockOf:
+    """Block `j` of `weights` (:func:`.dense.sliceable`'s, of the head `stored` in that dtype), converted to
+    `x`'s dtype alone: a head stored in another dtype is never converted whole."""
     vocab = weights.shape[0 if spec.head.tied else 1]
     start = jnp.minimum(j * spec.rows, vocab - spec.rows)
-    w = as_stored(lax.dynamic_slice_in_dim(weights, start, spec.rows, axis=0 if spec.head.tied else 1), dtype)
+    w = lax.dynamic_slice_in_dim(weights, start, spec.rows, axis=0 if spec.head.tied else 1)
+    w = as_stored(w, stored).astype(x.dtype)
     contract = (((1,), (1 if spec.head.tied else 0,)), ((), ()))
     product = lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
     ids = start + jnp.arange(spec.rows)
@@ -353,13 +355,13 @@ def _blocked_pass(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Bloc
     as `m` grows: `G = A / s - slope_target w_target` is then the gradient of each position's loss with respect
     to its `h`. Returns the loss, `is_argmax`, the log normalizer and G (None without `gradient`), `[N]`/`[N, E]`."""
     x = h.reshape(-1, h.shape[-1])
-    weights = sliceable(head.astype(h.dtype))
+    weights = sliceable(head)
     rows = targets.reshape(-1)
     n = rows.shape[0]
 
     def body(carry, j):
         m, s, a, logit, target = carry
-        block = _block_logits(x, weights, j, spec, h.dtype)
+        block = _block_logits(x, weights, j, spec, head.dtype)
         top = jnp.maximum(m, jnp.max(block.logits, axis=-1))
         rescale = jnp.exp(m - top)
         p = jnp.exp(block.logits - top[:, None])
@@ -381,7 +383,8 @@ def _blocked_pass(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Bloc
     loss, hit = normalizer - logit, logit >= top
     if not gradient:
         return loss, hit, normalizer, None
-    picked = as_stored(jnp.take(weights, rows, axis=0 if spec.head.tied else 1), h.dtype).astype(jnp.float32)
+    picked = as_stored(jnp.take(weights, rows, axis=0 if spec.head.tied else 1), head.dtype)
+    picked = picked.astype(h.dtype).astype(jnp.float32)  # the target's row as the blocks multiply by it
     picked = picked if spec.head.tied else picked.T
     g = a / s[:, None] - _slope(target, spec.head)[:, None] * picked
     return loss, hit, normalizer, g
@@ -404,11 +407,11 @@ def _blocked_backward(spec, saved, cotangents):
     to_h, h, head, targets, normalizer = saved
     g = cotangents[0].reshape(-1)
     x = h.reshape(-1, h.shape[-1])
-    weights = sliceable(head.astype(h.dtype))
+    weights = sliceable(head)
     rows = targets.reshape(-1)
 
     def body(total, j):
-        block = _block_logits(x, weights, j, spec, h.dtype)
+        block = _block_logits(x, weights, j, spec, head.dtype)
         p = jnp.exp(block.logits - normalizer[:, None]) - (block.ids == rows[:, None])
         d = (p * _slope(block.product, spec.head) * g[:, None]).astype(h.dtype)
         d = jnp.where(block.fresh, d, 0)  # an id of an earlier block: counted there
