@@ -21,6 +21,7 @@ from nnx_cli import decoding
 from nnx_cli.decoding import Decoder, Utf8Decoder, decode_bytes, generate, sample_tokens
 from nnx_cli.errors import UserError
 from nnx_cli.models import MLPClassifier
+from nnx_cli.models.transformer.loss import head_logits
 from nnx_cli.models.transformer_lm import TransformerLM
 
 SEQ_LEN, VOCAB = 32, 257
@@ -140,8 +141,36 @@ def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table_bit_fo
     h = jax.random.normal(jax.random.key(1), (rows, 1, 32))  # 40064 padded ids: two chunks, the last overlapping
     params, moduledef = model.partition(nnx.Param)
     chunked = jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h))(params, h)
-    whole = jax.jit(lambda p, h: moduledef.merge(p)._logits(h)[:, 0])(params, h)
+    whole = jax.jit(lambda p, h: whole_table_logits(moduledef.merge(p), h)[:, 0])(params, h)
     np.testing.assert_array_equal(chunked, whole)
+
+
+def whole_table_logits(model: TransformerLM, h: jax.Array) -> jax.Array:
+    """The logits of the final hidden states `h` as one product over the whole tied table (converted whole to
+    `h`'s dtype)."""
+    spec = {"tied": True, "vocab_size": model.vocab_size, "softcap": model.logit_softcap}
+    return head_logits(model.final_norm(h), model.embedding.embedding, **spec)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("options", [{"quantize": {"type": "bfloat16"}}, {"dtype": "bfloat16"}],
+                         ids=["bfloat16-table-in-float32", "float32-table-in-bfloat16"])  # fmt: skip
+def test_a_full_pass_reads_a_table_stored_in_another_dtype_a_chunk_at_a_time(options):
+    """A 16-bit base's tied table read in float32 (a bitsandbytes directory at its default `model.dtype`, as
+    `nnx-eval` and the harness run it), or a float32 table in bfloat16: `logits` takes the table a chunk of rows
+    at a time, each converted alone, with no converted copy of the whole table, and gives the logits of that
+    copy bit for bit."""
+    model = TransformerLM((8,), 40_000, num_layers=1, num_heads=2, embed_dim=256, dropout=0.0, ctx=nnx.context(0),
+                          **options)  # fmt: skip
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 40_000)
+    params, moduledef = model.partition(nnx.Param)
+    logits = jax.jit(lambda p, t: moduledef.merge(p).logits(t))
+    compiled = logits.lower(params, tokens).compile(compiler_options=DEPLOYED)
+    table = model.embedding.embedding
+    computed = jnp.float32 if table.dtype == jnp.bfloat16 else jnp.bfloat16
+    assert compiled.memory_analysis().temp_size_in_bytes < table.size * jnp.dtype(computed).itemsize  # a copy
+    whole = jax.jit(lambda p, t: whole_table_logits(moduledef.merge(p), moduledef.merge(p)._hidden(t)[0]))
+    np.testing.assert_array_equal(compiled(params, tokens), whole(params, tokens))
 
 
 @pytest.mark.usefixtures("on_the_cpu")

@@ -327,8 +327,17 @@ class TransformerLM(nnx.Module):
         return h, jax.tree.map(lambda *x: sum(x), *each) if each else None
 
     def _logits(self, h: jax.Array) -> jax.Array:
-        """Float32 logits over the padded vocabulary, padded ids masked."""
+        """Float32 logits over the padded vocabulary, padded ids masked.
+
+        On one CPU device a tied table stored in another dtype than `h` (a 16-bit base's read in float32, as a
+        bitsandbytes directory is at its default `model.dtype`; a float32 one in bfloat16) is multiplied a chunk
+        of its rows at a time (:meth:`_tied_chunks`), each chunk converted alone, where one product over the
+        table converted whole held that copy beside the logits: for [2, 128] tokens at Qwen2.5-0.5B's shapes,
+        562 -> 319 MiB of temporaries (the bfloat16 table is still copied once, to its bits, unless given as
+        them), and 282 -> 31 MiB for a float32 table in bfloat16."""
         h = self.final_norm(h)
+        if self._chunks_apply() and self.embedding.embedding.dtype != h.dtype:
+            return self._tied_chunks(h.reshape(-1, h.shape[-1])).reshape(*h.shape[:-1], -1)
         return head_logits(
             h, self._head(), tied=self.tie_embeddings, vocab_size=self.vocab_size, softcap=self.logit_softcap
         )
@@ -347,38 +356,49 @@ class TransformerLM(nnx.Module):
     def _last_logits(self, h: jax.Array) -> jax.Array:
         """:meth:`_logits` of one position per row, `h` `[B, 1, embed]` -> `[B, padded vocab]` (prefill, decode).
 
-        On one CPU device a tied table is read in chunks of `_HEAD_CHUNK_BYTES` of its rows, one product per
-        chunk in a loop: each row's logit is the same dot product as in `_logits` (the logits are bitwise
-        equal), but the chunk's rows are still in cache for every row of `h`, where XLA's product over the
-        whole table (544 MB for a Qwen2.5's 151936 ids) read it from memory about once per row of `h`: the
-        head 2-3x faster at batch 8 and about 1.6x at batch 1. A GPU, a mesh (a sharded table) or a head of its
-        own take `_logits` as it is (a head's `[embed, vocab]` kernel read in chunks of columns is slower).
-        A bfloat16 table (a quantised base's) against bfloat16 rows is one product over the whole table as
-        stored: XLA's CPU multiplies the two into float32 without widening either (one row repeated to two,
-        :func:`nnx.nn.quantize.two_rows`), where float32 chunks of it would need its bits sliced, a copy every step.
+        On one CPU device a tied table is read a chunk of its rows at a time (:meth:`_tied_chunks`): each row's
+        logit is the same dot product as in `_logits` (the logits are bitwise equal), but the chunk's rows are
+        still in cache for every row of `h`, where XLA's product over the whole table (544 MB for a Qwen2.5's
+        151936 ids) read it from memory about once per row of `h`: the head 2-3x faster at batch 8 and about
+        1.6x at batch 1. A GPU, a mesh (a sharded table) or a head of its own take `_logits` as it is (a head's
+        `[embed, vocab]` kernel read in chunks of columns is slower). A bfloat16 table (a quantised base's)
+        against bfloat16 rows is one product over the whole table as stored: XLA's CPU multiplies the two into
+        float32 without widening either (one row repeated to two, :func:`nnx.nn.quantize.two_rows`), where
+        float32 chunks of it would need its bits sliced, a copy every step.
         """
-        table = self.embedding.embedding
-        if not self.tie_embeddings or jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
+        if not self._chunks_apply():
             return self._logits(h)[:, 0]
+        table = self.embedding.embedding
         h = self.final_norm(h[:, 0])
         if table.dtype == h.dtype == jnp.bfloat16:  # a quantised base's table, multiplied as it is stored
             spec = {"tied": True, "vocab_size": self.vocab_size, "softcap": self.logit_softcap}
             return head_logits(two_rows(h), table, **spec)[: h.shape[0]]
+        return self._tied_chunks(h)
+
+    def _chunks_apply(self) -> bool:
+        """Whether the head may read the tied table in chunks of rows (:meth:`_tied_chunks`): on one CPU device."""
+        return self.tie_embeddings and jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty
+
+    def _tied_chunks(self, h: jax.Array) -> jax.Array:
+        """The logits `[N, padded vocab]` of the normed rows `h` `[N, embed]` over the tied table, a chunk of
+        `_HEAD_CHUNK_BYTES` of its rows per product in a loop, each chunk in `h`'s dtype. A bfloat16 table (a
+        quantised base's) is sliced as its bits: XLA's CPU has no bfloat16 dynamic-slice and would widen the
+        whole table to float32 once, outside the loop."""
+        table = self.embedding.embedding
         vocab, width = table.shape
         chunk = min(vocab, max(VOCAB_MULTIPLE, _HEAD_CHUNK_BYTES // (width * 4) // VOCAB_MULTIPLE * VOCAB_MULTIPLE))
-        # A bfloat16 table (a quantised base's) sliced as its bits: XLA's CPU has no bfloat16 dynamic-slice and
-        # would widen the whole table to float32 once, outside the loop (a float32 copy of it while decoding).
         sliced = sliceable(table)
 
         def part(i: jax.Array, logits: jax.Array) -> jax.Array:
             start = jnp.minimum(i * chunk, vocab - chunk)  # the last chunk overlaps the one before: same values
             rows = as_stored(jax.lax.dynamic_slice_in_dim(sliced, start, chunk), table.dtype).astype(h.dtype)
             dot = jax.lax.dot_general(h, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_slice_in_dim(logits, dot, start, axis=1)
+            dot = jnp.where(
+                start + jnp.arange(chunk) < self.vocab_size, soft_cap(dot, self.logit_softcap), MASKED_LOGIT
+            )
+            return jax.lax.dynamic_update_slice_in_dim(logits, dot, start, axis=1)  # finished: no second buffer
 
-        logits = jax.lax.fori_loop(0, -(-vocab // chunk), part, jnp.zeros((h.shape[0], vocab), jnp.float32))
-        logits = soft_cap(logits, self.logit_softcap)
-        return jnp.where(jnp.arange(vocab) < self.vocab_size, logits, MASKED_LOGIT)
+        return jax.lax.fori_loop(0, -(-vocab // chunk), part, jnp.zeros((h.shape[0], vocab), jnp.float32))
 
     def logits(
         self,
