@@ -98,9 +98,24 @@ def model_states(state: TrainState, params: Any = None, rest: Any = None, *, bit
 
 
 def parameters(state: TrainState) -> nnx.State:
-    """Every parameter of the model, frozen ones included: what decoding runs on (in bfloat16 where the state
-    holds their bits: a copy of those)."""
-    return state["params"] | stored(state[FROZEN]) if FROZEN in state else state["params"]
+    """Every parameter of the model, frozen ones included: what decoding runs on. Those the state holds as their
+    bits (a 16-bit base on a CPU, :func:`frozen_as_bits`) come back in bfloat16, each in the bits' own memory on
+    one CPU device (:func:`_bfloat16_view`), else a copy.
+
+    The Samples hook decodes on these with each eval: converted, they were a copy of the 16-bit base beside the
+    train state, on top of the decoder's own per-layer copy of it."""
+    return state["params"] | jax.tree.map(_bfloat16_view, state[FROZEN]) if FROZEN in state else state["params"]
+
+
+def _bfloat16_view(x: Any) -> Any:
+    """A concrete `uint16` array (bfloat16 bits) on one CPU device as a bfloat16 array in the same memory (JAX
+    takes an aligned host buffer as it is); anything else through :func:`stored`. The view is only read, and
+    dropped before the state it shares memory with is given to the next step."""
+    if x.dtype != jnp.uint16 or isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return stored(x)
+    if jax.default_backend() != "cpu" or len(x.sharding.device_set) != 1:
+        return stored(x)
+    return jax.device_put(np.asarray(x).view(jnp.bfloat16), x.sharding)  # a copy only where not aligned
 
 
 def frozen_as_bits(frozen: Any) -> Any:

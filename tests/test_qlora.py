@@ -417,7 +417,8 @@ def test_a_step_traced_under_a_mesh_and_logical_rules_stacks_no_second_copy_of_t
 def test_a_cpu_train_state_holds_its_16bit_base_as_bits_and_steps_as_it_would_on_it(quantize, chunk_bytes, monkeypatch):
     """`steps.frozen_as_bits`: the train state's bfloat16 frozen parameters (a 16-bit base's kernels and table, a
     4-bit base's table) held as uint16. Train steps on it (the loss whole, or in vocabulary blocks) give the
-    loss and adapters they give on the bfloat16 state, bitwise; `steps.parameters` gives bfloat16 back. (What it
+    loss and adapters they give on the bfloat16 state, bitwise; `steps.parameters` gives bfloat16 back, in the
+    bits' own memory. (What it
     saves, a copy of the stacks and the table into bits each step, shows in XLA's memory analysis at full
     optimisation, not at the tests' level: `benchmarks/qlora.py` prints it.) Elsewhere (a GPU) the state stays as
     it is."""
@@ -443,6 +444,11 @@ def test_a_cpu_train_state_holds_its_16bit_base_as_bits_and_steps_as_it_would_on
     else:
         assert after == before and not as_bits
     jax.tree.map(np.testing.assert_array_equal, steps.parameters(bits), steps.parameters(plain))
+    held = steps.parameters(bits)  # what the Samples hook decodes on: in the bits' own memory, not a copy
+    for p in as_bits:
+        assert held[p].value.dtype == jnp.bfloat16
+        assert held[p].value.unsafe_buffer_pointer() == bits[steps.FROZEN][p].value.unsafe_buffer_pointer()
+    del held  # a view lives only until the state is donated to a step
 
     sums = steps.empty_sums(["loss", "accuracy"])
     step = jax.jit(
