@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from nnx_cli import optim, steps
 from nnx_cli.errors import RunError
@@ -265,8 +266,6 @@ def eval_prompts(exp: Any) -> list[list[int]]:
     """The prompts of the samples written at each eval: `train.sample_prompts`, encoded (a run on conversations,
     chats or conversational preference pairs, renders each as a user turn and the opening of the reply, as
     `nnx-generate --chat` does); by default the first tokens of the eval split and of its middle."""
-    import numpy as np
-
     from nnx_cli.data import examples
     from nnx_cli.data.tokenizers import load_tokenizer
     from nnx_cli.lm import encode_prompt, run_chat_template
