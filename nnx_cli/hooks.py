@@ -4,7 +4,7 @@
 - :class:`Checkpoint`   every `checkpoint.every_steps`, and at the end: the state and the loop's sums -> Orbax
 - :class:`Evaluate`     every `train.eval_every`, and at the end: eval metrics -> loggers
 - :class:`KeepBest`     with each eval, `checkpoint.keep_best`: the best step, kept
-- :class:`Samples`      with each eval, for language models: continuations of fixed prompts
+- :class:`Samples`      with each eval, for language models: continuations of fixed prompts (`train.sample_tokens`)
 - :class:`HarnessEval`  every `eval.harness.every_steps`, and at the end: lm-evaluation-harness tasks -> loggers
 - :class:`ImageGrid`    with each eval, for image models: a PNG of inputs, reconstructions and samples
 - :class:`Tick`         every dispatch: the live progress bar moves
@@ -31,9 +31,7 @@ from nnx_cli import optim, steps
 from nnx_cli.errors import RunError
 from nnx_cli.loop import Loop
 
-# Samples written at each eval during training (`samples/<step>.txt`).
-EVAL_SAMPLE_TOKENS = 200
-EVAL_PROMPTS = 2
+EVAL_PROMPTS = 2  # prompts of the samples written at each eval when `train.sample_prompts` names none
 
 
 class Guard:
@@ -224,8 +222,9 @@ class ImageGrid:
 
 
 class Samples:
-    """Language models: continuations of fixed prompts written to `samples/<step>.txt` with each eval, drawn
-    with keys from `(seed, step)`, so a resumed run writes the same samples as an uninterrupted one."""
+    """Language models: continuations of fixed prompts, `train.sample_tokens` tokens at most, written to
+    `samples/<step>.txt` with each eval, drawn with keys from `(seed, step)`, so a resumed run writes the same
+    samples as an uninterrupted one."""
 
     phase = "eval"
 
@@ -249,7 +248,7 @@ class Samples:
         key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
         drawn = decoder.generate(
             self.prompts,
-            max_tokens=EVAL_SAMPLE_TOKENS,
+            max_tokens=self.exp.cfg.train.sample_tokens,
             seed=key,
             **eval_sample_stops(self.exp.cfg.data.format, self.tokenizer),
         ).finish()

@@ -91,6 +91,22 @@ def test_each_eval_writes_samples_of_fixed_prompts(reference: Path):
     assert text.startswith("--- sample 0\n") and "--- sample 1\n" in text
 
 
+def test_train_sample_tokens_bounds_each_sample_and_zero_writes_none(project: Path):
+    """`train.sample_tokens`: at most that many tokens after each prompt (here bytes: one character each, the
+    default prompts the first 16 bytes of the eval split); 0 draws no samples at all."""
+    short = ["train.steps=4", "train.eval_every=4", "train.log_every=2", "checkpoint.every_steps=4"]
+    for workdir, tokens in (("three", 3), ("none", 0)):
+        result = cli("nnx-train", "lm.yaml", "--workdir", workdir, *short, f"train.sample_tokens={tokens}",
+                     cwd=project, timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    blocks = (project / "three" / "samples" / "4.txt").read_text().split("--- sample ")[1:]
+    assert len(blocks) == 2 and all(len(b.split("\n", 1)[1].rstrip("\n")) <= 16 + 3 for b in blocks)
+    assert not (project / "none" / "samples").exists()
+    assert records(project / "none", "eval")  # the eval ran, without samples
+    bad = cli("nnx-train", "lm.yaml", "--workdir", "bad", "train.sample_tokens=-1", cwd=project)
+    assert bad.returncode == 2 and "train.sample_tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path, project: Path):
     proc = start("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project, extra_env=OPTIMIZED)
     wait_for_checkpoint(project / "killed", 50, [proc])

@@ -347,7 +347,7 @@ def prepare(
             samples = session.workdir / "samples" if session.lock is not None else None
             if hasattr(exp.objective, "samples"):  # completions with their rewards (GRPO)
                 chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard, steps))
-            else:
+            elif t.sample_tokens > 0:
                 chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
     if harness_tasks is not None:
         chosen.append(hooks.HarnessEval(harness_every, exp, harness_tasks, session.loggers, guard, session.workdir))

@@ -39,12 +39,19 @@ class TrainConfig:
     sample_prompts: list[str] | None = setting(
         None, "language models: prompts continued at each eval into `samples/<step>.txt`; null: the eval split's"
     )
+    sample_tokens: int = setting(
+        200, "language models: tokens drawn after each sample prompt at each eval; 0: no samples", values=">= 0"
+    )
 
     def check(self) -> None:
         for name in ("batch_size", "log_every", "eval_every", "grad_accum_steps"):
             positive(f"train.{name}", getattr(self, name))
         for name in ("eval_batch_size", "steps", "epochs", "eval_max_batches"):
             positive(f"train.{name}", getattr(self, name), allow_none=True)
+        if not isinstance(self.sample_tokens, int) or isinstance(self.sample_tokens, bool) or self.sample_tokens < 0:
+            raise UserError(
+                f"config key 'train.sample_tokens' must be 0 (no samples) or more, got {show(self.sample_tokens)}"
+            )
         if self.steps is None and self.epochs is None:
             raise UserError("config keys 'train.steps' and 'train.epochs' are both null: set one of them")
         if self.batch_size % self.grad_accum_steps:
