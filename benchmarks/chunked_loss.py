@@ -9,8 +9,9 @@ sharding the vocabulary takes) and in blocks of the vocabulary (what a CPU takes
 
 1. XLA's memory analysis of each compiled step (MiB of temporaries, the step's own peak beside the state it
    reads), for LoRA on a float32 base (`lora32`, no `model.quantize`), on a bfloat16 base (`lora`,
-   `model.quantize: {type: bfloat16}`) and QLoRA (`qlora`, `{type: nf4}`), each with `model.remat` none and full. Nothing runs: the state is abstract. Target: both splits' temporaries at least
-   1 GB below the whole one's in every row (the float32 logits and their gradient, 2 x 593 MiB).
+   `model.quantize: {type: bfloat16}`) and QLoRA (`qlora`, `{type: nf4}`), each with `model.remat` none and
+   full. Nothing runs: the state is abstract. Target: both splits' temporaries at least 1 GB below the whole
+   one's in every row (the float32 logits and their gradient, 2 x 593 MiB).
 2. The step's time on this machine, chunks of positions (A) against vocabulary blocks (B), run A B B A,
    `--steps` steps each after one unmeasured, on one variant (`--time`, default QLoRA, remat none, computing in
    `--dtype`, default bfloat16): the median of each run, the B/A ratio, and how far the two runs of each side
