@@ -155,15 +155,16 @@ def _new_cache(moduledef: nnx.ModuleDef, params: nnx.State, batch_size: int, max
     return cache, cachedef
 
 
-def _params(layout: tuple, leaves: list[jax.Array]) -> nnx.State:
-    """The decoder's parameters from its leaves, those it holds as their bits (`Decoder`) in bfloat16 again."""
+def from_leaves(layout: tuple, leaves: list[jax.Array]) -> nnx.State:
+    """Parameters from :func:`held_leaves`' leaves and layout, those held as their bits in bfloat16 again (inside a
+    jitted function, where that conversion folds away)."""
     treedef, bits = layout
     return treedef.unflatten([jax.lax.bitcast_convert_type(x, jnp.bfloat16) if b else x for x, b in zip(leaves, bits)])
 
 
 def _prefill_impl(cachedef, layout, leaves, cache, tokens, lengths, keys, sampling, flags):
     trace_counts["prefill"] += 1
-    logits, (state, _) = cachedef.apply(_params(layout, leaves), cache).prefill(tokens, lengths)
+    logits, (state, _) = cachedef.apply(from_leaves(layout, leaves), cache).prefill(tokens, lengths)
     first = _sample(logits, keys, jnp.int32(0), *sampling, **dict(flags))
     # The decode step's first positions and draw index come out of here, not from the host: arguments made
     # on the host are placed differently from a jitted step's outputs, so the step compiled a second time.
@@ -173,7 +174,7 @@ def _prefill_impl(cachedef, layout, leaves, cache, tokens, lengths, keys, sampli
 def _decode_impl(cachedef, layout, cache_len, leaves, cache, tokens, positions, index, keys, sampling, flags):
     trace_counts["decode"] += 1
     at = jnp.minimum(positions, cache_len - 1)  # rows past the end have stopped; keep them in bounds
-    logits, (state, _) = cachedef.apply(_params(layout, leaves), cache).decode(tokens, at)
+    logits, (state, _) = cachedef.apply(from_leaves(layout, leaves), cache).decode(tokens, at)
     following = _sample(logits, keys, index, *sampling, **dict(flags))
     return following, state.filter(nnx.Cache), positions + 1, index + 1
 
@@ -186,7 +187,7 @@ _decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2, 10), donate_argnums=(4,
 # ------------------------------------------------------------------------------
 
 
-def _sliced_tables(model: nnx.Module) -> set[str]:
+def sliced_tables(model: nnx.Module) -> set[str]:
     """The paths of `model`'s bfloat16 embedding tables that compute wider than they are stored (`model.dtype:
     float32` over a 16-bit base, a bitsandbytes directory's default), which a decoding step on a CPU reads as
     bits (:func:`_bits`)."""
@@ -198,6 +199,17 @@ def _sliced_tables(model: nnx.Module) -> set[str]:
         and m.dtype is not None  # None: it computes in the table's own dtype
         and jnp.dtype(m.dtype) != jnp.bfloat16
     }
+
+
+def held_leaves(params: nnx.State, tables: set[str]) -> tuple[list[jax.Array], tuple]:
+    """`params` as the leaves a jitted step on a CPU is best given, and their layout (:func:`from_leaves` takes
+    both back): the bfloat16 embedding tables at the paths `tables` (:func:`sliced_tables`, those the model reads
+    wider) as their bits, in the same memory (:func:`_bits`), every other leaf as it is."""
+    held = nnx.State({path: v.replace(value=_bits(v.value)) if path in tables else v for path, v in params.items()})
+    leaves, treedef = jax.tree.flatten(held)
+    given = jax.tree.leaves(params)  # the same order: a leaf held as bits was given in bfloat16
+    bits = tuple(x.dtype == jnp.uint16 and g.dtype == jnp.bfloat16 for x, g in zip(leaves, given, strict=True))
+    return leaves, (treedef, bits)
 
 
 def _bits(table: jax.Array) -> jax.Array:
@@ -243,16 +255,7 @@ class Decoder:
         self.params, self.moduledef = model.partition(nnx.Param)
         self.context_limit: int | None = model.context_limit
         self.vocab_size: int = model.vocab_size
-        tables = _sliced_tables(model)
-        held = nnx.State(
-            {path: v.replace(value=_bits(v.value)) if path in tables else v for path, v in self.params.items()}
-        )
-        self._leaves, treedef = jax.tree.flatten(held)
-        given = jax.tree.leaves(self.params)  # the same order: a leaf held as bits was given in bfloat16
-        bits = tuple(
-            x.dtype == jnp.uint16 and g.dtype == jnp.bfloat16 for x, g in zip(self._leaves, given, strict=True)
-        )
-        self._layout = (treedef, bits)
+        self._leaves, self._layout = held_leaves(self.params, sliced_tables(model))
 
     def generate(
         self,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from harness_support import TASKS, compare, compare_metrics, copy_tasks, golden
 from hf_support import fixture
+from xla_support import DEPLOYED
 
 from nnx_cli import harness
 from nnx_cli.harness.backend import NNXLM
@@ -102,11 +103,43 @@ def _counting(engine: Engine, name: str = "_score") -> list[tuple[tuple[int, ...
     score = getattr(engine, name)
 
     def counted(*args):
-        shapes.append(tuple(np.shape(a) for a in args[2 if name == "_score" else 3 :]))
+        shapes.append(tuple(np.shape(a) for a in args[3 if name == "_score" else 4 :]))  # past the parameters
         return score(*args)
 
     setattr(engine, name, counted)
     return shapes
+
+
+def test_a_bfloat16_table_read_in_float32_is_scored_as_its_bits_in_its_own_memory():
+    """A bitsandbytes directory at its default `model.dtype: float32` has a bfloat16 table the model reads wider:
+    the engine gives it to its programs as its bits, in the table's own memory (given it in bfloat16, each call
+    copied it to its bits to slice it), and scores what it scores given the table as it is."""
+    import jax.numpy as jnp
+
+    import nnx
+    from nnx_cli import decoding
+    from nnx_cli.harness import engine as engines
+    from nnx_cli.models.transformer_lm import TransformerLM
+
+    model = TransformerLM((16,), 40_000, num_layers=1, num_heads=2, embed_dim=256, dropout=0.0,
+                          quantize={"type": "bfloat16"}, ctx=nnx.context(0))  # fmt: skip
+    params, moduledef = model.partition(nnx.Param)
+    engine = Engine(moduledef, params, max_length=16, batch_size=2)
+    table = params["embedding/embedding"].value
+    tables = [v.value for path, v in params.items() if path.endswith("embedding")]  # tokens, positions
+    bits = [x for x in engine._leaves if x.dtype == jnp.uint16]
+    assert {b.unsafe_buffer_pointer() for b in bits} == {t.unsafe_buffer_pointer() for t in tables}
+    inputs = (jnp.ones((2, 16), jnp.int32), jnp.full((2,), 16, jnp.int32), jnp.zeros((2, 1), jnp.int32))
+    given, layout = decoding.held_leaves(engine.params, set())  # the table in bfloat16, as before
+
+    def temporaries(layout, leaves) -> int:
+        compiled = engines._SCORE.lower(engine.moduledef, layout, leaves, *inputs).compile(compiler_options=DEPLOYED)
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(engine._layout, engine._leaves) < temporaries(layout, given) - table.nbytes / 2
+    ours = engines._SCORE(engine.moduledef, engine._layout, engine._leaves, *inputs)
+    for a, b in zip(ours, engines._SCORE(engine.moduledef, layout, given, *inputs), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_continuations_of_one_context_are_scored_after_one_pass_over_it(llama):

@@ -199,7 +199,7 @@ def decode_step_temporaries(decoder: Decoder) -> int:
     model = decoder.moduledef.merge(decoder.params)
     model.init_cache(1, SEQ_LEN)
     (_, cache), cachedef = model.partition(nnx.Param, nnx.Cache)
-    step = jax.jit(lambda c, leaves: cachedef.merge(decoding._params(decoder._layout, leaves), c).decode(
+    step = jax.jit(lambda c, leaves: cachedef.merge(decoding.from_leaves(decoder._layout, leaves), c).decode(
         jnp.asarray([1]), jnp.asarray([3])))  # fmt: skip
     return step.lower(cache, decoder._leaves).compile(compiler_options=DEPLOYED).memory_analysis().temp_size_in_bytes
 

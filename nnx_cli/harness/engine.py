@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nnx
+from nnx_cli import decoding
 from nnx_cli.decoding import bucket_length
 
 # Most bytes a batch's float32 logits may take (they are the largest array of a scoring call).
@@ -66,12 +67,15 @@ class _Row:
     requests: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (request, scored, final token)
 
 
-def _score(moduledef: nnx.ModuleDef, params: nnx.State, tokens: jax.Array, lengths: jax.Array, finals: jax.Array):
+def _score(moduledef: nnx.ModuleDef, layout: tuple, leaves: list[jax.Array], tokens: jax.Array, lengths: jax.Array,
+           finals: jax.Array):  # fmt: skip
     """Per row of right-padded `tokens` `[B, T]` with `lengths` real tokens: the log-probability of each next
     input token (`along[b, t]`: of `tokens[b, t + 1]` after position t), whether it is the argmax (`matches`),
     and at the last real position the log-probabilities of the candidate final tokens `finals` `[B, K]` and the
-    argmax there (`best`)."""
-    logits = moduledef.merge(params).logits(tokens)  # [B, T, V] float32, padded vocabulary masked
+    argmax there (`best`). The parameters come as `decoding.held_leaves` gives them."""
+    logits = moduledef.merge(decoding.from_leaves(layout, leaves)).logits(
+        tokens
+    )  # [B, T, V] float32, padded vocabulary masked
     normalizer = jax.nn.logsumexp(logits, axis=-1)
     following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     along = jnp.take_along_axis(logits, following[..., None], axis=-1)[..., 0] - normalizer
@@ -92,15 +96,15 @@ def _gather_rows(cache: nnx.State, rows: jax.Array) -> nnx.State:
 
 
 def _score_shared(
-    moduledef: nnx.ModuleDef, cache_len: int, params: nnx.State, contexts: jax.Array, lengths: jax.Array,
-    rows: jax.Array, continuations: jax.Array, counts: jax.Array,
+    moduledef: nnx.ModuleDef, cache_len: int, layout: tuple, leaves: list[jax.Array], contexts: jax.Array,
+    lengths: jax.Array, rows: jax.Array, continuations: jax.Array, counts: jax.Array,
 ):  # fmt: skip
     """Continuations scored after shared contexts: each context of `contexts` `[U, P]` (right-padded, `lengths`
     real tokens) goes through the model once, its keys and values are copied to the continuations that follow it
     (`rows` `[R]`: a context per continuation), and the continuations `[R, K]` (`counts` real tokens) are fed
     one token per step through the cache. Per continuation: its log-probability and whether every token of it is
     the argmax."""
-    model = moduledef.merge(params)
+    model = moduledef.merge(decoding.from_leaves(layout, leaves))
     model.init_cache(contexts.shape[0], cache_len)
     (weights, cache), cachedef = model.partition(nnx.Param, nnx.Cache)
     after, (state, _) = cachedef.apply(weights, cache).prefill(contexts, lengths)  # [U, V] after each context
@@ -126,8 +130,8 @@ def _score_shared(
 
 # Compiled once per process for each model structure and shape, whichever engine calls them (a training run's
 # evaluations, several engines over one model).
-_SCORE = jax.jit(_score, static_argnums=0)
-_SCORE_SHARED = jax.jit(_score_shared, static_argnums=(0, 1))
+_SCORE = jax.jit(_score, static_argnums=(0, 1))
+_SCORE_SHARED = jax.jit(_score_shared, static_argnums=(0, 1, 2))
 
 
 class Engine:
@@ -153,6 +157,10 @@ class Engine:
     ):
         model = moduledef.merge(params)
         self.params, self.moduledef = model.partition(nnx.Param)
+        # A bfloat16 table read wider (a bitsandbytes directory at float32) goes to the programs as its bits, in
+        # the same memory: given it in bfloat16, each call copied it to its bits to slice it.
+        self._tables = decoding.sliced_tables(model)
+        self._leaves, self._layout = decoding.held_leaves(self.params, self._tables)
         self.vocab_size: int = model.vocab_size
         self.context_limit: int | None = model.context_limit
         self.max_length = max_length if self.context_limit is None else min(max_length, self.context_limit)
@@ -178,6 +186,7 @@ class Engine:
         """New values for the same parameters (a training run's current ones); nothing recompiles. None lets go
         of them until the next ones (a training run between two evaluations)."""
         self.params = params.filter(nnx.Param) if hasattr(params, "filter") else params
+        self._leaves = None if self.params is None else decoding.held_leaves(self.params, self._tables)[0]
         self._decoder = None
 
     # --- log-likelihoods ------------------------------------------------------------------------------------
@@ -268,7 +277,7 @@ class Engine:
             if self._rows_sharding is not None:
                 inputs = jax.device_put(inputs, self._rows_sharding)
             with self._context():
-                out = self._score_shared(self.moduledef, cache_len, self.params, *inputs)
+                out = self._score_shared(self.moduledef, cache_len, self._layout, self._leaves, *inputs)
             total, greedy = (np.asarray(x) for x in jax.device_get(out))
             for r, i in enumerate(members):
                 results[i] = (float(total[r]), bool(greedy[r]))
@@ -318,7 +327,7 @@ class Engine:
         if self._rows_sharding is not None:
             inputs = jax.device_put(inputs, self._rows_sharding)
         with self._context():
-            out = self._score(self.moduledef, self.params, *inputs)
+            out = self._score(self.moduledef, self._layout, self._leaves, *inputs)
         return [np.asarray(x)[: len(batch)] for x in jax.device_get(out)]
 
     def _context(self):
@@ -352,8 +361,6 @@ class Engine:
         are returned). Prompts are batched longest first; a batch runs until
         every row in it has ended.
         """
-        from nnx_cli import decoding
-
         if self._decoder is None:
             self._decoder = decoding.Decoder(self.moduledef, self.params)
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), list(prompts[i])))
