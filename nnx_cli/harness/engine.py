@@ -73,9 +73,8 @@ def _score(moduledef: nnx.ModuleDef, layout: tuple, leaves: list[jax.Array], tok
     input token (`along[b, t]`: of `tokens[b, t + 1]` after position t), whether it is the argmax (`matches`),
     and at the last real position the log-probabilities of the candidate final tokens `finals` `[B, K]` and the
     argmax there (`best`). The parameters come as `decoding.held_leaves` gives them."""
-    logits = moduledef.merge(decoding.from_leaves(layout, leaves)).logits(
-        tokens
-    )  # [B, T, V] float32, padded vocabulary masked
+    params = decoding.from_leaves(layout, leaves)
+    logits = moduledef.merge(params).logits(tokens)  # [B, T, V] float32, padded vocabulary masked
     normalizer = jax.nn.logsumexp(logits, axis=-1)
     following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     along = jnp.take_along_axis(logits, following[..., None], axis=-1)[..., 0] - normalizer
