@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nnx
+from nnx_cli import sharding
 from nnx_cli.errors import UserError
 
 MIN_BUCKET = 16
@@ -222,10 +223,8 @@ def _bits(table: jax.Array) -> jax.Array:
     folds away. Only those tables: a bfloat16 head against bfloat16 rows is one product over the table as
     stored, and given its bits it was converted back whole, a copy in each step (16 -> 98 ms for that head);
     a per-layer kernel given as bits, the same for every kernel."""
-    if jax.default_backend() != "cpu" or len(table.sharding.device_set) != 1:
-        return table
-    bits = jax.device_put(np.asarray(table).view(np.uint16), table.sharding)  # JAX takes an aligned buffer as is
-    return bits if bits.unsafe_buffer_pointer() == table.unsafe_buffer_pointer() else table
+    bits = sharding.same_memory(table, np.uint16)
+    return table if bits is None else bits
 
 
 class Decoder:

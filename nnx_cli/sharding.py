@@ -138,6 +138,16 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x)), tree)
 
 
+def same_memory(x: jax.Array, dtype: Any) -> jax.Array | None:
+    """`x`, on one CPU device, as an array of `dtype` (of the same width) in the same memory: JAX takes an aligned
+    host buffer as it is. None elsewhere (another platform, several devices, a buffer it would copy). The view
+    reads what `x` holds; a step donating `x` while the view lives copies instead."""
+    if jax.default_backend() != "cpu" or len(x.sharding.device_set) != 1:
+        return None
+    view = jax.device_put(np.asarray(x).view(dtype), x.sharding)
+    return view if view.unsafe_buffer_pointer() == x.unsafe_buffer_pointer() else None
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
     """How a global batch of `size` rows lies on the mesh, and which rows this process feeds.

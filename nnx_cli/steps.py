@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 import nnx
+from nnx_cli import sharding
 from nnx_cli.errors import UserError, first_line
 from nnx_cli.objectives import Objective, resolve
 
@@ -108,14 +109,13 @@ def parameters(state: TrainState) -> nnx.State:
 
 
 def _bfloat16_view(x: Any) -> Any:
-    """A concrete `uint16` array (bfloat16 bits) on one CPU device as a bfloat16 array in the same memory (JAX
-    takes an aligned host buffer as it is); anything else through :func:`stored`. The view is only read, and
-    dropped before the state it shares memory with is given to the next step."""
+    """A concrete `uint16` array (bfloat16 bits) on one CPU device as a bfloat16 array in the same memory
+    (:func:`.sharding.same_memory`); anything else through :func:`stored`. The view is only read, and dropped
+    before the state it shares memory with is given to the next step."""
     if x.dtype != jnp.uint16 or isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
         return stored(x)
-    if jax.default_backend() != "cpu" or len(x.sharding.device_set) != 1:
-        return stored(x)
-    return jax.device_put(np.asarray(x).view(jnp.bfloat16), x.sharding)  # a copy only where not aligned
+    view = sharding.same_memory(x, jnp.bfloat16)
+    return stored(x) if view is None else view
 
 
 def frozen_as_bits(frozen: Any) -> Any:
