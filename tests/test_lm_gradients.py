@@ -1,8 +1,8 @@
 """transformer_lm's hand-written backward passes equal autodiff of the formulas they stand for.
 
-The model's projections, SwiGLU, GeGLU and RMSNorm (Gemma's `1 + w` too) define their own gradients so that a
-training step saves fewer activations and writes no transposed copies of them; these tests hold those gradients to
-autodiff's.
+The model's projections, SwiGLU, GeGLU, RMSNorm (Gemma's `1 + w` too) and LayerNorm define their own gradients so
+that a training step saves fewer activations and writes no transposed copies of them; these tests hold those
+gradients to autodiff's.
 """
 
 import jax
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from xla_support import DEPLOYED
 
+import nnx
 from nnx_cli.models.transformer.dense import matmul
 from nnx_cli.models.transformer.mlp import geglu, swiglu
-from nnx_cli.models.transformer.norms import rms_norm
+from nnx_cli.models.transformer.norms import LayerNorm, layer_norm, rms_norm
 
 
 def random(shape, seed):
@@ -99,3 +100,41 @@ def test_gemma_rms_norm_gradients_equal_autodiff_of_its_formula_with_one_plus_w(
 
     ours = lambda x, scale: rms_norm(x, scale, 1e-6, jnp.float32, 1.0)  # noqa: E731
     assert_same_gradients(ours, formula, random((2, 3, 8), 0), 0.1 * random((8,), 1))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norm_gradients_equal_autodiff_of_its_formula(bias):
+    def formula(x, scale, bias):
+        centred = x - jnp.mean(x, axis=-1, keepdims=True)
+        y = centred / jnp.sqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + 1e-5) * scale
+        return y if bias is None else y + bias
+
+    ours = lambda x, scale, bias=None: layer_norm(x, scale, bias, 1e-5, jnp.float32)  # noqa: E731
+    args = [3.0 * random((2, 3, 8), 0) + 1.0, 1.0 + 0.1 * random((8,), 1)] + ([0.1 * random((8,), 2)] if bias else [])
+    assert_same_gradients(ours, lambda x, scale, bias=None: formula(x, scale, bias), *args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_layer_norm_values_and_parameters_are_nnx_layer_norms(dtype):
+    """The transformer's LayerNorm is `nnx.LayerNorm`'s values bit for bit, with the same parameters drawn from the
+    same stream: GPT-2 checkpoints, seeds and golden logits carry over."""
+    ours = LayerNorm(16, epsilon=1e-5, dtype=dtype, ctx=nnx.context(0))
+    theirs = nnx.LayerNorm(16, epsilon=1e-5, dtype=dtype, ctx=nnx.context(0))
+    assert list(ours.partition(nnx.Param)[0]) == list(theirs.partition(nnx.Param)[0])
+    ours.scale, ours.bias = 1.0 + 0.1 * random((16,), 1), 0.1 * random((16,), 2)
+    theirs.scale, theirs.bias = ours.scale, ours.bias
+    x = (3.0 * random((4, 5, 16), 0) + 2.0).astype(dtype)
+    got, want = jax.jit(lambda x: ours(x))(x), jax.jit(lambda x: theirs(x))(x)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("norm", [layer_norm, rms_norm], ids=["layernorm", "rmsnorm"])
+def test_a_norm_keeps_only_its_input_and_per_row_statistics_for_the_backward_pass(norm):
+    """Of the arrays the backward pass keeps, only `x` itself (in its own dtype) has `x`'s size: autodiff of
+    LayerNorm's formula kept three float32 ones (centred, squared, normalised), each stacked by the layer scan."""
+    x = random((4, 32, 64), 0).astype(jnp.bfloat16)
+    args = (random((64,), 1), random((64,), 2)) if norm is layer_norm else (random((64,), 1),)
+    _, backward = jax.vjp(lambda x, *a: norm(x, *a, 1e-5, jnp.bfloat16), x, *args)
+    large = [r for r in jax.tree.leaves(backward) if r.size >= x.size]
+    assert [(r.shape, r.dtype) for r in large] == [(x.shape, x.dtype)]
