@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nnx_cli.config import Config, load_config
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, did_you_mean
 
 _LAYOUT = {"checkpoints": "a directory", "images": "a directory", "metrics.jsonl": "a file", "config.yaml": "a file"}
 
@@ -88,7 +88,9 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
 
     path = Path(target)
     if not path.exists():
-        raise UserError(f"{str(path)!r} does not exist; expected a work dir written by nnx-train")
+        siblings = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
+        hint = did_you_mean(path.name, siblings, prefix=f"{path.parent}/" if str(path.parent) != "." else "")
+        raise UserError(f"{str(path)!r} does not exist{hint}; expected a work dir written by nnx-train")
     if (path / "checkpoints").is_dir():
         checkpoints = path / "checkpoints"
     elif path.name.isdigit() and (path / "state").is_dir():

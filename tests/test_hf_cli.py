@@ -182,3 +182,23 @@ def test_eval_samples_of_examples_stop_at_the_tokenizers_end_of_sequence_the_gen
     assert eos != 4
     stops = eval_sample_stops(data_format, tokenizer)["stop_tokens"]
     assert 4 in stops and (eos in stops) == stops_at_eos
+
+
+@pytest.mark.parametrize(
+    "command, extra",
+    [("nnx-eval", ()), ("nnx-generate", ("--prompt", "hi")), ("nnx-inspect", ())],
+    ids=["eval", "generate", "inspect"],
+)
+def test_a_mistyped_work_dir_is_exit_2_naming_the_closest_one_not_a_hub_id(command, extra, tmp_path):
+    """`runs/digits_vea` beside `runs/` has the shape of a Hub id (`org/name`) but means a work dir: the command
+    says it does not exist and names the work dir it is closest to, without asking the Hub."""
+    (tmp_path / "runs" / "digits_vae").mkdir(parents=True)
+    result = cli(command, "runs/digits_vea", *extra, cwd=tmp_path)
+    assert_user_error(result, "'runs/digits_vea' does not exist", "did you mean 'runs/digits_vae'")
+    assert "Hub" not in result.stderr
+
+
+def test_a_missing_yaml_path_is_a_missing_config_not_a_hub_id(tmp_path):
+    assert_user_error(
+        cli("nnx-inspect", "configs/mine.yaml", cwd=tmp_path), "config file 'configs/mine.yaml' does not exist"
+    )

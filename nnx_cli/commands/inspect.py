@@ -62,7 +62,7 @@ def inspect_state(
     if hf.is_model_dir(target):  # a Hugging Face model directory or Hub id: config.json and headers, no tensor
         exp = setup(hf.model_dir_config(target, overrides or []), data=None, place=False)
         title = str(exp.pretrained.directory)
-    elif target.is_dir():
+    elif target.is_dir() or _missing_run(target):
         from nnx_cli import restore
         from nnx_cli.workdir import open_run
 
@@ -279,6 +279,12 @@ def _bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return f"{n} B"
+
+
+def _missing_run(target: Path) -> bool:
+    """A path that does not exist, under a directory (`runs/tiny_ml`), and not a config file's name: meant as a
+    work dir, which `open_run` says does not exist (with the closest name beside it)."""
+    return not target.exists() and target.suffix not in (".yaml", ".yml") and target.parent != Path(".")
 
 
 def main() -> None:

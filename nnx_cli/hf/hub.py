@@ -35,7 +35,9 @@ def looks_local(source: str) -> bool:
 def is_model_dir(target: str | Path) -> bool:
     """Whether `target` is a Hugging Face model directory (it has a `config.json` and no `checkpoints/`), a Hub
     id, or a GGUF file (which stands for one): what `nnx-inspect`, `nnx-generate` and `nnx-eval` take instead of a
-    work dir."""
+    work dir. A path that does not exist under a directory that does (`runs/digits_vea` beside `runs/`), or that
+    names a YAML file, is a mistyped work dir or config, not a Hub id: the command says it does not exist rather
+    than asking the Hub for it."""
     path = Path(target).expanduser()
     if path.is_file():
         from nnx_cli.gguf.read import is_gguf
@@ -43,7 +45,9 @@ def is_model_dir(target: str | Path) -> bool:
         return is_gguf(path)
     if path.is_dir():
         return (path / CONFIG).is_file() and not (path / "checkpoints").is_dir() and not (path / "state").is_dir()
-    return not path.exists() and not looks_local(str(target))
+    if path.exists() or looks_local(str(target)) or path.suffix in (".yaml", ".yml"):  # a config file's name
+        return False
+    return not path.parent.is_dir()
 
 
 @functools.lru_cache(maxsize=16)
