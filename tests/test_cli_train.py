@@ -436,7 +436,8 @@ def test_missing_local_dataset(project: Path):
 
 def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: Path):
     result = cli("nnx-train", "run.yaml", "data.source=nnx-tests/not-cached", "--workdir", "bad-hub", cwd=project)
-    assert_user_error(result, "data.source", "nnx-tests/not-cached", "cannot be reached", "local copy")
+    assert_user_error(result, "data.source", "nnx-tests/not-cached", "cannot be reached", "local copy",
+                      "data.source=/path/to/not-cached")  # fmt: skip
 
 
 def test_resuming_with_a_different_model_is_a_user_error(project: Path):

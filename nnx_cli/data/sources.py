@@ -122,7 +122,8 @@ def open_dataset(source: str) -> Any:
             f"config key 'data.source': cannot load Hub dataset {source!r}: the Hugging Face Hub cannot be reached "
             f"and the dataset is not in the local cache ({type(e).__name__}). Run once with network access so "
             f"`datasets` caches it, or download it and set data.source to the local copy, e.g. "
-            f"data.source=/path/to/mnist (a directory of parquet files or a save_to_disk directory)"
+            f"data.source=/path/to/{source.rsplit('/', 1)[-1]} (a directory of parquet files or a save_to_disk "
+            "directory)"
         ) from None
     except Exception as e:  # datasets raises many types for bad inputs; all are the user's data
         raise UserError(f"config key 'data.source': cannot load dataset {source!r}: {type(e).__name__}: {e}") from None
