@@ -41,7 +41,7 @@ One module per part, each building its layers from the checked options
   per segment), soft-capping, key-value cache (rings for sliding layers), what
   differs per layer, the choice of fused kernel; :mod:`.mlp`: `MLP` (GELU,
   SwiGLU, GeGLU);
-- :mod:`.norms`: `RMSNorm` (and Gemma's `1 + w`) and LayerNorm;
+- :mod:`.norms`: `RMSNorm` (and Gemma's `1 + w`) and `LayerNorm`, each with its own backward pass;
   :mod:`.rotary`: rotary positions, partial rotation and their scalings;
   :mod:`.dense`: `Dense` and the logical-axis helpers;
 - :mod:`.options`: `Architecture`, :func:`architecture` (every option check),
@@ -56,7 +56,7 @@ from nnx_cli.models.transformer.block import Block
 from nnx_cli.models.transformer.dense import Dense
 from nnx_cli.models.transformer.mlp import MLP
 from nnx_cli.models.transformer.model import VOCAB_MULTIPLE, TransformerLM, padded_vocab_size
-from nnx_cli.models.transformer.norms import RMSNorm
+from nnx_cli.models.transformer.norms import LayerNorm, RMSNorm
 from nnx_cli.models.transformer.options import PROJECTIONS, Architecture, Lora, architecture, lora_options
 from nnx_cli.models.transformer.rotary import rope_frequencies, rotate
 
@@ -69,6 +69,7 @@ __all__ = [
     "Attention",
     "Block",
     "Dense",
+    "LayerNorm",
     "Lora",
     "RMSNorm",
     "TransformerLM",
