@@ -190,9 +190,9 @@ def test_eval_samples_of_examples_stop_at_the_tokenizers_end_of_sequence_the_gen
     ids=["eval", "generate", "inspect"],
 )
 def test_a_mistyped_work_dir_is_exit_2_naming_the_closest_one_not_a_hub_id(command, extra, tmp_path):
-    """`runs/digits_vea` beside `runs/` has the shape of a Hub id (`org/name`) but means a work dir: the command
-    says it does not exist and names the work dir it is closest to, without asking the Hub."""
-    (tmp_path / "runs" / "digits_vae").mkdir(parents=True)
+    """`runs/digits_vea` beside the work dir `runs/digits_vae` has the shape of a Hub id (`org/name`) but means a
+    work dir: the command says it does not exist and names the work dir it is closest to, without asking the Hub."""
+    (tmp_path / "runs" / "digits_vae" / "checkpoints").mkdir(parents=True)
     result = cli(command, "runs/digits_vea", *extra, cwd=tmp_path)
     assert_user_error(result, "'runs/digits_vea' does not exist", "did you mean 'runs/digits_vae'")
     assert "Hub" not in result.stderr
@@ -202,3 +202,15 @@ def test_a_missing_yaml_path_is_a_missing_config_not_a_hub_id(tmp_path):
     assert_user_error(
         cli("nnx-inspect", "configs/mine.yaml", cwd=tmp_path), "config file 'configs/mine.yaml' does not exist"
     )
+
+
+def test_an_id_beside_work_dirs_is_a_mistyped_path_and_beside_downloaded_models_a_hub_id(tmp_path, monkeypatch):
+    from nnx_cli.hf import is_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny_lm" / "checkpoints").mkdir(parents=True)
+    write_model_dir(tmp_path / "meta-llama" / "Llama-3.2-1B", LLAMA_CONFIG)  # a download mirroring the Hub's names
+    assert not is_model_dir("runs/tiny_ml")
+    assert is_model_dir("meta-llama/Llama-3.2-3B")  # not here: the Hub's
+    assert is_model_dir("meta-llama/Llama-3.2-1B")  # here: the directory
+    assert is_model_dir("nobody/anything") and not is_model_dir("configs/run.yaml")

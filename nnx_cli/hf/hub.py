@@ -35,9 +35,10 @@ def looks_local(source: str) -> bool:
 def is_model_dir(target: str | Path) -> bool:
     """Whether `target` is a Hugging Face model directory (it has a `config.json` and no `checkpoints/`), a Hub
     id, or a GGUF file (which stands for one): what `nnx-inspect`, `nnx-generate` and `nnx-eval` take instead of a
-    work dir. A path that does not exist under a directory that does (`runs/digits_vea` beside `runs/`), or that
-    names a YAML file, is a mistyped work dir or config, not a Hub id: the command says it does not exist rather
-    than asking the Hub for it."""
+    work dir. A path that does not exist beside work dirs (`runs/digits_vea` where `runs/digits_vae` holds
+    checkpoints), or that names a YAML file, is a mistyped work dir or config, not a Hub id: the command says it
+    does not exist rather than asking the Hub for it. Beside model directories (`meta-llama/` holding a
+    download) it is still a Hub id."""
     path = Path(target).expanduser()
     if path.is_file():
         from nnx_cli.gguf.read import is_gguf
@@ -47,7 +48,14 @@ def is_model_dir(target: str | Path) -> bool:
         return (path / CONFIG).is_file() and not (path / "checkpoints").is_dir() and not (path / "state").is_dir()
     if path.exists() or looks_local(str(target)) or path.suffix in (".yaml", ".yml"):  # a config file's name
         return False
-    return not path.parent.is_dir()
+    return not _beside_work_dirs(path)
+
+
+def _beside_work_dirs(path: Path) -> bool:
+    """Whether `path`'s parent is a local directory holding a work dir (a directory with `checkpoints/`)."""
+    if not path.parent.is_dir():
+        return False
+    return any((sibling / "checkpoints").is_dir() for sibling in path.parent.iterdir() if sibling.is_dir())
 
 
 @functools.lru_cache(maxsize=16)
