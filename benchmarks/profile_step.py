@@ -235,13 +235,13 @@ def profile(step, state, sums, batch, steps: int, top_ops: int = 10) -> tuple[di
 
     hlo = step.lower(state, sums, batch).compile().as_text()
     classifier = Classifier(hlo)
-    directory = tempfile.mkdtemp(prefix="nnx-profile-")
-    with jax.profiler.trace(directory):
-        for _ in range(steps):
-            state, sums, loss = step(state, sums, batch)
-            loss.block_until_ready()
-    (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-    planes = list(ProfileData.from_file(path).planes)
+    with tempfile.TemporaryDirectory(prefix="nnx-profile-") as directory:  # the trace is read, then removed
+        with jax.profiler.trace(directory):
+            for _ in range(steps):
+                state, sums, loss = step(state, sums, batch)
+                loss.block_until_ready()
+        (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+        planes = list(ProfileData.from_file(path).planes)
     # On a GPU the kernels' own planes (`/device:GPU:N`) hold the time the device spent; the host's planes hold
     # the launches. On a CPU the host's threads run the operations themselves.
     devices = [plane for plane in planes if plane.name.startswith("/device:")]
