@@ -13,7 +13,7 @@ from xla_support import DEPLOYED
 
 import nnx
 from nnx_cli.models.transformer.dense import matmul
-from nnx_cli.models.transformer.mlp import geglu, swiglu
+from nnx_cli.models.transformer.mlp import activation, gated, geglu, swiglu
 from nnx_cli.models.transformer.norms import LayerNorm, layer_norm, rms_norm
 
 
@@ -84,6 +84,23 @@ def test_swiglu_gradients_equal_autodiff_of_silu_times_up():
 def test_geglu_gradients_equal_autodiff_of_tanh_gelu_times_up():
     formula = lambda gate, up: jax.nn.gelu(gate, approximate=True) * up  # noqa: E731
     assert_same_gradients(geglu, formula, 2.0 * random((6, 7), 0), random((6, 7), 1))
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+def test_a_bfloat16_gated_activation_rounds_once_forward_and_backward(kind):
+    """In bfloat16 the activation is computed in float32 and rounded once, then multiplied by `up` (PyTorch's
+    order), and each gradient is the float32 one rounded once: written in bfloat16, XLA's CPU rounded after
+    every operation of the formula, some gradients off by half their size."""
+    act = jax.nn.silu if kind == "swiglu" else jax.nn.gelu
+    gate, up, cotangent = (3.0 * random((64, 256), 0), random((64, 256), 1), random((64, 256), 2))
+    gate16, up16, cotangent16 = (a.astype(jnp.bfloat16) for a in (gate, up, cotangent))
+    y, backward = jax.vjp(lambda g, u: gated(g, u, kind), gate16, up16)
+    np.testing.assert_array_equal(y, act(gate16.astype(jnp.float32)).astype(jnp.bfloat16) * up16)
+    _, exact = jax.vjp(lambda g, u: act(g) * u, *(a.astype(jnp.float32) for a in (gate16, up16)))
+    for ours, want in zip(backward(cotangent16), exact(cotangent16.astype(jnp.float32)), strict=True):
+        assert ours.dtype == jnp.bfloat16
+        np.testing.assert_allclose(ours.astype(jnp.float32), want, rtol=2**-8, atol=1e-5)
+    np.testing.assert_array_equal(activation(up16, "gelu"), jax.nn.gelu(up16.astype(jnp.float32)).astype(jnp.bfloat16))
 
 
 def test_rms_norm_gradients_equal_autodiff_of_its_formula():

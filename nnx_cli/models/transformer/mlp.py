@@ -17,12 +17,22 @@ from nnx_cli.models.transformer.dense import Dense, constrain
 from nnx_cli.models.transformer.options import GATED, Architecture
 
 
+def activation(x: jax.Array, kind: str) -> jax.Array:
+    """silu (`kind` swiglu) or the tanh GELU of `x`, computed in float32 and rounded once to `x`'s dtype, as
+    PyTorch computes a 16-bit activation. Written in bfloat16, XLA's CPU rounded after every operation of the
+    formula (the sigmoid's negation, exponential, sum and quotient): 5.1 ms for `silu(gate) * up` at 1,024 x
+    4,864, 2.8 ms so, and one rounding instead of five. A GPU keeps such a formula in float32 anyway."""
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return (nnx.silu(wide) if kind == "swiglu" else nnx.gelu(wide)).astype(x.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def gated(gate: jax.Array, up: jax.Array, kind: str) -> jax.Array:
     """`act(gate) * up` with `act` silu (`kind` swiglu) or the tanh GELU (geglu), whose backward pass keeps `gate`
     and `up` only and recomputes the activation's derivative: autodiff kept five `[tokens, mlp_dim]` arrays per
-    layer (the sigmoid or tanh, the activation, their product's factors)."""
-    return (nnx.silu(gate) if kind == "swiglu" else nnx.gelu(gate)) * up
+    layer (the sigmoid or tanh, the activation, their product's factors). The activation is :func:`activation`'s,
+    the backward pass computed in float32 too."""
+    return activation(gate, kind) * up
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -43,7 +53,9 @@ def _gated_forward(gate: jax.Array, up: jax.Array, kind: str) -> tuple[jax.Array
 
 
 def _gated_backward(kind: str, saved: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    gate, up = saved
+    gate_dtype, up_dtype = saved[0].dtype, saved[1].dtype
+    wide = jnp.promote_types(jnp.result_type(*saved, g), jnp.float32)
+    gate, up, g = (a.astype(wide) for a in (*saved, g))
     if kind == "swiglu":
         sigmoid = jax.nn.sigmoid(gate)
         act = gate * sigmoid
@@ -54,7 +66,7 @@ def _gated_backward(kind: str, saved: tuple[jax.Array, jax.Array], g: jax.Array)
         act = 0.5 * gate * (1 + tanh)
         # d gelu(x) / dx = (1 + t) / 2 + x / 2 (1 - t^2) c (1 + 3 * 0.044715 x^2)
         d_act = 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh * tanh) * _GELU_C * (1 + 3 * 0.044715 * gate * gate)
-    return g * up * d_act, g * act
+    return (g * up * d_act).astype(gate_dtype), (g * act).astype(up_dtype)
 
 
 gated.defvjp(_gated_forward, _gated_backward)
@@ -100,6 +112,6 @@ class MLP(nnx.Module):
         keeping it held another `[tokens, mlp_dim]` array per layer from the forward pass to the backward (on
         Qwen2.5-0.5B's shape at 1,024 tokens, 9.5 MB a layer; the peak of a LoRA step fell by 420-660 MB). The
         projection's own product is not redone: nothing in the backward pass needs its output."""
-        h = gated(gate, up, self.kind) if self.gated else nnx.gelu(up)
+        h = gated(gate, up, self.kind) if self.gated else activation(up, "gelu")
         h = constrain(h.reshape(batch, length, -1), ("batch", "length", "mlp"))
         return self.proj(h, deterministic=deterministic, ctx=ctx)
