@@ -202,15 +202,15 @@ def test_product_runs_in_bfloat16(kernel):
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@pytest.mark.parametrize("type", ["nf4", "fp4"])
-def test_one_row_on_a_cpu_is_multiplied_from_the_codes_by_the_float32_weights(type):
+@pytest.mark.parametrize("type, block, double", [("nf4", 64, True), ("fp4", 128, False)])
+def test_one_row_on_a_cpu_is_multiplied_from_the_codes_by_the_float32_weights(type, block, double):
     """A batch-1 decoding step's product reads the codes through a table of the row's products with each
     byte's two values: no dequantised kernel, in 16 bits or wider, and the weights dequantize_4bit gives in
     float32 (not rounded to the compute dtype, as a product of many rows rounds them). Its gradient is the
     dequantised kernel's."""
     w = np.asarray(jax.random.normal(jax.random.key(1), (512, 2048))) * 0.05
-    kernel = nnx.QuantizedKernel(512, 2048, type=type)
-    for part, value in q.quantize_kernel(w, type).items():
+    kernel = nnx.QuantizedKernel(512, 2048, type=type, block=block, double_quant=double)
+    for part, value in q.quantize_kernel(w, type, block, double).items():
         setattr(kernel, part, jnp.asarray(value))
     parts, kerneldef = kernel.partition()
     x = jax.random.normal(jax.random.key(2), (1, 512), jnp.bfloat16)
