@@ -255,6 +255,23 @@ def _legacy_mesh() -> Mesh | None:
     return physical
 
 
+def platform() -> str:
+    """The platform (``'cpu'``, ``'gpu'``, ``'tpu'``) that computations are placed on now: the default device's
+    under ``jax.default_device``, else the default backend's.
+
+    For choices that depend on the backend a program is compiled for (XLA's CPU and GPU lower the same program
+    differently). ``jax.default_backend()`` ignores ``jax.default_device``: on a GPU machine it names the GPU
+    inside ``with jax.default_device(jax.devices("cpu")[0]):`` too, where the programs compile for the CPU::
+
+      with jax.default_device(jax.devices("cpu")[0]):
+        nnx.spmd.platform()   # 'cpu', wherever it runs
+    """
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
 def current_mesh() -> tp.Any:
     """The active mesh: ``jax.set_mesh``'s, else ``with mesh:``'s, else None.
 

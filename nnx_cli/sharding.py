@@ -142,7 +142,7 @@ def same_memory(x: jax.Array, dtype: Any) -> jax.Array | None:
     """`x`, on one CPU device, as an array of `dtype` (of the same width) in the same memory: JAX takes an aligned
     host buffer as it is. None elsewhere (another platform, several devices, a buffer it would copy). The view
     reads what `x` holds; a step donating `x` while the view lives copies instead."""
-    if jax.default_backend() != "cpu" or len(x.sharding.device_set) != 1:
+    if nnx.spmd.platform() != "cpu" or len(x.sharding.device_set) != 1:
         return None
     view = jax.device_put(np.asarray(x).view(dtype), x.sharding)
     return view if view.unsafe_buffer_pointer() == x.unsafe_buffer_pointer() else None

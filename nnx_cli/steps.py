@@ -84,7 +84,7 @@ def jit_drawing(fun: Callable, **jit_kwargs: Any) -> Callable:
     compile at level 0) all start from the same values. Every program that draws from the seed goes through
     here, or a resumed run would not find the values it started from. Call the result outside any transformation
     (JAX takes compiler options at the top level only); under `jax.eval_shape` use :func:`init_state` itself."""
-    if jax.default_backend() == "cpu":
+    if nnx.spmd.platform() == "cpu":
         jit_kwargs["compiler_options"] = {"xla_backend_optimization_level": 0}
     return jax.jit(fun, **jit_kwargs)
 
@@ -133,7 +133,7 @@ def frozen_as_bits(frozen: Any) -> Any:
     The loader hands the base over in memory of its own (no copy on a CPU), and a step can only donate XLA's
     buffers: given such an array, a donated step would copy it every time. So each array is converted, or
     copied, on its own and the given one let go as soon as it is (the memory of one array more at a time)."""
-    if jax.default_backend() != "cpu":
+    if nnx.spmd.platform() != "cpu":
         return frozen
     return jax.tree.map(_held, frozen)
 
@@ -142,7 +142,7 @@ def owned(tree: Any) -> Any:
     """On a CPU, `tree`'s arrays (given up by the caller) each in a buffer of XLA's own: the loader's arrays
     (memory of its own, see :func:`frozen_as_bits`) copied one at a time and let go, XLA's passed on as they
     are. Elsewhere `tree` as it is."""
-    return jax.tree.map(_owned, tree) if jax.default_backend() == "cpu" else tree
+    return jax.tree.map(_owned, tree) if nnx.spmd.platform() == "cpu" else tree
 
 
 @functools.partial(jax.jit, donate_argnums=0)

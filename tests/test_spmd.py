@@ -272,3 +272,16 @@ def test_with_logical_constraint_shards_inside_jit_in_both_mesh_contexts(multi_d
 def test_scanned_layers_are_sharded_with_the_layers_axis_name(multi_device):
     assert multi_device["scan_sharding"] == ["layers", "row", "col"]
     assert multi_device["scan_shard_shape"] == [4, 2, 4]
+
+
+def test_the_platform_is_the_default_devices_where_one_is_chosen(monkeypatch):
+    """Choices made per backend (XLA's CPU lowers a program differently) follow `jax.default_device`: on a GPU
+    machine, programs placed on its CPU device are the CPU's, though `jax.default_backend()` names the GPU."""
+    from nnx_cli.models.transformer.residuals import packs
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU machine, as far as the backend says
+    assert nnx.spmd.platform() == "gpu" and not packs()
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert nnx.spmd.platform() == "cpu" and packs()
+    with jax.default_device("cpu"):
+        assert nnx.spmd.platform() == "cpu"

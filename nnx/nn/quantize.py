@@ -548,7 +548,7 @@ class QuantizedKernel(Module):
         dtype = dtype or x.dtype
         tokens = x.shape[: x.ndim - len(self.in_shape)]
         x2 = x.astype(dtype).reshape(math.prod(tokens), -1)
-        if x2.shape[0] == 1 and jax.default_backend() == "cpu":  # a batch-1 decoding step
+        if x2.shape[0] == 1 and spmd.platform() == "cpu":  # a batch-1 decoding step
             spec = (self.type, jnp.dtype(dtype), None if out_dtype is None else jnp.dtype(out_dtype))
             y = _row_product(spec, x2, self.parts())
         else:
@@ -576,7 +576,7 @@ def two_rows(x: Array) -> Array:
     as a matrix-vector product, and that it computes by widening the whole 16-bit matrix to float32 first:
     every weight, every token of a batch-1 decode (2.5x the time of the two-row product at 896 x 4864, and a
     float32 copy of the matrix in memory). The second row costs next to nothing beside reading the matrix."""
-    if x.shape[0] == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
+    if x.shape[0] == 1 and x.dtype.itemsize == 2 and spmd.platform() == "cpu":
         return jnp.concatenate([x, x])
     return x
 

@@ -71,7 +71,7 @@ def choose_attention(arch: Architecture, platform: str | None = None) -> tuple[s
 
         choose_attention(arch, "gpu")   # ('cudnn', 'auto on gpu') for a bfloat16 model with heads of 64
     """
-    platform = platform or jax.default_backend()
+    platform = platform or nnx.spmd.platform()
     refusal = _cudnn_refusal(arch, platform)
     if arch.attention == "auto":
         return ("core", f"auto on {platform}: {refusal}") if refusal else ("cudnn", f"auto on {platform}")
@@ -94,7 +94,7 @@ def _cudnn_refusal(arch: Architecture, platform: str) -> str | None:
 
 def _cudnn_head_limit() -> int:
     """The largest head cuDNN's kernel takes: 256 features from Hopper (compute capability 9) on, else 128."""
-    capability = getattr(jax.devices()[0], "compute_capability", None) if jax.default_backend() == "gpu" else None
+    capability = getattr(jax.devices()[0], "compute_capability", None) if nnx.spmd.platform() == "gpu" else None
     try:
         return 256 if capability is not None and float(capability) >= 9.0 else 128
     except ValueError:

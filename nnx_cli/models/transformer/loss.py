@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+import nnx
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, soft_cap
 from nnx_cli.models.transformer.dense import as_stored, constrain, sliceable
 
@@ -67,7 +68,7 @@ def chunk_bytes() -> int:
     the GPU's products small and 52 of them in a row; a CPU's caches favour the small ones."""
     if CHUNK_BYTES is not None:
         return CHUNK_BYTES
-    return 64 << 20 if jax.default_backend() == "cpu" else 1 << 30
+    return 64 << 20 if nnx.spmd.platform() == "cpu" else 1 << 30
 
 
 class _Head(NamedTuple):
@@ -294,7 +295,7 @@ def blocks_apply(batch: int, length: int, vocab: int) -> bool:
     its bits (:func:`.dense.sliceable`). A 16-bit head is a frozen base's (`model.quantize`), which a training
     step is given as its bits (`steps.frozen_as_bits`), so that costs nothing there; a 16-bit head given as it is
     (a model used outside the trainer) costs a copy of its bits (272 MB at those shapes)."""
-    if jax.default_backend() != "cpu" or 4 * batch * length * vocab <= chunk_bytes():
+    if nnx.spmd.platform() != "cpu" or 4 * batch * length * vocab <= chunk_bytes():
         return False
     from nnx.spmd import current_mesh, logical_to_mesh_axes
 

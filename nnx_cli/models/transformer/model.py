@@ -377,7 +377,7 @@ class TransformerLM(nnx.Module):
 
     def _chunks_apply(self) -> bool:
         """Whether the head may read the tied table in chunks of rows (:meth:`_tied_chunks`): on one CPU device."""
-        return self.tie_embeddings and jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty
+        return self.tie_embeddings and nnx.spmd.platform() == "cpu" and jax.sharding.get_abstract_mesh().empty
 
     def _tied_chunks(self, h: jax.Array) -> jax.Array:
         """The logits `[N, padded vocab]` of the normed rows `h` `[N, embed]` over the tied table, a chunk of

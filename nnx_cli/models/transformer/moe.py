@@ -43,7 +43,7 @@ _MIN_BLOCK = 8
 
 def grouped_implementation() -> str:
     """`ragged` (`lax.ragged_dot`) where the platform has a grouped matmul kernel (GPU, TPU), else `blocks`."""
-    return "ragged" if jax.default_backend() in ("gpu", "tpu") else "blocks"
+    return "ragged" if nnx.spmd.platform() in ("gpu", "tpu") else "blocks"
 
 
 # Routing

@@ -37,7 +37,7 @@ from nnx import tracers
 
 def packs() -> bool:
     """Whether residuals are worth packing: on a CPU (XLA's GPU backend stacks bfloat16 as it is)."""
-    return jax.default_backend() == "cpu"
+    return nnx.spmd.platform() == "cpu"
 
 
 def _is_primal(x: Any) -> bool:
