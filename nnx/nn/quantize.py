@@ -549,8 +549,7 @@ class QuantizedKernel(Module):
         tokens = x.shape[: x.ndim - len(self.in_shape)]
         x2 = x.astype(dtype).reshape(math.prod(tokens), -1)
         if x2.shape[0] == 1 and spmd.platform() == "cpu":  # a batch-1 decoding step
-            spec = (self.type, jnp.dtype(dtype), None if out_dtype is None else jnp.dtype(out_dtype))
-            y = _row_product(spec, x2, self.parts())
+            y = _row_product(_spec(self, dtype, out_dtype), x2, self.parts())
         else:
             y = dequantized_product(_dot, _dot_transpose, x2, self, dtype, out_dtype=out_dtype)
         return y.reshape(*tokens, *self.out_shape)
@@ -611,8 +610,13 @@ def dequantized_product(
 
         y = dequantized_product(grouped, grouped_transpose, rows, experts, jnp.bfloat16, sizes)
     """
-    spec = (kernel.type, jnp.dtype(dtype), None if out_dtype is None else jnp.dtype(out_dtype))
-    return _product(product, transpose, spec, x, kernel.parts(), operands)
+    return _product(product, transpose, _spec(kernel, dtype, out_dtype), x, kernel.parts(), operands)
+
+
+def _spec(kernel: QuantizedKernel, dtype: Any, out_dtype: Any) -> tuple:
+    """What a product with ``kernel`` is, besides the arrays (static under jit): its type, the dtype it is
+    dequantised in, the output's (None: the input's)."""
+    return kernel.type, jnp.dtype(dtype), None if out_dtype is None else jnp.dtype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
