@@ -295,11 +295,14 @@ def main() -> None:
     parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=false: the layers unrolled")
     parser.add_argument("--dropout", type=float, default=0.0, help="model.dropout (the recipes train with 0.2)")
     parser.add_argument("--loss-chunk-mb", type=int, help="float32 logits per chunk of the head and loss (64)")
+    parser.add_argument("--loss-keep-mb", type=int, help="logits' gradient kept for the head's (0: none)")
     args = parser.parse_args()
-    if args.loss_chunk_mb:  # a trade of memory for speed to measure: fewer, larger head products
-        from nnx_cli.models.transformer import loss
+    from nnx_cli.models.transformer import loss
 
+    if args.loss_chunk_mb:  # a trade of memory for speed to measure: fewer, larger head products
         loss.CHUNK_BYTES = args.loss_chunk_mb << 20
+    if args.loss_keep_mb is not None:  # 0: the head's gradient computes each chunk's logits again
+        loss.KEEP_BYTES = args.loss_keep_mb << 20
     extra = {
         "dtype": args.dtype,
         "remat": args.remat,

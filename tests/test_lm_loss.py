@@ -58,7 +58,11 @@ def reference(h, head, targets, tied, softcap=None, temperature=1.0):
 
 
 OPTIONS = {"plain": {}, "soft-capped": {"softcap": 3.0}, "temperature": {"temperature": 0.7}}
-SPLITS = {"positions": {"chunk": 4}, "vocabulary": {"block": 100}}  # 256 padded ids: blocks 0-99, 100-199, 156-255
+SPLITS = {
+    "positions": {"chunk": 4, "keep": False},  # the head's gradient computes each chunk's logits again
+    "positions-kept": {"chunk": 4, "keep": True},  # from the logits' gradient the forward pass kept
+    "vocabulary": {"block": 100},  # 256 padded ids: blocks 0-99, 100-199, 156-255
+}
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
@@ -186,15 +190,24 @@ def _compiled(f, *args) -> str:
 def test_the_forward_pass_alone_multiplies_by_the_head_once_and_a_frozen_head_gets_no_gradient_loop(split):
     h, head, targets = problem(tied=True)
 
-    def loss(h, w):
-        return jnp.sum(token_cross_entropy(h, w, targets, tied=True, vocab_size=REAL, **split)[0])
+    def summed(**split):
+        def loss(h, w):
+            return jnp.sum(token_cross_entropy(h, w, targets, tied=True, vocab_size=REAL, **split)[0])
 
+        return loss
+
+    loss = summed(**split)
     dots = lambda text: len(re.findall(r" dot\(", text))  # noqa: E731
     loops = lambda text: len(re.findall(r" while\(", text))  # noqa: E731
     primal, frozen, trained = (_compiled(f, h, head) for f in (loss, jax.grad(loss), jax.grad(loss, (0, 1))))
     assert (loops(primal), dots(primal)) == (1, 1)  # the logits only
     assert (loops(frozen), dots(frozen)) == (1, 2)  # and G, in the same loop: `h`'s gradient needs no other
-    assert (loops(trained), dots(trained)) == (2, 4)  # the head's gradient recomputes each chunk's logits
+    if split.get("keep"):  # the head's gradient: a loop of products of the kept gradient and `h`, no logits
+        assert (loops(trained), dots(trained)) == (2, 3)
+        # a frozen head keeps nothing: the program is the one that would compute the logits again
+        assert frozen == _compiled(jax.grad(summed(**{**split, "keep": False})), h, head)
+    else:
+        assert (loops(trained), dots(trained)) == (2, 4)  # the head's gradient recomputes each chunk's logits
 
 
 # Through the model
@@ -228,21 +241,23 @@ def _metrics_and_gradients(model: TransformerLM, batch: dict[str, jax.Array]):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
-PATHS = {"positions": False, "vocabulary": True}  # loss.blocks_apply's answer
+PATHS = ["positions", "positions-kept", "vocabulary"]
 
 
-def split_small(monkeypatch, blocks: bool) -> None:
-    """Logits of more than 3 positions split: chunks of 3 positions, or blocks of 279 of the 1,024 padded ids."""
+def split_small(monkeypatch, path: str) -> None:
+    """Logits of more than 3 positions split: chunks of 3 positions (their logits' gradient kept for the head's
+    where `positions-kept`), or blocks of 279 of the 1,024 padded ids (`vocabulary`)."""
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 3 * BATCH * 1024 * 4)
-    monkeypatch.setattr(loss_module, "blocks_apply", lambda *shape: blocks)
+    monkeypatch.setattr(loss_module, "KEEP_BYTES", 1 << 30 if path == "positions-kept" else 0)
+    monkeypatch.setattr(loss_module, "blocks_apply", lambda *shape: path == "vocabulary")
 
 
-@pytest.mark.parametrize("blocks", PATHS.values(), ids=PATHS.keys())
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("options", [{}, {"tie_embeddings": False, "logit_softcap": 5.0}], ids=["tied", "head"])
-def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monkeypatch, options, blocks):
+def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monkeypatch, options, path):
     model, batch = small_model(**options), packed_batch()
     (_, whole), whole_grads = _metrics_and_gradients(model, batch)
-    split_small(monkeypatch, blocks)
+    split_small(monkeypatch, path)
     (_, chunked), chunked_grads = _metrics_and_gradients(model, batch)
     for name in ("loss", "accuracy", "weight"):
         np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-5, err_msg=name)
@@ -250,10 +265,10 @@ def test_packed_examples_metrics_and_gradients_equal_the_whole_logits_ones(monke
         np.testing.assert_allclose(chunked_grads[path].value, g.value, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
-@pytest.mark.parametrize("blocks", PATHS.values(), ids=PATHS.keys())
-def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monkeypatch, blocks):
+@pytest.mark.parametrize("path", PATHS)
+def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monkeypatch, path):
     model, batch = small_model(tie_embeddings=False), packed_batch()
-    split_small(monkeypatch, blocks)
+    split_small(monkeypatch, path)
     params, moduledef = model.partition(nnx.Param)
     tokens = batch["tokens"]
     logits = moduledef.merge(params).logits(
@@ -273,13 +288,13 @@ def test_dpo_and_grpo_log_probabilities_equal_the_log_softmax_of_the_logits(monk
     assert logps.shape == (BATCH, 2 * (LENGTH + 1) // 2 + 1)
 
 
-@pytest.mark.parametrize("blocks", PATHS.values(), ids=PATHS.keys())
-def test_a_lora_train_step_computes_no_gradient_of_the_frozen_head(monkeypatch, blocks):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_lora_train_step_computes_no_gradient_of_the_frozen_head(monkeypatch, path):
     """The head's gradient, a `[vocab, embed]` product (a block of the vocabulary's rows at a time), is in a full
     fine-tuning step and not in a LoRA one."""
-    split_small(monkeypatch, blocks)
+    split_small(monkeypatch, path)
     batch = {"tokens": packed_batch()["tokens"][:, : LENGTH + 1]}
-    head_gradient = re.compile(rf"f32\[{279 if blocks else 1024},32\]\{{[0-9,]*\}} dot\(")
+    head_gradient = re.compile(rf"f32\[{279 if path == 'vocabulary' else 1024},32\]\{{[0-9,]*\}} dot\(")
 
     def step_text(**options) -> str:
         tx = optax.sgd(0.1)
@@ -312,10 +327,10 @@ _EIGHT_DEVICES = textwrap.dedent(
     targets = jnp.asarray(rng.integers(0, 250, (8, 12)), jnp.int32)
     g = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
 
-    def run(h, table, chunk, block=None):
+    def run(h, table, chunk, block=None, keep=None):
         def total(h, table):
             loss, hit = token_cross_entropy(h, table, targets, tied=True, vocab_size=250, softcap=4.0, chunk=chunk,
-                                            block=block)
+                                            block=block, keep=keep)
             return jnp.sum(loss * g), (loss, hit)
         return jax.jit(jax.value_and_grad(total, (0, 1), has_aux=True))(h, table)
 
@@ -327,6 +342,10 @@ _EIGHT_DEVICES = textwrap.dedent(
     print("loss", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)))
     print("grads", max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
     print("spec", tuple(loss.sharding.spec)[:1], tuple(grads[1].sharding.spec))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        _, grads = run(h, table, 5, keep=True)  # the head's gradient from the kept logits' gradient
+    print("kept", max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)),
+          tuple(grads[1].sharding.spec))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         print("blocks", blocks_apply(2, 512, 151936))  # the vocabulary over `model`: positions
         (_, (loss, hit)), grads = run(h, table, None, 100)  # blocks, asked for: the same numbers
@@ -351,6 +370,8 @@ def test_chunks_keep_a_batch_sharded_over_data_and_a_vocabulary_over_model_on_ei
     assert float(error) < 1e-5 and same_hits == "True"
     assert float(lines["grads"]) < 1e-5
     assert lines["spec"] == "('data',) ('model', 'data')"  # the table's gradient sharded as the table
+    error, spec = lines["kept"].split(" ", 1)
+    assert float(error) < 1e-5 and spec == "('model', 'data')"
     assert lines["blocks"] == "False"  # a sharded vocabulary is taken in chunks of positions by default
     error, same_hits, grads = lines["blocked"].split()
     assert float(error) < 1e-5 and same_hits == "True" and float(grads) < 1e-5

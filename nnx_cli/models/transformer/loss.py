@@ -13,13 +13,17 @@ pass needs::
 
     d loss_t / d z_t = (softmax(y_t) - onehot(target_t)) * dy/dz       # y: z soft-capped, masked, / temperature
     d h_t = g_t * G_t,   G_t = (d loss_t / d z_t) @ W                     # G computed in the forward pass
-    d W = sum_t g_t (d loss_t / d z_t)^T h_t                              # recomputed chunk by chunk
+    d W = sum_t (d loss_t / d z_t)^T (g_t h_t)                            # kept, or recomputed chunk by chunk
 
 `G` (`[B, T, E]` float32) is written by the forward pass while each chunk's
 logits are at hand, so the backward pass gives `h` its gradient with no
-product at all; the head's own gradient recomputes each chunk's logits, and
-when the head is frozen (LoRA, QLoRA) nothing asks for it and XLA drops that
-loop. Without a gradient (evaluation) the forward pass computes the loss
+product at all. The head's own gradient takes the logits' gradient that the
+forward pass rounded to the compute dtype for `G`'s product, kept where it
+fits (:func:`keep_bytes`: on a GPU, GPT-2 small's 1.6 GB at 16 x 1,024
+tokens), or else recomputes each chunk's logits: one product over the
+vocabulary and two passes over float32 logits more. When the head is frozen
+(LoRA, QLoRA) nothing asks for either and XLA drops them, the kept gradient
+included. Without a gradient (evaluation) the forward pass computes the loss
 only. Small logits (a byte vocabulary, the test models) are computed whole,
 as plain autodiff would (:func:`chunk_length`).
 
@@ -59,6 +63,22 @@ from nnx_cli.models.transformer.dense import as_stored, constrain, sliceable
 CHUNK_BYTES: int | None = None
 """The float32 logits of one chunk of positions (every row of the batch): about this many bytes; logits no larger
 than this are computed whole. None: the platform's, :func:`chunk_bytes`."""
+
+
+KEEP_BYTES: int | None = None
+"""The most bytes of the logits' gradient (in the compute dtype) that the chunks' forward pass keeps for the
+head's gradient, which then needs no second product over the chunks. None: the platform's, :func:`keep_bytes`."""
+
+
+def keep_bytes() -> int:
+    """:data:`KEEP_BYTES` where set, else none on a CPU (its vocabulary blocks recompute instead, and host memory
+    is the model's) and on a GPU or TPU a sixteenth of the device's memory, at most 4 GiB."""
+    if KEEP_BYTES is not None:
+        return KEEP_BYTES
+    if nnx.spmd.platform() == "cpu":
+        return 0
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return min(4 << 30, stats.get("bytes_limit", 0) // 16)
 
 
 def chunk_bytes() -> int:
@@ -106,6 +126,7 @@ def token_cross_entropy(
     temperature: float = 1.0,
     chunk: int | None = None,
     block: int | None = None,
+    keep: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Each target's cross-entropy `[B, T]` (float32) under the logits `h @ head`, and whether it is their argmax.
 
@@ -115,7 +136,8 @@ def token_cross_entropy(
     masked, then divided by `temperature`; the loss is `logsumexp(logits) - logits[target]`, as
     `optax.softmax_cross_entropy_with_integer_labels`'s, and `is_argmax` counts a target tied at the maximum.
     `chunk` positions at a time, or `block` vocabulary ids at a time (neither: blocks of :func:`block_rows` where
-    :func:`blocks_apply`, else chunks of :func:`chunk_length`); one chunk is plain autodiff::
+    :func:`blocks_apply`, else chunks of :func:`chunk_length`); one chunk is plain autodiff. Chunks `keep` the
+    logits' gradient for the head's (None: where it fits :func:`keep_bytes`), else compute the logits again::
 
         loss, hit = token_cross_entropy(h, table, targets, tied=True, vocab_size=151936)
         loss.shape, hit.dtype       # (B, T), bool
@@ -133,7 +155,9 @@ def token_cross_entropy(
     if chunk >= length:
         logits = _logits(h, head.astype(h.dtype), spec)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets), is_argmax(logits, targets)
-    return _chunked(h, head, targets, spec, chunk)
+    if keep is None:
+        keep = jnp.dtype(h.dtype).itemsize * batch * -(-length // chunk) * chunk * vocab <= keep_bytes()
+    return _chunked(h, head, targets, spec, chunk, bool(keep))
 
 
 def head_logits(h: jax.Array, head: jax.Array, *, tied: bool, vocab_size: int, softcap: float | None) -> jax.Array:
@@ -208,8 +232,10 @@ def _join(x: jax.Array, length: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Head, chunk: int) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(
+    h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Head, chunk: int, keep: bool
+) -> tuple[jax.Array, jax.Array]:
     """The loss and `is_argmax`, chunk by chunk (no gradient asked: nothing else)."""
     weights = head.astype(h.dtype)
 
@@ -222,33 +248,39 @@ def _chunked(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Head, chu
     return _join(loss, length), _join(hit, length)
 
 
-def _chunked_forward(h, head, targets, spec, chunk):
-    """The loss and `is_argmax`, and `G`: the gradient with respect to `h` of each token's loss."""
+def _chunked_forward(h, head, targets, spec, chunk, keep):
+    """The loss and `is_argmax`, and `G`: the gradient with respect to `h` of each token's loss; with `keep`, each
+    chunk's gradient with respect to the logits too, in `h`'s dtype, as `G`'s product took it."""
     weights = head.astype(h.dtype)
     contract = (((1,), (0 if spec.tied else 1,)), ((), ()))
 
     def body(_, xs):
         loss, hit, grad = _chunk(xs[0], weights, xs[1], spec)
-        rows = grad.astype(h.dtype).reshape(-1, grad.shape[-1])
-        to_h = lax.dot_general(rows, weights, contract, preferred_element_type=jnp.float32)
-        return None, (loss, hit, to_h.reshape(*grad.shape[:-1], -1))
+        grad = grad.astype(h.dtype)
+        to_h = lax.dot_general(grad.reshape(-1, grad.shape[-1]), weights, contract, preferred_element_type=jnp.float32)
+        return None, (loss, hit, to_h.reshape(*grad.shape[:-1], -1), grad if keep else None)
 
-    _, (loss, hit, to_h) = lax.scan(body, None, (_split(h, chunk), _split(targets, chunk)))
+    _, (loss, hit, to_h, grads) = lax.scan(body, None, (_split(h, chunk), _split(targets, chunk)))
     length = targets.shape[1]
-    return (_join(loss, length), _join(hit, length)), (_join(to_h, length), h, head, targets)
+    return (_join(loss, length), _join(hit, length)), (_join(to_h, length), h, head, targets, grads)
 
 
-def _chunked_backward(spec, chunk, saved, cotangents):
-    """`h`'s gradient `g G`; the head's, `sum_t g_t grad_t^T h_t`, with each chunk's logits computed again."""
-    to_h, h, head, targets = saved
+def _chunked_backward(spec, chunk, keep, saved, cotangents):
+    """`h`'s gradient `g G`; the head's, `sum_t grad_t^T (g_t h_t)`, chunk by chunk: from the kept gradients, or
+    with each chunk's logits computed again."""
+    to_h, h, head, targets, grads = saved
     g = cotangents[0]
     weights = head.astype(h.dtype)
 
     def body(total, xs):
-        h_chunk, targets_chunk, g_chunk = xs
-        _, _, grad = _chunk(h_chunk, weights, targets_chunk, spec)
-        rows = (grad * g_chunk[..., None]).astype(h.dtype).reshape(-1, grad.shape[-1])
-        hs = h_chunk.reshape(-1, h.shape[-1])
+        h_chunk, targets_chunk, g_chunk, grad = xs
+        if grad is None:
+            _, _, grad = _chunk(h_chunk, weights, targets_chunk, spec)
+            rows = (grad * g_chunk[..., None]).astype(h.dtype).reshape(-1, grad.shape[-1])
+            hs = h_chunk.reshape(-1, h.shape[-1])
+        else:  # g scales the chunk's `[B, C, E]` positions, not its `[B, C, V]` kept gradient: a smaller pass
+            rows = grad.reshape(-1, grad.shape[-1])
+            hs = (g_chunk[..., None] * h_chunk).astype(h.dtype).reshape(-1, h.shape[-1])
         if spec.tied:  # [V, E]
             part = lax.dot_general(rows, hs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         else:  # [E, V]
@@ -257,7 +289,7 @@ def _chunked_backward(spec, chunk, saved, cotangents):
 
     axes = ("vocab", "embed") if spec.tied else ("embed", "vocab")  # the sum sharded as the head is
     zeros = constrain(jnp.zeros(head.shape, jnp.float32), axes)
-    d_head, _ = lax.scan(body, zeros, (_split(h, chunk), _split(targets, chunk), _split(g, chunk)))
+    d_head, _ = lax.scan(body, zeros, (_split(h, chunk), _split(targets, chunk), _split(g, chunk), grads))
     d_h = (g[..., None] * to_h).astype(h.dtype)
     return d_h, d_head.astype(head.dtype), None
 
