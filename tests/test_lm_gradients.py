@@ -12,7 +12,7 @@ import pytest
 from xla_support import DEPLOYED
 
 import nnx
-from nnx_cli.models.transformer.dense import matmul
+from nnx_cli.models.transformer.dense import Dense, matmul
 from nnx_cli.models.transformer.mlp import activation, gated, geglu, swiglu
 from nnx_cli.models.transformer.norms import LayerNorm, layer_norm, rms_norm
 
@@ -75,6 +75,33 @@ def test_a_bfloat16_matmul_and_its_gradients_are_the_float32_contractions_rounde
             .temp_size_in_bytes
         )
     assert temps < kernel.size * 4  # a float32 copy of the kernel
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_a_bfloat16_projections_bias_is_added_in_float32_and_its_gradient_is_the_float32_sum():
+    """The bias is added to the 16-bit product in float32 and rounded once, and its gradient is the float32 sum of
+    the output gradient over the tokens. Added in bfloat16 the sum was a 16-bit one, which XLA's CPU computes
+    in windows of 32 rows (15x slower) and which missed the float32 sum by about 1% at 2,048 tokens."""
+    layer = Dense((64,), (512,), ("embed",), ("mlp",), std=0.1, dtype=jnp.bfloat16, ctx=nnx.context(0))
+    x, bias, cotangent = random((2, 1024, 64), 0).astype(jnp.bfloat16), random((512,), 1), random((2, 1024, 512), 2)
+    cotangent = cotangent.astype(jnp.bfloat16)
+
+    layer.bias = nnx.Param(bias)
+    params, moduledef = layer.partition(nnx.Param)
+
+    def project(params):
+        return moduledef.merge(params)(x)
+
+    y, backward = jax.vjp(project, params)
+    (kernel,) = [w.value for path, w in params.items() if "kernel" in path]
+    product = matmul(x, kernel.astype(jnp.bfloat16), 1)
+    np.testing.assert_array_equal(y, (product.astype(jnp.float32) + bias).astype(jnp.bfloat16))
+    (grads,) = backward(cotangent)
+    (d_bias,) = [g.value for path, g in grads.items() if "bias" in path]
+    assert d_bias.dtype == jnp.float32
+    np.testing.assert_allclose(d_bias, jnp.sum(cotangent.astype(jnp.float32), axis=(0, 1)), rtol=1e-5, atol=1e-4)
+    program = jax.jit(lambda p: jax.vjp(project, p)[1](cotangent)).lower(params).compile().as_text()
+    assert "reduce-window" not in program
 
 
 def test_swiglu_gradients_equal_autodiff_of_silu_times_up():

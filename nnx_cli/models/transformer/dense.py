@@ -174,6 +174,20 @@ def _frozen_backward(out_dtype: Any, compute: Any, saved: tuple, g: jax.Array) -
 frozen_matmul.defvjp(_frozen_forward, _frozen_backward)
 
 
+def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """`y + bias` over `y`'s trailing axes, added in float32 and rounded once to `y`'s dtype (`y` without bias).
+
+    The bias's gradient is then the sum of the output gradient over the tokens in float32. Added in a 16-bit
+    `y`'s dtype, it was that sum in 16 bits: XLA's CPU rewrites a 16-bit sum of 2,048 rows into windows of 32
+    (12.5 against 0.8 ms at 2,048 x 3,072, and 1% off the float32 sum); PyTorch's bias gradient accumulates
+    in float32 too."""
+    if bias is None:
+        return y
+    if y.dtype.itemsize < 4:
+        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+    return y + bias.astype(y.dtype)
+
+
 class Dense(nnx.Module):
     """`x @ kernel + bias`, contracting the trailing `len(in_shape)` axes of `x`.
 
@@ -251,8 +265,7 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
         kernel = nnx.containers.stored_value(self, "kernel")  # not constrained: a scan would stack it again
         if self._adapts_in_one_product(x):
-            y = self._adapted(x, kernel, deterministic, ctx)
-            return y if self.bias is None else y + self.bias.astype(y.dtype)
+            return add_bias(self._adapted(x, kernel, deterministic, ctx), self.bias)
         if isinstance(kernel, nnx.QuantizedKernel):
             y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
         elif self.frozen:
@@ -265,7 +278,7 @@ class Dense(nnx.Module):
             y = y.astype(self.out_dtype or self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
-        return y if self.bias is None else y + self.bias.astype(y.dtype)
+        return add_bias(y, self.bias)
 
     def _adapts_in_one_product(self, x: jax.Array) -> bool:
         """Whether the adapter's update is computed with the base product (`nnx.LoRA.adapt`): on a CPU, in
