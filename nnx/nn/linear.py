@@ -401,7 +401,11 @@ class Embed(Module):
     def __call__(self, inputs: Array) -> Array:
         """Looks up ``inputs`` (integers, any shape); appends a ``features`` axis.
 
-        As in ``flax.linen``, out-of-range indices give ``nan`` rows.
+        As in ``flax.linen``, out-of-range indices give ``nan`` rows. The rows
+        are taken from the stored table, then converted to ``dtype`` (the same
+        values as converting the table first): the table's gradient sums the
+        rows' gradients in the parameter's dtype, so a token repeated
+        thousands of times in a ``bfloat16`` batch is not summed in 16 bits.
         """
         inputs = jnp.asarray(inputs)
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -410,10 +414,11 @@ class Embed(Module):
                 f"{inputs.dtype}. Embed looks up integer indices; cast them with "
                 "x.astype(jnp.int32)."
             )
-        (embedding,) = dtypes.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
         if self.num_embeddings == 1:
+            (embedding,) = dtypes.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
             return jnp.broadcast_to(embedding, inputs.shape + (self.features,))
-        return jnp.take(embedding, inputs, axis=0)
+        (rows,) = dtypes.promote_dtype(jnp.take(self.embedding, inputs, axis=0), dtype=self.dtype, inexact=False)
+        return rows
 
     def attend(self, query: Array) -> Array:
         """Inner products of ``query`` (last axis ``features``) with every row.
