@@ -147,6 +147,25 @@ def test_chunks_hold_about_chunk_bytes_of_logits_in_equal_parts_and_small_logits
     assert chunks * length - 512 < chunks  # the chunks equal but for a position each
 
 
+def test_chunks_keep_the_logits_gradient_within_a_sixteenth_of_a_gpus_memory_and_never_on_a_cpu(monkeypatch):
+    class Device:
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return None if self.limit is None else {"bytes_limit": self.limit}
+
+    monkeypatch.setattr(loss_module, "KEEP_BYTES", None)
+    monkeypatch.setattr(nnx.spmd, "platform", lambda: "cpu")
+    assert loss_module.keep_bytes() == 0  # the vocabulary blocks compute the logits again
+    monkeypatch.setattr(nnx.spmd, "platform", lambda: "gpu")
+    for limit, kept in [(141 << 30, 4 << 30), (24 << 30, 3 << 29), (None, 0)]:  # an H200 (capped), 24 GB, unknown
+        monkeypatch.setattr(jax, "local_devices", lambda limit=limit: [Device(limit)])
+        assert loss_module.keep_bytes() == kept
+    monkeypatch.setattr(loss_module, "KEEP_BYTES", 123)
+    assert loss_module.keep_bytes() == 123
+
+
 def test_vocabulary_blocks_hold_block_rows_ids_fewer_where_their_logits_would_pass_chunk_bytes():
     assert block_rows(1024, 151936) == loss_module.BLOCK_ROWS  # Qwen2.5, 2 x 512 positions: 16 MB of logits
     assert block_rows(16 * 1024, 50304) == loss_module.chunk_bytes() // (4 * 16 * 1024)  # GPT-2, 16 x 1,024
