@@ -409,14 +409,21 @@ def to_bitsandbytes(parts: dict[str, Array]) -> dict[str, np.ndarray]:
 def dequantize_kernel(parts: dict[str, Array], type: str, dtype: Any, xp: Any = jnp) -> Array:
     """The kernel ``[*batch, in, out]`` that ``parts`` (:func:`quantize_kernel`'s arrays) hold, in ``dtype``:
     each value ``code(type)[c] * absmax`` in float32, then rounded, as ``dequantize_4bit`` computes it."""
-    codes, absmax = parts["codes"], parts["absmax"]
+    codes, absmax = parts["codes"], _block_scales(parts, xp)
     *batch, half, fan_out = codes.shape
     fan_in, blocks = 2 * half, absmax.shape[-2]
-    if "nested_absmax" in parts:
-        absmax = _undo_double(absmax, parts["nested_absmax"], parts["offset"], xp)
     values = _lookup(codes, _byte_values(type), xp)  # [*batch, in / 2, out, 2]: each byte's two values
     values = xp.moveaxis(values, -1, -2).reshape(*batch, blocks, fan_in // blocks, fan_out)
-    return (values * absmax.astype(np.float32)[..., :, None, :]).astype(dtype).reshape(*batch, fan_in, fan_out)
+    return (values * absmax[..., :, None, :]).astype(dtype).reshape(*batch, fan_in, fan_out)
+
+
+def _block_scales(parts: dict[str, Array], xp: Any) -> Array:
+    """The float32 block scales ``[*batch, in / block, out]`` of :func:`quantize_kernel`'s ``parts``, their 8-bit
+    codes decoded where double-quantised."""
+    absmax = parts["absmax"]
+    if "nested_absmax" in parts:
+        absmax = _undo_double(absmax, parts["nested_absmax"], parts["offset"], xp)
+    return absmax.astype(np.float32)
 
 
 @functools.cache
@@ -648,17 +655,15 @@ def _row_product(spec: tuple, x: Array, parts: dict) -> Array:
     and looked up every code: at 896 x 4,864 this took 0.6-0.9 ms where dequantise-then-multiply took 2.1-2.7
     (two rows or more and the lookups of each row cost more than that: those go the other way)."""
     type, _, out_dtype = spec
-    codes, absmax = parts["codes"], parts["absmax"]
+    codes, absmax = parts["codes"], _block_scales(parts, jnp)
     half, fan_out = codes.shape
-    if "nested_absmax" in parts:
-        absmax = _undo_double(absmax, parts["nested_absmax"], parts["offset"], jnp)
     pairs = x[0].astype(jnp.float32).reshape(half, 1, 2)
     values = jnp.asarray(_byte_values(type))  # [256, 2]
     table = pairs[..., 0] * values[:, 0] + pairs[..., 1] * values[:, 1]  # [in / 2, 256]
     shares = jnp.take_along_axis(table, codes.astype(jnp.int32), axis=1)  # [in / 2, out]
     blocks = absmax.shape[-2]
     sums = shares.reshape(blocks, half // blocks, fan_out).sum(axis=1)
-    y = jnp.sum(sums * absmax.astype(jnp.float32), axis=0)
+    y = jnp.sum(sums * absmax, axis=0)
     return y[None].astype(out_dtype or x.dtype)
 
 

@@ -183,9 +183,8 @@ def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
     in float32 too."""
     if bias is None:
         return y
-    if y.dtype.itemsize < 4:
-        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
-    return y + bias.astype(y.dtype)
+    wide = jnp.promote_types(y.dtype, jnp.float32)
+    return (y.astype(wide) + bias.astype(wide)).astype(y.dtype)
 
 
 class Dense(nnx.Module):
