@@ -25,16 +25,24 @@ os.environ["NNX_COMPILATION_CACHE"] = os.environ[_SESSION]
 # about half the time (72 s of XLA compiling to 39 s there), and the whole suite went from 10:57 to 8:38 on 2 cores.
 # Users' runs and the benchmarks keep the default. Every process of the session (workers, CLI subprocesses, the
 # multi-device scripts) gets the same flag, so that results compared across processes come from programs compiled
-# alike; the exception is test_cli_lm's two 200-step runs, compared only with each other, which execute more than
+# alike; the exception is test_cli_lm's two 100-step runs, compared only with each other, which execute more than
 # they compile and drop it (cli_support.optimized_flags).
 # XLA's CPU fusion emitters (its newer code generator for fused element-wise work) compile more slowly than the
 # older emitters on these tiny programs: without them test_lm_model and test_lm_decoding took 34 s instead of 53 s
 # on 2 cores (a 20-step CLI run: 3.1 s of compiling instead of 4.6, 0.5 s more running). Same flags everywhere,
 # dropped together by cli_support.optimized_flags.
+# XLA's CPU backend splits each program's LLVM module into parts compiled on threads of their own: on these small
+# programs the split costs more than the threads save. One part: 23% less CPU time compiling (0.40 s against
+# 0.52 s a program, three small transformer_lm gradients, alternated over nine runs each on 2 cores); at XLA's
+# default optimisation level it makes no difference either way, so the long runs keep it.
 # XLA aborts a process whose XLA_FLAGS name a flag it does not know, and it retires flags as it goes (the CPU
 # fusion emitters' switch is due to go with the older emitters): the process that starts the session asks a
 # jaxlib of its own (about a second) and keeps the flags it accepts; workers and subprocesses inherit the result.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_FAST_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 _CHECKED = "NNX_TESTS_XLA_FLAGS_CHECKED"
 
 
@@ -69,7 +77,7 @@ cache_compilations(os.environ[_SESSION])
 
 
 # Each file's tests run on one worker (`--dist loadscope` in pyproject.toml), so that a module's shared fixtures
-# (a 200-step reference run, a model trained once for a dozen tests) are made once, not once per worker that got
+# (a 100-step reference run, a model trained once for a dozen tests) are made once, not once per worker that got
 # one of its tests (1,275 s of tests in 654 s on 2 cores, from 679 s handed out test by test). The longest files
 # first: xdist hands the files out in collection order, so a long file collected last keeps one worker busy after
 # the other has finished. The order within each file is kept.
