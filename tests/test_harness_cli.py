@@ -83,6 +83,28 @@ def test_on_eight_devices_the_requests_split_over_the_mesh_and_the_answers_stay_
     compare_metrics(json.loads(result.stdout)["metrics"], golden("gpt2"))
 
 
+def test_lm_evals_command_line_reads_only_the_include_path_when_it_defines_every_task(project, monkeypatch):
+    """`python -m nnx_cli.harness` (its whole run: tests/test_docs_examples.py, the evaluation guide) skips the
+    index of lm-eval's own tasks, seconds of YAML, when `--include_path` defines every task of `--tasks`."""
+    import lm_eval.tasks
+    from lm_eval._cli import HarnessCLI
+
+    from nnx_cli.harness.__main__ import _include_path_defines_all, _index_include_path_only
+
+    def parsed(*args: str):
+        monkeypatch.setattr(sys, "argv", ["python -m nnx_cli.harness", *args])
+        return HarnessCLI().parse_args()
+
+    local = ["--include_path", str(project / "tasks")]
+    assert _include_path_defines_all(parsed("--model", "nnx", "--tasks", "local_choices,local_until", *local))
+    assert _include_path_defines_all(parsed("run", "--model", "nnx", "--tasks", "local_rolling", *local))
+    assert not _include_path_defines_all(parsed("--model", "nnx", "--tasks", "local_choices,hellaswag", *local))
+    assert not _include_path_defines_all(parsed("--model", "nnx", "--tasks", "local_choices"))
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lm_eval.tasks.TaskManager)  # put back after the test
+    _index_include_path_only()
+    assert set(lm_eval.tasks.TaskManager(include_path=str(project / "tasks")).all_tasks) == set(TASKS)
+
+
 # Mistakes, named
 # --------------------------------------------------------------------------------------------------------------
 
@@ -91,6 +113,31 @@ def test_an_unknown_task_is_exit_2_naming_it_and_the_closest_name(project):
     result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_choicez", "--include-path", "tasks",
                  expect=2)  # fmt: skip
     assert_user_error(result, "unknown task 'local_choicez'", "local_choices")
+
+
+def test_a_name_no_task_yaml_contains_is_unknown_without_indexing_lm_evals_tasks(monkeypatch):
+    """A misspelt name is reported from a read of the YAMLs' text, closest name included, and lm-eval's own index
+    (seconds of parsing) is never built; a name they contain is looked up in the index as before."""
+    import lm_eval.tasks
+
+    from nnx_cli.errors import UserError
+    from nnx_cli.harness import load_tasks
+
+    built = []
+    real = lm_eval.tasks.TaskManager
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("include_defaults", True))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Counting)
+    with pytest.raises(UserError, match=r"unknown task 'hellaswagg' \(did you mean 'hellaswag'\?\)"):
+        load_tasks(["hellaswagg"])
+    assert built == []
+    with pytest.raises(UserError, match="unknown task 'output_type'"):  # in every task's YAML, but no task's name
+        load_tasks(["output_type"])
+    assert built == [True]
 
 
 def test_a_task_yaml_that_does_not_parse_is_exit_2_naming_the_file(project):
