@@ -6,14 +6,26 @@ compilation cache on: in `$XDG_CACHE_HOME/nnx/jax` (`~/.cache/nnx/jax`) by
 default, in the directory `NNX_COMPILATION_CACHE` names, or nowhere with
 `NNX_COMPILATION_CACHE=off`. Its thresholds are lowered so that the small
 programs of small models are cached too.
+
+On Linux, the commands that compute (`nnx-train`, `nnx-eval`, `nnx-generate`,
+`nnx-export`) start again at once, before importing anything, with glibc's
+malloc asking the kernel for transparent huge pages (:func:`with_huge_pages`):
+XLA's CPU runtime takes each step's temporaries from malloc afresh, and in
+4 KiB pages a step of a 135M-parameter model faulted in 1.1 GB, 278,000
+pages, every step. `NNX_HUGE_PAGES=off` leaves malloc as it is.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 _ENV = "NNX_COMPILATION_CACHE"
+_HUGE_PAGES = "NNX_HUGE_PAGES"
+_TUNABLE = "glibc.malloc.hugetlb"
+_RELAUNCHED = "NNX_RELAUNCHED"  # set in the environment of the process started again: never a second time
 
 
 def compilation_cache_dir() -> Path | None:
@@ -172,3 +184,76 @@ def breakdown() -> str:
     """`timings()` as one line: `2.5 s: import 0.9, data 0.1, compile 0.4, train 0.6, ...`."""
     t = timings()
     return f"{t.pop('total'):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items())
+
+
+def with_huge_pages() -> None:
+    """Start this process again (same PID, same arguments) with glibc's malloc asking for transparent huge pages,
+    where that helps and has not been done: call it first thing in a command, before the heavy imports.
+
+    glibc reads its tunables when a process starts, so only a new process image can take them. Where the
+    kernel gives huge pages only on request (`madvise`, the common default), `glibc.malloc.hugetlb=1`
+    makes malloc request them for its large blocks: a CPU training step then faults in a few hundred 2 MiB
+    pages instead of some hundred thousand 4 KiB ones (`benchmarks/huge_pages.py`). Nothing happens with
+    `NNX_HUGE_PAGES=off`, outside Linux and glibc 2.35 or later, where the kernel's setting is `always` or
+    `never`, or where `GLIBC_TUNABLES` names the tunable already (the user's choice stands).
+    """
+    environment = huge_pages_environment(os.environ, transparent_huge_pages(), glibc_version())
+    if environment is None:
+        return
+    if not sys.argv or not os.path.isfile(sys.argv[0]):  # `python -c ...`, an embedded interpreter: run as we are
+        return
+    original = list(getattr(sys, "orig_argv", []))  # with the interpreter's own options (`-X importtime`), if ours
+    tail = original[len(original) - len(sys.argv) :] if len(original) > len(sys.argv) else []
+    argv = [sys.executable, *(original[1:] if tail == sys.argv else sys.argv)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, argv, environment)
+    except OSError:  # the interpreter cannot be started again: run as we are
+        return
+
+
+def huge_pages_environment(
+    environ: Mapping[str, str], kernel: str | None, glibc: tuple[int, int] | None
+) -> dict[str, str] | None:
+    """`environ` with `glibc.malloc.hugetlb=1` added to `GLIBC_TUNABLES`, or None where it would change nothing
+    (see :func:`with_huge_pages`). `kernel` is the kernel's transparent-huge-page mode, `glibc` its version."""
+    if environ.get(_HUGE_PAGES, "").strip().lower() in ("off", "0", "false", "no") or _RELAUNCHED in environ:
+        return None
+    if kernel != "madvise" or glibc is None or glibc < (2, 35):
+        return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if any(item.split("=")[0] == _TUNABLE for item in tunables.split(":")):
+        return None
+    return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, f"{_TUNABLE}=1"])), _RELAUNCHED: "1"}
+
+
+def huge_pages_active(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process's malloc asks for transparent huge pages (what `run.json` records)."""
+    environ = os.environ if environ is None else environ
+    if transparent_huge_pages() not in ("madvise", "always") or (glibc_version() or (0, 0)) < (2, 35):
+        return False
+    settings = dict(item.partition("=")[::2] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item)
+    return settings.get(_TUNABLE, "0") not in ("", "0")
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent-huge-page mode (`always`, `madvise` or `never`); None where it cannot be read."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """The C library's version when it is glibc (None for musl, macOS, Windows)."""
+    try:
+        name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
+    except (AttributeError, ValueError, OSError):
+        return None
+    parts = version.split(".")
+    if name != "glibc" or len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        return None
+    return int(parts[0]), int(parts[1])

@@ -189,7 +189,8 @@ def _free_name(directory: Path, stem: str, suffix: str) -> Path:
 def write_run_info(workdir: Path, exp: Any) -> None:
     """`<workdir>/run.json`: what ran, where and with which versions (rewritten by each `nnx-train` of the work
     dir): package versions, devices, process count, the command line, git commits, plug-in import paths, the
-    attention a language model runs, and the model directory a run started from with the checksum of its weights."""
+    attention a language model runs, whether malloc asks for huge pages (:func:`nnx_cli.runtime.with_huge_pages`), and
+    the model directory a run started from with the checksum of its weights."""
     import importlib.metadata
     import platform
     import sys
@@ -197,6 +198,7 @@ def write_run_info(workdir: Path, exp: Any) -> None:
     import jax
 
     from nnx_cli.registry import import_paths
+    from nnx_cli.runtime import huge_pages_active
 
     versions = {}
     for package in ("nnx", "jax", "jaxlib", "optax", "orbax-checkpoint", "datasets", "grain", "numpy"):
@@ -216,6 +218,7 @@ def write_run_info(workdir: Path, exp: Any) -> None:
         "mesh": dict(exp.mesh.shape),
         "git": {"nnx": _git_commit(Path(__file__).resolve().parent), "cwd": _git_commit(Path.cwd())},
         "import_paths": import_paths(),
+        "huge_pages": huge_pages_active(),  # glibc's malloc asking for transparent huge pages (nnx_cli.runtime)
     }
     attention = exp.attention()
     if attention is not None:  # which attention ran (model.attention resolved on this platform)

@@ -66,6 +66,15 @@ if _CHECKED not in os.environ:
 # environment carries it into the workers and every subprocess; bfloat16 products are unaffected.
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
+# The commands that compute start their process again with glibc's malloc asking for huge pages (nnx_cli.runtime):
+# the session sets what they would, once, so that every process runs as a user's does and none starts again (the
+# fork server's commands would lose their imports, paid once in the server). Workers and subprocesses inherit it.
+from nnx_cli import runtime  # noqa: E402
+
+_relaunch = runtime.huge_pages_environment(os.environ, runtime.transparent_huge_pages(), runtime.glibc_version())
+if _relaunch is not None:
+    os.environ["GLIBC_TUNABLES"] = _relaunch["GLIBC_TUNABLES"]
+
 # In-process tests compile through the same cache: many build the same small models and jit the same programs.
 import jax  # noqa: E402
 import pytest  # noqa: E402

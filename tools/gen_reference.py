@@ -250,14 +250,16 @@ def all_rows() -> list[Row]:
 
 
 def console_scripts() -> dict[str, str]:
-    """`[project.scripts]` of pyproject.toml: command -> `module:function`."""
+    """`[project.scripts]` of pyproject.toml: command -> the module of its Typer app (through the launcher's
+    `COMMANDS` where the script starts there: `nnx_cli.commands.launch`)."""
     text = (ROOT / "pyproject.toml").read_text()
     section = re.search(r"^\[project\.scripts\]\n(.*?)(?=^\[|\Z)", text, flags=re.MULTILINE | re.DOTALL)
     scripts = {}
     for line in (section.group(1) if section else "").splitlines():
         match = re.match(r'^\s*([\w.-]+)\s*=\s*"([\w.]+):(\w+)"', line)
         if match:
-            scripts[match.group(1)] = match.group(2)
+            module, function = match.group(2), match.group(3)
+            scripts[match.group(1)] = getattr(importlib.import_module(module), "COMMANDS", {}).get(function, module)
     return scripts
 
 

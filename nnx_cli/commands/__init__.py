@@ -8,6 +8,7 @@
 - `nnx-export TARGET OUT`  :mod:`.export`: a Hugging Face model directory, an adapter or a GGUF file
 - `nnx-configs ls | cp`    :mod:`.configs`: the configs that ship with nnx
 
-Each parses its arguments and hands the work to the modules beside this package; nothing else imports them
-but `train`'s recipe and `configs`' lookup of a shipped config by name.
+The console scripts of the four that compute start through :mod:`.launch`, which sets the process up for
+large buffers first. Each parses its arguments and hands the work to the modules beside this package; nothing
+else imports them but `train`'s recipe and `configs`' lookup of a shipped config by name.
 """
