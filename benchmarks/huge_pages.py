@@ -55,15 +55,16 @@ def measure(args: argparse.Namespace) -> dict:
 def child(args: argparse.Namespace, huge: bool) -> dict:
     from nnx_cli import runtime
 
-    environment = dict(os.environ, NNX_HUGE_PAGES="off")
-    environment["GLIBC_TUNABLES"] = ":".join(
+    environment = {k: v for k, v in os.environ.items() if k != "NNX_HUGE_PAGES"}
+    environment["GLIBC_TUNABLES"] = ":".join(  # the user's other tunables stay, on both sides
         item for item in environment.get("GLIBC_TUNABLES", "").split(":") if item and "hugetlb" not in item
     )
-    if huge:
-        asked = runtime.huge_pages_environment({}, runtime.transparent_huge_pages(), runtime.glibc_version())
-        if asked is None:
-            raise SystemExit("this machine takes no huge pages on request (kernel mode or glibc < 2.35)")
-        environment["GLIBC_TUNABLES"] = ":".join(filter(None, [environment["GLIBC_TUNABLES"], asked["GLIBC_TUNABLES"]]))
+    if huge:  # what a command starts again with
+        environment = runtime.huge_pages_environment(
+            environment, runtime.transparent_huge_pages(), runtime.glibc_version()
+        )
+        if environment is None:
+            raise SystemExit("this machine takes no huge pages on request (kernel mode, glibc < 2.35, or a relaunch)")
     command = [sys.executable, __file__, "--child", *sys.argv[1:]]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])

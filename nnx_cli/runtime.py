@@ -223,7 +223,7 @@ def huge_pages_environment(
     if kernel != "madvise" or glibc is None or glibc < (2, 35):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if any(item.split("=")[0] == _TUNABLE for item in tunables.split(":")):
+    if _TUNABLE in _tunables(environ):
         return None
     return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, f"{_TUNABLE}=1"])), _RELAUNCHED: "1"}
 
@@ -233,8 +233,12 @@ def huge_pages_active(environ: Mapping[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     if transparent_huge_pages() not in ("madvise", "always") or (glibc_version() or (0, 0)) < (2, 35):
         return False
-    settings = dict(item.partition("=")[::2] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item)
-    return settings.get(_TUNABLE, "0") not in ("", "0")
+    return _tunables(environ).get(_TUNABLE, "0") not in ("", "0")
+
+
+def _tunables(environ: Mapping[str, str]) -> dict[str, str]:
+    """`GLIBC_TUNABLES` (`name=value:name=value`) as a dict."""
+    return dict(item.partition("=")[::2] for item in environ.get("GLIBC_TUNABLES", "").split(":") if item)
 
 
 def transparent_huge_pages() -> str | None:
