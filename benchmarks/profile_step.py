@@ -301,7 +301,7 @@ def main() -> None:
 
     if args.loss_chunk_mb:  # a trade of memory for speed to measure: fewer, larger head products
         loss.CHUNK_BYTES = args.loss_chunk_mb << 20
-    if args.loss_keep_mb is not None:  # 0: the head's gradient computes each chunk's logits again
+    if args.loss_keep_mb is not None:  # 0: the head's gradient computes each chunk's (block's) logits again
         loss.KEEP_BYTES = args.loss_keep_mb << 20
     extra = {
         "dtype": args.dtype,
