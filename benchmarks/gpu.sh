@@ -240,4 +240,7 @@ for spec in ${parts//,/ }; do
   part_start=$(date +%s)
   run_part
 done
-cat "$out/status.txt" 2>/dev/null
+if [ -s "$out/status.txt" ]; then  # the steps that failed or reached their limit: the call's status says so
+  cat "$out/status.txt"
+  exit 1
+fi
