@@ -376,9 +376,11 @@ _EIGHT_DEVICES = textwrap.dedent(
           tuple(grads[1].sharding.spec))
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         print("blocks", blocks_apply(2, 512, 151936))  # the vocabulary over `model`: positions
-        (_, (loss, hit)), grads = run(h, table, None, 100)  # blocks, asked for: the same numbers
+        (_, (loss, hit)), grads = run(h, table, None, 100, keep=True)  # blocks, asked for: the same numbers
+        _, recomputed = run(h, table, None, 100, keep=False)  # the head's gradient from each block's logits again
     print("blocked", float(np.max(np.abs(loss - want))), bool(np.all(hit == want_hit)),
-          max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)))
+          max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(grads, want_grads)),
+          max(float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(recomputed, want_grads)))
     """
 )
 
@@ -401,5 +403,5 @@ def test_chunks_keep_a_batch_sharded_over_data_and_a_vocabulary_over_model_on_ei
     error, spec = lines["kept"].split(" ", 1)
     assert float(error) < 1e-5 and spec == "('model', 'data')"
     assert lines["blocks"] == "False"  # a sharded vocabulary is taken in chunks of positions by default
-    error, same_hits, grads = lines["blocked"].split()
-    assert float(error) < 1e-5 and same_hits == "True" and float(grads) < 1e-5
+    error, same_hits, kept, recomputed = lines["blocked"].split()
+    assert float(error) < 1e-5 and same_hits == "True" and float(kept) < 1e-5 and float(recomputed) < 1e-5
