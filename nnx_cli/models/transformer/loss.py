@@ -405,9 +405,7 @@ def _slope(product: jax.Array, head: _Head) -> jax.Array:
 class _Kept(NamedTuple):
     """What the forward pass over the blocks keeps for the head's gradient (:func:`_blocked_pass`'s `keep`)."""
 
-    d: (
-        jax.Array
-    )  # `[count, N, rows]`: each block's `exp(logits - m) slope`, in the compute dtype, as A's product took it
+    d: jax.Array  # `[count, N, rows]`: each block's `exp(logits - m) slope` as A's product took it (compute dtype)
     top: jax.Array  # `[count, N]`: the running maximum `m` that block was scaled by
     slope: jax.Array  # `[N]`: d logits / d product at each position's target
 
