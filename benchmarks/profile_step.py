@@ -16,8 +16,9 @@ then traces `--trace-steps` more with `jax.profiler` and sums each executed XLA 
 - other: elementwise work (norms, rotary, activations, residual adds).
 
 An operation belongs to attention, head or optimizer when the source line it was traced from lies in the
-functions named below (see `PARTS`); to the others by what it computes. Prints the table and the ten most
-expensive operations, so the next person can see where time goes without reading HLO::
+functions named below (see `PARTS`), or to attention when its name carries the model's `attention` scope (see
+`SCOPES`: on a CPU the layer's operations keep no deeper frame); to the others by what it computes. Prints the
+table and the ten most expensive operations, so the next person can see where time goes without reading HLO::
 
     python benchmarks/profile_step.py [--lora] [--shape smollm2|heldout] [--seq-len 256] [--batch 4]
 
@@ -84,6 +85,8 @@ PARTS = {
     "optimizer": ("update_fn", "apply_updates", "tree_norm", "tree_update_moment", "_means", "safe_increment",
                   "train_step.<locals>.<dictcomp>"),
 }  # fmt: skip
+SCOPES = {"attention": "attention"}  # a part's `jax.named_scope` in the operations' names (`.../jvp(attention)/...`):
+# under the layer scan, a custom VJP's operations (the CPU's packed residuals) keep only the scan body's frame
 LAYERS = ("Block._forward",)  # the layers: their operations are not the head's, though `metrics` called them
 MOVES = {"transpose", "copy", "concatenate", "pad", "slice", "reshape", "bitcast", "broadcast", "reverse", "gather",
          "copy-start", "copy-done", "iota"}  # fmt: skip
@@ -167,6 +170,7 @@ class Classifier:
         self.instructions: dict[str, tuple[str, str, int]] = {}  # name -> (opcode, computation it calls, frame)
         self.computations: dict[str, list[str]] = collections.defaultdict(list)  # computation -> its opcodes
         self.descriptions: dict[str, str] = {}  # name -> its shape and op_name
+        self.scopes: dict[str, str] = {}  # name -> its op_name (the JAX name stack it was traced under)
         computation = None
         for line in hlo.splitlines():
             header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
@@ -183,6 +187,7 @@ class Classifier:
             shape = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) [\w\-]+\(", line)
             scope = re.search(r'op_name="([^"]*)"', line)
             self.descriptions[name] = f"{shape.group(1) if shape else ''} {scope.group(1) if scope else ''}"
+            self.scopes[name] = scope.group(1) if scope else ""
             if computation is not None:
                 self.computations[computation].append(opcode)
 
@@ -208,6 +213,9 @@ class Classifier:
 
     def part(self, name: str) -> str:
         opcode, called, frame = self.instructions.get(name, ("?", "", 0))
+        for part, scope in SCOPES.items():
+            if re.search(rf"[/(]{scope}[)/]", self.scopes.get(name, "")):
+                return part
         for function in self.stack(frame):
             if function in LAYERS:
                 break

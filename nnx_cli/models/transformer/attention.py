@@ -277,17 +277,20 @@ class Attention(nnx.Module):
         segments, no soft cap, a window known at trace time, more than one query), else :func:`attention_core`.
         Dropout on the weights needs them written out: then :meth:`_written_out` whatever the implementation.
         """
-        dropout = not deterministic and self.attention_dropout.rate > 0.0
-        if dropout or self.implementation == "xla":
-            return self._written_out(q, k, v, segments, window, dropout, ctx)
-        softcap = self.arch.attention_softcap
-        fixed = window is None or isinstance(window, int)
-        if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
-            local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
-            return jax.nn.dot_product_attention(
-                q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
-            )
-        return attention_core(q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale)
+        # the operations' names carry the scope (benchmarks/profile_step.py's attention part) where their stack
+        # frames do not: XLA's ops of a custom VJP under the layer scan name only the scan body's frame
+        with jax.named_scope("attention"):
+            dropout = not deterministic and self.attention_dropout.rate > 0.0
+            if dropout or self.implementation == "xla":
+                return self._written_out(q, k, v, segments, window, dropout, ctx)
+            softcap = self.arch.attention_softcap
+            fixed = window is None or isinstance(window, int)
+            if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
+                local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
+                return jax.nn.dot_product_attention(
+                    q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
+                )
+            return attention_core(q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale)
 
     def _written_out(
         self,
