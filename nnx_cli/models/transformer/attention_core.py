@@ -22,10 +22,12 @@ Queries are taken in blocks of `block` positions (a static loop): a block
 attends only to the keys its causal (and sliding-window) mask can reach,
 which skips most of the masked half of the work on long sequences and bounds
 the scores held at once to `[batch, heads, block, length]`. By default a
-sequence of up to 256 positions is one block (smaller blocks made a step no
-faster there and took longer to compile), and a longer one is cut into
+sequence of up to 128 positions is one block, and a longer one is cut into
 blocks of an eighth of it, at least 128 queries: eight blocks skip 44% of a
-causal product, and eight loop iterations keep the program small. On 2 CPU
+causal product, and eight loop iterations keep the program small. At
+SmolLM2-135M's length 256, two blocks of 128 took a LoRA step 0.93-0.96x and
+a full fine-tuning step 0.97x the time of one block of 256 (2 CPU cores, A B
+B A in one process), for 0.45 s more compiling (3.15 against 2.7 s). On 2 CPU
 cores, a LoRA step of a Qwen2-shaped model at length 1,024 ran 8% faster
 with blocks of 256 than of 512, and LoRA and full fine-tuning steps about 3%
 faster again with 128 and the query gradient below. A traced window (a scan
@@ -80,7 +82,7 @@ def attention_core(
         an integer array (traced: the mask only, no key skipped).
       softcap: scores pass through `softcap * tanh(score / softcap)` before the mask (Gemma 2).
       scale: multiplies `q k^T` (default `1 / sqrt(D)`).
-      block: queries per block (see the module docstring; default: the whole length up to 256, else an eighth
+      block: queries per block (see the module docstring; default: the whole length up to 128, else an eighth
         of it, at least 128); any positive size gives the same result.
 
     Returns `[B, T, H, D]` in `v`'s dtype.
@@ -88,7 +90,7 @@ def attention_core(
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
     limit = None if window is None or isinstance(window, int) else jnp.asarray(window, jnp.int32)
-    block = max(1, min(block or (t if t <= 256 else max(128, t // 8)), t))
+    block = max(1, min(block or (t if t <= 128 else max(128, t // 8)), t))
     static = _Static(heads // kv_heads, 1.0 / math.sqrt(d) if scale is None else float(scale),
                      None if limit is not None else window, softcap, block)  # fmt: skip
     # [B, K, G, T, D]: the query heads that share a key-value head sit together, positions along rows
