@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -360,17 +361,20 @@ def main() -> None:
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     cwd = Path(tempfile.mkdtemp(prefix="nnx-lora-"))
     ok = True
-    if args.part in (None, 1):
-        check_idle(args.force or DEVICE != "cpu")  # a GPU's speed does not hang on the host's load
-        shapes = args.shapes.split(",")
-        unknown = [s for s in shapes if s not in SHAPES]
-        if unknown:
-            parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
-        ok &= part1(args.reference, cwd, args.speed_steps, shapes)
-    if args.part in (None, 2):
-        ok &= part2(args.reference, cwd, args.steps)
+    try:  # the runs' work dirs hold full checkpoints: 3.2 GB at SmolLM2's shapes, removed however the runs end
+        if args.part in (None, 1):
+            check_idle(args.force or DEVICE != "cpu")  # a GPU's speed does not hang on the host's load
+            ok &= part1(args.reference, cwd, args.speed_steps, shapes)
+        if args.part in (None, 2):
+            ok &= part2(args.reference, cwd, args.steps)
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)
     raise SystemExit(0 if ok else 1)
 
 

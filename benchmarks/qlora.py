@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -386,16 +387,18 @@ def main() -> None:
     REMAT, DEVICE = args.remat, args.device
     cwd = Path(tempfile.mkdtemp(prefix="nnx-qlora-"))
     ok, speed = True, {}
-    if {1, 3} & set(args.part):
-        check_idle(args.force or args.tiny or args.device != "cpu")
-    if 1 in args.part:
-        met, speed = part1(args.reference, cwd, args.speed_steps, args.tiny)
-        ok &= met
-    if 3 in args.part:
-        part3(args.reference, cwd, args.tiny, speed)
-    if 2 in args.part:
-        ok &= part2(args.reference, cwd, 20 if args.tiny else args.steps)
-    subprocess.run(["rm", "-rf", str(cwd)], check=False)
+    try:  # the model and the runs' work dirs, removed however the runs end
+        if {1, 3} & set(args.part):
+            check_idle(args.force or args.tiny or args.device != "cpu")
+        if 1 in args.part:
+            met, speed = part1(args.reference, cwd, args.speed_steps, args.tiny)
+            ok &= met
+        if 3 in args.part:
+            part3(args.reference, cwd, args.tiny, speed)
+        if 2 in args.part:
+            ok &= part2(args.reference, cwd, 20 if args.tiny else args.steps)
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)
     raise SystemExit(0 if ok else 1)
 
 
