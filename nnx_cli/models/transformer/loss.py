@@ -379,11 +379,15 @@ class _BlockOf(NamedTuple):
     logits: jax.Array  # the product finished: soft-capped, repeated and padded ids masked, over the temperature
 
 
+def _block_start(j: jax.Array, spec: _Block, vocab: int) -> jax.Array:
+    """The first id of block `j`: `j * rows`, the last block moved back to end at `vocab`."""
+    return jnp.minimum(j * spec.rows, vocab - spec.rows)
+
+
 def _block_logits(x: jax.Array, weights: jax.Array, j: jax.Array, spec: _Block, stored: Any) -> _BlockOf:
     """Block `j` of `weights` (:func:`.dense.sliceable`'s, of the head `stored` in that dtype), converted to
     `x`'s dtype alone: a head stored in another dtype is never converted whole."""
-    vocab = weights.shape[0 if spec.head.tied else 1]
-    start = jnp.minimum(j * spec.rows, vocab - spec.rows)
+    start = _block_start(j, spec, weights.shape[0 if spec.head.tied else 1])
     w = lax.dynamic_slice_in_dim(weights, start, spec.rows, axis=0 if spec.head.tied else 1)
     w = as_stored(w, stored).astype(x.dtype)
     contract = (((1,), (1 if spec.head.tied else 0,)), ((), ()))
@@ -511,7 +515,7 @@ def _kept_head_gradient(spec: _Block, kept: _Kept, shape: tuple[int, ...], x: ja
 
     def body(total, xs):
         j, d, top = xs
-        start = jnp.minimum(j * spec.rows, shape[axis] - spec.rows)
+        start = _block_start(j, spec, shape[axis])
         scaled = (wide * (g * jnp.exp(top - normalizer))[:, None]).astype(x.dtype)
         if spec.head.tied:  # [rows, E]
             part = lax.dot_general(d, scaled, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
