@@ -38,48 +38,66 @@ def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None) -> jax.Array:
-    """`x @ kernel` contracting the trailing `in_rank` axes of `x` with the leading ones of `kernel`, as one 2D
-    matmul `[tokens, in] @ [in, out]`.
+    """`x @ kernel` in `x`'s dtype, contracting the trailing `in_rank` axes of `x` with the leading ones of
+    `kernel`, over the tokens (`x`'s other axes) as one axis. A wider kernel (float32 parameters of a bfloat16
+    model) is narrowed to `x`'s dtype for the product; its gradient comes back in its own dtype.
 
     Autodiff then writes the weight gradient as the 2D matmul `x^T g` over
     `[tokens, features]`; contracted over the batch and length axes at once,
     XLA copied the output gradient transposed to feed it (the SwiGLU gradient
-    as `[mlp, tokens]`, the tied head's as `[vocab, tokens]`).
+    as `[mlp, tokens]`, the tied head's as `[vocab, tokens]`). The kernel
+    itself is contracted as it is given: under the layer scan, the backward
+    pass then reads each layer's slice of the stacked parameter, where a
+    reshaped or narrowed copy was a residual the scan stacked again (the
+    attention projections' weights at SmolLM2's shapes: 101 MiB of a LoRA
+    step's 1,083; every weight, narrowed, in a bfloat16 full fine-tuning
+    step's 1,403, 152 MiB).
     """
     tokens, out_shape = x.shape[: x.ndim - in_rank], kernel.shape[in_rank:]
-    x2, w2 = x.reshape(math.prod(tokens), -1), kernel.reshape(math.prod(kernel.shape[:in_rank]), -1)
-    result = jnp.dtype(out_dtype or jnp.result_type(x, kernel))
-    if packs() and x.dtype.itemsize == kernel.dtype.itemsize == result.itemsize == 2:
-        y = _matmul16(x2, w2)
+    x2 = x.reshape(math.prod(tokens), *x.shape[x.ndim - in_rank :])
+    if kernel.dtype != x.dtype or (packs() and x.dtype.itemsize == jnp.dtype(out_dtype or x.dtype).itemsize == 2):
+        y = _narrowed(x2.reshape(x2.shape[0], -1), kernel, out_dtype)
     else:
-        y = lax.dot_general(x2, w2, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+        contract = (tuple(range(1, in_rank + 1)), tuple(range(in_rank)))
+        y = lax.dot_general(x2, kernel, (contract, ((), ())), preferred_element_type=out_dtype)
     return y.reshape(*tokens, *out_shape)
 
 
-@jax.custom_vjp
-def _matmul16(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w` of 16-bit `[tokens, in]` and `[in, out]`, in their dtype, on a CPU: every product of the pass and
-    of its gradient accumulated in float32 and rounded once. XLA's CPU computes a product of 16-bit operands
-    with a 16-bit result by widening both to float32 first (a float32 copy of the kernel and of its gradient's
+def _product(x: jax.Array, w: jax.Array, contract: tuple, out_dtype: Any) -> jax.Array:
+    """`lax.dot_general(x, w)` contracting `contract`, in `out_dtype` (else `x`'s dtype). On a CPU a 16-bit
+    result is accumulated in float32 and rounded once: XLA's CPU computes a product of 16-bit operands with a
+    16-bit result by widening both to float32 first (a float32 copy of the kernel and of its gradient's
     operands in each step); with a float32 result it multiplies them as stored, 2.5-3.7x faster at 1,024 x 896
-    x 4,864, and the weight gradient `x^T g` about 2x. The values are those of the float32 product rounded."""
-    product = lax.dot_general(two_rows(x), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return product[: x.shape[0]].astype(x.dtype)
+    x 4,864, and the weight gradient `x^T g` about 2x."""
+    out = jnp.dtype(out_dtype or x.dtype)
+    if packs() and out.itemsize == 2:
+        product = lax.dot_general(two_rows(x), w, (contract, ((), ())), preferred_element_type=jnp.float32)
+        return product[: x.shape[0]].astype(out)
+    return lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=out)
 
 
-def _matmul16_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
-    return _matmul16(x, w), (x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _narrowed(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
+    """`[tokens, in] @ kernel` (seen as `[in, out]`) in `x`'s dtype, keeping for the backward pass `x` and the
+    kernel as given, which it narrows again there; the kernel's gradient `x^T g` is accumulated in float32 and
+    given in the kernel's dtype (not rounded to `x`'s first)."""
+    return _product(x, kernel.astype(x.dtype).reshape(x.shape[1], -1), ((1,), (0,)), out_dtype)
 
 
-def _matmul16_backward(saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, w = saved
-    g = g.astype(x.dtype)
-    dx = lax.dot_general(two_rows(g), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dw = lax.dot_general(x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx[: x.shape[0]].astype(x.dtype), dw.astype(w.dtype)
+def _narrowed_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
+    return _narrowed(x, kernel, out_dtype), (x, kernel)
 
 
-_matmul16.defvjp(_matmul16_forward, _matmul16_backward)
+def _narrowed_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, kernel = saved
+    wide = x.astype(g.dtype) if g.dtype.itemsize > x.dtype.itemsize else x  # a float32 result's (the router's)
+    g = g.astype(wide.dtype)
+    dx = _product(g, kernel.astype(wide.dtype).reshape(-1, g.shape[1]), ((1,), (1,)), x.dtype)
+    dw = lax.dot_general(wide, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx, dw.reshape(kernel.shape).astype(kernel.dtype)
+
+
+_narrowed.defvjp(_narrowed_forward, _narrowed_backward)
 
 
 def _frozen_weight(kernel: jax.Array, fan_in: int, compute: Any) -> jax.Array:
@@ -273,7 +291,7 @@ class Dense(nnx.Module):
             y = frozen_matmul(x2, kernel, self.out_dtype, self.compute_dtype).reshape(*tokens, *out_shape)
             y = y.astype(self.out_dtype or self.dtype)
         else:
-            y = matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype), self.in_rank, self.out_dtype)
+            y = matmul(x.astype(self.compute_dtype), kernel, self.in_rank, self.out_dtype)
             y = y.astype(self.out_dtype or self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
