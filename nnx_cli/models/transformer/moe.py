@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import nnx
+from nnx.nn.quantize import no_gradient
 from nnx_cli.models.transformer.dense import Dense, constrain, normal
 from nnx_cli.models.transformer.mlp import swiglu
 from nnx_cli.models.transformer.options import Architecture, Lora, Quantize
@@ -154,6 +155,29 @@ def _grouped(block: int, x: jax.Array, w: jax.Array, *operands: Any) -> jax.Arra
     return Groups(sizes, block, *blocks).matmul(x, w)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _narrowed_grouped(block: int, x: jax.Array, kernel: jax.Array, operands: tuple) -> jax.Array:
+    """:func:`_grouped` of `x` and the experts' `kernel` narrowed to `x`'s dtype (float32 weights of a bfloat16
+    model), keeping the kernel as given for the backward pass, which narrows it again. Narrowed outside, the
+    bfloat16 copy of every expert's weights was a residual the layer scan stacked (100 MiB a step for 8
+    layers of 8 experts 512 x 512)."""
+    return _grouped(block, x, kernel.astype(x.dtype), *operands, None)
+
+
+def _narrowed_grouped_forward(block: int, x: jax.Array, kernel: jax.Array, operands: tuple) -> tuple:
+    return _narrowed_grouped(block, x, kernel, operands), (x, kernel, operands)
+
+
+def _narrowed_grouped_backward(block: int, saved: tuple, g: jax.Array) -> tuple:
+    x, kernel, operands = saved
+    _, backward = jax.vjp(lambda x, w: _grouped(block, x, w.astype(x.dtype), *operands, None), x, kernel)
+    dx, dw = backward(g.astype(x.dtype))
+    return dx, dw, jax.tree.map(no_gradient, operands)
+
+
+_narrowed_grouped.defvjp(_narrowed_grouped_forward, _narrowed_grouped_backward)
+
+
 def _grouped_transpose(block: int, g: jax.Array, w: jax.Array, *operands: Any) -> jax.Array:
     """The transpose of :func:`_grouped` in `x`: each row's gradient by its expert's kernel transposed."""
     return _grouped(block, g, jnp.swapaxes(w, -1, -2), *operands)
@@ -207,17 +231,19 @@ class GroupedDense(nnx.Module):
         self, x: jax.Array, groups: Groups, *, deterministic: bool = True, ctx: nnx.Context | None = None
     ) -> jax.Array:
         kernel, compute = nnx.containers.stored_value(self, "kernel"), self.compute_dtype  # as Dense reads it
+        operands = (
+            (groups.sizes,) if groups.block_experts is None else (groups.sizes, groups.block_experts, groups.used)
+        )
         if isinstance(kernel, nnx.QuantizedKernel):
-            operands = (
-                (groups.sizes,) if groups.block_experts is None else (groups.sizes, groups.block_experts, groups.used)
-            )
             product, transpose = (
                 functools.partial(_grouped, groups.block),
                 functools.partial(_grouped_transpose, groups.block),
             )
             y = nnx.dequantized_product(product, transpose, x.astype(compute), kernel, compute, *operands)
+        elif kernel.dtype != jnp.dtype(compute):
+            y = _narrowed_grouped(groups.block, x.astype(compute), kernel, operands)
         else:
-            y = groups.matmul(x.astype(compute), kernel.astype(compute))
+            y = groups.matmul(x.astype(compute), kernel)
         y = y.astype(self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, groups, deterministic=deterministic, ctx=ctx).astype(y.dtype)
