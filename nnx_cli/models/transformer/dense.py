@@ -39,27 +39,25 @@ def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None) -> jax.Array:
     """`x @ kernel` in `x`'s dtype, contracting the trailing `in_rank` axes of `x` with the leading ones of
-    `kernel`, over the tokens (`x`'s other axes) as one axis. A wider kernel (float32 parameters of a bfloat16
-    model) is narrowed to `x`'s dtype for the product; its gradient comes back in its own dtype.
+    `kernel`, as one 2D matmul `[tokens, in] @ [in, out]`. A kernel in another dtype (float32 parameters of a
+    bfloat16 model) is converted to `x`'s for the product; its gradient comes back in its own dtype.
 
-    Autodiff then writes the weight gradient as the 2D matmul `x^T g` over
-    `[tokens, features]`; contracted over the batch and length axes at once,
-    XLA copied the output gradient transposed to feed it (the SwiGLU gradient
-    as `[mlp, tokens]`, the tied head's as `[vocab, tokens]`). The kernel
-    itself is contracted as it is given: under the layer scan, the backward
-    pass then reads each layer's slice of the stacked parameter, where a
-    reshaped or narrowed copy was a residual the scan stacked again (the
-    attention projections' weights at SmolLM2's shapes: 101 MiB of a LoRA
-    step's 1,083; every weight, narrowed, in a bfloat16 full fine-tuning
-    step's 1,403, 152 MiB).
+    The weight gradient is then the 2D matmul `x^T g` over `[tokens,
+    features]`; contracted over the batch and length axes at once, XLA
+    copied the output gradient transposed to feed it (the SwiGLU gradient as
+    `[mlp, tokens]`, the tied head's as `[vocab, tokens]`). The kernel is
+    reshaped and converted inside the product's custom VJP, which keeps it as
+    given: under the layer scan the backward pass reads each layer's slice of
+    the stacked parameter, where a reshaped or converted kernel was a
+    residual that the scan stacked again (the attention projections'
+    weights at SmolLM2's shapes: 101 MiB of a LoRA step's 1,083; every
+    weight, converted to bfloat16, in a bfloat16 full fine-tuning step's
+    1,403, 152 MiB). Contracting the `[embed, heads, kv]` kernel as it is
+    instead (no reshape) took the query projection's forward and backward
+    1.3x the time on a CPU.
     """
     tokens, out_shape = x.shape[: x.ndim - in_rank], kernel.shape[in_rank:]
-    x2 = x.reshape(math.prod(tokens), *x.shape[x.ndim - in_rank :])
-    if kernel.dtype != x.dtype or (packs() and x.dtype.itemsize == jnp.dtype(out_dtype or x.dtype).itemsize == 2):
-        y = _narrowed(x2.reshape(x2.shape[0], -1), kernel, out_dtype)
-    else:
-        contract = (tuple(range(1, in_rank + 1)), tuple(range(in_rank)))
-        y = lax.dot_general(x2, kernel, (contract, ((), ())), preferred_element_type=out_dtype)
+    y = _matmul2d(x.reshape(math.prod(tokens), -1), kernel, out_dtype)
     return y.reshape(*tokens, *out_shape)
 
 
@@ -77,18 +75,18 @@ def _product(x: jax.Array, w: jax.Array, contract: tuple, out_dtype: Any) -> jax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _narrowed(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
+def _matmul2d(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
     """`[tokens, in] @ kernel` (seen as `[in, out]`) in `x`'s dtype, keeping for the backward pass `x` and the
-    kernel as given, which it narrows again there; the kernel's gradient `x^T g` is accumulated in float32 and
-    given in the kernel's dtype (not rounded to `x`'s first)."""
+    kernel as given, which it converts and reshapes again there; the kernel's gradient `x^T g` is accumulated
+    in float32 and given in the kernel's dtype (not rounded to `x`'s first)."""
     return _product(x, kernel.astype(x.dtype).reshape(x.shape[1], -1), ((1,), (0,)), out_dtype)
 
 
-def _narrowed_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
-    return _narrowed(x, kernel, out_dtype), (x, kernel)
+def _matmul2d_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
+    return _matmul2d(x, kernel, out_dtype), (x, kernel)
 
 
-def _narrowed_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _matmul2d_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, kernel = saved
     wide = x.astype(g.dtype) if g.dtype.itemsize > x.dtype.itemsize else x  # a float32 result's (the router's)
     g = g.astype(wide.dtype)
@@ -97,7 +95,7 @@ def _narrowed_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.
     return dx, dw.reshape(kernel.shape).astype(kernel.dtype)
 
 
-_narrowed.defvjp(_narrowed_forward, _narrowed_backward)
+_matmul2d.defvjp(_matmul2d_forward, _matmul2d_backward)
 
 
 def _frozen_weight(kernel: jax.Array, fan_in: int, compute: Any) -> jax.Array:
