@@ -14,7 +14,7 @@ import jax
 
 import nnx
 from nnx_cli.models.transformer.attention import Attention, Layer
-from nnx_cli.models.transformer.dense import constrain
+from nnx_cli.models.transformer.dense import PROJECTION, constrain
 from nnx_cli.models.transformer.mlp import MLP
 from nnx_cli.models.transformer.moe import MoE
 from nnx_cli.models.transformer.norms import make_norm
@@ -23,7 +23,11 @@ from nnx_cli.models.transformer.residuals import packed_call, packs
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls, recompute attention
+    # keep the projections' outputs (weight matmuls, tagged: most run in custom VJPs), recompute attention
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION),
+    ),
 }
 
 

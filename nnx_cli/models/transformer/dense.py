@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import nnx
 from nnx.nn.quantize import dequantize_kernel, no_gradient, two_rows
@@ -25,6 +26,11 @@ from nnx_cli.models.transformer.residuals import packs
 
 LAYERS = "layers"
 """The logical axis of the scanned blocks' stacked parameters and key-value caches."""
+
+PROJECTION = "projection"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of every `Dense` output: what `model.remat: dots` keeps. A
+remat policy cannot see the products inside the layers' custom VJPs, and `dots_with_no_batch_dims_saveable`
+alone saved none of them (recomputing every projection, as `full` does)."""
 
 
 def normal(std: float, axes: tuple[str, ...]) -> Any:
@@ -280,7 +286,7 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None) -> jax.Array:
         kernel = nnx.containers.stored_value(self, "kernel")  # not constrained: a scan would stack it again
         if self._adapts_in_one_product(x):
-            return add_bias(self._adapted(x, kernel, deterministic, ctx), self.bias)
+            return checkpoint_name(add_bias(self._adapted(x, kernel, deterministic, ctx), self.bias), PROJECTION)
         if isinstance(kernel, nnx.QuantizedKernel):
             y = kernel(x, dtype=self.compute_dtype, out_dtype=self.out_dtype).astype(self.out_dtype or self.dtype)
         elif self.frozen:
@@ -293,7 +299,7 @@ class Dense(nnx.Module):
             y = y.astype(self.out_dtype or self.dtype)
         if self.lora is not None:
             y = y + self.lora(x, deterministic=deterministic, ctx=ctx).astype(y.dtype)
-        return add_bias(y, self.bias)
+        return checkpoint_name(add_bias(y, self.bias), PROJECTION)
 
     def _adapts_in_one_product(self, x: jax.Array) -> bool:
         """Whether the adapter's update is computed with the base product (`nnx.LoRA.adapt`): on a CPU, in
