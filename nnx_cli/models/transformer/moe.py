@@ -159,8 +159,9 @@ def _grouped(block: int, x: jax.Array, w: jax.Array, *operands: Any) -> jax.Arra
 def _narrowed_grouped(block: int, x: jax.Array, kernel: jax.Array, operands: tuple) -> jax.Array:
     """:func:`_grouped` of `x` and the experts' `kernel` narrowed to `x`'s dtype (float32 weights of a bfloat16
     model), keeping the kernel as given for the backward pass, which narrows it again. Narrowed outside, the
-    bfloat16 copy of every expert's weights was a residual the layer scan stacked (100 MiB a step for 8
-    layers of 8 experts 512 x 512)."""
+    bfloat16 copy of every expert's weights was a residual the layer scan stacked, with the float32 copies a
+    CPU made of it (a full fine-tuning step's temporaries 1,425 MiB against 1,089 now, 8 layers of 8 experts
+    512 x 512, batch 8 x 256)."""
     return _grouped(block, x, kernel.astype(x.dtype), *operands, None)
 
 
