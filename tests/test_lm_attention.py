@@ -139,3 +139,29 @@ def test_xla_leaves_the_backward_pass_to_autodiff_where_the_core_brings_its_own(
 
     # the projections around it bring their own (the 2D product's), whichever attention runs
     assert "bwd=_core_backward" in program("core") and "bwd=_core_backward" not in program("xla")
+
+
+@pytest.mark.parametrize("training", ["full", "lora", "lora-bf16"])
+def test_the_attention_output_is_kept_once_for_the_core_and_the_out_projection(training):
+    """The backward passes of the core and of the out projection (its kernel's or its adapter's gradient) both
+    read the attention's output: they keep one array of it, the one the core returned under its sharding
+    constraint. The out projection kept a reshaped copy of its own, and an adapter another, which the layer scan
+    stacked as residuals beside the core's (68 of a SmolLM2-shaped LoRA step's 981 MiB of temporaries)."""
+    options = {**BASE, "num_layers": 1, "scan_layers": False, "num_kv_heads": 2, "embed_dim": 48}  # 4 x 16 != 48
+    if training != "full":
+        options.update(lora={"rank": 4}, dtype="bfloat16" if training == "lora-bf16" else "float32")
+    model = TransformerLM((LENGTH,), 257, ctx=nnx.context(0), **options)
+    trained = nnx.LoRAParam if training != "full" else nnx.Param
+    (params, rest), moduledef = model.partition(trained, ...)
+    tokens = jnp.arange(2 * LENGTH).reshape(2, LENGTH) % 257
+
+    def loss(params):
+        ctx = nnx.context(dropout=0, flags={"deterministic": False})
+        return jnp.mean(moduledef.merge(params, rest).metrics({"tokens": tokens}, ctx)["loss"])
+
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as nnx-train's
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(TransformerLM.default_rules):
+        backward = jax.eval_shape(lambda params: jax.vjp(loss, params)[1], params)  # what it keeps, traced
+    heads = 2 * (LENGTH - 1) * 4 * 16  # [batch, length, heads, head_dim] of the inputs' positions
+    kept = [r.shape for r in jax.tree.leaves(backward) if r.size == heads]
+    assert len(kept) == 2, kept  # the queries, grouped for the core, and the output

@@ -52,24 +52,32 @@ def _shape(features: Shape) -> tuple[int, ...]:
     return (features,) if isinstance(features, int) else tuple(features)
 
 
+def _flat(x: Array, features: int) -> Array:
+    """``x`` as ``[tokens, features]``."""
+    return x.reshape(-1, features)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _low_rank(x: Array, a: Array, b: Array, scale: float) -> Array:
-    """``x @ a @ b * scale`` for ``x`` ``[tokens, in]``, ``a`` ``[in, rank]``, ``b`` ``[rank, out]``."""
-    return (x @ a @ b) * jnp.asarray(scale, x.dtype)
+    """``x @ a @ b * scale``, ``[tokens, out]``, for ``x`` of any shape whose trailing axes hold ``in`` features
+    (flattened here: the backward pass keeps ``x`` as given, the very array the base product keeps), ``a``
+    ``[in, rank]``, ``b`` ``[rank, out]``."""
+    return (_flat(x, a.shape[0]) @ a @ b) * jnp.asarray(scale, x.dtype)
 
 
 def _low_rank_forward(x: Array, a: Array, b: Array, scale: float) -> tuple[Array, tuple[Array, ...]]:
-    low = x @ a
+    low = _flat(x, a.shape[0]) @ a
     return (low @ b) * jnp.asarray(scale, x.dtype), (x, a, b, low)
 
 
 def _low_rank_backward(scale: float, saved: tuple[Array, ...], g: Array) -> tuple[Array, Array, Array]:
     # The weight gradients written out as 2D matmuls over [tokens, features], dB = low^T g and
     # dA = x^T (g B^T): left to autodiff, XLA writes large activation gradients transposed only to feed them.
-    x, a, b, low = saved
+    x_in, a, b, low = saved
+    x = _flat(x_in, a.shape[0])
     scale = jnp.asarray(scale, x.dtype)
     g_low = (g @ b.T) * scale
-    return g_low @ a.T, x.T @ g_low, (low.T @ g) * scale
+    return (g_low @ a.T).reshape(x_in.shape), x.T @ g_low, (low.T @ g) * scale
 
 
 _low_rank.defvjp(_low_rank_forward, _low_rank_backward)
@@ -92,20 +100,22 @@ def _adapted(spec: tuple, weight: Callable, x: Array, x_lora: Array | None, sour
     return _adapted_forward(spec, weight, x, x_lora, source, a, b)[0]
 
 
-def _adapted_forward(spec, weight, x, x_lora, source, a, b):
+def _adapted_forward(spec, weight, x_in, x_lora, source, a, b):
     scale, out_dtype, _ = spec
+    x = _flat(x_in, a.shape[0])
     low = (_f32_dot(x if x_lora is None else x_lora, a, ((1,), (0,))) * scale).astype(x.dtype)  # x a s
     w = weight(source)
     if w.shape[1] > w.shape[0]:  # the update rides in the base product as `rank` more input features
         y = _f32_dot(jnp.concatenate([x, low], 1), jnp.concatenate([w, b], 0), ((1,), (0,)))
     else:
         y = _f32_dot(x, w, ((1,), (0,))) + _f32_dot(low, b, ((1,), (0,)))
-    return y.astype(out_dtype or x.dtype), (x, x_lora, source, a, b, low)
+    return y.astype(out_dtype or x.dtype), (x_in, x_lora, source, a, b, low)
 
 
 def _adapted_backward(spec, weight, saved, g):
     scale, _, trainable = spec
-    x, x_lora, source, a, b, low = saved
+    x_in, x_lora, source, a, b, low = saved
+    x = _flat(x_in, a.shape[0])
     w = weight(source)
     g = g.astype(x.dtype)
     if w.shape[1] > w.shape[0]:
@@ -124,6 +134,7 @@ def _adapted_backward(spec, weight, saved, g):
         dx, dxl = (dx + dx_lora).astype(x.dtype), None
     else:
         dx, dxl = dx.astype(x.dtype), dx_lora.astype(x_lora.dtype)
+    dx = dx.reshape(x_in.shape)
     if trainable:  # a base held as a parameter: its gradient, which XLA drops when only the adapters train
         dsource = _f32_dot(x, g, ((0,), (0,))).reshape(source.shape).astype(source.dtype)
     else:
@@ -205,7 +216,7 @@ class LoRA(Module):
         a, b = stored_value(self, "a"), stored_value(self, "b")  # not constrained: a scan would stack them again
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
         a = a.astype(dtype).reshape(-1, self.rank)
-        y = _low_rank(x.astype(dtype).reshape(-1, a.shape[0]), a, b.astype(dtype).reshape(self.rank, -1), self.scale)
+        y = _low_rank(x.astype(dtype), a, b.astype(dtype).reshape(self.rank, -1), self.scale)
         return y.reshape(*tokens, *out_shape)
 
     def adapt(
@@ -238,11 +249,10 @@ class LoRA(Module):
         xl = self.dropout(x, deterministic=deterministic, ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
-        x2 = x.reshape(math.prod(tokens), -1)
-        x_lora = None if xl is x else xl.astype(x.dtype).reshape(x2.shape)
         a2, b2 = a.astype(x.dtype).reshape(-1, self.rank), b.astype(x.dtype).reshape(self.rank, -1)
+        x_lora = None if xl is x else _flat(xl.astype(x.dtype), a2.shape[0])
         spec = (self.scale, None if out_dtype is None else jnp.dtype(out_dtype), trainable)
-        y = _adapted(spec, weight, x2, x_lora, source, a2, b2)
+        y = _adapted(spec, weight, x, x_lora, source, a2, b2)  # x as given: kept as the base product keeps it
         return y.reshape(*tokens, *out_shape)
 
     def delta(self) -> Array:

@@ -172,6 +172,12 @@ def layer_frequencies(arch: Architecture, layer: Layer) -> jax.Array:
     return jnp.where(jnp.asarray(arch.sliding_layers)[layer], local, full)
 
 
+def _heads_out(o: jax.Array) -> jax.Array:
+    """Attention's output `[batch, length, heads, head_dim]` constrained to its logical axes, before the out
+    projection (one function, so that the core's static arguments are the same at every call)."""
+    return constrain(o, ("batch", "length", "heads", "kv"))
+
+
 class Attention(nnx.Module):
     """Causal self-attention with `num_heads` query heads sharing `num_kv_heads` key-value heads (grouped-query
     attention; multi-head when equal); `init_cache` gives it a key-value cache for `prefill` and `decode`.
@@ -271,7 +277,7 @@ class Attention(nnx.Module):
         window: int | jax.Array | None = None,
     ):
         """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids;
-        with `window`, only over the last `window` positions.
+        with `window`, only over the last `window` positions. The output is constrained to its logical axes.
 
         As `self.implementation` says (:func:`choose_attention`); cuDNN's kernel where it takes the variant (no
         segments, no soft cap, a window known at trace time, more than one query), else :func:`attention_core`.
@@ -282,15 +288,18 @@ class Attention(nnx.Module):
         with jax.named_scope("attention"):
             dropout = not deterministic and self.attention_dropout.rate > 0.0
             if dropout or self.implementation == "xla":
-                return self._written_out(q, k, v, segments, window, dropout, ctx)
+                return _heads_out(self._written_out(q, k, v, segments, window, dropout, ctx))
             softcap = self.arch.attention_softcap
             fixed = window is None or isinstance(window, int)
             if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
                 local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
-                return jax.nn.dot_product_attention(
+                return _heads_out(jax.nn.dot_product_attention(
                     q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
-                )
-            return attention_core(q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale)
+                ))  # fmt: skip
+            # constrained inside the core's custom VJP: the array the out projection keeps is the core's own
+            return attention_core(
+                q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale, out=_heads_out
+            )
 
     def _written_out(
         self,
@@ -319,7 +328,7 @@ class Attention(nnx.Module):
         return o.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
     def _output(self, o: jax.Array, deterministic: bool, ctx: nnx.Context | None) -> jax.Array:
-        o = constrain(o, ("batch", "length", "heads", "kv"))
+        """The out projection of the heads `o`, constrained already (:func:`_heads_out`), and dropout."""
         return self.dropout(self.out(o, deterministic=deterministic, ctx=ctx), deterministic=deterministic, ctx=ctx)
 
     def __call__(
@@ -403,4 +412,4 @@ class Attention(nnx.Module):
             "bkgt,bktd->bkgd", weights.astype(self.dtype), self.cached_value, preferred_element_type=jnp.float32
         )
         o = (o / total).astype(self.dtype).reshape(batch, heads, head_dim)
-        return self._output(o[:, None], True, None)
+        return self._output(_heads_out(o[:, None]), True, None)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,7 @@ class _Static(typing.NamedTuple):
     window: int | None
     softcap: float | None
     block: int
+    out: Callable[[jax.Array], jax.Array] | None  # applied to the `[B, T, H, D]` output (attention_core's `out`)
 
 
 def attention_core(
@@ -73,6 +75,7 @@ def attention_core(
     softcap: float | None = None,
     scale: float | None = None,
     block: int | None = None,
+    out: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """Causal softmax attention of `q` `[B, T, H, D]` over `k`, `v` `[B, T, K, D]` (`H` a multiple of `K`).
 
@@ -84,6 +87,9 @@ def attention_core(
       scale: multiplies `q k^T` (default `1 / sqrt(D)`).
       block: queries per block (see the module docstring; default: the whole length up to 128, else an eighth
         of it, at least 128); any positive size gives the same result.
+      out: applied to the output inside the backward rule's scope (a sharding constraint), so that the array
+        returned is the one kept for the backward pass: the output projection keeps its input too, and under
+        the layer scan two arrays of the same values were two stacked residuals.
 
     Returns `[B, T, H, D]` in `v`'s dtype.
     """
@@ -92,13 +98,12 @@ def attention_core(
     limit = None if window is None or isinstance(window, int) else jnp.asarray(window, jnp.int32)
     block = max(1, min(block or (t if t <= 128 else max(128, t // 8)), t))
     static = _Static(heads // kv_heads, 1.0 / math.sqrt(d) if scale is None else float(scale),
-                     None if limit is not None else window, softcap, block)  # fmt: skip
+                     None if limit is not None else window, softcap, block, out)  # fmt: skip
     # [B, K, G, T, D]: the query heads that share a key-value head sit together, positions along rows
     grouped = q.reshape(b, t, kv_heads, static.groups, d).transpose(0, 2, 3, 1, 4)
     if segments is not None:
         segments = jnp.asarray(segments, jnp.int32)
-    o = _core(grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, limit, static)
-    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+    return _core(grouped, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), segments, limit, static)
 
 
 def _blocks(length: int, static: _Static) -> list[tuple[int, int, int]]:
@@ -175,7 +180,7 @@ def _rows(q: jax.Array, start: int, end: int) -> jax.Array:
 
 
 def _forward(q, k, v, segments, limit, static: _Static) -> tuple[jax.Array, jax.Array]:
-    """The output `[B, K, G, T, D]` and the log-sum-exp of each query's scores `[B, K, G, T]`."""
+    """The output `[B, T, H, D]` and the log-sum-exp of each query's scores `[B, K, G, T]`."""
     b, kv, g, t, d = q.shape
     outputs, lses = [], []
     for start, end, first_key in _blocks(t, static):
@@ -186,9 +191,9 @@ def _forward(q, k, v, segments, limit, static: _Static) -> tuple[jax.Array, jax.
         o = _dot(p.astype(v.dtype), v[:, :, first_key:end], 3, 2) / total
         outputs.append(o.astype(v.dtype).reshape(b, kv, g, end - start, d))
         lses.append((peak + jnp.log(total)).reshape(b, kv, g, end - start))
-    if len(outputs) == 1:
-        return outputs[0], lses[0]
-    return jnp.concatenate(outputs, axis=3), jnp.concatenate(lses, axis=3)
+    o, lse = (outputs[0], lses[0]) if len(outputs) == 1 else (jnp.concatenate(outputs, 3), jnp.concatenate(lses, 3))
+    o = o.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
+    return (o if static.out is None else static.out(o)), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -208,10 +213,12 @@ def _core_backward(static: _Static, saved: tuple, do: jax.Array):
     reads the weights across their rows instead ran 3x slower on CPU (60 against 190 GFLOP/s). All in float32
     (16-bit inputs are widened: the weights and their gradients never round to 16 bits)."""
     q_in, k_in, v_in, segments, limit, o, lse = saved
-    q, k, v, do = (x.astype(jnp.float32) for x in (q_in, k_in, v_in, do))
+    q, k, v = (x.astype(jnp.float32) for x in (q_in, k_in, v_in))
     b, kv, g, t, d = q.shape
-    # delta_i = sum_j P_ij dP_ij = do_i . o_i: the softmax's backward, per query
-    delta = jnp.sum(do * o.astype(jnp.float32), axis=-1)
+    # delta_i = sum_j P_ij dP_ij = do_i . o_i: the softmax's backward, per query (o and do `[B, T, H, D]`)
+    do = do.astype(jnp.float32)
+    delta = jnp.sum(do * o.astype(jnp.float32), axis=-1).reshape(b, t, kv, g).transpose(0, 2, 3, 1)
+    do = do.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D], as the queries
     dq_blocks = []
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     keys_t = jnp.swapaxes(k, 2, 3)  # [B, K, D, T]

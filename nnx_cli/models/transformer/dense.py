@@ -63,8 +63,12 @@ def matmul(x: jax.Array, kernel: jax.Array, in_rank: int, out_dtype: Any = None)
     1.3x the time on a CPU.
     """
     tokens, out_shape = x.shape[: x.ndim - in_rank], kernel.shape[in_rank:]
-    y = _matmul2d(x.reshape(math.prod(tokens), -1), kernel, out_dtype)
-    return y.reshape(*tokens, *out_shape)
+    return _matmul2d(x, kernel, out_dtype, in_rank).reshape(*tokens, *out_shape)
+
+
+def _flat(x: jax.Array, in_rank: int) -> jax.Array:
+    """`x` as `[tokens, in]`: its trailing `in_rank` axes flattened into one, the others into the other."""
+    return x.reshape(math.prod(x.shape[: x.ndim - in_rank]), -1)
 
 
 def _product(x: jax.Array, w: jax.Array, contract: tuple, out_dtype: Any) -> jax.Array:
@@ -80,25 +84,29 @@ def _product(x: jax.Array, w: jax.Array, contract: tuple, out_dtype: Any) -> jax
     return lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul2d(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> jax.Array:
-    """`[tokens, in] @ kernel` (seen as `[in, out]`) in `x`'s dtype, keeping for the backward pass `x` and the
-    kernel as given, which it converts and reshapes again there; the kernel's gradient `x^T g` is accumulated
-    in float32 and given in the kernel's dtype (not rounded to `x`'s first)."""
-    return _product(x, kernel.astype(x.dtype).reshape(x.shape[1], -1), ((1,), (0,)), out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul2d(x: jax.Array, kernel: jax.Array, out_dtype: Any, in_rank: int) -> jax.Array:
+    """`x` (as `[tokens, in]`, :func:`_flat`) `@ kernel` (seen as `[in, out]`) in `x`'s dtype, `[tokens, out]`,
+    keeping for the backward pass `x` and the kernel as given, which it reshapes and converts again there: the
+    array kept is then the one its producer returned (the attention core keeps its output too, and the scan
+    stacked each reshaped copy as a residual of its own). The kernel's gradient `x^T g` is accumulated in
+    float32 and given in the kernel's dtype (not rounded to `x`'s first)."""
+    x2 = _flat(x, in_rank)
+    return _product(x2, kernel.astype(x.dtype).reshape(x2.shape[1], -1), ((1,), (0,)), out_dtype)
 
 
-def _matmul2d_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any) -> tuple[jax.Array, tuple]:
-    return _matmul2d(x, kernel, out_dtype), (x, kernel)
+def _matmul2d_forward(x: jax.Array, kernel: jax.Array, out_dtype: Any, in_rank: int) -> tuple[jax.Array, tuple]:
+    return _matmul2d(x, kernel, out_dtype, in_rank), (x, kernel)
 
 
-def _matmul2d_backward(out_dtype: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, kernel = saved
+def _matmul2d_backward(out_dtype: Any, in_rank: int, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x_in, kernel = saved
+    x = _flat(x_in, in_rank)
     wide = x.astype(g.dtype) if g.dtype.itemsize > x.dtype.itemsize else x  # a float32 result's (the router's)
     g = g.astype(wide.dtype)
     dx = _product(g, kernel.astype(wide.dtype).reshape(-1, g.shape[1]), ((1,), (1,)), x.dtype)
     dw = lax.dot_general(wide, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx, dw.reshape(kernel.shape).astype(kernel.dtype)
+    return dx.reshape(x_in.shape), dw.reshape(kernel.shape).astype(kernel.dtype)
 
 
 _matmul2d.defvjp(_matmul2d_forward, _matmul2d_backward)
