@@ -277,7 +277,8 @@ class Attention(nnx.Module):
         window: int | jax.Array | None = None,
     ):
         """Causal attention; with `segments` `[batch, length]` (packed examples), only within equal segment ids;
-        with `window`, only over the last `window` positions. The output is constrained to its logical axes.
+        with `window`, only over the last `window` positions. The output is constrained to its logical axes
+        (cuDNN's by the kernel's own partitioning).
 
         As `self.implementation` says (:func:`choose_attention`); cuDNN's kernel where it takes the variant (no
         segments, no soft cap, a window known at trace time, more than one query), else :func:`attention_core`.
@@ -293,9 +294,11 @@ class Attention(nnx.Module):
             fixed = window is None or isinstance(window, int)
             if self.implementation == "cudnn" and q.shape[1] > 1 and segments is None and softcap is None and fixed:
                 local = None if window is None else (window - 1, 0)  # the kernel's own sliding window
-                return _heads_out(jax.nn.dot_product_attention(
+                # not constrained again: the kernel keeps the array it returns (sharded as the queries, by its
+                # partitioning rule), and so the out projection keeps that one too, not a constrained copy
+                return jax.nn.dot_product_attention(
                     q, k, v, scale=self.scale, is_causal=True, local_window_size=local, implementation="cudnn"
-                ))  # fmt: skip
+                )
             # constrained inside the core's custom VJP: the array the out projection keeps is the core's own
             return attention_core(
                 q, k, v, segments=segments, window=window, softcap=softcap, scale=self.scale, out=_heads_out
