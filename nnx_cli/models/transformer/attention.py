@@ -224,13 +224,17 @@ class Attention(nnx.Module):
         self.dropout = nnx.Dropout(arch.dropout)
 
     def _project(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        deterministic: bool = True,
-        ctx: nnx.Context | None = None,
-        layer: Layer = None,
+        self, x: jax.Array, positions: jax.Array, layer: Layer = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of `x` at `positions`, normed and rotated, for inference."""
+        return self._positioned(*self.projections(x), positions, layer)
+
+    def projections(
+        self, x: jax.Array, *, deterministic: bool = True, ctx: nnx.Context | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The query, key and value projections of `x` `[batch, length, embed]`, `[batch, length, heads,
+        head_dim]` (keys and values with `kv_heads`), before any query-key norm or rotation (:meth:`attend` takes
+        them from here)."""
         train = dict(deterministic=deterministic, ctx=ctx)
         batch, length = x.shape[:2]
         # One [tokens, embed] operand for the three projections: the backward pass keeps one copy of it, not three.
@@ -238,7 +242,12 @@ class Attention(nnx.Module):
         project = lambda dense: dense(tokens, **train).reshape(batch, length, -1, self.arch.head_dim)  # noqa: E731
         q = constrain(project(self.query), ("batch", "length", "heads", "kv"))
         kv_axes = ("batch", "length", self.arch.kv_axis, "kv")
-        k, v = constrain(project(self.key), kv_axes), constrain(project(self.value), kv_axes)
+        return q, constrain(project(self.key), kv_axes), constrain(project(self.value), kv_axes)
+
+    def _positioned(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, layer: Layer
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The projections normed (`qk_norm`) and rotated to their `positions` (rotary positions)."""
         if self.arch.qk_norm and self.arch.qk_norm_scope == "projection":
             flat = lambda norm, y: norm(y.reshape(*y.shape[:-2], -1)).reshape(y.shape)  # noqa: E731
             q, k = flat(self.query_norm, q), flat(self.key_norm, k)
@@ -344,7 +353,22 @@ class Attention(nnx.Module):
         ctx: nnx.Context | None = None,
         layer: Layer = None,
     ) -> jax.Array:
-        q, k, v = self._project(x, positions, deterministic, ctx, layer)
+        projected = self.projections(x, deterministic=deterministic, ctx=ctx)
+        return self.attend(projected, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer)
+
+    def attend(
+        self,
+        projected: tuple[jax.Array, jax.Array, jax.Array],
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        *,
+        deterministic: bool,
+        ctx: nnx.Context | None = None,
+        layer: Layer = None,
+    ) -> jax.Array:
+        """The rest of the layer from the :meth:`projections` `projected` (what `Block` computes apart, so that
+        the norm before them is recomputed for the backward pass instead of kept)."""
+        q, k, v = self._positioned(*projected, positions, layer)
         window = layer_window(self.arch, layer)
         return self._output(self._causal(q, k, v, deterministic, ctx, segments, window), deterministic, ctx)
 

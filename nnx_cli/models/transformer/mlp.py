@@ -93,10 +93,32 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None) -> jax.Array:
         train = dict(deterministic=deterministic, ctx=ctx)
+        return self.down(self.up(x, **train), x.shape[:2], **train)
+
+    def up(
+        self, x: jax.Array, *, deterministic: bool, ctx: nnx.Context | None = None
+    ) -> tuple[jax.Array | None, jax.Array]:
+        """The gate (None without one) and up projections of `x` `[batch, length, embed]`, as `[tokens, mlp_dim]`:
+        what :meth:`down` takes (`Block` computes them apart, so that the norm before them is recomputed for the
+        backward pass instead of kept)."""
+        train = dict(deterministic=deterministic, ctx=ctx)
         batch, length = x.shape[:2]
         tokens = x.reshape(batch * length, -1)  # one operand for the up and gate projections, one saved copy
         up = self.fc(tokens, **train)
-        gate = self.gate(tokens, **train) if self.gated else None
+        return (self.gate(tokens, **train) if self.gated else None), up
+
+    def down(
+        self,
+        projected: tuple[jax.Array | None, jax.Array],
+        shape: tuple[int, int],
+        *,
+        deterministic: bool,
+        ctx: nnx.Context | None = None,
+    ) -> jax.Array:
+        """The rest of the MLP from :meth:`up`'s `projected` for an input of `shape` `(batch, length)`: the
+        activation, the down projection and dropout."""
+        train = dict(deterministic=deterministic, ctx=ctx)
+        (gate, up), (batch, length) = projected, shape
         down = MLP._down
         if not deterministic:  # training: the activation is recomputed for the backward pass, not kept
             down = nnx.remat(down, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False,
