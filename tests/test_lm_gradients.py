@@ -16,6 +16,7 @@ from nnx_cli.models.transformer import dense
 from nnx_cli.models.transformer.dense import Dense, matmul
 from nnx_cli.models.transformer.mlp import activation, gated, geglu, swiglu
 from nnx_cli.models.transformer.norms import LayerNorm, layer_norm, rms_norm
+from nnx_cli.models.transformer_lm import TransformerLM
 
 
 def random(shape, seed):
@@ -240,8 +241,6 @@ def test_a_layer_keeps_its_norms_inputs_and_remakes_their_outputs_for_the_backwa
     keeps each norm's input (the residual stream, `[batch, length, embed]`) and remakes its output for the
     projections' gradients, where it kept that output too (`[tokens, embed]`, two more arrays a layer: 135 MiB
     of a SmolLM2-135M LoRA step's 913 in float32)."""
-    from nnx_cli.models.transformer_lm import TransformerLM
-
     layers, batch, length, embed = 3, 2, 8, 48
     model = TransformerLM((length,), 97, num_layers=layers, num_heads=4, head_dim=8, embed_dim=embed, mlp_dim=80,
                           norm=norm, mlp="swiglu" if norm == "rmsnorm" else "gelu", dropout=0.0,

@@ -21,18 +21,15 @@ from nnx_cli.models.transformer.norms import make_norm
 from nnx_cli.models.transformer.options import Architecture
 from nnx_cli.models.transformer.residuals import packed_call, packs
 
+# keep the projections' outputs (tagged: most run in custom VJPs, where a policy of dots cannot see them)
+_PROJECTIONS = jax.checkpoint_policies.save_only_these_names(PROJECTION)
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
-    # keep the projections' outputs (weight matmuls, tagged: most run in custom VJPs), recompute attention
+    # keep the weight matmuls' results, recompute attention
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(PROJECTION),
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _PROJECTIONS
     ),
 }
-
-
-# a norm and its projections (Block._normed): keep what the projections give, recompute the norm
-_NORMED_POLICY = jax.checkpoint_policies.save_only_these_names(PROJECTION)
 
 
 class Block(nnx.Module):
@@ -69,12 +66,14 @@ class Block(nnx.Module):
         return h + (getattr(self, post)(out) if self.post_norms else out)
 
     def _feed_forward(
-        self, x: jax.Array, segments: jax.Array | None = None, *, deterministic: bool, ctx: nnx.Context | None = None
+        self, h: jax.Array, segments: jax.Array | None = None, *, deterministic: bool, ctx: nnx.Context | None = None
     ) -> tuple[jax.Array, Any]:
-        """The MLP, or the experts and their router statistics (over the tokens of real examples)."""
+        """The MLP of `mlp_norm(h)` (the norm remade in training: :meth:`_normed`), or the experts and their
+        router statistics (over the tokens of real examples)."""
+        train = dict(deterministic=deterministic, ctx=ctx)
         if not self.sparse:
-            return self.mlp(x, deterministic=deterministic, ctx=ctx), None
-        return self.moe(x, None if segments is None else segments > 0, deterministic=deterministic, ctx=ctx)
+            return self.mlp.down(self._normed(Block._mlp_projections, h, **train), h.shape[:2], **train), None
+        return self.moe(self.mlp_norm(h), None if segments is None else segments > 0, **train)
 
     def _forward(
         self,
@@ -90,10 +89,7 @@ class Block(nnx.Module):
         projected = self._normed(Block._attention_projections, h, **train)
         h = self._residual(h, self.attention.attend(projected, positions, segments, layer=layer, **train),
                            "post_attention_norm")  # fmt: skip
-        if self.sparse:
-            y, statistics = self._feed_forward(self.mlp_norm(h), segments, **train)
-        else:
-            y, statistics = self.mlp.down(self._normed(Block._mlp_projections, h, **train), h.shape[:2], **train), None
+        y, statistics = self._feed_forward(h, segments, **train)
         return constrain(self._residual(h, y, "post_mlp_norm"), ("batch", "length", "embed")), statistics
 
     def _normed(self, projections: Any, h: jax.Array, *, deterministic: bool, ctx: nnx.Context | None) -> Any:
@@ -107,7 +103,7 @@ class Block(nnx.Module):
         already."""
         if deterministic or self.remat != "none":
             return projections(self, h, deterministic=deterministic, ctx=ctx)
-        remat = nnx.remat(projections, policy=_NORMED_POLICY, prevent_cse=False)
+        remat = nnx.remat(projections, policy=_PROJECTIONS, prevent_cse=False)
         return remat(self, h, deterministic=deterministic, ctx=ctx)
 
     def _attention_projections(self, h: jax.Array, *, deterministic: bool, ctx: nnx.Context | None) -> Any:
@@ -137,8 +133,8 @@ class Block(nnx.Module):
     def prefill(self, h: jax.Array, layer: Layer, positions: jax.Array, lengths: jax.Array) -> tuple[jax.Array, None]:
         h = self._residual(h, self.attention.prefill(self.attention_norm(h), positions, lengths, layer),
                            "post_attention_norm")  # fmt: skip
-        return self._residual(h, self._feed_forward(self.mlp_norm(h), deterministic=True)[0], "post_mlp_norm"), None
+        return self._residual(h, self._feed_forward(h, deterministic=True)[0], "post_mlp_norm"), None
 
     def decode(self, h: jax.Array, layer: Layer, positions: jax.Array) -> tuple[jax.Array, None]:
         h = self._residual(h, self.attention.decode(self.attention_norm(h), positions, layer), "post_attention_norm")
-        return self._residual(h, self._feed_forward(self.mlp_norm(h), deterministic=True)[0], "post_mlp_norm"), None
+        return self._residual(h, self._feed_forward(h, deterministic=True)[0], "post_mlp_norm"), None
