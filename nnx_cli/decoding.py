@@ -45,6 +45,7 @@ import numpy as np
 import nnx
 from nnx_cli import sharding
 from nnx_cli.errors import UserError
+from nnx_cli.models.transformer.residuals import packs
 
 MIN_BUCKET = 16
 """The smallest prompt bucket: prompts are right-padded to a :func:`bucket_length` at least this long."""
@@ -223,7 +224,7 @@ def _bits(table: jax.Array) -> jax.Array:
     folds away. Only those tables: a bfloat16 head against bfloat16 rows is one product over the table as
     stored, and given its bits it was converted back whole, a copy in each step (16 -> 98 ms for that head);
     a per-layer kernel given as bits, the same for every kernel."""
-    bits = sharding.same_memory(table, np.uint16)
+    bits = sharding.same_memory(table, np.uint16) if packs() else None
     return table if bits is None else bits
 
 

@@ -43,6 +43,7 @@ import optax
 import nnx
 from nnx_cli import sharding
 from nnx_cli.errors import UserError, first_line
+from nnx_cli.models.transformer.residuals import packs
 from nnx_cli.objectives import Objective, resolve
 
 TrainState = dict[str, Any]
@@ -119,12 +120,13 @@ def _bfloat16_view(x: Any) -> Any:
 
 
 def frozen_as_bits(frozen: Any) -> Any:
-    """On a CPU, `frozen` (a train state's frozen parameters, given up by the caller) as a step holds it: its
-    bfloat16 arrays (a 16-bit base, `model.quantize`) as their bits, `uint16`, and every array in a buffer of
-    XLA's own; elsewhere `frozen` as it is. Undone by :func:`stored`.
+    """On a CPU, `frozen` (a train state's frozen parameters, given up by the caller) as a step holds it: every
+    array in a buffer of XLA's own, and where that CPU widens bfloat16 (:func:`.residuals.packs`: up to JAX
+    0.10) its bfloat16 arrays (a 16-bit base, `model.quantize`) as their bits, `uint16`; elsewhere `frozen` as it
+    is. Undone by :func:`stored`.
 
-    XLA's CPU backend has no bfloat16 `dynamic-slice`: a step slices a layer's kernels out of their stack, and the
-    loss blocks of the embedding table, as bits (:func:`.dense.frozen_kernels_as_bits`). Given bfloat16
+    XLA's CPU backend up to JAX 0.10 has no bfloat16 `dynamic-slice`: a step slices a layer's kernels out of their
+    stack, and the loss blocks of the embedding table, as bits (:func:`.dense.frozen_kernels_as_bits`). Given bfloat16
     parameters, the step copied each stack and the table into bits every step (680 MB at Qwen2.5-0.5B's
     shapes, at the step's peak); given the bits, XLA folds the conversion there and back away and slices the
     parameters as they are: the step's temporaries 1,664 -> 979 MiB, a 4-bit base's step 0.84x the time (the
@@ -135,7 +137,7 @@ def frozen_as_bits(frozen: Any) -> Any:
     copied, on its own and the given one let go as soon as it is (the memory of one array more at a time)."""
     if nnx.spmd.platform() != "cpu":
         return frozen
-    return jax.tree.map(_held, frozen)
+    return jax.tree.map(_held if packs() else _owned, frozen)
 
 
 def owned(tree: Any) -> Any:

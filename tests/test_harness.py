@@ -113,12 +113,14 @@ def _counting(engine: Engine, name: str = "_score") -> list[tuple[tuple[int, ...
 def test_a_bfloat16_table_read_in_float32_is_scored_as_its_bits_in_its_own_memory():
     """A bitsandbytes directory at its default `model.dtype: float32` has a bfloat16 table the model reads wider:
     the engine gives it to its programs as its bits, in the table's own memory (given it in bfloat16, each call
-    copied it to its bits to slice it), and scores what it scores given the table as it is."""
+    copied it to its bits to slice it), and scores what it scores given the table as it is. Where XLA slices
+    bfloat16 as it is (JAX 0.11 on) it gives the table as it is, and no call copies it."""
     import jax.numpy as jnp
 
     import nnx
     from nnx_cli import decoding
     from nnx_cli.harness import engine as engines
+    from nnx_cli.models.transformer.residuals import packs
     from nnx_cli.models.transformer_lm import TransformerLM
 
     model = TransformerLM((16,), 40_000, num_layers=1, num_heads=2, embed_dim=256, dropout=0.0,
@@ -128,7 +130,11 @@ def test_a_bfloat16_table_read_in_float32_is_scored_as_its_bits_in_its_own_memor
     table = params["embedding/embedding"].value
     tables = [v.value for path, v in params.items() if path.endswith("embedding")]  # tokens, positions
     bits = [x for x in engine._leaves if x.dtype == jnp.uint16]
-    assert {b.unsafe_buffer_pointer() for b in bits} == {t.unsafe_buffer_pointer() for t in tables}
+    pointers = {t.unsafe_buffer_pointer() for t in tables}
+    if packs():
+        assert {b.unsafe_buffer_pointer() for b in bits} == pointers
+    else:  # JAX 0.11 on: the tables as they are
+        assert not bits and pointers <= {x.unsafe_buffer_pointer() for x in engine._leaves}
     inputs = (jnp.ones((2, 16), jnp.int32), jnp.full((2,), 16, jnp.int32), jnp.zeros((2, 1), jnp.int32))
     given, layout = decoding.held_leaves(engine.params, set())  # the table in bfloat16, as before
 
@@ -136,7 +142,10 @@ def test_a_bfloat16_table_read_in_float32_is_scored_as_its_bits_in_its_own_memor
         compiled = engines._SCORE.lower(engine.moduledef, layout, leaves, *inputs).compile(compiler_options=DEPLOYED)
         return compiled.memory_analysis().temp_size_in_bytes
 
-    assert temporaries(engine._layout, engine._leaves) < temporaries(layout, given) - table.nbytes / 2
+    if packs():
+        assert temporaries(engine._layout, engine._leaves) < temporaries(layout, given) - table.nbytes / 2
+    else:
+        assert not bits and temporaries(engine._layout, engine._leaves) < table.nbytes / 2
     ours = engines._SCORE(engine.moduledef, engine._layout, engine._leaves, *inputs)
     for a, b in zip(ours, engines._SCORE(engine.moduledef, layout, given, *inputs), strict=True):
         np.testing.assert_array_equal(a, b)

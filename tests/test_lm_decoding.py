@@ -22,6 +22,7 @@ from nnx_cli.decoding import Decoder, Utf8Decoder, decode_bytes, generate, sampl
 from nnx_cli.errors import UserError
 from nnx_cli.models import MLPClassifier
 from nnx_cli.models.transformer.loss import head_logits
+from nnx_cli.models.transformer.residuals import packs
 from nnx_cli.models.transformer_lm import TransformerLM
 
 SEQ_LEN, VOCAB = 32, 257
@@ -145,15 +146,19 @@ def test_one_row_at_a_time_decodes_to_the_argmax_of_a_full_forward_pass():
 
 
 @pytest.mark.parametrize("rows,quantize", [(1, None), (3, None), (3, {"type": "bfloat16"})])
-def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table_bit_for_bit(rows, quantize):
-    """Also for a 16-bit base's table, which the chunks slice as its bits on a CPU."""
+def test_the_tied_head_read_in_chunks_gives_the_logits_of_the_whole_table(rows, quantize):
+    """Each logit is the same dot product over the embedding either way, equal to the last bit or nearly: one row
+    against a chunk or the whole float32 table is a matrix-vector product, which some XLA versions (JAX 0.10.0,
+    0.12) vectorise by the number of rows it reads, a unit in the last place or two apart. Also for a 16-bit base's
+    table, which the chunks slice as its bits on a CPU that widens bfloat16."""
     model = TransformerLM((8,), 40_000, num_layers=1, num_heads=2, embed_dim=32, dropout=0.0, quantize=quantize,
                           ctx=nnx.context(0))  # fmt: skip
     h = jax.random.normal(jax.random.key(1), (rows, 1, 32))  # 40064 padded ids: two chunks, the last overlapping
     params, moduledef = model.partition(nnx.Param)
     chunked = jax.jit(lambda p, h: moduledef.merge(p)._last_logits(h))(params, h)
     whole = jax.jit(lambda p, h: whole_table_logits(moduledef.merge(p), h)[:, 0])(params, h)
-    np.testing.assert_array_equal(chunked, whole)
+    scale = float(jnp.max(jnp.abs(whole[:, : model.vocab_size])))  # rows read wrongly would be off by about this
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * scale)
 
 
 def whole_table_logits(model: TransformerLM, h: jax.Array) -> jax.Array:
@@ -218,9 +223,10 @@ def decode_step_temporaries(decoder: Decoder) -> int:
 @pytest.mark.usefixtures("on_the_cpu")
 def test_a_decoder_holds_a_bfloat16_table_read_wider_as_its_bits_and_its_step_copies_no_table():
     """A 16-bit base's tied table against float32 rows (`model.dtype: float32`, a bitsandbytes directory's
-    default): the head slices it in chunks and the lookup gathers from it, as bits on a CPU. Given the table in
-    bfloat16, each step converted it to its bits, a copy of the table; the decoder holds the bits, in the
-    table's own memory, and decodes the tokens of a full pass. Against bfloat16 rows the head multiplies the
+    default): the head slices it in chunks and the lookup gathers from it, as bits on a CPU that widens bfloat16
+    (up to JAX 0.10). Given the table in bfloat16, each step converted it to its bits, a copy of the table; the
+    decoder holds the bits, in the table's own memory (from JAX 0.11 on, the table as it is), and decodes the
+    tokens of a full pass. Against bfloat16 rows the head multiplies the
     table as stored: that decoder holds it in bfloat16 (given its bits, the step converted it back whole)."""
     options = {**SMALL, "embed_dim": 256}  # a table of 20 MB, five of the head's 4 MiB float32 chunks
     model = TransformerLM((SEQ_LEN,), 40_000, quantize={"type": "bfloat16"}, ctx=nnx.context(0), **options)
@@ -229,8 +235,15 @@ def test_a_decoder_holds_a_bfloat16_table_read_wider_as_its_bits_and_its_step_co
     decoder = Decoder(moduledef, params)
     tables = [v.value for path, v in decoder.params.items() if path.endswith("/embedding")]  # tokens, positions
     bits = [x for x in decoder._leaves if x.dtype == jnp.uint16]
-    assert {t.dtype for t in tables} == {jnp.dtype(jnp.bfloat16)} and len(bits) == len(tables) == 2
-    assert {b.unsafe_buffer_pointer() for b in bits} == {t.unsafe_buffer_pointer() for t in tables}
+    assert {t.dtype for t in tables} == {jnp.dtype(jnp.bfloat16)} and len(tables) == 2
+    if packs():
+        assert len(bits) == 2 and {b.unsafe_buffer_pointer() for b in bits} == {
+            t.unsafe_buffer_pointer() for t in tables
+        }
+    else:  # JAX 0.11 on: the tables as they are
+        assert not bits and {t.unsafe_buffer_pointer() for t in tables} <= {
+            x.unsafe_buffer_pointer() for x in decoder._leaves
+        }
     table_bytes = decoder.params["embedding/embedding"].value.nbytes
     assert decode_step_temporaries(decoder) < table_bytes / 2
 

@@ -85,7 +85,7 @@ def test_a_float32_kernel_multiplied_in_bfloat16_gets_its_gradient_in_float32_un
     """A bfloat16 model's float32 weight is narrowed for the product, and its gradient `x^T g` comes back in
     float32 as accumulated: rounded to bfloat16 first, it was about 0.4% off. The input's gradient is the
     product with the narrowed kernel. Both on the CPU's product and on the one a GPU takes."""
-    monkeypatch.setattr(dense, "packs", lambda: on_a_cpu)
+    monkeypatch.setattr(dense, "cpu_products", lambda: on_a_cpu)
     x, kernel = random((24, 64), 0).astype(jnp.bfloat16), random((64, 2, 32), 1)
     cotangent = random((24, 2, 32), 2).astype(jnp.bfloat16)
     y, backward = jax.vjp(lambda x, kernel: matmul(x, kernel, 1), x, kernel)
@@ -120,7 +120,7 @@ def test_a_scanned_projection_keeps_its_kernel_as_given_not_a_stacked_copy(dtype
     """Under the layer scan the backward pass reads each layer's slice of the stacked kernel. A reshaped
     (`[in, heads, kv]` as `[in, heads * kv]`) or narrowed (float32 as bfloat16) kernel is a new array, which
     the scan stacked as a residual: a copy of every such weight in each step."""
-    monkeypatch.setattr(dense, "packs", lambda: on_a_cpu)
+    monkeypatch.setattr(dense, "cpu_products", lambda: on_a_cpu)
     x, kernels = random((32, 256), 0).astype(dtype), random((8, 256, 4, 64), 1)
     assert _scan_temps(x, kernels, (0, 1)) < kernels.nbytes // 2
 

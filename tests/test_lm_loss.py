@@ -228,9 +228,10 @@ def test_the_forward_pass_alone_multiplies_by_the_head_once_and_a_frozen_head_ge
     assert (loops(primal), dots(primal)) == (1, 1)  # the logits only
     assert (loops(frozen), dots(frozen)) == (1, 2)  # and G, in the same loop: `h`'s gradient needs no other
     if split.get("keep"):  # the head's gradient: a loop of products of the kept gradient and `h`, no logits
-        # the blocks add each position's target row to it with a scatter, which XLA's CPU writes as a loop
-        scatter = int("block" in split and jax.default_backend() == "cpu")
-        assert (loops(trained), dots(trained)) == (2 + scatter, 3)
+        # the blocks add each position's target row to it with a scatter, which XLA's CPU up to JAX 0.11 writes as
+        # a loop of its own (0.12 does not)
+        scatters = (0, 1) if "block" in split and jax.default_backend() == "cpu" else (0,)
+        assert dots(trained) == 3 and loops(trained) - 2 in scatters
         # a frozen head keeps nothing: the program is the one that would compute the logits again
         assert frozen == _compiled(jax.grad(summed(**{**split, "keep": False})), h, head)
     else:

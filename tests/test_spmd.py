@@ -277,11 +277,12 @@ def test_scanned_layers_are_sharded_with_the_layers_axis_name(multi_device):
 def test_the_platform_is_the_default_devices_where_one_is_chosen(monkeypatch):
     """Choices made per backend (XLA's CPU lowers a program differently) follow `jax.default_device`: on a GPU
     machine, programs placed on its CPU device are the CPU's, though `jax.default_backend()` names the GPU."""
-    from nnx_cli.models.transformer.residuals import packs
+    from nnx_cli.models.transformer.dense import cpu_products
+    from nnx_cli.models.transformer.residuals import packs, widens_bfloat16
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU machine, as far as the backend says
-    assert nnx.spmd.platform() == "gpu" and not packs()
+    assert nnx.spmd.platform() == "gpu" and not packs() and not cpu_products()
     with jax.default_device(jax.devices("cpu")[0]):
-        assert nnx.spmd.platform() == "cpu" and packs()
+        assert nnx.spmd.platform() == "cpu" and cpu_products() and packs() == widens_bfloat16()
     with jax.default_device("cpu"):
         assert nnx.spmd.platform() == "cpu"

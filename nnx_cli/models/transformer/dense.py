@@ -71,6 +71,14 @@ def _flat(x: jax.Array, in_rank: int) -> jax.Array:
     return x.reshape(math.prod(x.shape[: x.ndim - in_rank]), -1)
 
 
+def cpu_products() -> bool:
+    """Whether 16-bit products are accumulated in float32 and rounded once, a single row repeated to two
+    (:func:`_product`): on a CPU. Up to JAX 0.10 XLA's CPU widened both operands of a product with a 16-bit
+    result to float32 first; from 0.11 on it multiplies them as stored for two rows or more, but a one-row
+    product still widens the whole matrix (2.3x the time of the two-row float32 product at 896 x 4,864)."""
+    return nnx.spmd.platform() == "cpu"
+
+
 def _product(x: jax.Array, w: jax.Array, contract: tuple, out_dtype: Any) -> jax.Array:
     """`lax.dot_general(x, w)` contracting `contract`, in `out_dtype` (else `x`'s dtype). On a CPU a 16-bit
     result is accumulated in float32 and rounded once: XLA's CPU computes a product of 16-bit operands with a
@@ -78,7 +86,7 @@ def _product(x: jax.Array, w: jax.Array, contract: tuple, out_dtype: Any) -> jax
     operands in each step); with a float32 result it multiplies them as stored, 2.5-3.7x faster at 1,024 x 896
     x 4,864, and the weight gradient `x^T g` about 2x."""
     out = jnp.dtype(out_dtype or x.dtype)
-    if packs() and out.itemsize == 2:
+    if cpu_products() and out.itemsize == 2:
         product = lax.dot_general(two_rows(x), w, (contract, ((), ())), preferred_element_type=jnp.float32)
         return product[: x.shape[0]].astype(out)
     return lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=out)
@@ -151,10 +159,11 @@ def frozen_kernels_as_bits(module: nnx.Module) -> Iterator[None]:
 
 
 def sliceable(weights: jax.Array) -> jax.Array:
-    """A 16-bit table as its bits (`uint16`), to be sliced and gathered from: XLA's CPU has no bfloat16
-    dynamic-slice, and widened the whole table to float32 to take each part (0.5 s and 520 MB a step at
-    Qwen2.5's 151,936 x 896). Other dtypes as they are."""
-    return lax.bitcast_convert_type(weights, jnp.uint16) if weights.dtype.itemsize == 2 else weights
+    """A 16-bit table as its bits (`uint16`), to be sliced and gathered from, where XLA's CPU has no bfloat16
+    dynamic-slice (:func:`.residuals.packs`: up to JAX 0.10) and widened the whole table to float32 to take each
+    part (0.5 s and 520 MB a step at Qwen2.5's 151,936 x 896). Other dtypes, and every dtype elsewhere, as they
+    are."""
+    return lax.bitcast_convert_type(weights, jnp.uint16) if weights.dtype.itemsize == 2 and packs() else weights
 
 
 def as_stored(part: jax.Array, dtype: Any) -> jax.Array:
@@ -319,7 +328,7 @@ class Dense(nnx.Module):
         tokens = math.prod(x.shape[: x.ndim - self.in_rank])
         return (
             self.lora is not None
-            and packs()
+            and cpu_products()
             and compute.itemsize == 2
             and jnp.dtype(self.lora.dtype or x.dtype) == compute
             and tokens > 1

@@ -3,11 +3,12 @@
 Under `lax.scan` the values a block's backward pass needs (its residuals:
 the MLP's gate and up activations, the attention's projections, ...) are
 stacked across the layers by `dynamic-update-slice` and read back by
-`dynamic-slice`. XLA's CPU backend has neither for bfloat16, so it widens
-each such stack to float32 and converts it back, whole: at Qwen2.5-0.5B's
-shapes (24 layers, 1,024 tokens a step) the MLP's two stacks alone take
-912 MiB where their bfloat16 values need 456, beside a bfloat16 copy of
-each. A GPU stacks bfloat16 as it is.
+`dynamic-slice`. XLA's CPU backend up to JAX 0.10 has neither for bfloat16,
+so it widens each such stack to float32 and converts it back, whole: at
+Qwen2.5-0.5B's shapes (24 layers, 1,024 tokens a step) the MLP's two stacks
+alone take 912 MiB where their bfloat16 values need 456, beside a bfloat16
+copy of each. A GPU, and the CPU from JAX 0.11 on, stack bfloat16 as it is:
+:func:`packs` asks the backend which it does.
 
 `packed_call` runs a block's forward under a `jax.custom_vjp` whose forward
 rule is `jax.vjp` of the block and whose residuals are that vjp's own, with
@@ -23,6 +24,7 @@ storage of what is kept between the passes differs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +38,24 @@ from nnx import tracers
 
 
 def packs() -> bool:
-    """Whether residuals are worth packing: on a CPU (XLA's GPU backend stacks bfloat16 as it is)."""
-    return nnx.spmd.platform() == "cpu"
+    """Whether 16-bit values are worth keeping as their bits where a program stacks, slices or gathers them: on a
+    CPU whose XLA widens bfloat16 stacks to float32 (:func:`widens_bfloat16`). XLA's GPU backend, and its CPU
+    backend from JAX 0.11 on, stack, slice and gather bfloat16 as it is; there the bits would only add
+    conversions (and under a loop of several steps, a hoisted copy of what they convert)."""
+    return nnx.spmd.platform() == "cpu" and widens_bfloat16()
+
+
+@functools.cache
+def widens_bfloat16() -> bool:
+    """Whether this JAX's CPU backend widens a stack of bfloat16 (a scan's outputs, `dynamic-update-slice`) to
+    float32. Asked of the backend once per process, by compiling a small scan and reading its temporaries: up to
+    JAX 0.10 a float32 copy of the stack, from 0.11 on next to none (8 KiB). A backend that does not say is taken
+    to widen."""
+    rows, width = 8, 4096
+    xs = jax.device_put(jnp.ones((rows, width), jnp.bfloat16), jax.devices("cpu")[0])
+    program = jax.jit(lambda xs: lax.scan(lambda c, x: (c * x, c * x), xs[0], xs)[1])
+    analysis = program.lower(xs).compile().memory_analysis()
+    return analysis is None or analysis.temp_size_in_bytes >= rows * width  # a quarter of the widened stack
 
 
 def _is_primal(x: Any) -> bool:
