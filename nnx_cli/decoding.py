@@ -215,15 +215,16 @@ def held_leaves(params: nnx.State, tables: set[str]) -> tuple[list[jax.Array], t
 
 
 def _bits(table: jax.Array) -> jax.Array:
-    """A bfloat16 embedding table on one CPU device as its bits (`uint16`), in the same memory; else as it is.
+    """A bfloat16 embedding table on one CPU device that widens bfloat16 (:func:`.residuals.packs`) as its bits
+    (`uint16`), in the same memory; else as it is.
 
-    A step that computes wider than the table is stored slices it (the tied head reads it a chunk at a time, in
-    float32) and gathers from it (the token lookup) as bits: XLA's CPU has neither for bfloat16. Given the
-    table in bfloat16, the step converted it to its bits every time, a copy of the table in each step (272 MB at
-    Qwen2.5's 151,936 x 896, the batch-1 step 1.5x the time); given its bits, the conversion there and back
-    folds away. Only those tables: a bfloat16 head against bfloat16 rows is one product over the table as
-    stored, and given its bits it was converted back whole, a copy in each step (16 -> 98 ms for that head);
-    a per-layer kernel given as bits, the same for every kernel."""
+    A step that computes wider than the table is stored slices it (the tied head reads it a chunk at a time, in float32)
+    and gathers from it (the token lookup) as bits: XLA's CPU up to JAX 0.10 has neither for bfloat16. Given the table
+    in bfloat16, the step converted it to its bits every time, a copy of the table in each step (272 MB at Qwen2.5's
+    151,936 x 896, the batch-1 step 1.5x the time); given its bits, the conversion there and back folds away. Only those
+    tables: a bfloat16 head against bfloat16 rows is one product over the table as stored, and given its bits it was
+    converted back whole, a copy in each step (16 -> 98 ms for that head); a per-layer kernel given as bits, the same
+    for every kernel."""
     bits = sharding.same_memory(table, np.uint16) if packs() else None
     return table if bits is None else bits
 

@@ -126,7 +126,7 @@ class Block(nnx.Module):
         if self.remat != "none":
             # Under lax.scan, CSE cannot undo rematerialisation, and preventing it costs speed.
             forward = nnx.remat(forward, policy=_REMAT_POLICIES[self.remat], prevent_cse=not self.scanned)
-        if self.scanned and not deterministic and packs():  # a CPU stacks the scan's 16-bit residuals in float32
+        if self.scanned and not deterministic and packs():  # a CPU up to JAX 0.10 stacks 16-bit residuals in float32
             return packed_call(forward, self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer)
         return forward(self, h, positions, segments, deterministic=deterministic, ctx=ctx, layer=layer)
 

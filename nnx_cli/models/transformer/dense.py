@@ -135,13 +135,14 @@ def as_bits(kernel: jax.Array) -> jax.Array:
 
 @contextlib.contextmanager
 def frozen_kernels_as_bits(module: nnx.Module) -> Iterator[None]:
-    """On a CPU, the bfloat16 frozen kernels (`model.quantize: {type: bfloat16}`) of `module`'s Dense layers
-    held as their bits (:func:`as_bits`) for the duration, then as they were.
+    """On a CPU that widens bfloat16 (:func:`.residuals.packs`), the bfloat16 frozen kernels (`model.quantize:
+    {type: bfloat16}`) of `module`'s Dense layers held as their bits (:func:`as_bits`) for the duration, then as
+    they were.
 
-    Around the layer scan: XLA's CPU backend has no bfloat16 `dynamic-slice`, so it would widen each stacked
-    kernel to float32 to take a layer's slice, hoisting that out of the loop whole (1.3 GB more than the
-    bfloat16 base itself at Qwen2.5-0.5B's shapes); a uint16 stack it slices as it is. A frozen kernel has no
-    gradient, so its bits lose nothing; a GPU slices bfloat16 as it is."""
+    Around the layer scan: XLA's CPU backend up to JAX 0.10 has no bfloat16 `dynamic-slice`, so it would widen each
+    stacked kernel to float32 to take a layer's slice, hoisting that out of the loop whole (1.3 GB more than the
+    bfloat16 base itself at Qwen2.5-0.5B's shapes); a uint16 stack it slices as it is. A frozen kernel has no gradient,
+    so its bits lose nothing; a GPU slices bfloat16 as it is."""
     if not packs():
         yield
         return
@@ -172,13 +173,14 @@ def as_stored(part: jax.Array, dtype: Any) -> jax.Array:
 
 
 def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
-    """`embed(tokens)`; on a CPU a bfloat16 table is gathered from as its bits (:func:`as_bits`).
+    """`embed(tokens)`; on a CPU that widens bfloat16 (:func:`.residuals.packs`) a bfloat16 table is gathered
+    from as its bits (:func:`as_bits`).
 
-    XLA's CPU gathers bfloat16 rows by widening the table to float32 in the gather's fusion; when the step runs
-    inside a loop (several steps a dispatch), that widening of the whole table is loop-invariant and XLA hoists
-    it out of the loop, a float32 copy of the table beside the step (519 MiB at Qwen2.5-0.5B's 151,936 x 896).
-    The model's tables are bfloat16 only as a quantised base's (`Quantize.storage`), frozen: a table with no
-    gradient loses nothing as bits (a bitcast would cut one). Out-of-range tokens give NaN rows either way."""
+    XLA's CPU up to JAX 0.10 gathers bfloat16 rows by widening the table to float32 in the gather's fusion; when the
+    step runs inside a loop (several steps a dispatch), that widening of the whole table is loop-invariant and XLA
+    hoists it out of the loop, a float32 copy of the table beside the step (519 MiB at Qwen2.5-0.5B's 151,936 x 896).
+    The model's tables are bfloat16 only as a quantised base's (`Quantize.storage`), frozen: a table with no gradient
+    loses nothing as bits (a bitcast would cut one). Out-of-range tokens give NaN rows either way."""
     table = embed.embedding
     if not (packs() and embed.num_embeddings > 1 and table.dtype == jnp.bfloat16):
         return embed(tokens)

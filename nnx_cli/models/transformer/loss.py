@@ -341,13 +341,13 @@ def blocks_apply(batch: int, length: int, vocab: int) -> bool:
     would live on one device). At Qwen2.5-0.5B's shapes the blocks took 0.55x the loss's time in float32 (and 50
     against 128 MiB of temporaries), 0.5-0.7x in bfloat16.
 
-    A head stored in another dtype than the compute dtype (a float32 base computing in bfloat16, a 16-bit base
-    read in float32) is sliced as stored and each block converted alone; the chunks of positions
-    convert it whole (a LoRA step on a float32 base in bfloat16: 0.94x the time and 969 against 1,208 MiB of
-    temporaries with blocks, `benchmarks/chunked_loss.py --time lora32`). XLA's CPU slices a 16-bit head only as
-    its bits (:func:`.dense.sliceable`). A 16-bit head is a frozen base's (`model.quantize`), which a training
-    step is given as its bits (`steps.frozen_as_bits`), so that costs nothing there; a 16-bit head given as it is
-    (a model used outside the trainer) costs a copy of its bits (272 MB at those shapes)."""
+    A head stored in another dtype than the compute dtype (a float32 base computing in bfloat16, a 16-bit base read in
+    float32) is sliced as stored and each block converted alone; the chunks of positions convert it whole (a LoRA step
+    on a float32 base in bfloat16: 0.94x the time and 969 against 1,208 MiB of temporaries with blocks,
+    `benchmarks/chunked_loss.py --time lora32`). XLA's CPU up to JAX 0.10 slices a 16-bit head only as its bits
+    (:func:`.dense.sliceable`). A 16-bit head is a frozen base's (`model.quantize`), which a training step is given as
+    its bits (`steps.frozen_as_bits`), so that costs nothing there; a 16-bit head given as it is (a model used outside
+    the trainer) costs a copy of its bits (272 MB at those shapes)."""
     if nnx.spmd.platform() != "cpu" or 4 * batch * length * vocab <= chunk_bytes():
         return False
     from nnx.spmd import current_mesh, logical_to_mesh_axes

@@ -382,8 +382,8 @@ class TransformerLM(nnx.Module):
     def _tied_chunks(self, h: jax.Array) -> jax.Array:
         """The logits `[N, padded vocab]` of the normed rows `h` `[N, embed]` over the tied table, a chunk of
         `_HEAD_CHUNK_BYTES` of its rows per product in a loop, each chunk in `h`'s dtype. A bfloat16 table (a
-        quantised base's) is sliced as its bits: XLA's CPU has no bfloat16 dynamic-slice and would widen the
-        whole table to float32 once, outside the loop."""
+        quantised base's) is sliced as its bits (:func:`.dense.sliceable`) where XLA's CPU has no bfloat16
+        dynamic-slice (up to JAX 0.10) and would widen the whole table to float32 once, outside the loop."""
         table = self.embedding.embedding
         vocab, width = table.shape
         chunk = min(vocab, max(VOCAB_MULTIPLE, _HEAD_CHUNK_BYTES // (width * 4) // VOCAB_MULTIPLE * VOCAB_MULTIPLE))
