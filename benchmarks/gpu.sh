@@ -63,6 +63,23 @@ else
     seen[$name]=1
     wheels+=("$wheel")
   done
+  # a wheel of a distribution the image has at the same version or newer stays behind (the floors in .whl/base)
+  mapfile -t wheels < <(python3 - "${wheels[@]}" <<'EOF'
+import os, sys
+from importlib import metadata
+from packaging.version import Version
+for wheel in sys.argv[1:]:
+    name, version = os.path.basename(wheel).split("-")[:2]
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        print(wheel)
+        continue
+    if Version(have) < Version(version):
+        print(wheel)
+        print(f"{name}: the image's {have} is older than {version}, installing the carried wheel", file=sys.stderr)
+EOF
+  )
   install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$@"; }
   # one pip for them all (a second a wheel apart); wheel by wheel only if that fails, to name the one at fault
   if [ "${#wheels[@]}" -gt 0 ] && ! install "${wheels[@]}" >>"$out/install.txt" 2>&1; then
@@ -89,6 +106,12 @@ for name in "datasets grain wandb tensorboardX lm_eval tokamax torch transformer
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as error:  # what the part lacks, said
         print(name, "missing:", repr(error)[:200])
+from importlib import metadata
+for name in "optax orbax-checkpoint typer rich pyyaml safetensors huggingface_hub jinja2 xxhash".split():
+    try:
+        print(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        print(name, "missing")
 EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"

@@ -7,13 +7,14 @@
 # wheels of distributions its image lacks are kept (PRESENT: the image's packages as the device notes list
 # them, 2026-11-17), so that nothing of the image is shadowed: its huggingface_hub (1.33), which its
 # transformers accepts and datasets 5.2 too, stays. The sets, by the parts that carry them:
-#   .whl/base     datasets, grain and their missing dependencies (every part: the package imports them);
+#   .whl/base     datasets, grain and their missing dependencies (every part: the package imports them), and
+#                 our other direct dependencies at their floors, for an image older than them;
 #   .whl/suite    wandb, tensorboardX, lm-eval and gguf with theirs (the suite's logger, harness and GGUF tests);
 #   .whl/tokamax  tokamax 0.0.17 and its dependencies but xprof (the attention part measures its kernel);
 #   .whl/qlora    bitsandbytes 0.50.2, CUDA 11.8-13.2 kernels in one wheel (the qlora part's reference side);
 #   .data         ../shared/data's mnist and shakespeare (the training parts read them).
-# Under 64 MiB per call: base (6 MB) + suite (36 MB); base + tokamax (6 MB); base + .data (21 MB); base + qlora
-# (43 MB).
+# Under 64 MiB per call: base (10 MB) + suite (36 MB); base + tokamax (6 MB); base + .data (21 MB); base + qlora
+# (42 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
@@ -60,6 +61,21 @@ fetch() {  # fetch SET [--no-deps] REQUIREMENT...: the set's wheels, less the im
 exclude=$(git rev-parse --git-path info/exclude)
 for ignored in /.whl/ /.data/; do grep -qxF "$ignored" "$exclude" 2>/dev/null || echo "$ignored" >>"$exclude"; done
 fetch base datasets==5.2.0 grain==0.2.18
+# our direct dependencies that the image has, each at its floor in pyproject.toml (a set the whole suite passed
+# on together), without their own: benchmarks/gpu.sh installs one only where the image's version is older, so an
+# image newer than the floors keeps its own (jax and jaxlib stay the image's; scikit-learn and pillow, 18 MB, too)
+floors=$(python3 - <<'EOF'
+import re, tomllib
+skip = {"jax", "jaxlib", "datasets", "grain", "scikit-learn", "pillow"}
+for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    name, floor = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement.split(";")[0].strip()).groups()
+    if name.lower().replace("_", "-") not in skip:
+        print(f"{name}=={floor}")
+EOF
+)
+# shellcheck disable=SC2086
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl/base $floors
 fetch suite wandb==0.31.0 tensorboardX==2.6.5 lm-eval==0.4.13 gguf==0.19.0
 # tokamax without xprof (32 MB, and 40 more of its dependencies): tokamax imports it for its own profiling
 # only, and benchmarks/gpu.sh gives it a stub of that one name
