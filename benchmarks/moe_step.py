@@ -4,8 +4,9 @@ Both are Llama-style `transformer_lm`s with the same attention; the mixture has 
 `--width` wide and routes each token to `--top-k` of them, the dense model one SwiGLU MLP `top_k * width` wide:
 per token they compute with the same parameters (the routers aside). One jitted step each (forward,
 backward, an SGD update) on the same batches, timed alternately (dense, experts, experts, dense, ...) and
-compared by the median: a ratio, which a busy machine disturbs less than absolute times. The mixture runs
-with each dispatch this platform can take: `blocks` (each expert's rows in blocks of a `lax.scan`, the CPU
+compared by the median: a ratio, which a busy machine disturbs less than absolute times. Beside each, its
+step's XLA temporaries (compiled memory analysis: what the backward pass keeps, and the gradients). The mixture
+runs with each dispatch this platform can take: `blocks` (each expert's rows in blocks of a `lax.scan`, the CPU
 default) and `ragged` (`jax.lax.ragged_dot`, the GPU/TPU default).
 
     python benchmarks/moe_step.py                    # 4 layers, embed 256, 8 experts of 512, top 2
@@ -65,10 +66,11 @@ def main() -> None:
         model.layers.scan_module.moe.implementation = implementation
         models[f"experts ({implementation})"] = model
     batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)}
-    steps, times = {}, {name: [] for name in models}
+    steps, times, temps = {}, {name: [] for name in models}, {}
     for name, model in models.items():
         step, params = step_function(model)
         start = time.perf_counter()
+        temps[name] = step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes / 2**20
         jax.block_until_ready(step(params, batch))
         steps[name] = (step, params)
         print(f"{name}: compiled and ran once in {time.perf_counter() - start:.1f} s", flush=True)
@@ -86,10 +88,10 @@ def main() -> None:
     total = sum(p.value.size for p in mixture.filter(nnx.Param).values())
     print(f"parameters a token computes with (outside embeddings): dense {models['dense'].active_params():,}, "
           f"experts {mixture.active_params():,} (of {total:,} in all)")  # fmt: skip
-    print("\n| model | step (median) | against dense |\n| --- | --- | --- |")
+    print("\n| model | step (median) | against dense | XLA temporaries |\n| --- | --- | --- | --- |")
     for name in models:
         median = statistics.median(times[name])
-        print(f"| {name} | {median * 1e3:.0f} ms | {median / dense:.2f}x |")
+        print(f"| {name} | {median * 1e3:.0f} ms | {median / dense:.2f}x | {temps[name]:,.0f} MiB |")
 
 
 if __name__ == "__main__":

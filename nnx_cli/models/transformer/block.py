@@ -68,12 +68,13 @@ class Block(nnx.Module):
     def _feed_forward(
         self, h: jax.Array, segments: jax.Array | None = None, *, deterministic: bool, ctx: nnx.Context | None = None
     ) -> tuple[jax.Array, Any]:
-        """The MLP of `mlp_norm(h)` (the norm remade in training: :meth:`_normed`), or the experts and their
-        router statistics (over the tokens of real examples)."""
+        """The MLP of `mlp_norm(h)`, or the experts and their router statistics (over the tokens of real
+        examples); the norm remade in training either way (:meth:`_normed`)."""
         train = dict(deterministic=deterministic, ctx=ctx)
         if not self.sparse:
             return self.mlp.down(self._normed(Block._mlp_projections, h, **train), h.shape[:2], **train), None
-        return self.moe(self.mlp_norm(h), None if segments is None else segments > 0, **train)
+        routed = self._normed(Block._moe_projections, h, **train)
+        return self.moe.down(routed, h.shape, None if segments is None else segments > 0, **train)
 
     def _forward(
         self,
@@ -111,6 +112,9 @@ class Block(nnx.Module):
 
     def _mlp_projections(self, h: jax.Array, *, deterministic: bool, ctx: nnx.Context | None) -> Any:
         return self.mlp.up(self.mlp_norm(h), deterministic=deterministic, ctx=ctx)
+
+    def _moe_projections(self, h: jax.Array, *, deterministic: bool, ctx: nnx.Context | None) -> Any:
+        return self.moe.up(self.mlp_norm(h), deterministic=deterministic, ctx=ctx)
 
     def __call__(
         self,
