@@ -129,10 +129,10 @@ def _block_products(block: int, x: jax.Array, w: jax.Array, block_experts: jax.A
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _blocks(block: int, x: jax.Array, w: jax.Array, block_experts: jax.Array, used: jax.Array) -> jax.Array:
     """:func:`_block_products`, whose backward pass keeps `x` and `w` alone. Autodiff of the scan kept every
-    block's slice of its expert's kernel (`[blocks, in, out]`, each expert's weights several times over) and the
-    gradient's blocks: 8 experts of 256 x 512 at 4,096 assignments, 24 blocks, kept 36 MB a layer in float32 for
-    the three projections. The kernel's gradient is summed block by block into its expert's, last block first,
-    as autodiff summed it."""
+    block's slice of its expert's kernel (`[blocks, in, out]`, each expert's weights several times over): with 8
+    experts of 256 x 512 and 4,096 assignments in 24 blocks, 36 MiB a layer in float32 for the three
+    projections. The kernel's gradient is summed block by block into its expert's, last block first, as
+    autodiff summed it."""
     return _block_products(block, x, w, block_experts, used)
 
 
