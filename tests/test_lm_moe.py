@@ -24,6 +24,7 @@ from nnx_cli.models.transformer.moe import (
     route,
     router_statistics,
     sort_by_expert,
+    weighted_sum,
 )
 
 SEQ_LEN, VOCAB = 16, 257
@@ -162,6 +163,22 @@ def test_training_remakes_the_expert_rows_and_activation_and_keeps_the_projectio
     np.testing.assert_allclose(train[0], plain[0], rtol=1e-6)
     for path in plain[1]:
         np.testing.assert_allclose(train[1][path].value, plain[1][path].value, atol=1e-6, err_msg=path)
+
+
+def test_the_weighted_sum_keeps_the_experts_outputs_as_they_are_and_gives_autodiffs_gradients(capsys):
+    keys = jax.random.split(jax.random.key(6), 3)
+    weights = jax.nn.softmax(jax.random.normal(keys[0], (12, 2)))
+    outputs = jax.random.normal(keys[1], (12, 2, 32)).astype(jnp.bfloat16)
+    g = jax.random.normal(keys[2], (12, 32))
+    y, backward = jax.vjp(weighted_sum, weights, outputs)
+    want, want_backward = jax.vjp(lambda w, o: jnp.einsum("tk,tke->te", w, o.astype(jnp.float32)), weights, outputs)
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    (d_weights, d_outputs), (want_weights, want_outputs) = backward(g), want_backward(g)
+    assert (d_weights.dtype, d_outputs.dtype) == (jnp.float32, jnp.bfloat16)
+    np.testing.assert_allclose(d_weights, want_weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d_outputs.astype(jnp.float32), want_outputs.astype(jnp.float32), rtol=8e-3)
+    jax.ad_checkpoint.print_saved_residuals(lambda w, o: jnp.sum(weighted_sum(w, o)), weights, outputs)
+    assert "f32[12,2,32]" not in capsys.readouterr().out  # autodiff kept the outputs' float32 copy
 
 
 def test_the_load_balancing_loss_is_switch_transformers_over_layers():

@@ -84,6 +84,27 @@ def load_balancing_loss(statistics: dict[str, jax.Array], num_experts: int) -> j
     return num_experts * jnp.sum((statistics["counts"] / rows) * (statistics["probabilities"] / rows))
 
 
+@jax.custom_vjp
+def weighted_sum(weights: jax.Array, outputs: jax.Array) -> jax.Array:
+    """Each token's sum of its experts' `outputs` `[tokens, top_k, embed]` weighted by `weights` `[tokens,
+    top_k]`, in float32. The backward pass keeps `outputs` as they are: autodiff kept their float32 copy, twice
+    a bfloat16 model's `[tokens, top_k, embed]` a layer."""
+    return jnp.einsum("tk,tke->te", weights, outputs.astype(jnp.float32))
+
+
+def _weighted_sum_forward(weights: jax.Array, outputs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return weighted_sum(weights, outputs), (weights, outputs)
+
+
+def _weighted_sum_backward(saved: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    weights, outputs = saved
+    d_weights = jnp.einsum("te,tke->tk", g, outputs.astype(jnp.float32)).astype(weights.dtype)
+    return d_weights, (weights[:, :, None] * g[:, None, :]).astype(outputs.dtype)
+
+
+weighted_sum.defvjp(_weighted_sum_forward, _weighted_sum_backward)
+
+
 # Grouped matmuls
 # ------------------------------------------------------------------------------
 
@@ -396,7 +417,7 @@ class MoE(nnx.Module):
         if not deterministic:  # training: the activation is remade for the backward pass, as the dense MLP's is
             project = nnx.remat(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         out = project(self, gate, fc, groups, **train)  # [rows, embed]
-        combined = jnp.einsum("tk,tke->te", weights, out[positions].astype(jnp.float32))
+        combined = weighted_sum(weights, out[positions])
         y = constrain(combined.astype(self.dtype).reshape(shape), ("batch", "length", "embed"))
         return self.dropout(y, deterministic=deterministic, ctx=ctx), statistics
 
