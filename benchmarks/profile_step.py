@@ -69,6 +69,10 @@ SHAPES = {
         num_layers=6, num_heads=6, embed_dim=384, mlp_dim=1536, vocab_size=384, mlp="gelu", bias=True,
         qkv_bias=True, norm="layernorm", positions="learned", seq_len=256,
     ),
+    "moe": dict(  # fine-grained experts (Qwen3-MoE's layout, scaled down): 64 SwiGLU experts of 256, top 8
+        num_layers=4, num_heads=8, embed_dim=512, mlp_dim=2048, vocab_size=32000, qkv_bias=False,
+        moe={"num_experts": 64, "top_k": 8, "mlp_dim": 256}, seq_len=256,
+    ),
 }  # fmt: skip
 LLAMA = dict(mlp="swiglu", bias=False, norm="rmsnorm", norm_eps=1e-5, positions="rope", tie_embeddings=True,
              dropout=0.0, scan_layers=True)  # fmt: skip

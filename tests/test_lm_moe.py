@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_support import DEPLOYED, converted_sizes, loop_instructions
 
 import nnx
 from nnx_cli.models.transformer import TransformerLM, architecture, lora_options
@@ -131,6 +132,31 @@ def test_the_cpu_blocks_backward_pass_gives_the_gradients_autodiff_gives():
     np.testing.assert_allclose(dx, want_dx, atol=1e-5)
     np.testing.assert_allclose(dw, want_dw, atol=1e-5)
     assert np.abs(np.asarray(dw[3])).max() == 0
+
+
+def test_a_bfloat16_block_loop_converts_no_whole_stack_and_sums_the_kernels_gradient_in_float32():
+    """The CPU's block dispatch in bfloat16, forward and backward: no step of its loops converts a whole stack
+    (the rows, their products, the experts' kernels or the sum of their gradient). XLA's CPU up to JAX 0.10
+    widened a bfloat16 stack to float32 and back in each step of the loop that updated it, so that the loop's
+    time grew with the square of its blocks. The kernel's gradient is summed in float32 and rounded once."""
+    experts = jax.random.randint(jax.random.key(4), (64, 2), 0, 8)
+    groups, sources, _ = sort_by_expert(experts, 8, "blocks")
+    rows = sources.shape[0]
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (rows, 32)).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], (8, 32, 24)).astype(jnp.bfloat16)
+    g = jax.random.normal(keys[2], (rows, 24)).astype(jnp.bfloat16)
+    program = jax.jit(lambda x, w, g: jax.vjp(groups.matmul, x, w)[1](g))
+    hlo = program.lower(x, w, g).compile(compiler_options=DEPLOYED).as_text()
+    smallest = min(rows * 24, rows * 32, 8 * 32 * 24)
+    assert [n for n in converted_sizes(loop_instructions(hlo)) if n >= smallest] == []
+
+    dx, dw = program(x, w, g)
+    wide = [a.astype(jnp.float32) for a in (x, w, g)]
+    want_dx, want_dw = jax.vjp(lambda x, w: _block_products(groups.block, x, w, groups.block_experts, groups.used),
+                               *wide[:2])[1](wide[2])  # fmt: skip
+    np.testing.assert_array_equal(dw, want_dw.astype(jnp.bfloat16))  # the float32 sum, rounded once
+    np.testing.assert_allclose(dx.astype(jnp.float32), want_dx, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("implementation", ["blocks", "ragged"])

@@ -303,6 +303,26 @@ def test_experts_in_4bits_compute_what_their_dequantised_weights_compute_and_the
         np.testing.assert_allclose(ours[path].value, theirs[path].value, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
+def test_4bit_experts_are_dequantised_for_their_own_blocks_only():
+    """On a CPU (the block dispatch) each block dequantises its own expert inside the block's step: a decoding
+    step's temporaries grow with the experts by less than one projection's stack of dequantised kernels (the
+    codes' layer slice grows with them). Dequantising the whole stack for each product, as before, they grew by
+    three such stacks, and every expert was dequantised for the two rows a token sends to two of them."""
+
+    def step_temporaries(num_experts: int) -> int:
+        model = TransformerLM((16,), 300, quantize={"type": "nf4"}, moe={"num_experts": num_experts, "top_k": 2,
+                              "mlp_dim": 64}, lora={"rank": 4}, ctx=nnx.context(0), **TINY)  # fmt: skip
+        decoding = model.for_decoding()
+        decoding.init_cache(1, 16)
+        (cache, rest), cachedef = decoding.partition(nnx.Cache, ...)
+        step = jax.jit(lambda cache, rest: cachedef.merge(cache, rest).decode(jnp.asarray([1]), jnp.asarray([3])))
+        return step.lower(cache, rest).compile(compiler_options=DEPLOYED).memory_analysis().temp_size_in_bytes
+
+    assert TINY["embed_dim"] == 64
+    stack_growth = (64 - 8) * 64 * 64 * 4  # one projection's experts, dequantised in float32
+    assert step_temporaries(64) - step_temporaries(8) < stack_growth
+
+
 def test_a_bfloat16_base_stores_every_frozen_matrix_in_16_bits():
     model = TransformerLM((16,), 300, quantize={"type": "bfloat16"}, lora={"rank": 4}, ctx=nnx.context(0), **TINY)
     frozen = model.filter(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
