@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from xla_support import DEPLOYED
+from xla_support import DEPLOYED, converted_sizes, loop_instructions
 
 import nnx
 from nnx_cli import steps
@@ -236,6 +236,21 @@ def test_the_forward_pass_alone_multiplies_by_the_head_once_and_a_frozen_head_ge
         assert frozen == _compiled(jax.grad(summed(**{**split, "keep": False})), h, head)
     else:
         assert (loops(trained), dots(trained)) == (2, 4)  # the head's gradient recomputes each chunk's logits
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-table", "head-kernel"])
+def test_a_bfloat16_logits_gradient_kept_in_vocabulary_blocks_is_never_converted_whole_in_a_loop(tied):
+    """XLA's CPU up to JAX 0.10 widens a bfloat16 stack to float32 and back, whole, in each step of the loop that
+    updates it: the kept gradient's stack `[blocks, positions, rows]` costed its size at every block (on SmolLM2's
+    shapes 77 ms of a 1.5 s step). It is stacked as its bits there; no loop converts anything that large."""
+    h, head, targets = problem(tied, jnp.bfloat16)
+
+    def loss(h, w):
+        return jnp.sum(token_cross_entropy(h, w, targets, tied=tied, vocab_size=REAL, block=100, keep=True)[0])
+
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(h, head).compile(compiler_options=DEPLOYED).as_text()
+    stack = 3 * BATCH * LENGTH * 100  # three blocks of 100 ids, each position's logits' gradient
+    assert [n for n in converted_sizes(loop_instructions(hlo)) if n >= stack] == []
 
 
 # Through the model
