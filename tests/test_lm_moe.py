@@ -138,7 +138,8 @@ def test_a_bfloat16_block_loop_converts_no_whole_stack_and_sums_the_kernels_grad
     """The CPU's block dispatch in bfloat16, forward and backward: no step of its loops converts a whole stack
     (the rows, their products, the experts' kernels or the sum of their gradient). XLA's CPU up to JAX 0.10
     widened a bfloat16 stack to float32 and back in each step of the loop that updated it, so that the loop's
-    time grew with the square of its blocks. The kernel's gradient is summed in float32 and rounded once."""
+    time grew with the square of its blocks, and widened the rows and their gradients to float32 whole for the
+    loop that sums the kernel's gradient. That sum is in float32, rounded once."""
     experts = jax.random.randint(jax.random.key(4), (64, 2), 0, 8)
     groups, sources, _ = sort_by_expert(experts, 8, "blocks")
     rows = sources.shape[0]
@@ -150,6 +151,7 @@ def test_a_bfloat16_block_loop_converts_no_whole_stack_and_sums_the_kernels_grad
     hlo = program.lower(x, w, g).compile(compiler_options=DEPLOYED).as_text()
     smallest = min(rows * 24, rows * 32, 8 * 32 * 24)
     assert [n for n in converted_sizes(loop_instructions(hlo)) if n >= smallest] == []
+    assert re.findall(rf"f32\[{rows},(?:24|32)\]\S* convert\(", hlo) == []  # nor a float32 copy of x or g ahead
 
     dx, dw = program(x, w, g)
     wide = [a.astype(jnp.float32) for a in (x, w, g)]

@@ -204,12 +204,14 @@ def _blocks_backward(block: int, saved: tuple, g: jax.Array) -> tuple:
         index, rows, grads, expert = inputs
 
         def add() -> jax.Array:
-            share = jnp.matmul(rows.T, grads, preferred_element_type=jnp.float32)
+            share = jnp.matmul(
+                from_bits(rows, x.dtype).T, from_bits(grads, g.dtype), preferred_element_type=jnp.float32
+            )
             return lax.dynamic_update_index_in_dim(dw, dw[expert] + share, expert, axis=0)
 
         return lax.cond(index < used, add, lambda: dw), None
 
-    rows, grads = x.reshape(blocks, block, x.shape[-1]), g.reshape(blocks, block, g.shape[-1])
+    rows, grads = to_bits(x).reshape(blocks, block, x.shape[-1]), to_bits(g).reshape(blocks, block, g.shape[-1])
     dw = jnp.zeros(w.shape, jnp.float32)
     dw, _ = lax.scan(one, dw, (jnp.arange(blocks), rows, grads, block_experts), reverse=True)
     return dx, dw.astype(w.dtype), no_gradient(block_experts), no_gradient(used)
