@@ -204,6 +204,91 @@ def test_a_model_trained_from_scratch_reads_a_text_file_without_text_key(tmp_pat
     assert len(exp.train.tokens) + len(exp.eval.tokens) == len((POEM * 20).encode()) + 1  # one document, held out
 
 
+def test_a_file_name_with_glob_characters_is_that_file_and_no_other(tmp_path):
+    (tmp_path / "draft[v2].txt").write_text(POEM)
+    (tmp_path / "draft2.txt").write_text("a file the pattern draft[v2].txt matches\n")
+    tokens = load_text_splits(config(tmp_path, tmp_path / "draft[v2].txt"), seed=0).train.tokens
+    assert tokens.tolist() == byte_stream([POEM])
+
+
+def test_a_directory_of_text_under_a_name_with_glob_characters_is_read(tmp_path):
+    source = write_files(tmp_path / "notes[1]", {"a.txt": "first\n", "b.md": "second\n"})
+    assert documents_of(load_text_splits(config(tmp_path, source), seed=0).train.tokens) == ["first\n", "second\n"]
+
+
+def test_a_directory_of_other_files_under_a_name_with_glob_characters_is_a_user_error(tmp_path):
+    (tmp_path / "data[1]").mkdir()
+    source = write_jsonl(tmp_path / "data[1]" / "docs.jsonl", DOCS).parent
+    with pytest.raises(UserError, match=r"data.source.*directory .*data\[1\].* as a pattern.*rename"):
+        load_text_splits(config(tmp_path, source), seed=0)
+
+
+@pytest.mark.parametrize("name", ["BOOK.TXT", "Notes.Md"])
+def test_a_text_file_extension_is_read_in_any_case(tmp_path, name):
+    (tmp_path / name).write_text(POEM)
+    cfg = config(tmp_path, tmp_path / name, text_key=None)
+    text.fill_text_key(cfg)
+    assert cfg.text_key == "text"
+    assert load_text_splits(cfg, seed=0).train.tokens.tolist() == byte_stream([POEM])
+
+
+def test_a_directory_of_upper_case_text_files_is_plain_text(tmp_path):
+    source = write_files(tmp_path / "works", {"A.TXT": "first\n", "B.MD": "second\n"})
+    cfg = config(tmp_path, source, text_key=None)
+    text.fill_text_key(cfg)
+    assert documents_of(load_text_splits(cfg, seed=0).train.tokens) == ["first\n", "second\n"]
+
+
+def test_a_text_file_that_is_not_utf8_names_the_file_the_byte_and_how_to_convert_it(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("ok\ncaf\u00e9\n".encode("latin-1") * 100)
+    with pytest.raises(UserError) as raised:
+        load_text_splits(config(tmp_path, tmp_path / "latin1.txt"), seed=0)
+    message = str(raised.value)
+    assert "latin1.txt' is not UTF-8 text (byte 0xe9 at offset 6, line 2)" in message
+    assert "iconv -f latin1 -t utf-8" in message and "DatasetGenerationError" not in message
+
+
+def test_the_file_of_a_directory_that_is_not_utf8_is_the_one_named(tmp_path):
+    source = write_files(tmp_path / "works", {"a.txt": "first\n", "b.txt": "second\n"})
+    (source / "c.txt").write_bytes(b"third\n" * 2 + "\u00e9".encode("cp1252"))
+    with pytest.raises(UserError, match=r"works/c.txt' is not UTF-8 text \(byte 0xe9 at offset 12, line 3\)"):
+        load_text_splits(config(tmp_path, source), seed=0)
+
+
+def test_a_broken_file_says_what_datasets_found_wrong_inside_its_generation_error(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(UserError, match=r"cannot load dataset .*docs.jsonl.*: ArrowInvalid: JSON parse error"):
+        load_text_splits(config(tmp_path, tmp_path / "docs.jsonl"), seed=0)
+
+
+def test_a_directory_of_two_formats_warns_of_the_files_datasets_leaves_out(tmp_path, capsys):
+    source = write_files(tmp_path / "mixed", {"a.txt": "left out\n", "notes/c.md": "left out too\n"})
+    write_jsonl(source / "b.jsonl", DOCS)
+    write_jsonl(source / "d.jsonl", ["read"])
+    assert load_text_splits(config(tmp_path, source, seq_len=2), seed=0).train.tokens.tolist() == byte_stream(
+        [*DOCS, "read"]
+    )
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1
+    assert "reads one format from directory" in warnings[0] and "its .jsonl files" in warnings[0]
+    assert "leaves out a.txt, notes/c.md" in warnings[0]
+
+
+def test_a_file_whose_name_says_no_split_beside_files_that_do_is_named_in_a_warning(tmp_path, capsys):
+    source = write_files(tmp_path / "corpus", {"train.txt": POEM * 3, "test.md": "held out\n", "notes.md": "x\n"})
+    splits = load_text_splits(config(tmp_path, source, eval_split="test"), seed=0)
+    assert documents_of(splits.train.tokens) == [POEM * 3]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "as splits (train, test)" in warnings[0] and "leaves out notes.md" in warnings[0]
+
+
+def test_a_directory_datasets_reads_whole_warns_of_nothing(tmp_path, capsys):
+    source = write_files(tmp_path / "works", {"README.md": "# about\n", ".draft.txt": "hidden\n"})
+    write_jsonl(source / "b.jsonl", DOCS)
+    assert load_text_splits(config(tmp_path, source, seq_len=2), seed=0).train.tokens.tolist() == byte_stream(DOCS)
+    assert "warning:" not in capsys.readouterr().err
+
+
 def _save_jsonl(path: Path) -> Path:
     return write_jsonl(path / "docs.jsonl", DOCS)
 

@@ -3,8 +3,9 @@
 `data.source` is one of:
 
 - `sklearn:digits`: the 8x8 digits shipped inside scikit-learn (offline);
-- a local directory or file: parquet/arrow/csv/json/jsonl/txt files or a
-  `save_to_disk` directory, all read through `datasets`;
+- a local directory or file: parquet/arrow/csv/json/jsonl/txt files (the
+  extension in any case) or a `save_to_disk` directory, all read through
+  `datasets`; text files are read as UTF-8;
 - a Hugging Face Hub id such as `ylecun/mnist`, loaded and cached by
   `datasets.load_dataset`;
 - your own `package.module:fn` (see :mod:`nnx_cli.data.images`).
@@ -18,7 +19,10 @@ here::
 
 from __future__ import annotations
 
+import codecs
+import glob
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.data.cache import local_fingerprint
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, first_line
 
 DIGITS = "sklearn:digits"
 DIGITS_TRAIN = 1500  # first 1500 of 1797 images train, the rest test
@@ -40,6 +44,7 @@ FILE_BUILDERS = {
     ".md": "text",
 }
 PLAIN_TEXT = (".txt", ".md")  # a file of these is one document, in the column `text`
+_DECODED = (".txt", ".md", ".csv", ".json", ".jsonl")  # what `datasets` decodes as UTF-8 text
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +71,7 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 def _looks_like_path(source: str) -> bool:
     return (
         source.startswith(("/", "./", "../", "~", ".\\"))
-        or Path(source).suffix in FILE_BUILDERS
+        or _suffix(Path(source)) in FILE_BUILDERS
         or source.count("/") > 1
     )
 
@@ -81,7 +86,10 @@ def open_dataset(source: str) -> Any:
     a document per file, in a column `text`: the whole file is one row, not
     a row per line. A directory's files are its `train` split in the order
     of their paths, unless their names say which split they are (`train.txt`,
-    `test.md`, `validation/...`), as `datasets` reads any directory.
+    `test.md`, `validation/...`), as `datasets` reads any directory. Files a
+    directory holds that `datasets` leaves out (another format than the one it
+    reads, a name that says no split beside names that do) are named in a
+    warning.
     """
     path = Path(source).expanduser()
     signature = local_fingerprint(path) if path.exists() else None
@@ -97,13 +105,20 @@ def open_dataset(source: str) -> Any:
         if path.exists():
             if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
                 ds = datasets.load_from_disk(str(path))
+            elif is_plain_text(source) and path.is_file():
+                ds = datasets.load_dataset("text", sample_by="document", data_files=_pattern(path))
             elif is_plain_text(source):
-                where = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
-                ds = datasets.load_dataset("text", sample_by="document", **where)
+                ds = _load_directory(source, path, "text", sample_by="document", data_dir=_pattern(path))
             elif path.is_dir():
-                ds = datasets.load_dataset(str(path))
-            elif path.suffix in FILE_BUILDERS:
-                ds = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
+                if _pattern(path.resolve()) != str(path.resolve()):
+                    raise UserError(
+                        f"config key 'data.source': `datasets` reads the path of directory {source!r} as a pattern, "
+                        "where [ ] * ? are wildcards; rename the directory (or the one above it holding those "
+                        "characters)"
+                    )
+                ds = _load_directory(source, path, str(path))
+            elif _suffix(path) in FILE_BUILDERS:
+                ds = datasets.load_dataset(FILE_BUILDERS[_suffix(path)], data_files=_pattern(path))
             else:
                 raise UserError(
                     f"config key 'data.source': cannot read {source!r}; expected a directory or a "
@@ -126,9 +141,156 @@ def open_dataset(source: str) -> Any:
             "directory)"
         ) from None
     except Exception as e:  # datasets raises many types for bad inputs; all are the user's data
-        raise UserError(f"config key 'data.source': cannot load dataset {source!r}: {type(e).__name__}: {e}") from None
+        raise _load_error(source, path, e) from None
     _cache[source] = (signature, ds)
     return ds
+
+
+def _suffix(path: Path) -> str:
+    """The extension that picks the builder, in any case: `BOOK.TXT` is text as `book.txt` is."""
+    return path.suffix.lower()
+
+
+def _pattern(path: Path) -> str:
+    """`path` as a `datasets` data-files pattern that matches only itself: `datasets` globs `data_files` and
+    `data_dir`, so `draft[v2].txt` would otherwise look for `draftv.txt` and `draft2.txt`."""
+    return glob.escape(str(path))
+
+
+def _load_directory(source: str, path: Path, *args: Any, **kwargs: Any) -> Any:
+    """`datasets.load_dataset(*args, **kwargs)` of directory `path`, warning of the files it leaves out."""
+    import datasets
+
+    builder = datasets.load_dataset_builder(*args, **kwargs)  # lists the files it will read, reads none
+    read = {Path(f).resolve() for files in (builder.config.data_files or {}).values() for f in files}
+    if read:
+        _warn_left_out(source, path, read, [str(split) for split in builder.config.data_files])
+    return datasets.load_dataset(*args, **kwargs)
+
+
+def _warn_left_out(source: str, path: Path, read: set[Path], splits: list[str]) -> None:
+    """One line per reason that `datasets` leaves files of directory `path` out: another format than the one it
+    reads (it reads one per directory, the most common), or a name saying no split where other names do."""
+    from datasets import data_files
+
+    skipped = set(getattr(data_files, "FILES_TO_IGNORE", ()))  # README.md, dataset_info.json, ...: not data
+    files = [f for f in sorted(path.rglob("*")) if f.is_file() and not _hidden(f.relative_to(path))]
+    left = [f for f in files if f.resolve() not in read and f.name not in skipped]
+    formats = {_format(f) for f in read}
+    other_format = [f for f in left if _format(f) not in formats]
+    unsplit = [f for f in left if _format(f) in formats]
+    if other_format:
+        suffixes = "/".join(sorted({_suffix(f) for f in read}))
+        _warn(
+            source,
+            f"warning: config key 'data.source': `datasets` reads one format from directory {source!r}, its "
+            f"{suffixes} files, and leaves out {_names(other_format, path)}; convert {_them(other_format)} to that "
+            f"format or move {_them(other_format)} out of the directory",
+        )
+    if unsplit:
+        _warn(
+            source,
+            f"warning: config key 'data.source': `datasets` reads directory {source!r} as splits "
+            f"({', '.join(splits)}) named by its files and leaves out {_names(unsplit, path)}, whose "
+            f"{'name says' if len(unsplit) == 1 else 'names say'} no split; rename {_them(unsplit)} (train-*, "
+            f"test-*, ...) or move {_them(unsplit)} out of the directory",
+        )
+
+
+def _format(file: Path) -> str:
+    """The builder that reads `file` (`.txt` and `.md` are both text), else its extension (`.png`)."""
+    return FILE_BUILDERS.get(_suffix(file), _suffix(file))
+
+
+def _names(files: list[Path], root: Path, most: int = 5) -> str:
+    names = ", ".join(str(f.relative_to(root)) for f in files[:most])
+    return names + (f" and {len(files) - most} more" if len(files) > most else "")
+
+
+def _them(files: list[Path]) -> str:
+    return "it" if len(files) == 1 else "them"
+
+
+def _warn(source: str, message: str) -> None:
+    from nnx_cli.data.text import _notice
+
+    _notice((source, message), message)
+
+
+def _load_error(source: str, path: Path, error: Exception) -> UserError:
+    """Why `source` cannot be loaded, in words: the cause `datasets` wraps (a DatasetGenerationError says only
+    that something failed) and, for text that is not UTF-8, which file, where, and how to convert it."""
+    from datasets.exceptions import DatasetGenerationError
+
+    chain = _chain(error)
+    undecodable = next((link for link in chain if isinstance(link, UnicodeDecodeError)), None)
+    if undecodable is not None:
+        return UserError(_not_utf8(source, path, undecodable))
+    cause = next((link for link in chain if not isinstance(link, DatasetGenerationError)), error)
+    return UserError(
+        f"config key 'data.source': cannot load dataset {source!r}: {type(cause).__name__}: {first_line(cause)}"
+    )
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error`, then what it was raised from or while handling, and so on."""
+    chain: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and all(link is not seen for seen in chain):
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    return chain
+
+
+def _not_utf8(source: str, path: Path, error: UnicodeDecodeError) -> str:
+    found = _first_undecodable(path) if path.exists() else None
+    if found is None:  # a Hub dataset, or a file that decodes after all: say what `datasets` said
+        return (
+            f"config key 'data.source': cannot load dataset {source!r}: a file of it is not UTF-8 text ({error}); "
+            "convert it to UTF-8, e.g. with iconv -f latin1 -t utf-8"
+        )
+    file, offset, byte, line = found
+    shown = source if file == path else str(Path(source) / file.relative_to(path))
+    encoding = "utf-16" if byte in (0xFF, 0xFE) and offset == 0 else "latin1"  # a UTF-16 byte-order mark
+    named = shlex.quote(shown)
+    if file == path:
+        converted = shlex.quote(str(Path(shown).with_suffix(f".utf8{Path(shown).suffix}")))
+        how = f"iconv -f {encoding} -t utf-8 {named} > {converted}, then data.source={converted}"
+    else:
+        how = f"iconv -f {encoding} -t utf-8 {named} > {named}.utf8 && mv {named}.utf8 {named}"
+    return (
+        f"config key 'data.source': {shown!r} is not UTF-8 text (byte 0x{byte:02x} at offset {offset:,}, line "
+        f"{line:,}), and `datasets` reads text as UTF-8; convert it from its encoding ({encoding}, say): {how}"
+    )
+
+
+def _first_undecodable(path: Path) -> tuple[Path, int, int, int] | None:
+    """The first file of `path` (a file, or the text files under a directory) that is not UTF-8, with the offset,
+    value and line of its first bad byte; None if every file decodes."""
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    for file in files:
+        if file == path or (not _hidden(file.relative_to(path)) and _suffix(file) in _DECODED):
+            found = _undecodable_byte(file)
+            if found is not None:
+                return (file, *found)
+    return None
+
+
+def _undecodable_byte(file: Path) -> tuple[int, int, int] | None:
+    """The offset, value and line of the first byte of `file` that is not UTF-8, read a MiB at a time, or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = 0
+    with open(file, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = decoder.getstate()[0]  # the first bytes of a character the last chunk cut
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:  # e.object is pending + chunk
+                return offset - len(pending) + e.start, e.object[e.start], lines + e.object[: e.start].count(b"\n") + 1
+            if not chunk:
+                return None
+            offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
 
 
 def is_plain_text(source: str) -> bool:
@@ -140,11 +302,11 @@ def is_plain_text(source: str) -> bool:
     """
     path = Path(source).expanduser()
     if path.is_file():
-        return path.suffix in PLAIN_TEXT
+        return _suffix(path) in PLAIN_TEXT
     if not path.is_dir():
         return False
     files = [f for f in path.rglob("*") if f.is_file() and not _hidden(f.relative_to(path))]
-    return bool(files) and all(f.suffix in PLAIN_TEXT for f in files)
+    return bool(files) and all(_suffix(f) in PLAIN_TEXT for f in files)
 
 
 def _hidden(relative: Path) -> bool:

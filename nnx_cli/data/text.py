@@ -373,7 +373,9 @@ class _Source:
         return ds if isinstance(ds, datasets.DatasetDict) else datasets.DatasetDict({"train": ds})
 
     def _is_txt(self) -> bool:
-        return self.path.suffix in PLAIN_TEXT or (self.path.is_dir() and any(self.path.rglob("*.txt")))
+        return self.path.suffix.lower() in PLAIN_TEXT or (
+            self.path.is_dir() and any(f.suffix.lower() in PLAIN_TEXT for f in self.path.rglob("*"))
+        )
 
     def slug(self) -> str:
         name = self.path.resolve().name if self.local else self.cfg.source
