@@ -105,6 +105,18 @@ def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
         load_config(write(tmp_path, "train:\n  batch_size: 32\n  batch_size: 64\n"))
 
 
+def test_an_unquoted_jinja_template_in_a_file_is_invalid_yaml_naming_its_line(tmp_path):
+    with pytest.raises(UserError, match=r"not valid YAML at line 2.*quote text that holds \{\{"):
+        load_config(write(tmp_path, "data:\n  chat_template: {{ bos_token }}\n"))
+
+
+def test_an_override_that_is_not_yaml_stays_text_and_a_key_wanting_more_says_why():
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert load_config(None, [f"data.chat_template={template}"]).data.chat_template == template
+    with pytest.raises(UserError, match=r"'train.steps' must be an integer or null, got '\{\{1\}\}' \(text: not valid"):
+        load_config(None, ["train.steps={{1}}"])
+
+
 def test_non_positive_batch_size_is_rejected():
     with pytest.raises(UserError, match="train.batch_size"):
         load_config(None, ["train.batch_size=0"])

@@ -25,6 +25,7 @@ import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from nnx_cli.config.yaml_io import Unparsed
 from nnx_cli.errors import UserError, did_you_mean
 
 
@@ -215,9 +216,11 @@ def describe(hint: Any, plural: bool = False) -> str:
 
 
 def show(value: Any) -> str:
-    text = repr(value)
+    text = repr(str(value) if isinstance(value, Unparsed) else value)
     if len(text) > 60:
         text = text[:57] + "..."
+    if isinstance(value, Unparsed):
+        return f"{text} (text: not valid YAML, {value.problem})"
     return f"{text} ({type(value).__name__})" if value is not None else "null"
 
 

@@ -19,6 +19,11 @@ class _Loader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (dict, list)):  # `{{ x }}`: a Jinja template, unquoted, reads as a mapping in a mapping
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key that is a mapping or a list (quote text that holds {{ or [)",
+                    key_node.start_mark,
+                )  # fmt: skip
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark
@@ -34,12 +39,25 @@ _Loader.add_implicit_resolver(
 )
 
 
+class Unparsed(str):
+    """An override value that is not valid YAML, kept as its text (a Jinja template `{{ ... }}` is one), with why
+    it did not parse: a key that wanted something else reports both."""
+
+    problem: str
+
+
+yaml.SafeDumper.add_representer(Unparsed, yaml.representer.SafeRepresenter.represent_str)  # saved as the text it is
+
+
 def parse_value(text: str) -> Any:
-    """Parse one override value as YAML: `3` -> 3, `3e-4` -> 0.0003, `[1, 2]` -> [1, 2]."""
+    """Parse one override value as YAML: `3` -> 3, `3e-4` -> 0.0003, `[1, 2]` -> [1, 2]; text that is not YAML
+    stays text (:class:`Unparsed`)."""
     try:
         return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
-        return text  # not YAML: keep the raw string, type checks report it
+    except yaml.YAMLError as e:
+        value = Unparsed(text)  # type checks report it, with the reason
+        value.problem = getattr(e, "problem", None) or "invalid YAML"
+        return value
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
