@@ -91,19 +91,21 @@ class Registry(Mapping[str, T], Generic[T]):
         )
 
 
-def load_reference(reference: str, key: str) -> Any:
-    """Import `package.module:attr` (the current directory first on the path) and return the attribute."""
+def load_reference(reference: str, key: str, shown: str | None = None) -> Any:
+    """Import `package.module:attr` (the current directory first on the path) and return the attribute; errors
+    name it as `shown` (what the config said, when it spelled it otherwise)."""
     module_name, _, attr = reference.partition(":")
+    given = shown or reference
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)  # kept: worker processes and later imports see the same modules
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"config key {key!r}: cannot import module {module_name!r} for {reference!r}: {e}") from None
+        raise UserError(f"config key {key!r}: cannot import module {module_name!r} for {given!r}: {e}") from None
     except Exception as e:  # the module itself failed while importing
         raise UserError(
-            f"config key {key!r}: importing {module_name!r} for {reference!r} failed: {type(e).__name__}: {e}"
+            f"config key {key!r}: importing {module_name!r} for {given!r} failed: {type(e).__name__}: {e}"
         ) from None
     obj: Any = module
     for part in attr.split("."):

@@ -325,8 +325,12 @@ def test_a_reward_function_gets_prompts_completions_and_columns_by_name_and_none
         ),
         (lambda prompts, completions, **_: 0.5, r"'m\.bad' returned 0\.5 for 2 completions at step 7"),
         (lambda prompts, completions, **_: [1.0, "yes"], r"'m\.bad' returned 'yes' \(str\) for completion 1 at step 7"),
+        (
+            lambda prompts, completions, **_: [float("nan"), 1.0],
+            r"'m\.bad' returned nan for completion 0 at step 7; a reward must be a finite number, or None",
+        ),
     ],
-    ids=["raises", "too-few", "not-a-list", "not-a-number"],
+    ids=["raises", "too-few", "not-a-list", "not-a-number", "nan"],
 )
 def test_a_reward_function_that_raises_or_returns_the_wrong_values_is_named_with_the_step(fn, message):
     with pytest.raises(UserError, match=message):
@@ -347,7 +351,10 @@ def test_reward_names_are_imported_from_the_current_directory(tmp_path, monkeypa
 @pytest.mark.parametrize(
     "entries, message",
     [
-        (["no_such_module.correct"], r"config key 'objective.rewards\[0\]': cannot import module 'no_such_module'"),
+        (
+            ["no_such_module.correct"],
+            r"config key 'objective.rewards\[0\]': cannot import module 'no_such_module' for 'no_such_module.correct'",
+        ),
         (["exact_mach"], r"unknown reward 'exact_mach' \(did you mean 'exact_match'\?\); built in: exact_match"),
         ([{"name": "regex"}], r"objective.rewards\[0\]': built-in reward regex: .*pattern"),
         ([{"name": "regex", "pattern": "("}], r"regex pattern '\(' does not compile"),

@@ -235,7 +235,7 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
     reference = _reference(name, where)
     from nnx_cli.registry import load_reference
 
-    fn = load_reference(reference, where)
+    fn = load_reference(reference, where, shown=name)
     if not callable(fn):
         raise UserError(f"config key {where!r}: {name!r} is a {type(fn).__name__}, not a function")
     return Reward(label or reference.rpartition(":")[2].rpartition(".")[2], name, fn)
@@ -290,7 +290,12 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
                     f"{i} {when}; it must return a number (or None) per completion"
                 )
             number = float(value)
-            out[i, j] = np.nan if math.isnan(number) else number
+            if not math.isfinite(number):  # NaN is not None: a 0 / 0 would silently leave every completion unscored
+                raise UserError(
+                    f"reward function {reward.source!r} returned {number} for completion {i} {when}; a reward must be "
+                    "a finite number, or None to leave that completion unscored"
+                )
+            out[i, j] = number
     return out
 
 
