@@ -77,6 +77,12 @@ def test_a_bnb_4bit_directory_is_read_as_stored_not_quantised_again():
         np.testing.assert_array_equal(np.asarray(params[f"layers/scan_module/mlp/proj/kernel/{part}"].value)[1], value)
 
 
+def test_the_yaml_changes_one_setting_of_a_bnb_4bit_directorys_quantize_and_keeps_the_rest():
+    exp = experiment("llama_bnb4bit", "model.quantize.compute_dtype=bfloat16")
+    quantize = exp.cfg.model.options["quantize"]
+    assert quantize["type"] == "nf4" and quantize["compute_dtype"] == "bfloat16" and quantize["block"] == 64
+
+
 def test_a_16bit_model_quantised_here_is_bit_for_bit_what_transformers_saved_with_bitsandbytes():
     ours = experiment("llama_bnb4bit_float", "model.quantize={type: nf4, compute_dtype: float32}").load_pretrained()
     theirs = experiment("llama_bnb4bit").load_pretrained()

@@ -190,7 +190,11 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
     config_json = pretrained.directory / "config.json"
     for key, value in pretrained.options.items():
         if key in _FREE:
-            cfg.model.options.setdefault(key, value)
+            given = cfg.model.options.get(key)
+            if key == "quantize" and isinstance(given, dict) and isinstance(value, dict) and "type" not in given:
+                cfg.model.options[key] = {**value, **given}  # `quantize: {compute_dtype: ...}` changes one setting
+            else:
+                cfg.model.options.setdefault(key, value)
             continue
         given = cfg.model.options.get(key, _UNSET)
         if given is not _UNSET and not _same(given, value):
