@@ -53,6 +53,12 @@ def test_cp_never_writes_over_a_file(tmp_path):
     assert mine.read_text() == "# my edits\n"
 
 
+def test_cp_into_a_place_it_cannot_write_is_a_user_error_naming_it(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=r"cannot write '.*afile/x.yaml': .*; name a DEST in a writable directory"):
+        configs.copy("chat_lora", tmp_path / "afile" / "x.yaml")  # a file where its directory would be
+
+
 def test_an_unknown_name_lists_the_shipped_configs_with_a_did_you_mean():
     with pytest.raises(UserError, match=r"did you mean 'digits_vae'\?\); shipped: chat_lora, digits_vae, "):
         configs.find("digits_vea")

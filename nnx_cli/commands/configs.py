@@ -95,8 +95,13 @@ def copy(name: str, dest: str | Path) -> Path:
     target = Path(dest) / f"{name}.yaml" if into else Path(dest)
     if target.exists():
         raise UserError(f"{str(target)!r} exists already; nnx-configs cp writes a new file: name another DEST")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(recipes[name], target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(recipes[name], target)
+    except OSError as e:
+        raise UserError(
+            f"cannot write {str(target)!r}: {e.strerror or e}; name a DEST in a writable directory"
+        ) from None
     return target
 
 
