@@ -127,7 +127,7 @@ class LoggerRun:
     start_step: int
     total_steps: int
     loss_metric: str
-    console: Console = field(default_factory=lambda: Console(stderr=True))
+    console: Console = field(default_factory=lambda: Console(stderr=True, markup=False))
 
 
 LoggerFactory = Callable[[LoggerRun], MetricLogger]

@@ -139,7 +139,7 @@ def evaluate(
 
         say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {len(exp.eval)} examples")
         title = "eval of the pretrained model" if step is None else f"eval at step {step}"
-        Console().print(report.metrics_table(title, metrics))
+        Console(markup=False).print(report.metrics_table(title, metrics))
 
 
 def _harness(

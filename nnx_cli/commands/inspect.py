@@ -209,7 +209,7 @@ def _print_tables(
     from rich.console import Console
     from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=200)
+    console = Console(markup=False) if Console().is_terminal else Console(width=200, markup=False)
     table = Table(title=f"{title}: model {model!r}", title_justify="left")
     for column, justify in _COLUMNS:
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]

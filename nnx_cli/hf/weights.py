@@ -392,8 +392,8 @@ def progress(description: str, total: int, *, in_bytes: bool = False, minimum: i
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     amount = DownloadColumn() if in_bytes else TextColumn("{task.percentage:>3.0f}%")
-    columns = (TextColumn("{task.description}"), BarColumn(), amount, TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), amount, TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True, markup=False), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
 
