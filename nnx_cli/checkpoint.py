@@ -95,6 +95,7 @@ class Checkpointer:
         self._failed = False
         self.keep = keep
         self.protect: set[int] = set()
+        self._pruned_protecting: set[int] = set()  # `protect` as the last prune saw it
 
     @property
     def manager(self) -> Any:
@@ -205,7 +206,8 @@ class Checkpointer:
             if self.keep is not None and jax.process_index() == 0:
                 stage = "prune"
                 trusted = {step} if self._checksums and jax.process_count() == 1 else set()
-                integrity.prune(self.directory, self.keep, protect=set(self.protect), trusted=trusted)
+                self._pruned_protecting = set(self.protect)
+                integrity.prune(self.directory, self.keep, protect=self._pruned_protecting, trusted=trusted)
         except BaseException as e:
             self._error = (stage, e)
 
@@ -245,6 +247,18 @@ class Checkpointer:
                 f"{fix} and run again to resume"
             )
         return RunError(f"cannot write checkpoint {step_dir} ({cause}); {kept}: {fix} and run again to resume")
+
+    def _prune_unprotected(self) -> None:
+        """A best step that an eval after the last save replaced was still protected when that save pruned: with
+        `checkpoint.keep: 1` it would outlive the run beside the newest and the new best."""
+        if self.keep is None or self._failed or self.protect == self._pruned_protecting or jax.process_index() != 0:
+            return
+        self._pruned_protecting = set(self.protect)
+        try:
+            integrity.prune(self.directory, self.keep, protect=self._pruned_protecting)
+        except OSError as e:
+            latest = (integrity.steps(self.directory) or [None])[-1]
+            raise self._write_failed(latest, "prune", e) from None
 
     def restore(self, step: int, target: Any) -> Any:
         """Restore the checkpoint at `step` into the structure, dtypes and shardings of `target`.
@@ -326,9 +340,11 @@ class Checkpointer:
         self._settle()
 
     def close(self) -> None:
-        """Wait for the pending save (a RunError if it failed), then release Orbax's resources."""
+        """Wait for the pending save (a RunError if it failed), prune once more if the protected (best) step moved
+        since the last save's prune, then release Orbax's resources."""
         try:
             self._settle()
+            self._prune_unprotected()
         finally:
             try:
                 if self._manager is not None:

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from nnx_cli import optim, steps
-from nnx_cli.errors import RunError
+from nnx_cli.errors import RunError, UserError
 from nnx_cli.loop import Loop
 
 EVAL_PROMPTS = 2  # prompts of the samples written at each eval when `train.sample_prompts` names none
@@ -228,14 +228,14 @@ class Samples:
 
     phase = "eval"
 
-    def __init__(self, every: int, exp: Any, directory: Path | None, guard: Guard):
+    def __init__(self, every: int, exp: Any, directory: Path | None, guard: Guard, prompts: list[list[int]]):
         from nnx_cli.data.tokenizers import load_tokenizer
 
         self.every = every
         self.exp = exp
         self.directory = directory  # None on every process but the first
         self.guard = guard
-        self.prompts = eval_prompts(exp)
+        self.prompts = prompts  # eval_prompts(exp), checked before the work dir was touched
         self.tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         self.done: int | None = None
 
@@ -273,7 +273,14 @@ def eval_prompts(exp: Any) -> list[list[int]]:
         chat = examples.is_conversational(exp.cfg.data)
         tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
         template = run_chat_template(exp.cfg, tokenizer) if chat else None
-        return [encode_prompt(tokenizer, p, chat, None, template) for p in exp.cfg.train.sample_prompts]
+        prompts = []
+        for i, text in enumerate(exp.cfg.train.sample_prompts):
+            try:
+                prompts.append(encode_prompt(tokenizer, text, chat, None, template))
+            except UserError:
+                raise UserError(f"config key 'train.sample_prompts': prompt {i} ({text!r}) encodes to no tokens; "
+                                "give it some text") from None  # fmt: skip
+        return prompts
     if examples.is_examples(exp.cfg.data):  # the start of eval examples, up to where their first answer begins
         rows = exp.eval.stored()
         prompts = []
@@ -287,6 +294,16 @@ def eval_prompts(exp: Any) -> list[list[int]]:
     length = max(1, min(32, exp.cfg.data.seq_len // 4))
     starts = [0, len(stream) // 2][:EVAL_PROMPTS]
     return [[int(t) for t in stream[s : s + length]] for s in starts]
+
+
+def check_sample_prompts(exp: Any, prompts: list[list[int]]) -> None:
+    """`train.sample_prompts` (encoded) that the model's context holds, or a UserError naming the key: found before
+    the run starts, not at its first eval."""
+    limit = exp.moduledef.merge(*steps.model_states(exp.abstract)).context_limit
+    for i, prompt in enumerate(prompts if exp.cfg.train.sample_prompts else []):
+        if limit is not None and len(prompt) > limit:
+            raise UserError(f"config key 'train.sample_prompts': prompt {i} has {len(prompt)} tokens, more than the "
+                            f"model's context of {limit}; shorten it")  # fmt: skip
 
 
 def write_eval_samples(path: Path, prompts: list[list[int]], drawn: Any, tokenizer: Any) -> None:

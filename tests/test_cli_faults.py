@@ -140,6 +140,9 @@ def test_when_no_step_is_usable_train_stops_with_exit_2_listing_them(reference: 
     assert message.startswith("error: no usable checkpoint in all_bad/checkpoints (80: ")
     assert all(f"{step}: state/" in message for step in (20, 40, 60, 80))
     assert not (run / "checkpoints" / "100").exists()  # it did not silently start over
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["20", "40", "60", "80"]  # nothing moved
+    again = cli("nnx-train", "run.yaml", "train.steps=100", "--workdir", "all_bad", cwd=project)
+    assert again.returncode == 2 and "error: no usable checkpoint" in again.stderr  # nor does the second run
 
 
 def test_a_resume_with_a_changed_config_says_what_changed_and_keeps_the_earlier_one(reference: Path, project: Path):
@@ -182,6 +185,17 @@ def test_keep_best_keeps_the_best_eval_step_beyond_keep_and_eval_best_uses_it(pr
     assert integrity.steps(project / "best" / "checkpoints") == [40, 80]  # keep=1, plus the best
     report = json.loads(cli("nnx-eval", "best", "--best", "--json", cwd=project).stdout)
     assert report["step"] == 40 and report["metrics"]["nelbo"] == pytest.approx(worst["metrics"]["nelbo"], rel=1e-6)
+
+
+def test_a_best_step_that_a_later_eval_replaces_is_pruned_by_the_end_of_the_run(project: Path):
+    result = cli(
+        "nnx-train", "run.yaml", "checkpoint.keep=1", "checkpoint.keep_best={metric: nelbo, mode: min}",
+        "--workdir", "best_last", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads((project / "best_last" / "checkpoints" / "best.json").read_text())
+    assert record["step"] == 80  # the last eval is the best: it is both the newest and the best step
+    assert integrity.steps(project / "best_last" / "checkpoints") == [80]  # not 40, the best until that eval
 
 
 def test_keep_best_names_an_eval_metric(project: Path):

@@ -103,8 +103,27 @@ def test_train_sample_tokens_bounds_each_sample_and_zero_writes_none(project: Pa
     assert len(blocks) == 2 and all(len(b.split("\n", 1)[1].rstrip("\n")) <= 16 + 3 for b in blocks)
     assert not (project / "none" / "samples").exists()
     assert records(project / "none", "eval")  # the eval ran, without samples
+    again = cli("nnx-train", "lm.yaml", "--workdir", "three", *short, "train.sample_tokens=0", "--no-resume",
+                cwd=project, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert not (project / "three" / "samples").exists()  # --no-resume deleted the samples of the run before
     bad = cli("nnx-train", "lm.yaml", "--workdir", "bad", "train.sample_tokens=-1", cwd=project)
     assert bad.returncode == 2 and "train.sample_tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "prompts, fragment",
+    [
+        ('["' + "x" * 80 + '"]', "prompt 0 has 80 tokens, more than the model's context of 64"),
+        ('["hi", ""]', "prompt 1 ('') encodes to no tokens"),
+    ],
+)
+def test_a_sample_prompt_that_cannot_be_drawn_on_stops_the_run_before_it_starts(project: Path, prompts, fragment):
+    result = cli("nnx-train", "lm.yaml", "--workdir", "bad_prompts", f"train.sample_prompts={prompts}", cwd=project)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]  # after the notice of the held-out split
+    assert message.startswith("error: config key 'train.sample_prompts': ") and fragment in message, message
+    assert not any((project / "bad_prompts").iterdir())  # found before anything was written, not at the first eval
 
 
 def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path, project: Path):

@@ -363,6 +363,16 @@ def test_a_rejected_run_leaves_the_work_dir_as_it_was(reference: Path, project: 
     assert files(project / "kept") == before
 
 
+def test_a_run_with_nothing_left_to_do_changes_nothing_in_the_work_dir(reference: Path, project: Path):
+    shutil.copytree(reference, project / "finished")
+    before = files(project / "finished")
+    result = cli("nnx-train", "run.yaml", "train.steps=120", "optimizer.learning_rate=5e-4", "--workdir", "finished",
+                 cwd=project)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"nothing to do: the work dir is already at step {STEPS} of 120" in result.stderr
+    assert files(project / "finished") == before  # config.yaml still says the steps it was trained with
+
+
 def test_usage_errors_are_one_line_too(project: Path):
     assert_user_error(cli("nnx-inspect", "run.yaml", "--depth", "abc", cwd=project), "'--depth'", "nnx-inspect --help")
     assert_user_error(cli("nnx-train", cwd=project), "Missing argument 'CONFIG'")

@@ -56,7 +56,7 @@ def train(
         True,
         "--resume/--no-resume",
         help="Continue from the latest checkpoint in the work dir; "
-        "--no-resume deletes the old checkpoints, metrics and images first.",
+        "--no-resume deletes the old checkpoints, metrics, images and samples first.",
     ),
     coordinator: str | None = typer.Option(
         None,
@@ -111,6 +111,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     import jax
 
     import nnx
+    from nnx_cli import hooks
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
     from nnx_cli.workdir import check_workdir, update_run_info
@@ -119,12 +120,15 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     exp = setup(cfg, data="train")
     factories = loggers.resolve_loggers(cfg.logging.loggers)  # an unknown or uninstalled logger stops us here
     harness_tasks = _harness_tasks(exp)  # so does an unknown harness task, or a missing lm-eval
+    sample_prompts = hooks.eval_prompts(exp) if _writes_samples(exp) else None  # and a prompt that cannot be drawn on
+    if sample_prompts is not None:
+        hooks.check_sample_prompts(exp, sample_prompts)
     session = open_session(exp, workdir, resume)
     try:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
             return 0
-        loop, feed, dispatch, hooks = prepare(exp, session, signals, factories, harness_tasks)
+        loop, feed, dispatch, chosen = prepare(exp, session, signals, factories, harness_tasks, sample_prompts)
         attention = exp.attention()
         if attention is not None:
             session.say(f"attention: {attention}")
@@ -132,7 +136,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         signals.in_loop = True
         runtime.preload("orbax.checkpoint")  # imports while the first steps run (the main thread mostly waits)
         with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules), PHASES("loop"):
-            loops.run(loop, feed, dispatch, hooks)
+            loops.run(loop, feed, dispatch, chosen)
     finally:
         session.close()
     where = session.workdir / "checkpoints" / str(loop.step)
@@ -185,7 +189,7 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     ckpt_dir = workdir / "checkpoints"
     lock = lock_workdir(workdir) if is_main else None  # held until the session closes
     if not resume and is_main:
-        for old in (ckpt_dir, workdir / "images"):
+        for old in (ckpt_dir, workdir / "images", workdir / "samples"):
             shutil.rmtree(old, ignore_errors=True)
         (workdir / "metrics.jsonl").unlink(missing_ok=True)
     # Decided before the barrier: once past it, another process's Checkpointer may create the directory.
@@ -210,7 +214,7 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
             state = dict(state, params=params)
             if steps.REFERENCE in state:  # the reference is where the run starts: a copy of its own
                 state[steps.REFERENCE] = jax.tree.map(jnp.copy, params)
-    if is_main:
+    if is_main and start < exp.total_steps:  # a run with nothing to do leaves the config its steps were made with
         write_config(
             workdir,
             to_dict(exp.cfg),
@@ -234,7 +238,8 @@ def _defaults(exp: Any) -> dict[str, Any]:
 
 def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
     """The newest usable checkpoint (`restore.Found`) in an existing `ckpt_dir`, or None when it has none; unusable
-    newer steps are moved aside; a work dir whose checkpoints are all unusable is a UserError."""
+    newer steps are moved aside; a work dir whose checkpoints are all unusable is a UserError, and then nothing is
+    moved: the same command run again refuses again, where an emptied directory would start over from step 0."""
     from nnx_cli import restore, steps
     from nnx_cli.checkpoint import LOOP, Checkpointer
 
@@ -254,7 +259,7 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
             found = restore.choose(ckpt_dir, read, say=say)
     finally:
         reader.close()
-    if found.rejected and _distributed.is_main():
+    if found.step is not None and found.rejected and _distributed.is_main():
         restore.quarantine(ckpt_dir, found.rejected, say)
     _distributed.barrier("nnx-train: checkpoints checked")
     if found.step is None and found.rejected:
@@ -262,6 +267,18 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
             ckpt_dir, found.rejected, "train in a new --workdir, or pass --no-resume to start over (it deletes them)"
         )
     return found if found.step is not None else None
+
+
+def _writes_samples(exp: Any) -> bool:
+    """Whether each eval writes samples of fixed prompts (`hooks.Samples`): a language model that decodes, with an
+    eval split, `train.sample_tokens` > 0 and no objective that writes its own (GRPO's completions)."""
+    return (
+        exp.eval is not None
+        and exp.spec.tokenizer is not None
+        and hasattr(exp.model_cls, "init_cache")
+        and not hasattr(exp.objective, "samples")
+        and exp.cfg.train.sample_tokens > 0
+    )
 
 
 def _replicated(exp: Any, tree: Any) -> Any:
@@ -294,9 +311,15 @@ def _harness_tasks(exp: Any) -> Any:
 
 
 def prepare(
-    exp: Any, session: Session, signals: Signals, factories: dict[str, Any], harness_tasks: Any = None
+    exp: Any,
+    session: Session,
+    signals: Signals,
+    factories: dict[str, Any],
+    harness_tasks: Any = None,
+    sample_prompts: list[list[int]] | None = None,
 ) -> tuple[Any, Any, Any, list[Any]]:
-    """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run."""
+    """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run;
+    `sample_prompts` are those of the samples each eval writes (`_writes_samples`), encoded and checked."""
     import jax
 
     from nnx_cli import hooks, sharding, steps
@@ -348,7 +371,9 @@ def prepare(
             if hasattr(exp.objective, "samples"):  # completions with their rewards (GRPO)
                 chosen.append(exp.objective.samples(t.eval_every, exp, samples, guard, steps))
             elif t.sample_tokens > 0:
-                chosen.append(hooks.Samples(t.eval_every, exp, samples, guard))
+                chosen.append(
+                    hooks.Samples(t.eval_every, exp, samples, guard, sample_prompts or hooks.eval_prompts(exp))
+                )
     if harness_tasks is not None:
         chosen.append(hooks.HarnessEval(harness_every, exp, harness_tasks, session.loggers, guard, session.workdir))
     if t.profile is not None:
