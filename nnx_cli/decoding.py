@@ -312,8 +312,8 @@ class Decoder:
                 raise UserError(f"prompt {i} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
-        if temperature < 0:
-            raise UserError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if not temperature >= 0 or temperature == float("inf"):  # NaN too: it drew token 0 every time
+            raise UserError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
         if top_k < 0:
             raise UserError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
         if not 0.0 < top_p <= 1.0:

@@ -123,8 +123,28 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         )
     from nnx_cli.registry import add_import_paths
 
-    add_import_paths(read_run_info(workdir).get("import_paths", {}))  # the run's own plug-ins, wherever we are
-    return Run(workdir, checkpoints, step, load_config(config, overrides))
+    info = read_run_info(workdir)
+    add_import_paths(info.get("import_paths", {}))  # the run's own plug-ins, wherever we are
+    cfg = load_config(config, overrides)
+    if not any(o.strip().startswith("data.source=") for o in overrides):
+        cfg.data.source = _source_where_trained(cfg.data.source, info.get("cwd"))
+    return Run(workdir, checkpoints, step, cfg)
+
+
+def _source_where_trained(source: str, cwd: str | None) -> str:
+    """A run's `data.source` given as a relative path is relative to where nnx-train ran (`run.json`'s `cwd`):
+    from another directory it is that path, made absolute, when it is not found from here."""
+    if not source or cwd is None or Path(source).is_absolute() or Path(source).exists():
+        return source
+    there = Path(cwd) / source
+    return str(there) if there.exists() else source
+
+
+def same_source(cfg_source: str, given: str, cwd: str | None) -> bool:
+    """Whether `given` (a `data.source=` override) names the run's own local data (`cfg_source`, relative to the
+    run's `cwd` when relative)."""
+    ours = Path(_source_where_trained(cfg_source, cwd))
+    return Path(given).exists() and ours.exists() and Path(given).resolve() == ours.resolve()
 
 
 def _best_step(checkpoints: Path, step: int | None) -> int:

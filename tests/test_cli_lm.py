@@ -84,6 +84,23 @@ def test_a_lone_text_file_holds_out_its_last_tenth_for_eval(reference: Path, pro
     assert len(held_out.stored()["tokens"]) == total - (total - int(total * 0.1))
 
 
+def test_eval_finds_a_runs_relative_source_from_anywhere_and_the_same_source_given_again_is_its_held_out_split(
+    reference: Path, project: Path, tmp_path: Path
+):
+    def evaluate(*args: str, cwd: Path) -> dict:
+        result = cli("nnx-eval", *args, "--json", cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["metrics"]
+
+    here = evaluate("ref", cwd=project)
+    assert here == pytest.approx(records(reference, "eval")[-1]["metrics"], rel=1e-5)
+    elsewhere = evaluate(str(reference), cwd=tmp_path)  # book.txt is relative to the project
+    again = evaluate("ref", f"data.source={project / 'book.txt'}", cwd=project)
+    assert elsewhere == pytest.approx(here, rel=1e-6) and again == pytest.approx(here, rel=1e-6)
+    table = cli("nnx-eval", "ref", cwd=project)
+    assert "book.txt [validation]" in table.stderr  # the split is printed, not read as markup
+
+
 def test_each_eval_writes_samples_of_fixed_prompts(reference: Path):
     samples = sorted(p.name for p in (reference / "samples").iterdir())
     assert samples == sorted([f"{STEPS // 2}.txt", f"{STEPS}.txt"])
@@ -154,6 +171,19 @@ def test_generate_continues_a_prompt_and_the_seed_fixes_the_text(reference: Path
     assert len(batch["samples"]) == 3 and batch["samples"][0] == first["samples"][0]  # sample 0's keys either way
 
 
+def test_generate_best_uses_the_step_keep_best_recorded(reference: Path, project: Path):
+    import shutil
+
+    shutil.copytree(reference, project / "with_best")
+    record = {"step": STEPS // 2, "metric": "loss", "mode": "min", "value": 1.0}
+    (project / "with_best" / "checkpoints" / "best.json").write_text(json.dumps(record))
+    args = ["--prompt", "3. the", "--max-tokens", "4", "--json"]
+    result = cli("nnx-generate", "with_best", "--best", *args, cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step"] == STEPS // 2
+    assert_user_error(cli("nnx-generate", "ref", "--best", *args, cwd=project), "records no best step")
+
+
 def test_greedy_generation_that_fills_the_context_stops_there_truncated(reference: Path, project: Path):
     result = cli(
         "nnx-generate",
@@ -177,7 +207,9 @@ def test_greedy_generation_that_fills_the_context_stops_there_truncated(referenc
     [
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", "x" * 80], "more than the model's context of 64"),
-        (["--prompt", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
         (["--prompt", "hi", "--step", "7"], "--step 7: no such checkpoint"),
     ],
 )

@@ -441,7 +441,8 @@ def test_token_ids_outside_the_vocabulary_are_a_user_error():
     "options, message",
     [
         (dict(max_tokens=0), "max_tokens must be at least 1"),
-        (dict(max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(max_tokens=4, temperature=-1.0), "temperature must be a finite number >= 0"),
+        (dict(max_tokens=4, temperature=float("nan")), "temperature must be a finite number >= 0"),
         (dict(max_tokens=4, top_k=-2), "top_k must be >= 0"),
         (dict(max_tokens=4, top_p=0.0), r"top_p must be in \(0, 1\]"),
     ],

@@ -92,8 +92,9 @@ def evaluate(
     """Evaluate a trained checkpoint and print its metrics; with --tasks, on lm-evaluation-harness tasks
     (lm-eval, the eval extra), the results table as lm-eval prints it."""
     from nnx_cli import hf, hooks, report, restore, runtime, sharding
+    from nnx_cli.config import load_config
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import open_run
+    from nnx_cli.workdir import open_run, read_run_info, same_source
 
     console = report.stderr_console()
 
@@ -116,8 +117,10 @@ def evaluate(
         step, state, what = None, exp.init_state(), str(exp.pretrained.directory)
     else:
         run = open_run(target, overrides or [], step, best=best)
-        if any(o.startswith("data.source=") for o in overrides or []):
-            _whole_source_without_its_split(run.cfg, overrides or [])
+        given = [o.partition("=")[2] for o in overrides or [] if o.startswith("data.source=")]
+        if given and not same_source(load_config(run.workdir / "config.yaml").data.source, given[-1],
+                                     read_run_info(run.workdir).get("cwd")):  # fmt: skip
+            _whole_source_without_its_split(run.cfg, overrides or [])  # other data: all of it, unless split
         runtime.configure(deterministic=run.cfg.train.deterministic)
         exp = setup(run.cfg, data="eval")
 

@@ -53,6 +53,7 @@ def generate(
     seed: int = typer.Option(0, help="Sample i draws with keys from (seed, i): the same seed, the same text."),
     num_samples: int = typer.Option(1, help="Samples drawn in parallel, as one batch."),
     step: int | None = typer.Option(None, help="Checkpoint step (default: the newest usable one)."),
+    best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the text."),
 ) -> None:
     """Continue a prompt with a trained language model."""
@@ -65,15 +66,23 @@ def generate(
         raise UserError("--prompt is empty: give some text to continue")
     if num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {num_samples}")
+    for flag, value, right, wanted in (
+        ("--max-tokens", max_tokens, max_tokens >= 1, "at least 1"),
+        ("--temperature", temperature, 0 <= temperature < float("inf"), "a finite number >= 0 (0 is greedy)"),
+        ("--top-k", top_k, top_k >= 0, ">= 0 (0 turns it off)"),
+        ("--top-p", top_p, 0 < top_p <= 1, "in (0, 1] (1 turns it off)"),
+    ):
+        if not right:  # named as the flag given, before any model is loaded
+            raise UserError(f"{flag} must be {wanted}, got {value}")
     if system is not None and not chat:
         raise UserError("--system adds a system turn to a chat: pass --chat too")
     runtime.configure()
     if hf.is_model_dir(target):
-        if step is not None:
-            raise UserError(f"--step picks a checkpoint of a run; {str(target)!r} is a model directory")
+        if step is not None or best:
+            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
         restored_step, decoder, tokenizer = load_model_dir(target, overrides or [])
     else:
-        run = open_run(target, overrides or [], step)
+        run = open_run(target, overrides or [], step, best=best)
         restored_step, decoder, tokenizer = load(run)
         template = run_chat_template(run.cfg, tokenizer) if chat else None
     prompt_ids = encode_prompt(tokenizer, prompt, chat, system, template)
