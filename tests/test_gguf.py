@@ -7,6 +7,7 @@ and the greedy tokens llama.cpp draws from its f32 file (`gguf/goldens.json`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from cli_support import assert_user_error, cli
 from hf_support import FIXTURES, fixture, goldens
 
 from nnx_cli import hf
-from nnx_cli.errors import UserError
+from nnx_cli.errors import RunError, UserError
 from nnx_cli.experiment import setup
 from nnx_cli.gguf import export, families, ollama, read
 
@@ -211,6 +212,12 @@ def test_a_run_from_scratch_with_the_bytes_tokenizer_exports_its_256_bytes_and_e
     fields = summary(tmp_path / "scratch.gguf")["metadata"]
     assert fields["general.architecture"][1] == "gpt2" and fields["general.name"][1] == "scratch"
     assert fields["tokenizer.ggml.tokens"][1]["length"] == 257 and fields["tokenizer.ggml.eos_token_id"][1] == 256
+    assert fields["tokenizer.ggml.merges"][1] == ["a 1"]  # llama.cpp refuses a gpt2 vocabulary without merges
+    tokenizer, reference_tokenizer = hf.pretrained_tokenizer(str(tmp_path / "scratch.gguf")), BytesTokenizer()
+    for text in ["a1b2 x9", "the quick brown fox", "héllo wörld ✓\n\n  tabs\tand 123456"]:
+        expected = list(reference_tokenizer.encode(text))
+        assert list(tokenizer.encode(text)) == expected, text
+        assert tokenizer.decode(expected) == text
     exp_again = setup(hf.model_dir_config(tmp_path / "scratch.gguf", []), data=None)
     ids = np.asarray([list(b"the quick brown fox")], np.int32)
     reference = np.asarray(exp.moduledef.merge(exp.init_state()["params"]).logits(ids))[..., :257]
@@ -326,7 +333,7 @@ def test_a_failed_export_leaves_no_file_and_an_existing_one_as_it_was(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.gguf"] and (tmp_path / "out.gguf").read_bytes() == b"before"
 
 
-def test_a_write_that_fails_on_the_writing_thread_is_raised_and_leaves_no_file(tmp_path, monkeypatch):
+def test_a_write_failing_on_the_writing_thread_is_one_line_naming_the_file_and_leaves_none(tmp_path, monkeypatch):
     import gguf
 
     write, calls = gguf.GGUFWriter.write_tensor_data, []
@@ -334,13 +341,30 @@ def test_a_write_that_fails_on_the_writing_thread_is_raised_and_leaves_no_file(t
     def failing(self, tensor, *args, **kwargs):
         calls.append(tensor.nbytes)
         if len(calls) == 3:
-            raise OSError(28, "No space left on device")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(self, tensor, *args, **kwargs)
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", failing)
-    with pytest.raises(OSError, match="No space"):
-        export.write(export.from_model_dir(fixture("llama")), tmp_path / "out.gguf", "q8_0")
+    out = tmp_path / "out.gguf"
+    message = f"cannot write {out} (No space left on device); free space on that disk, then run again"
+    with pytest.raises(RunError) as raised:  # a failed run (exit 1), as a Hugging Face export's failed write is
+        export.write(export.from_model_dir(fixture("llama")), out, "q8_0")
+    assert str(raised.value) == message
     assert list(tmp_path.iterdir()) == [] and len(calls) == 3  # nothing written after the failure
+
+
+def test_a_disk_that_refuses_the_file_is_one_line_and_an_existing_file_is_kept(tmp_path):
+    size = export.write(export.from_model_dir(fixture("llama")), tmp_path / "whole.gguf")["bytes"]
+    (tmp_path / "whole.gguf").unlink()
+    (tmp_path / "out.gguf").write_bytes(b"before")
+    for limit in (1_000, size // 2, size - 100):  # writing the header, a tensor, the last bytes as the file closes
+        result = cli("nnx-export", fixture("llama"), "--format", "gguf", "--out", "out.gguf", "--overwrite",
+                     cwd=tmp_path, file_size_limit=limit)  # fmt: skip
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            "error: cannot write out.gguf (File too large); raise the file size limit (ulimit -f), then run again"
+        )
+        assert (tmp_path / "out.gguf").read_bytes() == b"before" and not list(tmp_path.glob(".out.gguf*"))
 
 
 def test_without_the_gguf_package_the_extra_is_named(monkeypatch):

@@ -16,6 +16,7 @@ what the source holds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_cli.errors import UserError
+from nnx_cli.errors import WRITE_FIXES, RunError, UserError, write_cause
 from nnx_cli.gguf import families, require
 from nnx_cli.gguf.vocab import Vocab
 from nnx_cli.tensorfiles import usual_mode
@@ -166,7 +167,8 @@ class _Planned:
 def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: bool = False) -> dict[str, Any]:
     """Write `source` to `out` as a GGUF file of type `dtype` (:data:`DTYPES`; default :func:`default_dtype`).
     Returns what was written: `{"architecture", "dtype", "tensors", "bytes"}`. What makes it impossible is a
-    UserError raised before `out` is touched; a failure while writing leaves `out` as it was."""
+    UserError raised before `out` is touched; a failure while writing leaves `out` as it was (a write the disk
+    refuses is a RunError naming `out` and why)."""
     gguf = require()
     check_dtype(dtype)
     check_out(out, overwrite)
@@ -198,27 +200,43 @@ def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: boo
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.write(writer)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     # A new file in a private directory, not one made by mkstemp and reopened: gguf-py opens its path "wb", and
     # ext4 (auto_da_alloc) flushes a file truncated that way when it is closed, ~1 s of a 2 GB export's time
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    with _writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     partial = staging / out.name
     try:
-        writer.write_header_to_file(path=partial)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        _write_tensors(writer, arch, hp, source, plan, extra, gguf)
-        writer.close()
+        with _writing(out):
+            writer.write_header_to_file(path=partial)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+        _write_tensors(writer, arch, hp, source, plan, extra, gguf, out)
+        with _writing(out):
+            writer.close()
         usual_mode(partial)
         os.replace(partial, out)
     except BaseException:
-        writer.close()
+        with contextlib.suppress(OSError):  # what is left in its buffer, on a full disk
+            writer.close()
         partial.unlink(missing_ok=True)
         raise
     finally:
         staging.rmdir()
     return {"architecture": arch.name, "dtype": dtype, "tensors": len(plan), "bytes": out.stat().st_size,
             "notes": families.differences(source.architecture, hp)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """An OSError of the writes inside (a full disk, a file size limit) as a RunError naming `out` (exit 1, as a
+    Hugging Face export's failed write is: the input was fine), in the same words."""
+    try:
+        yield
+    except OSError as e:
+        cause, code = write_cause(e)
+        fix = f"; {WRITE_FIXES[code]}, then run again" if code in WRITE_FIXES else ""
+        raise RunError(f"cannot write {out} ({cause}){fix}") from None
 
 
 def _plan(arch: families.Arch, hp: families.HParams, source: Source, dtype: str,
@@ -266,7 +284,7 @@ def _qtype(name: str, shape: tuple[int, ...], dtype: str, gguf: Any) -> Any:
 
 
 def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, source: Source, plan: list[_Planned],
-                   extra: dict[str, np.ndarray], gguf: Any) -> None:  # fmt: skip
+                   extra: dict[str, np.ndarray], gguf: Any, out: Path) -> None:  # fmt: skip
     """Each planned tensor's data, in plan order, as the source's tensors arrive. The file is written on a thread
     of its own (:class:`_Background`), a tensor or two behind: the next tensors are made (an adapter merged,
     a kernel transposed) and converted by XLA while the last ones are written."""
@@ -277,7 +295,7 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
     total = sum(t.nbytes for t in plan)
     with (
         progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance,
-        _Background(writer, advance) as background,
+        _Background(writer, advance, out) as background,
     ):
 
         def emit(t: _Planned, data: np.ndarray, change: families.Change = families.Change()) -> None:
@@ -302,13 +320,14 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
 class _Background:
     """`writer.write_tensor_data` of each converted tensor given to :meth:`put`, in order, on a thread of its own
     (the write itself leaves Python's lock), at most `depth` tensors behind. What the thread raises is raised
-    by the next :meth:`put`, or on leaving; leaving on an error stops it at the next tensor."""
+    by the next :meth:`put`, or on leaving (a failed write as a RunError naming `out`); leaving on an error
+    stops it at the next tensor."""
 
-    def __init__(self, writer: Any, advance: Callable[[int], None] | None, depth: int = 1):
+    def __init__(self, writer: Any, advance: Callable[[int], None] | None, out: Path, depth: int = 1):
         import queue
         import threading
 
-        self.writer, self.advance = writer, advance
+        self.writer, self.advance, self.out = writer, advance, out
         self.queue: queue.Queue[_Converted | None] = queue.Queue(depth)
         self.error: BaseException | None = None
         self.stop = False
@@ -335,7 +354,8 @@ class _Background:
             if self.error is not None or self.stop:
                 continue  # drained, unwritten, until told to end
             try:
-                self.writer.write_tensor_data(converted)
+                with _writing(self.out):
+                    self.writer.write_tensor_data(converted)
                 if self.advance is not None:
                     self.advance(converted.nbytes)
             except BaseException as e:  # raised in the caller's thread
@@ -389,8 +409,10 @@ class _Converted:
             yield _jax_get(self.ready.pop(0))
 
     def tofile(self, fp: Any) -> None:
+        # the file's own write, not ndarray.tofile: tofile's short write is an OSError without its errno (a full
+        # disk reads "1024 requested and 728 written"), the file's says why
         for chunk in self.chunks():
-            chunk.tofile(fp)
+            fp.write(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
 
     def array(self) -> np.ndarray:
         """The bytes as one array, of `gguf.quants.quantize`'s dtype and shape."""

@@ -386,8 +386,11 @@ def _bpe_json(path: Path, fields: Mapping[str, Any], tokens: list[str], types: l
     pre = fields.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in _PRE:
         raise UserError(f"{path}: tokenizer.ggml.pre is {pre!r}; nnx rebuilds {', '.join(_PRE)}")
-    merges = [m.split(" ", 1) for m in fields.get("tokenizer.ggml.merges") or []]
     vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind != UNUSED}
+    # a merge whose parts or result are not tokens can make none (nnx writes one where there are no merges:
+    # vocab.NO_MERGE), and `tokenizers` refuses it (some versions panic)
+    pairs = (m.split(" ", 1) for m in fields.get("tokenizer.ggml.merges") or [])
+    merges = [m for m in pairs if len(m) == 2 and m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
     steps = _PRE[pre]
     return {
         "version": "1.0",

@@ -59,6 +59,8 @@ _SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 _KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
          "pad": "padding_token_id", "mask": "mask_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}  # fmt: skip
 """Special token kinds as `tokenizer.ggml.*` keys (llama.cpp has no key for cls; `seperator` is its spelling)."""
+NO_MERGE = "a 1"
+"""The merge a gpt2 vocabulary without merges is written with (see :meth:`Vocab.write`): it never applies."""
 
 
 @dataclasses.dataclass
@@ -118,8 +120,14 @@ class Vocab:
         if self.scores is not None:
             array(keys.SCORES, self.scores, sub_type=kinds.FLOAT32)
         array(keys.TOKEN_TYPE, self.types, sub_type=kinds.INT32)
-        if self.merges:
-            array(keys.MERGES, self.merges, sub_type=kinds.STRING)
+        merges = self.merges
+        if self.model == "gpt2" and not merges:
+            # llama.cpp refuses a gpt2 vocabulary without merges ("cannot find tokenizer merges in model file"), and
+            # gguf-py cannot write an empty array: one merge that can never apply, of a letter and a digit, which
+            # every split rule of PRE_TOKENIZERS puts in different words (nnx's bytes tokenizer has no merges)
+            merges = [NO_MERGE]
+        if merges:
+            array(keys.MERGES, merges, sub_type=kinds.STRING)
         for kind, token in self.special.items():
             if kind in _KEYS:
                 writer.add_uint32(f"tokenizer.ggml.{_KEYS[kind]}", token)
