@@ -459,7 +459,30 @@ def test_a_non_empty_out_is_refused_and_left_as_it_was(project):
 def test_adapter_export_of_a_run_without_lora_and_bad_dtypes_are_user_errors(project):
     assert_user_error(cli("nnx-export", "llama", "--out", "a", "--adapter", cwd=project), "has none (no model.lora)")
     assert_user_error(cli("nnx-export", "llama", "--out", "b", "--dtype", "int8", cwd=project), "--dtype must be")
-    assert not (project / "a").exists() and not (project / "b").exists()
+    assert_user_error(cli("nnx-export", "llama", "--out", "c", "--dtype", "q8_0", cwd=project),
+                      "--dtype 'q8_0' is a GGUF type: add --format gguf")  # fmt: skip
+    assert not (project / "a").exists() and not (project / "b").exists() and not (project / "c").exists()
+
+
+def test_a_4_bit_export_that_would_not_load_again_is_refused_before_anything_is_written(project):
+    result = cli("nnx-export", "llama", "--out", "nf4", "--dtype", "nf4", cwd=project)
+    assert_user_error(result, "--dtype nf4: the q projection's input size (32) is not a multiple of the 4-bit block "
+                      "(64)", "--dtype bfloat16")  # fmt: skip
+    assert not (project / "nf4").exists() and not list(project.glob(".nf4*"))
+
+
+@pytest.mark.parametrize(
+    "options, projection, size",
+    [(["model.mlp_dim=96"], "down", 96), (["model.moe={num_experts: 4, top_k: 2, mlp_dim: 32}"], "expert_down", 32)],
+)
+def test_a_4_bit_export_names_the_projection_whose_input_is_not_whole_blocks(tmp_path, options, projection, size):
+    from nnx_cli.errors import UserError
+
+    llama = ["model.name=transformer_lm", "model.num_heads=4", "model.embed_dim=64", "model.positions=rope",
+             "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false", "data.text_key=text"]  # fmt: skip
+    exp = setup(load_config(None, [*llama, *options]), data=None)
+    with pytest.raises(UserError, match=rf"--dtype fp4: the {projection} projection's input size \({size}\) is not"):
+        exporting.check(exp, tmp_path / "out", adapter=False, dtype="fp4")
 
 
 def test_runs_that_no_hugging_face_model_describes_are_user_errors(tmp_path):

@@ -180,14 +180,21 @@ def _byte_characters() -> dict[int, str]:
 def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     """What makes an export impossible, as a UserError before anything is read or written: an unknown dtype, an
     adapter export of a run without adapters (or without the base they adapt), options no Hugging Face family
-    has, a non-empty `out`. Returns the run's `model.lora` (None without adapters)."""
+    has, a 4-bit export that would not load again, a non-empty `out`. Returns the run's `model.lora` (None without
+    adapters)."""
     from nnx_cli.models.transformer import lora_options
 
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
     lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
     if dtype is not None and dtype not in (*DTYPES, *FOUR_BIT):
-        raise UserError(f"--dtype must be one of {', '.join((*DTYPES, *FOUR_BIT))}, got {dtype!r}")
+        from nnx_cli.gguf.export import DTYPES as GGUF_DTYPES
+
+        known = ", ".join((*DTYPES, *FOUR_BIT))
+        if dtype in GGUF_DTYPES:
+            raise UserError(f"--dtype {dtype!r} is a GGUF type: add --format gguf to write a GGUF file, or give one of "
+                            f"{known} for a Hugging Face directory")  # fmt: skip
+        raise UserError(f"--dtype must be one of {known} (with --format gguf: {', '.join(GGUF_DTYPES)}), got {dtype!r}")
     if adapter:
         peft.check_exportable(cfg, pretrained, lora)
     elif pretrained is None:
@@ -195,8 +202,29 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     if dtype in FOUR_BIT and (adapter or options.get("positions") == "learned"):
         what = "--adapter writes the adapters alone" if adapter else "GPT-2's projections are Conv1D, not Linear"
         raise UserError(f"--dtype {dtype} writes merged Linear weights in 4 bits, as bitsandbytes stores them; {what}")
+    if dtype in FOUR_BIT:
+        _check_blocks(options, dtype)
     check_out(out)
     return lora
+
+
+def _check_blocks(options: Mapping[str, Any], dtype: str) -> None:
+    """A 4-bit directory is read back as `model.quantize` in the blocks :func:`.bnb.quantize_option` gives it (64
+    values), which must divide each projection's input size (as :func:`.models.transformer.architecture` checks):
+    a UserError naming the first that it does not."""
+    block = bnb.quantize_option({"quantization_config": bnb.config({"type": dtype}, "bfloat16")}, "")["block"]
+    embed, mlp_dim, moe = options["embed_dim"], options["mlp_dim"], options.get("moe")
+    inputs = {"q": embed, "k": embed, "v": embed, "o": options["num_heads"] * options["head_dim"], "gate": embed,
+              "up": embed, "down": mlp_dim}  # fmt: skip
+    if moe:
+        inputs |= {"expert_gate": embed, "expert_up": embed, "expert_down": moe.get("mlp_dim") or mlp_dim}
+    for projection, size in inputs.items():
+        if size % block:
+            raise UserError(
+                f"--dtype {dtype}: the {projection} projection's input size ({size}) is not a multiple of the 4-bit "
+                f"block ({block}), so the directory would not load again; export with --dtype bfloat16 instead "
+                "(nothing was written)"
+            )
 
 
 def export(exp: Any, params: Mapping[str, Any], out: Path, *, adapter: bool, dtype: str | None,
