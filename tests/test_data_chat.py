@@ -284,7 +284,7 @@ def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path, 
 @pytest.mark.parametrize(
     "rows, options, message",
     [
-        ([{"messages": chats(1)[0]["messages"]}, {"other": 1}], {}, r"row 1 of .* has no 'messages'"),
+        ([{"messages": chats(1)[0]["messages"]}, {"other": 1}], {}, r"row 1 of .* has no 'messages'; every row"),
         ([{"messages": [{"role": "user"}]}], {}, r"row 0 of .*'messages'\[0\] has no text 'content'"),
         ([{"messages": "hello"}], {}, r"row 0 of .*'messages' is not a non-empty list of messages"),
         (chats(2), {"chat_template": "{{ raise_exception('no system turns, please') }}"},

@@ -261,6 +261,12 @@ def test_a_broken_file_says_what_datasets_found_wrong_inside_its_generation_erro
         load_text_splits(config(tmp_path, tmp_path / "docs.jsonl"), seed=0)
 
 
+def test_an_empty_file_is_named_as_empty(tmp_path):
+    (tmp_path / "docs.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"'data.source': '.*docs.jsonl' is an empty file; it holds no rows"):
+        load_text_splits(config(tmp_path, tmp_path / "docs.jsonl"), seed=0)
+
+
 def test_a_directory_of_two_formats_warns_of_the_files_datasets_leaves_out(tmp_path, capsys):
     source = write_files(tmp_path / "mixed", {"a.txt": "left out\n", "notes/c.md": "left out too\n"})
     write_jsonl(source / "b.jsonl", DOCS)

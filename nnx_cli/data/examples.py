@@ -223,8 +223,8 @@ def _check_row(cfg: DataConfig, example: dict[str, Any], number: int) -> None:
         "messages_key" if cfg.format == CHAT else "prompt_key" if missing[0] == cfg.prompt_key else "completion_key"
     )
     raise UserError(
-        f"config key 'data.{option}': row {number} of {cfg.source!r} has no {missing[0]!r}; columns: "
-        + ", ".join(example)
+        f"config key 'data.{option}': row {number} of {cfg.source!r} has no {missing[0]!r}; every row needs it (name "
+        f"another column with data.{option}, or drop the rows without one)"
     )
 
 

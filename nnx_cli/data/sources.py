@@ -101,6 +101,8 @@ def open_dataset(source: str) -> Any:
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # "Repo card metadata block was not found"
     if not sys.stderr.isatty():
         datasets.disable_progress_bars()
+    if path.is_file() and path.stat().st_size == 0:  # datasets' json builder ends in a bare StopIteration
+        raise UserError(f"config key 'data.source': {source!r} is an empty file; it holds no rows to read")
     try:
         if path.exists():
             if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
