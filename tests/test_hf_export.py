@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from nnx_cli import hf
 from nnx_cli.config import load_config
+from nnx_cli.errors import UserError
 from nnx_cli.experiment import setup
 from nnx_cli.hf import export as exporting
 from nnx_cli.hf import peft
@@ -547,3 +548,15 @@ def test_a_tokenizer_json_the_run_trained_with_exports_as_itself(tmp_path):
     assert ours.encode(text).ids == theirs.encode(text).ids
     settings = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert settings["eos_token"] == "<|endoftext|>" == theirs.id_to_token(tokenizer.eod_id)
+
+
+def test_out_that_is_a_file_or_a_directory_holding_files_is_refused_saying_which(tmp_path):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"--out '.*afile' is a file; an export is a directory"):
+        exporting.check_out(tmp_path / "afile")
+    with pytest.raises(UserError, match=r"--out '.*full' exists and is not empty"):
+        exporting.check_out(tmp_path / "full")
+    exporting.check_out(tmp_path / "empty")  # an empty directory is written into

@@ -380,7 +380,10 @@ class ExampleTrainSplit(_Rowwise):
         super().__init__(arrays, spec)
         self.seed = seed
         if len(self) == 0:
-            raise UserError("the training split has no examples")
+            raise UserError(
+                "the training split has no examples: its source split is empty, or every example was left out "
+                f"(the notices above say why; a data.seq_len above {spec.input_shape[0]} keeps longer ones)"
+            )
 
     def steps_per_epoch(self, batch_size: int) -> int:
         if batch_size > len(self):

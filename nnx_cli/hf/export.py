@@ -37,7 +37,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 def check_out(out: Path) -> None:
     """`--out` must not exist, or be an empty directory: an export never overwrites anything."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a file; an export is a directory: give a new one (nothing was written)")
+    if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {str(out)!r} exists and is not empty; give a new directory (nothing was written)")
 
 
