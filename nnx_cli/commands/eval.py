@@ -118,8 +118,14 @@ def evaluate(
     else:
         run = open_run(target, overrides or [], step, best=best)
         given = [o.partition("=")[2] for o in overrides or [] if o.startswith("data.source=")]
-        if given and not same_source(load_config(run.workdir / "config.yaml").data.source, given[-1],
-                                     read_run_info(run.workdir).get("cwd")):  # fmt: skip
+        own = (
+            given
+            and run.cfg.data.eval_split is not None
+            and same_source(
+                load_config(run.workdir / "config.yaml").data.source, given[-1], read_run_info(run.workdir).get("cwd")
+            )
+        )  # the run's own data: the split its evals used
+        if given and not own:
             _whole_source_without_its_split(run.cfg, overrides or [])  # other data: all of it, unless split
         runtime.configure(deterministic=run.cfg.train.deterministic)
         exp = setup(run.cfg, data="eval")

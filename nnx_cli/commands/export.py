@@ -52,6 +52,7 @@ def export(
 
     from nnx_cli import runtime
     from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.gguf.export import DTYPES as GGUF_DTYPES
     from nnx_cli.hf import export as exporting
     from nnx_cli.lm import language_model, restore_parameters
     from nnx_cli.report import stderr_console
@@ -66,6 +67,11 @@ def export(
                      overwrite=overwrite)  # fmt: skip
     if ollama or overwrite:
         raise UserError(f"{'--ollama' if ollama else '--overwrite'} goes with --format gguf")
+    if dtype in GGUF_DTYPES and dtype not in (*exporting.DTYPES, *exporting.FOUR_BIT):
+        raise UserError(
+            f"--dtype {dtype!r} is a GGUF type: add --format gguf to write a GGUF file, or give one of "
+            f"{', '.join((*exporting.DTYPES, *exporting.FOUR_BIT))} for a Hugging Face directory"
+        )
     exporting.check_out(out)  # before anything is read
     runtime.configure()
     run = open_run(target, [], step, best=best)

@@ -214,9 +214,20 @@ def _them(files: list[Path]) -> str:
 
 
 def _warn(source: str, message: str) -> None:
-    from nnx_cli.data.text import _notice
+    notice((source, message), message)
 
-    _notice((source, message), message)
+
+_noticed: set[tuple[str, ...]] = set()
+
+
+def notice(key: tuple[str, ...], message: str) -> None:
+    """Say `message` once per process, on process 0 only (every process of a run loads the same data)."""
+    import jax
+
+    if key not in _noticed:
+        _noticed.add(key)
+        if jax.process_index() == 0:
+            print(message, file=sys.stderr, flush=True)
 
 
 def _load_error(source: str, path: Path, error: Exception) -> UserError:

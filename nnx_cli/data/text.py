@@ -65,6 +65,7 @@ from nnx_cli.config import DataConfig
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, get_or_build, local_fingerprint
 from nnx_cli.data.sources import PLAIN_TEXT, is_plain_text, open_dataset
+from nnx_cli.data.sources import notice as _notice
 from nnx_cli.data.tokenizers import BytesTokenizer, HFTokenizer, load_tokenizer, tokenizer_vocab_size
 from nnx_cli.errors import UserError, did_you_mean
 
@@ -72,7 +73,6 @@ HOLDOUT_FRACTION = 0.1  # of a single split's tokens, held out as its eval split
 _TASK_BYTES = 4 << 20  # text per tokenization task
 _PARALLEL_MIN_BYTES = 32 << 20  # smaller splits are tokenized in this process: starting workers costs more
 _PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces of about this many characters
-_noticed: set[tuple[str, str]] = set()
 
 
 # --------------------------------------------------------------------------- windows
@@ -269,14 +269,6 @@ def load_text_splits(
 def splits_of(cfg: DataConfig) -> list[str]:
     """The split names of `data.source` (a lone file has the one split `train`)."""
     return _Source(cfg).splits()
-
-
-def _notice(key: tuple[str, str], message: str) -> None:
-    """Say `message` once per process, on process 0 only (every process of a run loads the same data)."""
-    if key not in _noticed:
-        _noticed.add(key)
-        if jax.process_index() == 0:
-            print(message, file=sys.stderr, flush=True)
 
 
 class _Source:

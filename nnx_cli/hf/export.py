@@ -189,14 +189,8 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     cfg, pretrained = exp.cfg, exp.pretrained
     options = peft.model_options(cfg, pretrained)
     lora = lora_options(cfg.model.options.get("lora"), options.get("mlp", "gelu"), options.get("moe"))
-    if dtype is not None and dtype not in (*DTYPES, *FOUR_BIT):
-        from nnx_cli.gguf.export import DTYPES as GGUF_DTYPES
-
-        known = ", ".join((*DTYPES, *FOUR_BIT))
-        if dtype in GGUF_DTYPES:
-            raise UserError(f"--dtype {dtype!r} is a GGUF type: add --format gguf to write a GGUF file, or give one of "
-                            f"{known} for a Hugging Face directory")  # fmt: skip
-        raise UserError(f"--dtype must be one of {known} (with --format gguf: {', '.join(GGUF_DTYPES)}), got {dtype!r}")
+    if dtype is not None and dtype not in (*DTYPES, *FOUR_BIT):  # (a GGUF type is named as one by the command)
+        raise UserError(f"--dtype must be one of {', '.join((*DTYPES, *FOUR_BIT))}, got {dtype!r}")
     if adapter:
         peft.check_exportable(cfg, pretrained, lora)
     elif pretrained is None:
