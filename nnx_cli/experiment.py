@@ -314,6 +314,11 @@ def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, Eval
             "config key 'data.eval_split' is null: there is no split to evaluate; pass data.eval_split=<split>"
         )
     evals = data.eval_split(cfg) if cfg.data.eval_split else None
+    if train is not None and evals is not None and train.spec.input_shape != evals.spec.input_shape:
+        raise UserError(
+            f"config key 'data.eval_split': its examples are {list(evals.spec.input_shape)}, the training split's "
+            f"{list(train.spec.input_shape)}; one model takes one shape: resize them alike"
+        )
     spec = (train or evals).spec  # type: ignore[union-attr]
     if which == "eval":
         spec = data.spec_from_config(cfg) or spec  # the saved input shape: the model as it was trained
@@ -327,9 +332,23 @@ def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: Trai
     cfg.model.input_shape = cfg.model.input_shape or list(spec.input_shape)
     if cfg.model.num_classes is None:
         cfg.model.num_classes = spec.num_classes
+    if getattr(model_cls, "needs_labels", False) and train is not None and cfg.model.num_classes:
+        _check_labels(train.stored()["label"], cfg.model.num_classes)
     if cfg.sharding.rules is None:
         rules = [list(r) for r in getattr(model_cls, "default_rules", sharding.DEFAULT_RULES)]
         cfg.sharding.rules = sharding.default_rules(rules, cfg.sharding.mesh)
+
+
+def _check_labels(labels: Any, num_classes: int) -> None:
+    """Class labels in [0, num_classes): one outside made the loss NaN at step 1, or trained on nothing."""
+    labels = np.asarray(labels)
+    low, high = (int(labels.min()), int(labels.max())) if labels.size else (0, 0)
+    if low < 0 or high >= num_classes:
+        raise UserError(
+            f"config key 'model.num_classes' is {num_classes}, but the training split's labels run from {low} to "
+            f"{high}; labels are class indices 0 to {num_classes - 1}: fix the labels, or set "
+            f"model.num_classes={high + 1}"
+        )
 
 
 def _total_steps(cfg: Config, train: TrainSplit | None, steps_per_batch: int = 1) -> int | None:
@@ -373,7 +392,12 @@ def _check_step(
     if isinstance(split, TrainSplit):
         rows = split.read(split.epoch_keys(0)[:1])
     else:
-        rows = {k: v for k, v in next(split.eval_batches(1)).items() if k != "mask"}
+        first = next(split.eval_batches(1), None)
+        if first is None:
+            raise UserError(
+                f"config key 'data.eval_split': split {cfg.data.eval_split!r} of {cfg.data.source!r} has no rows"
+            )
+        rows = {k: v for k, v in first.items() if k != "mask"}
     stored = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items()}
     batch = jax.eval_shape(split.prepare, stored)
     return steps.check_step(moduledef, tx, cfg.model.name, abstract, batch, objective)

@@ -161,6 +161,15 @@ def test_float_columns_are_stored_as_float32(tmp_path: Path):
     np.testing.assert_array_equal(arrays.image[..., 0], values.astype(np.float32))
 
 
+def test_a_float_column_outside_0_1_is_a_user_error_naming_its_values(tmp_path: Path):
+    import datasets
+
+    datasets.Dataset.from_dict({"x": np.full((4, 3, 3), 200.0).tolist()}).to_parquet(str(tmp_path / "f.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "f.parquet"), image_key="x", cache_dir=str(tmp_path / "c"), workers=0)
+    with pytest.raises(UserError, match=r"'data.image_key': column 'x' holds float pixels from 200 to 200; .*\[0, 1\]"):
+        load_images(cfg, "train")  # they were trained on unscaled, or made the loss NaN
+
+
 def test_the_cache_is_the_same_whatever_the_number_of_workers(tmp_path: Path):
     pixels = png_parquet(tmp_path / "big.parquet", 1000, shape=(96, 96))  # 3 chunks of decoding work
     caches = []
@@ -276,6 +285,14 @@ def test_a_user_source_with_floats_outside_0_1_is_a_user_error(tmp_path: Path, m
         load_images(DataConfig(source=source), "train")
 
 
+def test_a_user_source_that_raises_is_a_user_error_naming_it_and_the_split(tmp_path: Path, monkeypatch):
+    source = write_source(tmp_path, "broken", "def load(split):\n    raise ValueError('no such folder: imgs/')\n",
+                          monkeypatch)  # fmt: skip
+    with pytest.raises(UserError, match=r"data source 'broken:load' raised ValueError: no such folder: imgs/ for "
+                       r"split 'train'"):  # fmt: skip
+        load_images(DataConfig(source=source), "train")
+
+
 def test_each_epoch_is_a_permutation_from_seed_and_epoch():
     train = image_train_split(DataConfig(), seed=7)
     assert train.steps_per_epoch(100) == 15  # 1500 examples: the last partial batch is dropped
@@ -314,3 +331,33 @@ def test_eval_batches_cover_the_split_once_in_stored_form_with_a_mask():
     assert [len(b["image"]) for b in batches] == [128, 128, 128] and batches[0]["image"].dtype == np.uint8
     np.testing.assert_array_equal(np.concatenate([b["image"][b["mask"]] for b in batches]), split.arrays.image)
     assert np.concatenate([b["label"][b["mask"]] for b in batches]).tolist() == split.arrays.label.tolist()
+
+
+SPLITS = """
+import numpy as np
+
+def load(split):
+    size = {{"train": 4, "test": 5}}[split] if "{shapes}" == "differ" else 4
+    labels = np.arange(40) % {classes}
+    return {{"image": np.zeros((40, size, 4), np.uint8), "label": labels}}
+"""
+
+
+@pytest.mark.parametrize(
+    "shapes, classes, overrides, message",
+    [
+        ("differ", 2, [], r"'data.eval_split': its examples are \[5, 4, 1\], the training split's \[4, 4, 1\]"),
+        ("same", 3, ["model.num_classes=2"], r"'model.num_classes' is 2, but the training split's labels run from 0 "
+                                             r"to 2; .*set model.num_classes=3"),
+    ],
+)  # fmt: skip
+def test_data_a_classifier_cannot_train_on_is_refused_before_it_starts(tmp_path, monkeypatch, shapes, classes,
+                                                                      overrides, message):  # fmt: skip
+    from nnx_cli.config import load_config
+    from nnx_cli.experiment import setup
+
+    body = SPLITS.replace("{shapes}", shapes).format(classes=classes)
+    source = write_source(tmp_path, f"splits_{shapes}", body, monkeypatch)  # a module name per case: imports cache
+    options = ["model={name: mlp_classifier, hidden_sizes: [8]}", f"data.source={source}", *overrides]
+    with pytest.raises(UserError, match=message):  # the first eval crashed, or the loss was NaN at step 1
+        setup(load_config(None, options), data="train")

@@ -21,7 +21,9 @@ class DataConfig:
     )
     train_split: str = setting("train", "the split trained on")
     eval_split: str | None = setting(
-        "test", "the split evaluated; null: no evals. A source with one split holds out its last 10% as this one"
+        "test",
+        "the split evaluated; null: no evals. A text or examples source with one split holds out its last 10% as "
+        "this one (an image source needs a split of its own)",
     )
     image_key: str = setting("image", "images: the column of images")
     label_key: str | None = setting("label", "images: the column of labels; null: none")

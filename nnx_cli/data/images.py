@@ -51,7 +51,7 @@ from nnx_cli.config import DataConfig
 from nnx_cli.data.base import DataSpec
 from nnx_cli.data.cache import cache_root, find_alias, get_or_build, local_fingerprint, record_alias
 from nnx_cli.data.pipeline import worker_count
-from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.errors import UserError, did_you_mean, first_line
 from nnx_cli.pixels import ArrowImages, DatasetImages, decoded
 from nnx_cli.registry import Registry, is_reference
 
@@ -330,10 +330,18 @@ def _call_source(fn: Callable[[str], Any], source: str, split: str, key: str) ->
         return fn(split)
     except KeyError as e:
         if e.args != (split,):
-            raise
+            raise UserError(
+                f"config key {key!r}: data source {source!r} raised KeyError: {e} for split {split!r}"
+            ) from None
         raise UserError(
             f"config key {key!r}: data source {source!r} has no split {split!r}"
             + (" (set data.eval_split=null to train without evals)" if key == "data.eval_split" else "")
+        ) from None
+    except UserError:
+        raise
+    except Exception as e:  # the user's own function failed: say so, not a traceback through the trainer
+        raise UserError(
+            f"config key {key!r}: data source {source!r} raised {type(e).__name__}: {first_line(e)} for split {split!r}"
         ) from None
 
 
@@ -480,7 +488,13 @@ def _stored_dtype(pixels: np.ndarray, key: str) -> np.dtype:
 
 
 def _to_stored(pixels: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
-    """A decoded chunk as `dtype`; integer pixels that do not fit are an error, not silently wrapped."""
+    """A decoded chunk as `dtype`; integer pixels that do not fit, or float ones outside [0, 1], are an error, not
+    silently wrapped or trained on unscaled."""
+    if np.issubdtype(pixels.dtype, np.floating) and pixels.size and (pixels.min() < 0 or pixels.max() > 1):
+        raise UserError(
+            f"config key 'data.image_key': column {key!r} holds float pixels from {pixels.min():g} to "
+            f"{pixels.max():g}; float images are read as [0, 1]: scale them, or store uint8 grey levels"
+        )
     if pixels.dtype == dtype:
         return pixels
     if dtype == np.uint8 and np.issubdtype(pixels.dtype, np.integer) and pixels.min() >= 0 and pixels.max() <= 255:
