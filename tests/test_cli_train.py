@@ -373,6 +373,11 @@ def test_a_run_with_nothing_left_to_do_changes_nothing_in_the_work_dir(reference
     assert files(project / "finished") == before  # config.yaml still says the steps it was trained with
 
 
+def test_harness_tasks_on_an_image_run_say_it_is_no_language_model_before_fetching_any(reference: Path, project: Path):
+    result = cli("nnx-eval", "ref", "--tasks", "hellaswag", cwd=project)
+    assert_user_error(result, "holds a 'vae' model trained on images, not a language model; nnx-eval --tasks")
+
+
 def test_usage_errors_are_one_line_too(project: Path):
     assert_user_error(cli("nnx-inspect", "run.yaml", "--depth", "abc", cwd=project), "'--depth'", "nnx-inspect --help")
     assert_user_error(cli("nnx-train", cwd=project), "Missing argument 'CONFIG'")

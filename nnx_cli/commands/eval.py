@@ -165,6 +165,18 @@ def _harness(
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {batch_size}")
     count = None if limit is None else int(limit) if limit >= 1 else limit
+    from nnx_cli import hf
+
+    if not hf.is_model_dir(target):  # a run of an image model is no target: said before any task data is fetched
+        from nnx_cli.data.text import is_text
+        from nnx_cli.workdir import open_run
+
+        run = open_run(target, overrides, step, best=best)
+        if not is_text(run.cfg.data):
+            raise UserError(
+                f"{str(run.workdir)!r} holds a {run.cfg.model.name!r} model trained on images, not a language model; "
+                "nnx-eval --tasks evaluates transformer_lm runs (drop --tasks to evaluate it on its eval split)"
+            )
     tasks = harness.load_tasks(names.split(","), include_path)  # before the model: a wrong name stops us at once
     from nnx_cli.harness.backend import NNXLM
     from nnx_cli.harness.target import load_target
