@@ -7,9 +7,11 @@ every process must run exactly the same steps, or a collective waits forever.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,10 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
             f"({num_processes})"
         )
     try:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        with _signals_end_the_wait():
+            jax.distributed.initialize(
+                coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+            )
     except ValueError as e:  # JAX found no cluster manager to fill in what is missing
         raise UserError(
             f"cannot start a multi-process run ({e}): pass all of --coordinator HOST:PORT, --num-processes N and "
@@ -55,6 +60,19 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
     except Exception as e:  # the coordinator could not be reached, or not every process joined in time
         raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
     watchdog.start()  # a process that fails from here on stops the others within seconds
+
+
+@contextlib.contextmanager
+def _signals_end_the_wait() -> Iterator[None]:
+    """SIGINT and SIGTERM at their default action while `jax.distributed.initialize` waits for every process to
+    join: it waits in C++ (up to five minutes), where no Python handler runs, so Ctrl-C or a scheduler's SIGTERM
+    would not stop a process whose peers never came."""
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def cluster_tasks() -> int:

@@ -249,3 +249,22 @@ def _flatten(tree: dict, prefix: tuple = ()):
             yield from _flatten(value, (*prefix, key))
         else:
             yield (*prefix, key), value
+
+
+def test_a_signal_ends_a_process_waiting_for_peers_that_never_come(project: Path):
+    import socket
+    import time
+
+    port = free_port()
+    proc = start("nnx-train", CONFIG, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                 "0", "--workdir", "alone", cwd=project, own_pid=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:  # process 0 serves the coordinator from inside jax.distributed.initialize, where it then waits
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)  # it waited five minutes for process 1, deaf to SIGTERM and Ctrl-C
+    assert proc.returncode == -signal.SIGTERM
