@@ -133,3 +133,47 @@ def test_an_empty_metrics_jsonl_is_a_user_error(tmp_path: Path):
 def test_a_missing_work_dir_is_a_user_error(tmp_path: Path):
     with pytest.raises(UserError, match=r"work dir '.*nowhere' does not exist"):
         read_metrics(tmp_path / "nowhere")
+
+
+def _write_classifier_metrics(workdir: Path) -> Path:
+    """A classifier's work dir: it logs loss and accuracy, no nelbo."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    records = [{"step": s, "split": "train", "metrics": {"loss": 1.0 / s, "accuracy": 0.5}} for s in (10, 20)]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return workdir
+
+
+def test_a_run_that_does_not_log_the_metric_is_named_in_a_warning(tmp_path: Path):
+    _write_metrics(tmp_path / "vae")
+    _write_classifier_metrics(tmp_path / "mlp")
+    result = cli("nnx-plot", "vae", "mlp", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == (
+        "warning: run 'mlp' does not log 'nelbo' and is left out of the plot; it logs loss, accuracy "
+        "(choose one with --metric)"
+    )
+    result = cli("nnx-plot", "vae", "mlp", "--metric", "accuracy", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("warning: run 'vae' does not log 'accuracy' and is left out of the plot")
+
+
+def test_a_metric_no_run_logs_exits_2(tmp_path: Path):
+    _write_metrics(tmp_path / "vae")
+    _write_classifier_metrics(tmp_path / "mlp")
+    result = cli("nnx-plot", "vae", "mlp", "--metric", "perplexity", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --metric 'perplexity' is not logged by any of the runs 'vae', 'mlp'")
+
+
+def test_a_metrics_jsonl_file_stands_for_its_work_dir(tmp_path: Path):
+    _write_metrics(tmp_path / "run")
+    result = cli("nnx-plot", "run/metrics.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "run/plot.png" and (tmp_path / "run" / "plot.png").is_file()
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == read_metrics(tmp_path / "run")
+
+
+def test_another_file_for_a_work_dir_is_a_user_error(tmp_path: Path):
+    workdir = _write_metrics(tmp_path / "run")
+    with pytest.raises(UserError, match=r"config\.yaml' is a file, not a work dir; pass the work dir"):
+        read_metrics(workdir / "config.yaml")

@@ -4,8 +4,9 @@ Each work dir's train logs are drawn as a line and its evals as markers in
 the same colour; lm-evaluation-harness results (`<task>/<metric>`, logged by
 `eval.harness` or recorded by `nnx-eval RUN --tasks` in
 `evals/harness.jsonl`) are diamonds; several work dirs are overlaid, each
-named after its directory. The default metric is the model's loss metric (the model named in
-the first work dir's `config.yaml`), else the first metric logged. The image
+named after its directory (a run's metrics.jsonl may be given for its work dir). The default
+metric is the model's loss metric (the model named in the first work dir's `config.yaml`), else
+the first metric logged; a run that does not log it is left out, with a warning. The image
 goes to `<workdir>/plot.png` for one work dir, `./plot.png` for several, or
 `--out`; its path is printed. Needs matplotlib (`pip install matplotlib`).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +36,10 @@ Records = Sequence[Mapping[str, Any]]
 @report_errors
 def plot(
     workdirs: list[Path] = typer.Argument(
-        ..., metavar="WORKDIR...", help="Work dirs of nnx-train runs (each holds a metrics.jsonl).", show_default=False
+        ...,
+        metavar="WORKDIR...",
+        help="Work dirs of nnx-train runs (each holds a metrics.jsonl), or their metrics.jsonl files.",
+        show_default=False,
     ),
     metric: str | None = typer.Option(None, help="Metric to draw (default: the model's loss metric)."),
     out: Path | None = typer.Option(
@@ -43,6 +48,7 @@ def plot(
 ) -> None:
     """Draw train and eval curves of one metric for one or more runs."""
     _matplotlib()
+    workdirs = [run_dir(path) for path in workdirs]
     runs = {name: read_metrics(workdir) for name, workdir in zip(run_names(workdirs), workdirs)}
     metric = metric or default_metric(workdirs[0], next(iter(runs.values())))
     available = metric_names(record for records in runs.values() for record in records)
@@ -51,8 +57,15 @@ def plot(
             f"--metric {metric!r} is not logged by {_listing(runs)}{did_you_mean(metric, available)}; "
             f"available: {', '.join(available)}"
         )
+    drawn = {name: records for name, records in runs.items() if metric in metric_names(records)}
+    for name in (name for name in runs if name not in drawn):
+        print(
+            f"warning: run {name!r} does not log {metric!r} and is left out of the plot; it logs "
+            f"{', '.join(metric_names(runs[name]))} (choose one with --metric)",
+            file=sys.stderr,
+        )
     out = out or (workdirs[0] / "plot.png" if len(workdirs) == 1 else Path("plot.png"))
-    save_figure(build_figure(runs, metric), out)
+    save_figure(build_figure(drawn, metric), out)
     print(out)
 
 
@@ -60,14 +73,32 @@ def main() -> None:
     run_app(app)
 
 
+def run_dir(path: Path) -> Path:
+    """The work dir `path` names: itself, or the directory of a `metrics.jsonl` file.
+
+    >>> run_dir(Path("runs/vae/metrics.jsonl"))
+    PosixPath('runs/vae')
+    """
+    if path.is_file() and path.name == "metrics.jsonl":
+        return path.parent
+    if path.exists() and not path.is_dir():
+        raise UserError(
+            f"{str(path)!r} is a file, not a work dir; pass the work dir of an nnx-train run (the directory that "
+            "holds its metrics.jsonl)"
+        )
+    return path
+
+
 def read_metrics(workdir: Path) -> list[dict[str, Any]]:
-    """The records of `<workdir>/metrics.jsonl` (a torn line from a killed run is skipped).
+    """The records of `<workdir>/metrics.jsonl` (a torn line from a killed run is skipped); `workdir` may also
+    be that file.
 
     >>> read_metrics(Path("runs/vae"))[0]
     {'step': 100, 'split': 'train', 'metrics': {'nelbo': 98.1, 'recon': 90.2, 'kl': 7.9}, 'time': 1795370000.0}
     """
     from nnx_cli.harness import read_records
 
+    workdir = run_dir(workdir)
     path = workdir / "metrics.jsonl"
     if not workdir.is_dir():
         raise UserError(f"work dir {str(workdir)!r} does not exist; pass the work dir of an nnx-train run")
