@@ -26,9 +26,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import nnx
 from nnx_cli.config import ShardingConfig, TrainConfig
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, did_you_mean
 
 DEFAULT_RULES = [["batch", "data"], ["hidden", "model"]]  # a model class may declare its own `default_rules`
+
+ACTIVATION_AXES = ("batch", "length")
+"""Logical axes of activations that no parameter need have: a batch's rows, a sequence's positions."""
 
 
 def default_rules(rules: list[list[Any]], mesh: dict[str, int]) -> list[list[Any]]:
@@ -66,7 +69,10 @@ def mesh_shape(cfg: ShardingConfig, device_count: int) -> dict[str, int]:
         raise UserError(
             f"config key 'sharding.mesh' {cfg.mesh} does not fit the {device_count} available device(s); "
             f"the axis sizes must multiply to {device_count}; override it on the command line, for example "
-            + " ".join(f"sharding.mesh.{name}={-1 if i == 0 else 1}" for i, name in enumerate(cfg.mesh))
+            + (
+                " ".join(f"sharding.mesh.{name}={-1 if i == 0 else 1}" for i, name in enumerate(cfg.mesh))
+                or "sharding.mesh.data=-1"
+            )
             + " (-1: all remaining devices)"
         )
     return sizes
@@ -83,12 +89,14 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
     """A `NamedSharding` for every array of `abstract`, in the same tree structure.
 
     Every sharded dimension must split evenly over its mesh axes; one that
-    does not is a UserError naming the entry and its logical axis.
+    does not is a UserError naming the entry and its logical axis. Rules that
+    would leave devices computing the same are one too (:func:`check_rules`).
     """
     # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf.
     logical = jax.tree.map(
         lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), nnx.get_partition_spec(abstract), abstract
     )
+    check_rules([name for spec in jax.tree.leaves(logical) for name in spec if isinstance(name, str)], mesh, rules)
     shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)
     entries = [
         (jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"), leaf, names, sharding)
@@ -107,6 +115,56 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
                     "in sharding.rules"
                 )
     return shardings
+
+
+def check_rules(axes: list[str], mesh: Mesh, rules: list[tuple[str, Any]]) -> None:
+    """Rules that would leave work silently replicated are a UserError: a rule for a logical axis the model does
+    not have where a close one that it has is left without a rule (a typo), and a mesh axis of more than one
+    device that no rule of an axis the model has maps to (its devices would all compute the same).
+
+    `axes` are the logical axes of the state's arrays; :data:`ACTIVATION_AXES` are taken as used too. A rule for
+    an axis the model lacks is otherwise harmless, and a model's own default rules may have one (`kv_heads`
+    without grouped-query attention, `expert` in a dense model)::
+
+        check_rules(["embed", "hidden"], mesh, [("batch", "data"), ("hiddn", "model")])
+        # UserError: config key 'sharding.rules[1]' maps logical axis 'hiddn', ... (did you mean 'hidden'?) ...
+    """
+    used = dict.fromkeys([*ACTIVATION_AXES, *axes])
+    ruled = {logical for logical, _ in rules}
+    for i, (logical, _) in enumerate(rules):
+        hint = "" if logical in used else did_you_mean(logical, [a for a in used if a not in ruled])
+        if hint:
+            raise UserError(
+                f"config key 'sharding.rules[{i}]' maps logical axis {logical!r}, which no parameter or activation "
+                f"of the model has{hint}; its parameters' logical axes: {', '.join(dict.fromkeys(axes))}"
+            )
+    splitting = {axis for logical, targets in rules if logical in used for axis in _as_tuple(targets)}
+    for axis, size in mesh.shape.items():
+        if size > 1 and axis not in splitting:
+            free = next((a for a in used if a not in ruled and a != "length"), None)  # `batch` first
+            if free is not None:
+                example = [*rules, (free, axis)]
+            else:  # every axis has a rule: split the batch over this axis too
+                example = [(a, (*_as_tuple(t), axis) if a == "batch" else t) for a, t in rules]
+            raise UserError(
+                f"config key 'sharding.mesh': axis {axis!r} has {size} devices but sharding.rules "
+                f"{_flow(rules)} map no logical axis of the model to it, so its devices would all compute the "
+                f"same; add a rule that does (for example sharding.rules={_flow(example)}), or leave {axis!r} out "
+                "of sharding.mesh"
+            )
+
+
+def _as_tuple(axes: Any) -> tuple[str, ...]:
+    return () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+
+
+def _flow(rules: list[tuple[str, Any]]) -> str:
+    """Rules as a YAML flow list, as they are written on the command line: `[[batch, data], [embed, [data, model]]]`."""
+
+    def target(axes: Any) -> str:
+        return "null" if axes is None else axes if isinstance(axes, str) else f"[{', '.join(axes)}]"
+
+    return "[" + ", ".join(f"[{logical}, {target(axes)}]" for logical, axes in rules) + "]"
 
 
 def _ways(mesh: Mesh, axes: Any) -> int:

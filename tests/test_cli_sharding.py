@@ -12,6 +12,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from cli_support import ROOT, assert_user_error, cli
 
 from nnx_cli.config import ShardingConfig
 from nnx_cli.errors import UserError
@@ -27,6 +28,11 @@ def test_a_mesh_that_does_not_fit_says_which_override_fixes_it():
         UserError, match=r"does not fit the 8 available device\(s\).*sharding\.mesh\.data=-1 sharding\.mesh\.model=1"
     ):
         mesh_shape(ShardingConfig(mesh={"data": 3, "model": 2}), 8)
+
+
+def test_an_empty_mesh_that_does_not_fit_suggests_a_data_axis():
+    with pytest.raises(UserError, match=r"for example sharding\.mesh\.data=-1 \(-1: all remaining devices\)$"):
+        mesh_shape(ShardingConfig(mesh={}), 8)
 
 
 def test_null_rules_are_the_default_rules():
@@ -86,3 +92,75 @@ def test_batches_and_parameters_split_over_eight_devices():
     assert "'train.batch_size' (6) must be divisible by the 4 ways" in lines["batch"]
     assert lines["spec"] == "(None, 'model')"
     assert "kernel [3, 5] cannot be split" in lines["odd"] and "map 'hidden' to null in sharding.rules" in lines["odd"]
+
+
+_REPLICATING = textwrap.dedent(
+    """
+    import jax
+    import nnx
+    from nnx_cli.config import ShardingConfig
+    from nnx_cli.errors import UserError
+    from nnx_cli.sharding import axis_rules, make_mesh, state_shardings
+
+    init = nnx.with_logical_partitioning(nnx.initializers.lecun_normal(), ("embed", "hidden"))
+    params = jax.eval_shape(lambda: nnx.Linear(4, 8, kernel_init=init, ctx=nnx.context(0)).filter(nnx.Param))
+    cases = {
+        "typo": ({"data": 4, "model": 2}, [["batch", "data"], ["hiddn", "model"]]),
+        "no_batch_rule": ({"batch": 8}, []),
+        "unused_axis": ({"data": 4, "fsdp": 2}, [["batch", "data"]]),
+        "harmless": ({"data": 4, "model": 2}, [["batch", "data"], ["hidden", "model"], ["expert", "model"]]),
+    }
+    for name, (mesh, rules) in cases.items():
+        cfg = ShardingConfig(mesh=mesh, rules=rules)
+        try:
+            state_shardings(params, make_mesh(cfg), axis_rules(cfg))
+            print(name, "ok")
+        except UserError as e:
+            print(name, e)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def replicating() -> dict[str, str]:
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "",
+        "JAX_DEFAULT_MATMUL_PRECISION": os.environ["JAX_DEFAULT_MATMUL_PRECISION"],
+    }  # conftest.py's policy
+    out = subprocess.run([sys.executable, "-c", _REPLICATING], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+def test_a_rule_for_a_logical_axis_the_model_lacks_suggests_the_closest(replicating: dict[str, str]):
+    assert replicating["typo"] == (
+        "config key 'sharding.rules[1]' maps logical axis 'hiddn', which no parameter or activation of the model "
+        "has (did you mean 'hidden'?); its parameters' logical axes: embed, hidden"
+    )
+
+
+def test_a_mesh_axis_no_rule_maps_to_says_which_rule_would_use_it(replicating: dict[str, str]):
+    assert replicating["no_batch_rule"].startswith("config key 'sharding.mesh': axis 'batch' has 8 devices")
+    assert "for example sharding.rules=[[batch, batch]]" in replicating["no_batch_rule"]
+    assert "axis 'fsdp' has 2 devices but sharding.rules [[batch, data]] map no" in replicating["unused_axis"]
+    assert "for example sharding.rules=[[batch, data], [embed, fsdp]]" in replicating["unused_axis"]
+
+
+def test_a_rule_for_an_axis_of_other_models_is_harmless(replicating: dict[str, str]):
+    assert replicating["harmless"] == "ok"  # as a dense Transformer's default `expert` rule
+
+
+def test_nnx_train_on_a_mesh_its_default_rules_do_not_use_exits_2(tmp_path):
+    result = cli(
+        "nnx-train",
+        str(ROOT / "configs" / "digits_vae.yaml"),
+        "sharding.mesh={batch: 8}",
+        "--workdir",
+        "run",
+        cwd=tmp_path,
+        devices=8,
+    )
+    assert_user_error(result, "axis 'batch' has 8 devices", "sharding.rules=[[batch, batch]]")
+    assert not (tmp_path / "run" / "checkpoints").exists()
