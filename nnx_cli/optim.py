@@ -38,7 +38,7 @@ import jax
 import optax
 
 from nnx_cli.config import OptimizerConfig
-from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.errors import UserError, did_you_mean, first_line
 from nnx_cli.registry import Registry, bind_options, signature
 
 Schedule = float | Callable[[Any], Any]
@@ -74,13 +74,19 @@ for _name in optimizer_names():
     OPTIMIZERS.register(_name, getattr(optax, _name))
 
 
+def schedules() -> dict[str, Callable[..., Any]]:
+    """Optax schedules (the functions of `optax.schedules`), by name without their `_schedule` suffix; not
+    `join_schedules`, whose arguments are schedules, which a config cannot give."""
+    return {
+        n.removesuffix("_schedule"): fn
+        for n, fn in sorted(vars(optax.schedules).items())
+        if inspect.isfunction(fn) and not n.startswith(("_", "inject_")) and n != "join_schedules"
+    }
+
+
 def schedule_names() -> list[str]:
     """Optax schedules, without their `_schedule` suffix."""
-    return sorted(
-        n.removesuffix("_schedule")
-        for n in dir(optax)
-        if n.endswith("_schedule") and not n.startswith("scale_by") and callable(getattr(optax, n))
-    )
+    return list(schedules())
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int | None) -> optax.GradientTransformation:
@@ -110,6 +116,11 @@ def build(cfg: OptimizerConfig, total_steps: int | None) -> tuple[optax.Gradient
             key = next(iter(cfg.options))
             raise UserError(
                 f"config key 'optimizer.{key}' does not apply to a chain: give it to the chain piece it belongs to"
+            )
+        if not cfg.chain:
+            raise UserError(
+                "config key 'optimizer.chain' is empty: list the optax pieces that make the optimizer, for example "
+                "[{name: scale_by_adam}, {name: scale_by_learning_rate}], or set it to null and name an optimizer"
             )
         tx = optax.chain(*(_piece(p, i, learning_rate, mask) for i, p in enumerate(cfg.chain)))
     else:
@@ -150,6 +161,13 @@ def _call(
         tx = fn(**kwargs)
     except (TypeError, ValueError) as e:
         raise UserError(f"config section {prefix.rstrip('.')!r}: {what} rejected its arguments: {e}") from None
+    except UserError:
+        raise
+    except Exception as e:  # a plug-in factory's own mistake
+        raise UserError(
+            f"config key {prefix + 'name'!r}: {what} raised {type(e).__name__}: {first_line(e)}; fix it, or name "
+            "another optimizer"
+        ) from None
     if not isinstance(tx, optax.GradientTransformation):
         raise UserError(
             f"config section {prefix.rstrip('.')!r}: {what} returned {type(tx).__name__}, not an optax "
@@ -209,7 +227,7 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Sch
             "config key 'optimizer.learning_rate' is a mapping, so it needs a 'name' naming an optax schedule, "
             f"for example {{name: cosine_decay, init_value: 1.0e-3}}; known: {', '.join(schedule_names())}"
         )
-    fn = getattr(optax, f"{name.removesuffix('_schedule')}_schedule", None)
+    fn = schedules().get(name.removesuffix("_schedule"))
     if fn is None:
         raise UserError(
             "config key 'optimizer.learning_rate.name': unknown optax schedule "
@@ -229,10 +247,23 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Sch
     try:
         return fn(**kwargs)
     except (TypeError, ValueError) as e:
-        note = f" (decay_steps is the run length, {total_steps} steps, when the config leaves it out)" if filled else ""
+        note = _decay_note(kwargs, total_steps, filled)
         raise UserError(
             f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}"
         ) from None
+
+
+def _decay_note(kwargs: dict[str, Any], total_steps: int, filled: bool) -> str:
+    """What to change when a schedule's decay is not positive: decay_steps counts warmup_steps too."""
+    note = f" (decay_steps is the run length, {total_steps} steps, when the config leaves it out)" if filled else ""
+    warmup, decay = kwargs.get("warmup_steps"), kwargs.get("decay_steps")
+    if isinstance(warmup, int) and isinstance(decay, int) and warmup >= decay:
+        fix = "or raise train.steps" if filled else "or raise optimizer.learning_rate.decay_steps"
+        note += (
+            f"; decay_steps includes the warmup, so lower optimizer.learning_rate.warmup_steps ({warmup}) below "
+            f"{decay} {fix}"
+        )
+    return note
 
 
 def learning_rate_at(schedule: Schedule, step: int) -> float:

@@ -31,6 +31,22 @@ def test_schedule_by_name_with_and_without_suffix():
     assert float(a(5)) == pytest.approx(0.5) == float(b(5))
 
 
+def test_a_schedule_optax_names_without_the_suffix_is_found_with_or_without_it():
+    spec = {"init_value": 0.01, "transition_steps": 2, "decay_rate": 0.5}
+    for name in ("exponential_decay", "exponential_decay_schedule"):
+        assert float(build_schedule({"name": name, **spec}, 10)(2)) == pytest.approx(0.005)
+
+
+def test_a_warmup_longer_than_the_run_names_warmup_steps_and_train_steps():
+    spec = {"name": "warmup_cosine_decay", "init_value": 0.0, "peak_value": 2e-3, "warmup_steps": 200}
+    with pytest.raises(
+        UserError,
+        match=r"decay_steps is the run length, 4 steps.*lower optimizer\.learning_rate\.warmup_steps \(200\) below 4 "
+        r"or raise train\.steps",
+    ):
+        build_schedule(spec, 4)
+
+
 def test_missing_decay_steps_default_to_the_run_length():
     schedule = build_schedule({"name": "cosine_decay", "init_value": 1.0}, 100)
     assert float(schedule(100)) == pytest.approx(0.0, abs=1e-6)
@@ -84,6 +100,11 @@ def test_a_chain_of_optax_pieces_gets_the_sections_learning_rate():
 def test_a_chain_and_an_optimizer_name_are_exclusive():
     with pytest.raises(UserError, match=r"'optimizer\.name' \('adam'\) and 'optimizer\.chain' are both set"):
         build(OptimizerConfig(name="adam", chain=[{"name": "scale_by_adam"}]), 10)
+
+
+def test_an_empty_chain_is_a_user_error_naming_the_key():
+    with pytest.raises(UserError, match=r"config key 'optimizer\.chain' is empty: list the optax pieces"):
+        build(OptimizerConfig(name=None, chain=[]), 10)
 
 
 def test_a_chain_piece_option_is_checked_against_its_signature():
@@ -141,3 +162,12 @@ def test_weight_decay_mask_kernels_leaves_stacked_biases_and_norms_alone():
     assert "layers/scan_module/mlp/fc/kernel" in decayed and "embedding/embedding" in decayed
     assert "layers/scan_module/attention/query/bias" not in decayed  # (layers, heads, kv): a bias all the same
     assert "layers/scan_module/mlp_norm/scale" not in decayed and "final_norm/bias" not in decayed
+
+
+def test_an_optimizer_factory_that_raises_is_a_user_error_naming_the_key(tmp_path, monkeypatch):
+    (tmp_path / "nnx_test_bad_optim.py").write_text("def make(learning_rate):\n    raise RuntimeError('boom')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        UserError, match=r"^config key 'optimizer\.name': nnx_test_bad_optim:make raised RuntimeError: boom; fix it"
+    ):
+        build(OptimizerConfig(name="nnx_test_bad_optim:make"), 10)
