@@ -67,8 +67,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
 
-from nnx_cli.errors import UserError, first_line
-from nnx_cli.registry import Registry
+from nnx_cli.errors import RunError, UserError, first_line
+from nnx_cli.registry import Registry, is_reference
 from nnx_cli.report import format_metrics, json_metrics, metrics_table
 
 __all__ = [
@@ -134,7 +134,7 @@ LoggerFactory = Callable[[LoggerRun], MetricLogger]
 
 
 def _check_factory(obj: Any, name: str) -> None:
-    """A `package.module:attr` logger must be callable with one LoggerRun."""
+    """A `package.module:attr` logger must be callable with one LoggerRun; a class must have log and close."""
     try:
         inspect.signature(obj).bind(None)
     except (TypeError, ValueError):
@@ -142,6 +142,12 @@ def _check_factory(obj: Any, name: str) -> None:
             f"config key {_KEY!r}: {name!r} is not a class or function taking one argument (the LoggerRun); "
             "a logger is built as Logger(run)"
         ) from None
+    missing = [m for m in ("log", "close") if isinstance(obj, type) and not callable(getattr(obj, m, None))]
+    if missing:
+        raise UserError(
+            f"config key {_KEY!r}: {name!r} has no {' or '.join(missing)} method; a logger needs "
+            "log(step, split, metrics) and close() (see nnx_cli.loggers.MetricLogger)"
+        )
 
 
 LOGGERS: Registry[LoggerFactory] = Registry("logger", _KEY, check=_check_factory)
@@ -150,8 +156,9 @@ LOGGERS: Registry[LoggerFactory] = Registry("logger", _KEY, check=_check_factory
 def resolve_loggers(names: Sequence[str]) -> dict[str, LoggerFactory]:
     """The factories of `logging.loggers`, in order; call before the run writes anything.
 
-    Unknown names, names given twice and loggers whose packages are missing
-    (or too old) are UserErrors saying what to `pip install`.
+    Unknown names, names given twice, logger classes without `log` or
+    `close`, and loggers whose packages are missing, too old or fail to
+    import are UserErrors saying what to fix or `pip install`.
 
     >>> resolve_loggers(["jsonl", "console"])
     {'jsonl': <class 'nnx_cli.loggers.JsonlLogger'>, 'console': <class 'nnx_cli.loggers.ConsoleLogger'>}
@@ -163,6 +170,8 @@ def resolve_loggers(names: Sequence[str]) -> dict[str, LoggerFactory]:
         factory = LOGGERS.get(name)
         for requirement in getattr(factory, "requires", ()):
             _check_requirement(requirement, f"logger {name!r}")
+        for module in getattr(factory, "imports", ()):  # installed but broken: found now, not once the run has begun
+            _import(module, name)
         factories[name] = factory
     return factories
 
@@ -173,40 +182,61 @@ def open_loggers(factories: Mapping[str, LoggerFactory], run: LoggerRun) -> Logg
     >>> loggers = open_loggers(resolve_loggers(["jsonl"]), run)
     """
     opened: list[MetricLogger] = []
+    named: list[str] = []
     try:
         for name, factory in factories.items():
-            logger = factory(run)
+            try:
+                logger = factory(run)
+            except Exception as e:
+                if not is_reference(name) or isinstance(e, UserError):
+                    raise
+                raise UserError(
+                    f"config key {_KEY!r}: {name!r} raised {type(e).__name__} while opening: {first_line(e)}; "
+                    "fix it, or drop it from the list"
+                ) from None
             if not isinstance(logger, MetricLogger):
                 raise UserError(
                     f"config key {_KEY!r}: {name!r} made a {type(logger).__name__}, which lacks "
                     "log(step, split, metrics) or close(); see nnx_cli.loggers.MetricLogger"
                 )
             opened.append(logger)
+            named.append(name)
     except BaseException:
         with contextlib.suppress(Exception):  # the first failure is the one to report
             Loggers(opened).close()
         raise
-    return Loggers(opened)
+    return Loggers(opened, named)
 
 
 class Loggers:
     """Several loggers as one: each call goes to every logger, in order.
 
-    >>> loggers = Loggers([JsonlLogger(run), ConsoleLogger(run)])
+    `names` are the loggers' names in `logging.loggers`: a `package.module:attr`
+    logger whose `log` or `tick` raises stops the run with a RunError naming it
+    (the checkpoints written so far are kept).
+
+    >>> loggers = Loggers([JsonlLogger(run), ConsoleLogger(run)], ["jsonl", "console"])
     >>> loggers.log(100, "train", {"loss": 0.31})
     """
 
-    def __init__(self, loggers: Sequence[MetricLogger]):
+    def __init__(self, loggers: Sequence[MetricLogger], names: Sequence[str] | None = None):
         self.loggers = list(loggers)
-        self._ticks = [logger.tick for logger in self.loggers if callable(getattr(logger, "tick", None))]
+        self.names = list(names) if names is not None else [type(logger).__name__ for logger in self.loggers]
+        self._ticks = [
+            (name, logger.tick)
+            for name, logger in zip(self.names, self.loggers)
+            if callable(getattr(logger, "tick", None))
+        ]
 
     def log(self, step: int, split: str, metrics: Mapping[str, float]) -> None:
-        for logger in self.loggers:
-            logger.log(step, split, metrics)
+        for name, logger in zip(self.names, self.loggers):
+            with _plugin_call(name, "log", step):
+                logger.log(step, split, metrics)
 
     def tick(self, step: int) -> None:
-        for tick in self._ticks:
-            tick(step)
+        for name, tick in self._ticks:
+            with _plugin_call(name, "tick", step):
+                tick(step)
 
     def close(self) -> None:
         """Close every logger (even when one fails: the first failure is raised after); a second call does nothing."""
@@ -219,6 +249,20 @@ class Loggers:
                 failure = failure or e
         if failure is not None:
             raise failure
+
+
+@contextlib.contextmanager
+def _plugin_call(name: str, method: str, step: int) -> Any:
+    """A `package.module:attr` logger's exception as a one-line RunError naming it; shipped loggers' pass through."""
+    try:
+        yield
+    except Exception as e:
+        if not is_reference(name) or isinstance(e, (UserError, RunError)):
+            raise
+        raise RunError(
+            f"logger {name!r} (config key {_KEY!r}) raised {type(e).__name__} in {method}() at step {step}: "
+            f"{first_line(e)}; training stopped, the checkpoints written so far are kept"
+        ) from None
 
 
 # --------------------------------------------------------------------------- jsonl
@@ -364,6 +408,7 @@ class TensorBoardLogger:
     """
 
     requires = ("tensorboardX",)
+    imports = ("tensorboardX",)  # imported when the loggers are resolved, before the run writes anything
 
     def __init__(self, run: LoggerRun):
         tensorboardx = _import("tensorboardX", "tensorboard")
@@ -414,6 +459,7 @@ class WandbLogger:
     """
 
     requires = ("wandb>=0.31",)  # wandb.login(prompt=False)
+    imports = ("wandb",)
 
     def __init__(self, run: LoggerRun):
         wandb = _import("wandb", "wandb")

@@ -363,6 +363,16 @@ def test_a_rejected_run_leaves_the_work_dir_as_it_was(reference: Path, project: 
     assert files(project / "kept") == before
 
 
+def test_a_logger_class_without_log_is_rejected_before_the_work_dir_is_touched(reference: Path, project: Path):
+    (project / "nnx_test_nolog.py").write_text("class NoLog:\n    def __init__(self, run):\n        pass\n")
+    shutil.copytree(reference, project / "kept-nolog")
+    before = files(project / "kept-nolog")
+    result = cli("nnx-train", "run.yaml", "train.steps=480", "logging.loggers=[jsonl, nnx_test_nolog:NoLog]",
+                 "--workdir", "kept-nolog", cwd=project)  # fmt: skip
+    assert_user_error(result, "'logging.loggers': 'nnx_test_nolog:NoLog' has no log or close method")
+    assert files(project / "kept-nolog") == before
+
+
 def test_a_run_with_nothing_left_to_do_changes_nothing_in_the_work_dir(reference: Path, project: Path):
     shutil.copytree(reference, project / "finished")
     before = files(project / "finished")

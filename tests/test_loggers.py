@@ -14,7 +14,7 @@ import pytest
 from cli_support import free_port
 from rich.console import Console
 
-from nnx_cli.errors import UserError
+from nnx_cli.errors import RunError, UserError
 from nnx_cli.loggers import LoggerRun, open_loggers, resolve_loggers
 
 
@@ -381,13 +381,66 @@ def test_a_logger_that_does_not_take_the_run_is_a_user_error(plugin_dir: Path):
         resolve_loggers(["nnx_test_argless:Logger"])
 
 
-def test_a_logger_without_log_and_close_is_a_user_error_and_the_others_are_closed(plugin_dir: Path):
+def test_a_logger_class_without_log_is_a_user_error_when_the_names_are_resolved(plugin_dir: Path):
+    (plugin_dir / "nnx_test_nolog.py").write_text("class NoLog:\n    def __init__(self, run):\n        pass\n\n"
+                                                   "    def close(self):\n        pass\n")  # fmt: skip
+    with pytest.raises(UserError, match=r"'logging\.loggers': 'nnx_test_nolog:NoLog' has no log method"):
+        resolve_loggers(["jsonl", "nnx_test_nolog:NoLog"])
+
+
+def test_a_shipped_logger_whose_package_fails_to_import_is_a_user_error_when_resolved(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # installed, but `import tensorboardX` fails
+    with pytest.raises(UserError, match=r"logger 'tensorboard' needs the tensorboardX package, which failed to import"):
+        resolve_loggers(["jsonl", "tensorboard"])
+
+
+def test_a_logger_function_making_an_object_without_log_is_a_user_error_and_the_others_are_closed(plugin_dir: Path):
     (plugin_dir / "nnx_test_recorder2.py").write_text(_RECORDER)
-    (plugin_dir / "nnx_test_mute.py").write_text("class Mute:\n    def __init__(self, run):\n        pass\n")
-    factories = resolve_loggers(["nnx_test_recorder2:Recorder", "nnx_test_mute:Mute"])
-    with pytest.raises(UserError, match=r"'nnx_test_mute:Mute' made a Mute, which lacks log\(step, split, metrics\)"):
+    (plugin_dir / "nnx_test_mute.py").write_text("class Mute:\n    pass\n\n\ndef mute(run):\n    return Mute()\n")
+    factories = resolve_loggers(["nnx_test_recorder2:Recorder", "nnx_test_mute:mute"])
+    with pytest.raises(UserError, match=r"'nnx_test_mute:mute' made a Mute, which lacks log\(step, split, metrics\)"):
         open_loggers(factories, _run(plugin_dir / "run"))
     assert (plugin_dir / "run" / "recorded.jsonl").read_text() == "closed\n"
+
+
+_RAISING = """
+class Raising:
+    def __init__(self, run):
+        if run.start_step == 7:
+            raise RuntimeError("no server")
+
+    def log(self, step, split, metrics):
+        raise KeyError(split)
+
+    def close(self):
+        pass
+"""
+
+
+def test_a_logger_that_raises_while_opening_is_a_user_error_naming_it_and_the_others_are_closed(plugin_dir: Path):
+    (plugin_dir / "nnx_test_recorder4.py").write_text(_RECORDER)
+    (plugin_dir / "nnx_test_raising.py").write_text(_RAISING)
+    factories = resolve_loggers(["nnx_test_recorder4:Recorder", "nnx_test_raising:Raising"])
+    with pytest.raises(
+        UserError,
+        match=r"^config key 'logging\.loggers': 'nnx_test_raising:Raising' raised RuntimeError while opening: no "
+        r"server",
+    ):
+        open_loggers(factories, _run(plugin_dir / "run", start=7))
+    assert (plugin_dir / "run" / "recorded.jsonl").read_text() == "closed\n"
+
+
+def test_a_logger_whose_log_raises_stops_the_run_with_a_run_error_naming_it(plugin_dir: Path):
+    (plugin_dir / "nnx_test_raising2.py").write_text(_RAISING)
+    loggers = open_loggers(resolve_loggers(["jsonl", "nnx_test_raising2:Raising"]), _run(plugin_dir / "run"))
+    with pytest.raises(
+        RunError, match=r"^logger 'nnx_test_raising2:Raising' .* raised KeyError in log\(\) at step 20: 'train'"
+    ):
+        loggers.log(20, "train", {"nelbo": 0.05})
+    loggers.close()
+    assert len(_records(plugin_dir / "run")) == 1  # the jsonl logger before it got the record
 
 
 def test_closing_closes_every_logger_even_when_one_fails(plugin_dir: Path):
