@@ -111,9 +111,27 @@ def load_reference(reference: str, key: str, shown: str | None = None) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise UserError(f"config key {key!r}: module {module_name!r} has no attribute {attr!r}")
+            raise UserError(
+                f"config key {key!r}: module {module_name!r} has no attribute {attr!r}{_shadowed(module_name, cwd)}"
+            )
     _record(module_name, module)
     return obj
+
+
+def _shadowed(module_name: str, cwd: str) -> str:
+    """Why a file in `cwd` named like the module was not the one imported (`json.py` beside the config is not
+    the standard library's `json`), or `""` when there is no such file or it was the one imported."""
+    top = module_name.split(".")[0]
+    local = next((p for p in (Path(cwd, f"{top}.py"), Path(cwd, top)) if p.exists()), None)
+    file = getattr(sys.modules.get(top), "__file__", None)
+    if local is None or (file is not None and Path(file).resolve().is_relative_to(Path(cwd).resolve())):
+        return ""
+    which = "the standard library's" if top in sys.stdlib_module_names else "an installed"
+    where = f" ({file})" if file else ""
+    return (
+        f": {which} module {top!r}{where} was imported instead of your {local.name}, "
+        f"so rename {local.name} (and {top!r} in the reference) to a name of its own"
+    )
 
 
 def _record(module_name: str, module: Any) -> None:

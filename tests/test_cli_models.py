@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import pytest
 
@@ -10,6 +13,7 @@ from nnx_cli.config import ModelConfig
 from nnx_cli.data import DataSpec
 from nnx_cli.errors import UserError
 from nnx_cli.models import REGISTRY, check_data, model_factory, resolve_options
+from nnx_cli.registry import load_reference
 
 DIGITS = DataSpec((8, 8, 1), 10)
 TEXT = DataSpec((16,), 257, "bytes")
@@ -69,3 +73,33 @@ def test_a_classifier_needs_labels():
     with pytest.raises(UserError, match="needs labels.*no column 'digit'"):
         check_data(ModelConfig(name="cnn_classifier"), REGISTRY["cnn_classifier"], DIGITS, False, "digit")
     check_data(ModelConfig(name="vae"), REGISTRY["vae"], DIGITS, False, "digit")  # a VAE does not
+
+
+# --------------------------------------------------------------------------- package.module:attr references
+
+
+def test_a_local_file_named_like_a_standard_module_is_named_as_the_one_not_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "json.py").write_text("def stripes(split):\n    return {}\n")
+    with pytest.raises(
+        UserError,
+        match=r"'data\.source': module 'json' has no attribute 'stripes': the standard library's module 'json' "
+        r"\(.*\) was imported instead of your json\.py, so rename json\.py",
+    ):
+        load_reference("json:stripes", "data.source")
+
+
+def test_a_missing_attribute_of_a_local_module_is_named_without_a_rename_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "nnx_test_local_source", raising=False)
+    (tmp_path / "nnx_test_local_source.py").write_text("def stripes(split):\n    return {}\n")
+    with pytest.raises(UserError) as raised:
+        load_reference("nnx_test_local_source:stipes", "data.source")
+    assert str(raised.value) == "config key 'data.source': module 'nnx_test_local_source' has no attribute 'stipes'"
+    sys.modules.pop("nnx_test_local_source", None)
