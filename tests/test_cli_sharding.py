@@ -78,16 +78,21 @@ _EIGHT_DEVICES = textwrap.dedent(
 )
 
 
-def test_batches_and_parameters_split_over_eight_devices():
+def on_eight_devices(script: str) -> dict[str, str]:
+    """What `script` prints (`name value` lines) run in a process of its own with 8 simulated CPU devices."""
     env = {
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
         "PATH": "",
         "JAX_DEFAULT_MATMUL_PRECISION": os.environ["JAX_DEFAULT_MATMUL_PRECISION"],
     }  # conftest.py's policy
-    out = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+def test_batches_and_parameters_split_over_eight_devices():
+    lines = on_eight_devices(_EIGHT_DEVICES)
     assert lines["rows"] == "[(2, 2), (2, 2)]"  # each of 4 data shards holds 2 rows of both stacked batches
     assert "'train.batch_size' (6) must be divisible by the 4 ways" in lines["batch"]
     assert lines["spec"] == "(None, 'model')"
@@ -123,15 +128,7 @@ _REPLICATING = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def replicating() -> dict[str, str]:
-    env = {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PATH": "",
-        "JAX_DEFAULT_MATMUL_PRECISION": os.environ["JAX_DEFAULT_MATMUL_PRECISION"],
-    }  # conftest.py's policy
-    out = subprocess.run([sys.executable, "-c", _REPLICATING], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    return on_eight_devices(_REPLICATING)
 
 
 def test_a_rule_for_a_logical_axis_the_model_lacks_suggests_the_closest(replicating: dict[str, str]):
