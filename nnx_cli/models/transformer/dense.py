@@ -160,16 +160,18 @@ def frozen_kernels_as_bits(module: nnx.Module) -> Iterator[None]:
 
 
 def sliceable(weights: jax.Array) -> jax.Array:
-    """A 16-bit table as its bits (`uint16`), to be sliced and gathered from, where XLA's CPU has no bfloat16
-    dynamic-slice (:func:`.residuals.packs`: up to JAX 0.10) and widened the whole table to float32 to take each
-    part (0.5 s and 520 MB a step at Qwen2.5's 151,936 x 896). Other dtypes, and every dtype elsewhere, as they
-    are."""
+    """A 16-bit array as its bits (`uint16`), to be sliced, gathered from or stacked by a loop, where XLA's CPU
+    has no bfloat16 dynamic-slice (:func:`.residuals.packs`: up to JAX 0.10) and widened the whole array to float32
+    to take each part (a table: 0.5 s and 520 MB a step at Qwen2.5's 151,936 x 896; a loop's stack: widened and
+    narrowed again in every step of the loop). Other dtypes, and every dtype elsewhere, as they are."""
     return lax.bitcast_convert_type(weights, jnp.uint16) if weights.dtype.itemsize == 2 and packs() else weights
 
 
 def as_stored(part: jax.Array, dtype: Any) -> jax.Array:
-    """A part of :func:`sliceable`'s array in `dtype` again."""
-    return lax.bitcast_convert_type(part, dtype) if part.dtype != dtype else part
+    """A part of :func:`sliceable`'s array (its bits, or the array as it was) in `dtype` again."""
+    return (
+        lax.bitcast_convert_type(part, dtype) if part.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16 else part
+    )
 
 
 def lookup(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:

@@ -67,7 +67,6 @@ from jax import lax
 import nnx
 from nnx_cli.models.transformer.attention import MASKED_LOGIT, soft_cap
 from nnx_cli.models.transformer.dense import as_stored, constrain, sliceable
-from nnx_cli.models.transformer.residuals import from_bits, to_bits
 
 CHUNK_BYTES: int | None = None
 """The float32 logits of one chunk of positions (every row of the batch): about this many bytes; logits no larger
@@ -412,7 +411,7 @@ class _Kept(NamedTuple):
     """What the forward pass over the blocks keeps for the head's gradient (:func:`_blocked_pass`'s `keep`)."""
 
     d: jax.Array  # `[count, N, rows]`: each block's `exp(logits - m) slope` as A's product took it (compute dtype;
-    # 16 bits as their bits where XLA's CPU would widen the stack each block's step: `residuals.to_bits`)
+    # 16 bits as their bits where XLA's CPU would widen the stack each block's step: `dense.sliceable`)
     top: jax.Array  # `[count, N]`: the running maximum `m` that block was scaled by
     slope: jax.Array  # `[N]`: d logits / d product at each position's target
 
@@ -443,7 +442,7 @@ def _blocked_pass(h: jax.Array, head: jax.Array, targets: jax.Array, spec: _Bloc
             d = (p * _slope(block.product, spec.head)).astype(h.dtype)
             contract = (((1,), (0 if spec.head.tied else 1,)), ((), ()))
             a = a * rescale[:, None] + lax.dot_general(d, block.w, contract, preferred_element_type=jnp.float32)
-            return (top, s, a, logit, target), (to_bits(d), top) if keep else None
+            return (top, s, a, logit, target), (sliceable(d), top) if keep else None
         return (top, s, a, logit, target), None
 
     zeros = jnp.zeros((n,), jnp.float32)
@@ -517,7 +516,7 @@ def _kept_head_gradient(spec: _Block, kept: _Kept, shape: tuple[int, ...], x: ja
 
     def body(total, xs):
         j, d, top = xs
-        d = from_bits(d, x.dtype)
+        d = as_stored(d, x.dtype)
         start = _block_start(j, spec, shape[axis])
         scaled = (wide * (g * jnp.exp(top - normalizer))[:, None]).astype(x.dtype)
         if spec.head.tied:  # [rows, E]

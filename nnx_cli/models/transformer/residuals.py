@@ -23,7 +23,7 @@ storage of what is kept between the passes differs.
 
 A loop of a program's own that stacks or slices 16-bit values (a mixture's
 blocks of rows, the loss's kept gradient) holds them the same way with
-`to_bits` and `from_bits`.
+`dense.sliceable` and `dense.as_stored`.
 """
 
 from __future__ import annotations
@@ -60,17 +60,6 @@ def widens_bfloat16() -> bool:
     program = jax.jit(lambda xs: lax.scan(lambda c, x: (c * x, c * x), xs[0], xs)[1])
     analysis = program.lower(xs).compile().memory_analysis()
     return analysis is None or analysis.temp_size_in_bytes >= rows * width  # a quarter of the widened stack
-
-
-def to_bits(a: jax.Array) -> jax.Array:
-    """A 16-bit `a` as its bits (`uint16`) where :func:`packs`, for a loop to stack or slice; else `a` as it is."""
-    wide = a.dtype.itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating) and packs()
-    return lax.bitcast_convert_type(a, jnp.uint16) if wide else a
-
-
-def from_bits(a: jax.Array, dtype: Any) -> jax.Array:
-    """What :func:`to_bits` gave for a `dtype` value, as `dtype` again."""
-    return lax.bitcast_convert_type(a, dtype) if a.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16 else a
 
 
 def _is_primal(x: Any) -> bool:
