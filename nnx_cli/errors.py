@@ -58,6 +58,13 @@ WRITE_FIXES = {  # errno of a failed write -> what to do about it
 }
 
 
+def cannot_write(path: Any, error: BaseException) -> str:
+    """A failed write in the words every command uses: `cannot write PATH (why); what to do, then run again`."""
+    cause, code = write_cause(error)
+    fix = f"; {WRITE_FIXES[code]}, then run again" if code in WRITE_FIXES else ""
+    return f"cannot write {path} ({cause}){fix}"
+
+
 def write_cause(error: BaseException) -> tuple[str, int | None]:
     """What went wrong, in words, and its errno when there is one.
 
@@ -97,11 +104,7 @@ def report_errors(fn: F) -> F:
         except OSError as e:  # a write into the work dir failed mid-run: disk full, permission lost, ...
             if e.filename is None or e.errno not in WRITE_FIXES:
                 raise
-            print(
-                f"error: cannot write {e.filename} ({e.strerror}); {WRITE_FIXES[e.errno]}, then run again",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"error: {cannot_write(e.filename, e)}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_RUN_FAILED) from None
         except Exception as e:
             if not is_out_of_memory(e):

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_cli.errors import WRITE_FIXES, RunError, UserError, write_cause
+from nnx_cli.errors import RunError, UserError, cannot_write
 from nnx_cli.gguf import families, require
 from nnx_cli.gguf.vocab import Vocab
 from nnx_cli.tensorfiles import usual_mode
@@ -234,9 +234,7 @@ def _writing(out: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        cause, code = write_cause(e)
-        fix = f"; {WRITE_FIXES[code]}, then run again" if code in WRITE_FIXES else ""
-        raise RunError(f"cannot write {out} ({cause}){fix}") from None
+        raise RunError(cannot_write(out, e)) from None
 
 
 def _plan(arch: families.Arch, hp: families.HParams, source: Source, dtype: str,
