@@ -172,15 +172,20 @@ def test_an_operational_change_is_not_a_config_change(reference: Path, project: 
     assert "workers" not in result.stderr and "loggers" not in result.stderr
 
 
-def test_keep_best_keeps_the_best_eval_step_beyond_keep_and_eval_best_uses_it(project: Path):
+def train_keeping_one_and_the_best(project: Path, workdir: str, mode: str) -> dict:
+    """A run with checkpoint.keep=1 and keep_best on nelbo in `mode`; its best.json."""
     result = cli(
-        "nnx-train", "run.yaml", "checkpoint.keep=1", "checkpoint.keep_best={metric: nelbo, mode: max}",
-        "--workdir", "best", cwd=project,
+        "nnx-train", "run.yaml", "checkpoint.keep=1", f"checkpoint.keep_best={{metric: nelbo, mode: {mode}}}",
+        "--workdir", workdir, cwd=project,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    return json.loads((project / workdir / "checkpoints" / "best.json").read_text())
+
+
+def test_keep_best_keeps_the_best_eval_step_beyond_keep_and_eval_best_uses_it(project: Path):
+    record = train_keeping_one_and_the_best(project, "best", "max")
     evals = [json.loads(line) for line in (project / "best" / "metrics.jsonl").read_text().splitlines()]
     worst = max((r for r in evals if r["split"] == "eval"), key=lambda r: r["metrics"]["nelbo"])  # mode max
-    record = json.loads((project / "best" / "checkpoints" / "best.json").read_text())
     assert record["step"] == worst["step"] == 40 and record["value"] == pytest.approx(worst["metrics"]["nelbo"])
     assert integrity.steps(project / "best" / "checkpoints") == [40, 80]  # keep=1, plus the best
     report = json.loads(cli("nnx-eval", "best", "--best", "--json", cwd=project).stdout)
@@ -188,12 +193,7 @@ def test_keep_best_keeps_the_best_eval_step_beyond_keep_and_eval_best_uses_it(pr
 
 
 def test_a_best_step_that_a_later_eval_replaces_is_pruned_by_the_end_of_the_run(project: Path):
-    result = cli(
-        "nnx-train", "run.yaml", "checkpoint.keep=1", "checkpoint.keep_best={metric: nelbo, mode: min}",
-        "--workdir", "best_last", cwd=project,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    record = json.loads((project / "best_last" / "checkpoints" / "best.json").read_text())
+    record = train_keeping_one_and_the_best(project, "best_last", "min")
     assert record["step"] == 80  # the last eval is the best: it is both the newest and the best step
     assert integrity.steps(project / "best_last" / "checkpoints") == [80]  # not 40, the best until that eval
 
