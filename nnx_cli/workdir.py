@@ -25,10 +25,15 @@ from nnx_cli.errors import UserError, did_you_mean
 _LAYOUT = {"checkpoints": "a directory", "images": "a directory", "metrics.jsonl": "a file", "config.yaml": "a file"}
 
 
-def check_workdir(workdir: Path) -> None:
-    """Make sure `nnx-train` can use `workdir` (creating it if needed), before any data is loaded."""
+def check_workdir(workdir: Path) -> list[Path]:
+    """Make sure `nnx-train` can use `workdir` (creating it if needed), before any data is loaded.
+
+    Returns the directories it created, innermost first: `remove_if_empty` takes them away again when the run
+    stops before writing anything (a data source that cannot be read leaves no empty work dir behind).
+    """
     if workdir.exists() and not workdir.is_dir():
         raise UserError(f"work dir {str(workdir)!r} is a file; pass --workdir with a directory")
+    created = [p for p in (workdir, *workdir.parents) if not p.exists()]
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -39,6 +44,16 @@ def check_workdir(workdir: Path) -> None:
         path = workdir / name
         if path.exists() and path.is_dir() != (kind == "a directory"):
             raise UserError(f"{str(path)!r} should be {kind}; move it away or pass another --workdir")
+    return created
+
+
+def remove_if_empty(directories: Sequence[Path]) -> None:
+    """Remove `directories` (innermost first) while they are empty: what `check_workdir` made for a run that failed."""
+    for directory in directories:
+        try:
+            directory.rmdir()  # only an empty directory goes
+        except OSError:
+            return
 
 
 def lock_workdir(workdir: Path) -> IO:

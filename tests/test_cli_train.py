@@ -459,6 +459,15 @@ def test_missing_local_dataset(project: Path):
     )
 
 
+def test_a_run_stopped_at_set_up_removes_the_empty_work_dir_it_made_and_keeps_one_that_was_there(project: Path):
+    made = cli("nnx-train", "run.yaml", "data.source=./no/such/data", "--workdir", "new/runs/bad", cwd=project)
+    assert_user_error(made, "data.source")
+    assert not (project / "new").exists()
+    (project / "kept").mkdir()
+    assert_user_error(cli("nnx-train", "run.yaml", "logging.loggers=[tensorbord]", "--workdir", "kept", cwd=project))
+    assert (project / "kept").is_dir()
+
+
 def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: Path):
     result = cli("nnx-train", "run.yaml", "data.source=nnx-tests/not-cached", "--workdir", "bad-hub", cwd=project)
     assert_user_error(result, "data.source", "nnx-tests/not-cached", "cannot be reached", "local copy",

@@ -114,16 +114,20 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     from nnx_cli import hooks
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import check_workdir, update_run_info
+    from nnx_cli.workdir import check_workdir, remove_if_empty, update_run_info
 
-    check_workdir(workdir)  # before any data is read or downloaded
-    exp = setup(cfg, data="train")
-    factories = loggers.resolve_loggers(cfg.logging.loggers)  # an unknown or uninstalled logger stops us here
-    harness_tasks = _harness_tasks(exp)  # so does an unknown harness task, or a missing lm-eval
-    sample_prompts = hooks.eval_prompts(exp) if _writes_samples(exp) else None  # and a prompt that cannot be drawn on
-    if sample_prompts is not None:
-        hooks.check_sample_prompts(exp, sample_prompts)
-    session = open_session(exp, workdir, resume)
+    created = check_workdir(workdir)  # before any data is read or downloaded
+    try:
+        exp = setup(cfg, data="train")
+        factories = loggers.resolve_loggers(cfg.logging.loggers)  # an unknown or uninstalled logger stops us here
+        harness_tasks = _harness_tasks(exp)  # so does an unknown harness task, or a missing lm-eval
+        sample_prompts = hooks.eval_prompts(exp) if _writes_samples(exp) else None  # and an unusable prompt
+        if sample_prompts is not None:
+            hooks.check_sample_prompts(exp, sample_prompts)
+        session = open_session(exp, workdir, resume)
+    except BaseException:
+        remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir
+        raise
     try:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
