@@ -194,6 +194,23 @@ def test_backward_pass_keeps_no_dequantized_kernel(kernel):
     assert (128, 48) not in saved
 
 
+def test_grad_over_a_quantized_kernel_names_its_integer_part_and_the_filter_that_leaves_it_out():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.QuantizedKernel(128, 8, value=jnp.ones((128, 8)))
+            self.bias = nnx.Param(jnp.zeros(8))
+
+        def __call__(self, x):
+            return self.kernel(x, dtype=jnp.float32) + self.bias
+
+    model, x = Model(), jnp.ones((2, 128))
+    loss = lambda model, x: jnp.sum(model(x) ** 2)  # noqa: E731
+    with pytest.raises(TypeError, match=r"'kernel/absmax' \(nnx.QuantizedParam, uint8\) cannot be differentiated"):
+        nnx.grad(loss)(model, x)
+    grads = nnx.grad(loss, wrt=nnx.All(nnx.Param, nnx.Not(nnx.QuantizedParam)))(model, x)
+    assert list(grads.keys()) == ["bias"]
+
+
 def test_product_runs_in_bfloat16(kernel):
     x = jax.random.normal(jax.random.key(2), (5, 128))
     y = kernel(x, dtype=jnp.bfloat16)

@@ -36,7 +36,9 @@ def grad(
     path.startswith('backbone'))`` freezes the backbone. With ``stateful=True``
     the other state changes made inside (batch statistics, counters) are
     written back to ``module``. With ``has_aux=True``, ``fun`` returns
-    ``(loss, aux)`` and the call returns ``(grads, aux)``.
+    ``(loss, aux)`` and the call returns ``(grads, aux)``. An integer node
+    that ``wrt`` selects (the codes of an ``nnx.QuantizedKernel``) is a
+    ``TypeError`` naming it, unless ``allow_int=True``.
     """
     if fun is None:
         return functools.partial(
@@ -54,6 +56,8 @@ def grad(
         kwargs = partition_ctx(kwargs)
         state, moduledef = module.partition()
         diff, rest = state.partition(wrt, ...)
+        if not allow_int:
+            _check_differentiable(diff)
         boxed = frozenset(path for path, value in diff.items() if not isinstance(value, containers.Container))
         if boxed:
             diff = State({path: containers.Node(value) if path in boxed else value for path, value in diff.items()})
@@ -80,3 +84,17 @@ def grad(
         return (grads, aux) if has_aux else grads
 
     return grad_fn
+
+
+def _check_differentiable(diff: State) -> None:
+    """Name the first integer or boolean node that ``wrt`` selected: jax.grad would only name its dtype."""
+    for path, value in diff.items():
+        array = value.value if isinstance(value, containers.Container) else value
+        dtype = getattr(array, "dtype", None)
+        if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+            kind = type(value).__name__
+            kind = f"nnx.{kind}" if type(value).__module__.split(".")[0] == "nnx" else kind
+            raise TypeError(
+                f"nnx.grad: {path!r} ({kind}, {dtype}) cannot be differentiated, and `wrt` selects it; narrow `wrt` "
+                f"(e.g. wrt=nnx.LoRAParam, or nnx.All(nnx.Param, nnx.Not({kind}))) or pass allow_int=True"
+            )
