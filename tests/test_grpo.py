@@ -102,6 +102,35 @@ def test_completions_are_decoded_without_the_prompt_and_without_their_end_token_
     assert stop_ids(tokenizer, chat=True) == tuple(BATCH["eos"])  # generation_config's and the tokenizer's eos
 
 
+def test_a_special_token_drawn_mid_completion_is_no_text_for_the_rewards_as_in_trl():
+    tokenizer = load_tokenizer("pretrained", str(fixture("llama")))
+    drawn = fixture_drawn()
+    i = int(np.argmin(drawn["lengths"]))  # room for one more token
+    bos = tokenizer.encode("")[0]  # the begin-of-text id the post-processor adds
+    row = drawn["completions"][i].tolist()
+    drawn["completions"][i] = [*row[:1], bos, *row[1:-1]]
+    drawn["lengths"][i] += 1
+    assert tokenizer.decode_all([bos]) != ""  # written out unless left out
+    assert rollouts.completion_texts(tokenizer, drawn)[i] == BATCH["texts"][i]
+
+
+def test_tokens_tokenizer_config_names_special_are_left_out_even_where_tokenizer_json_has_them_as_plain(tmp_path):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "a": 3, "b": 4}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # no added tokens: <s> is a plain word
+    word_level.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    word_level.decoder = decoders.Fuse()
+    word_level.save(str(tmp_path / "tokenizer.json"))
+    settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 5}))
+    tokenizer = load_tokenizer("pretrained", str(tmp_path))
+    assert tokenizer.decode_all([3, 0, 4, 2, 3]) == "a<s>b<unk>a"
+    drawn = {"completions": np.array([[3, 0, 4, 2, 3, 1]]), "lengths": np.array([6]), "stopped": np.array([True])}
+    assert rollouts.completion_texts(tokenizer, drawn) == ["aba"]
+
+
 def test_a_long_prompt_keeps_its_last_tokens_to_leave_room_for_the_completion(tmp_path, capsys):
     long = {"prompt": "Who keeps the bridge and the mill by the river? " * 6, "answer": "e"}
     exp = experiment(tmp_path, [*RECORD["prompts"], long], rewards=["exact_match"], reward_weights=None)

@@ -83,6 +83,7 @@ class PretrainedTokenizer(HFTokenizer):
         settings = _read_json(directory / "tokenizer_config.json")
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
+        self.special_ids = self._special_ids(settings)
         self.chat_template = self._template(settings)
         self.prefix, self.suffix = self._specials()
         generation = _read_json(directory / "generation_config.json")
@@ -108,6 +109,27 @@ class PretrainedTokenizer(HFTokenizer):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         return template if isinstance(template, str) else None
+
+    def _special_ids(self, settings: dict[str, Any]) -> frozenset[int]:
+        """The ids `transformers` counts special: tokenizer_config.json's named special tokens and those its
+        `added_tokens_decoder` marks special, which transformers registers as special with the tokenizer even
+        when tokenizer.json does not (a word-level vocabulary's `<s>` is a plain token there)."""
+        names = [settings.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                                           "cls_token", "mask_token")]  # fmt: skip
+        extra = settings.get("additional_special_tokens") or settings.get("extra_special_tokens") or []
+        names += list(extra.values()) if isinstance(extra, dict) else list(extra) if isinstance(extra, list) else []
+        ids = {self._tokenizer.token_to_id(t) for t in map(_token_text, names) if t is not None}
+        added = settings.get("added_tokens_decoder")
+        if isinstance(added, dict):
+            ids |= {int(k) for k, v in added.items() if str(k).isdigit() and isinstance(v, dict) and v.get("special")}
+        return frozenset(i for i in ids if i is not None)
+
+    def decode_all(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = False) -> str:
+        """The text of `ids` as `transformers` decodes them; with `skip_special_tokens`, without any of
+        `special_ids` either."""
+        if skip_special_tokens and self.special_ids:
+            ids = [i for i in np.asarray(ids).tolist() if i not in self.special_ids]
+        return super().decode_all(ids, skip_special_tokens=skip_special_tokens)
 
     def _specials(self) -> tuple[list[int], list[int]]:
         """The ids the post-processor puts before and after a text (Llama: `[bos]`, `[]`)."""

@@ -115,12 +115,17 @@ def _sampler(moduledef: nnx.ModuleDef, max_new_tokens: int, temperature: float, 
 
 def completion_texts(tokenizer: Any, drawn: dict[str, np.ndarray]) -> list[str]:
     """Each completion's text (`completions`, `lengths`, `stopped` as `sample_completions` gives them): without the
-    prompt and without its stop token."""
+    prompt and without its stop token, and without any special token drawn on the way, as TRL decodes them
+    (`batch_decode(..., skip_special_tokens=True)`): a `<s>` drawn mid-completion is no text for a reward to see."""
     from nnx_cli.decoding import text_of
 
     out = []
     for ids, n, stopped in zip(drawn["completions"], drawn["lengths"], drawn["stopped"]):
-        out.append(text_of(tokenizer, [int(t) for t in ids[: int(n) - int(stopped)]]))
+        kept = [int(t) for t in ids[: int(n) - int(stopped)]]
+        if hasattr(tokenizer, "decode_all"):
+            out.append(tokenizer.decode_all(kept, skip_special_tokens=True))
+        else:
+            out.append(text_of(tokenizer, kept))  # the bytes tokenizer: no special token but its end of document
     return out
 
 
