@@ -3,7 +3,7 @@ samples from a model directory.
 
     REFERENCE_PYTHON benchmarks/reference/trl_grpo.py train MODEL_DIR TRAIN.jsonl OUT_DIR
         [--lora RANK ALPHA --save-init DIR] [--learning-rate 3e-3] [--prompts 4] [--generations 8]
-        [--max-new-tokens 16] [--log-every 5]
+        [--max-new-tokens 16] [--log-every 5] [--seed 0]
     REFERENCE_PYTHON benchmarks/reference/trl_grpo.py score MODEL_DIR PROMPTS.jsonl OUT.json
         [--generations 8] [--max-new-tokens 16] [--seed 0]
 
@@ -13,7 +13,8 @@ Run in the benchmark's work dir: the reward function is `bench_rewards.vowels` f
 nnx's batches take them; `--prompts` per step, one pass), `--generations` completions of at most
 `--max-new-tokens` tokens per prompt at temperature 1, TRL's default loss (dapo), beta 0, one iteration, AdamW at a
 constant learning rate (no warm-up, no weight decay, gradient norm clipped at 1.0 as TRL's default), float32 on
-the CPU. With `--lora`, a PEFT adapter of that rank and alpha on all seven projections trains (saved as
+the CPU, torch and the trainer seeded with `--seed` (the adapter's initialisation and the sampling). With
+`--lora`, a PEFT adapter of that rank and alpha on all seven projections trains (saved as
 initialised to `--save-init` first, so nnx starts from the same one). OUT_DIR gets `log.json` (the logged reward
 and its spread, completion lengths, each step's seconds) and `model/`, the trained weights (merged, under LoRA).
 
@@ -58,7 +59,7 @@ def train(model_dir: str, train_path: str, out_dir: str) -> None:
     import peft
     import trl
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if args.lora:
@@ -74,7 +75,7 @@ def train(model_dir: str, train_path: str, out_dir: str) -> None:
         num_generations=args.generations, max_completion_length=args.max_new_tokens, temperature=1.0,
         max_steps=steps, learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, logging_steps=args.log_every, save_strategy="no",
-        report_to="none", use_cpu=True, bf16=False, fp16=False, seed=0, shuffle_dataset=False,
+        report_to="none", use_cpu=True, bf16=False, fp16=False, seed=args.seed, shuffle_dataset=False,
         disable_tqdm=True,
     )  # fmt: skip
     seconds: list[float] = []
