@@ -167,7 +167,8 @@ def _load_directory(source: str, path: Path, *args: Any, **kwargs: Any) -> Any:
     read = {Path(f).resolve() for files in (builder.config.data_files or {}).values() for f in files}
     if read:
         _warn_left_out(source, path, read, [str(split) for split in builder.config.data_files])
-    return datasets.load_dataset(*args, **kwargs)
+    builder.download_and_prepare()  # what load_dataset does with the builder, without listing the files again
+    return builder.as_dataset()
 
 
 def _warn_left_out(source: str, path: Path, read: set[Path], splits: list[str]) -> None:
