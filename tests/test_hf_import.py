@@ -401,7 +401,13 @@ def test_a_directory_without_config_json_is_named(tmp_path, llama_dir):
          r"'layer_types' has sliding_attention layers while use_sliding_window is false"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"'rope_scaling' has rope type 'yarn'"),
         ({"hidden_act": "gelu"}, r"'hidden_act' is 'gelu': an activation other than silu"),
-        ({"auto_map": {"AutoModelForCausalLM": "m.M"}}, r"'auto_map' asks to run the model directory's own code"),
+        ({"auto_map": {"AutoModelForCausalLM": "m.M"}}, r"'auto_map' asks to run the model directory's own code "
+         r"\(trust_remote_code\), which nnx never does; its architectures name the built-in LlamaForCausalLM, which "
+         r"nnx reads as transformers does without trust_remote_code: delete the auto_map entry from config.json"),
+        ({"architectures": ["EvilForCausalLM"], "auto_map": {"AutoModelForCausalLM": "m.M"}},
+         r"'auto_map' asks to run the model directory's own code \(trust_remote_code\), which nnx never does; "
+         r"supported families: Llama"),
+        ({"architectures": "LlamaForCausalLM"}, r"'architectures' is a string; it should be a list"),
         ({"architectures": ["Gemma3ForConditionalGeneration"]}, r"'Gemma3ForConditionalGeneration', which is not"),
         ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
           "long_factor": [2.0] * 4}}, r"'rope_scaling' has rope type 'longrope'"),
@@ -410,7 +416,8 @@ def test_a_directory_without_config_json_is_named(tmp_path, llama_dir):
         ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"}, r"'hidden_activation' is 'gelu'"),
         ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": None}, r"'sliding_window' is null, but layer"),
     ],
-    ids=["architecture", "sliding-window", "rope-type", "activation", "remote-code", "multimodal", "longrope",
+    ids=["architecture", "sliding-window", "rope-type", "activation", "remote-code-built-in", "remote-code",
+         "architectures-string", "multimodal", "longrope",
          "bidirectional", "gemma-activation", "window-missing"],
 )  # fmt: skip
 def test_unsupported_architectures_and_options_name_the_key_and_the_families(tmp_path, llama_dir, change, message):

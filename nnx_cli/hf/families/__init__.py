@@ -99,13 +99,22 @@ SHAPE_OPTIONS = (
 def family_of(data: Mapping[str, Any], path: str) -> Family:
     """The family `config.json` names in `architectures[0]`; an unknown one or remote code is a UserError."""
     config = Config(data, path)
-    if "auto_map" in data:
-        raise config.error(
-            "auto_map",
-            "asks to run the model directory's own code (trust_remote_code), which nnx never does; "
-            f"supported families: {_SUPPORTED_TEXT}",
-        )
     architectures = data.get("architectures")
+    if "auto_map" in data:
+        named = architectures[0] if isinstance(architectures, list) and architectures else None
+        fix = (
+            f"; its architectures name the built-in {named}, which nnx reads as transformers does without "
+            "trust_remote_code: delete the auto_map entry from config.json to read it so"
+            if named in FAMILIES
+            else f"; supported families: {_SUPPORTED_TEXT}"
+        )
+        raise config.error(
+            "auto_map", f"asks to run the model directory's own code (trust_remote_code), which nnx never does{fix}"
+        )
+    if isinstance(architectures, str):
+        raise config.error(
+            "architectures", f"is a string; it should be a list of class names, e.g. [{architectures!r}]"
+        )
     if not isinstance(architectures, list) or not architectures:
         raise config.error("architectures", f"is missing or empty; supported families: {_SUPPORTED_TEXT}")
     if architectures[0] not in FAMILIES:
