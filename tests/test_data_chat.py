@@ -326,3 +326,29 @@ def test_format_and_max_len_are_checked_with_the_config():
         load_config(None, ["data.format=dialogue"])
     with pytest.raises(UserError, match=r"'data.max_len' must be at least 2"):
         load_config(None, ["data.max_len=1"])
+
+
+def test_a_template_sees_the_special_tokens_a_directory_names_and_nothing_for_those_it_does_not(tmp_path):
+    import shutil
+
+    from nnx_cli.data import chat as chats
+
+    directory = tmp_path / "llama"
+    shutil.copytree(fixture("llama"), directory)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    named = {"bos_token": settings.pop("bos_token"), "eos_token": settings.pop("eos_token")}
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "pad_token": "<|eot_id|>"}))
+    (directory / "special_tokens_map.json").write_text(json.dumps(named))  # older directories name them only here
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ pad_token }}{{ unk_token }}{% endfor %}"
+
+    def rendered() -> str:
+        hf.pretrained_tokenizer.cache_clear()
+        tokenizer = hf.pretrained_tokenizer(str(directory))
+        messages = [{"role": "user", "content": "Hi"}]
+        return chats.render(
+            template, messages, add_generation_prompt=False, special_tokens=chats.special_tokens(tokenizer)
+        )
+
+    assert rendered() == f"{named['bos_token']}Hi<|eot_id|>"
+    (directory / "special_tokens_map.json").unlink()
+    assert rendered() == "Hi<|eot_id|>"  # transformers renders an unnamed token as nothing, not 'None'

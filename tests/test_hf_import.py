@@ -549,3 +549,24 @@ def test_a_cached_hub_model_is_read_offline(tmp_path, llama_dir):
     assert result.returncode == 0, result.stderr
     count = sum(int(np.prod(t.shape)) for t in write_model_dir(tmp_path / "again", LLAMA_CONFIG).values())
     assert json.loads(result.stdout)["total_params"] == count
+
+
+def test_stops_are_generation_configs_ids_when_it_is_there_else_config_jsons_never_the_tokenizers(tmp_path):
+    directory = tmp_path / "llama"
+    shutil.copytree(fixture("llama"), directory)
+    generation = json.loads((directory / "generation_config.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+
+    def stops() -> tuple[tuple[int, ...], tuple[int, ...]]:
+        hf.pretrained_tokenizer.cache_clear()
+        tokenizer = hf.pretrained_tokenizer(str(directory))
+        return tokenizer.stop_ids, tokenizer.chat_stop_ids
+
+    eos = hf.pretrained_tokenizer(str(directory)).token_id(
+        json.loads((directory / "tokenizer_config.json").read_text())["eos_token"]
+    )
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": None}))
+    assert stops() == ((), (eos,))  # transformers' generate reads no other file then: it stops nowhere
+    (directory / "generation_config.json").unlink()
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": [7, 9]}))
+    assert stops() == ((7, 9), (7, 9, eos))

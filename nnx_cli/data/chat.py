@@ -88,9 +88,11 @@ def render(
         raise TemplateFailed(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
-def special_tokens(tokenizer: Any) -> dict[str, str | None]:
-    """The special tokens a template may name, from a `PretrainedTokenizer`."""
-    return {"bos_token": getattr(tokenizer, "bos_token", None), "eos_token": getattr(tokenizer, "eos_token", None)}
+def special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """The special tokens a template may name (`bos_token`, `eos_token`, `pad_token`, ...), from a
+    `PretrainedTokenizer`: only those its directory names, so that a template naming another renders nothing
+    there, as in `transformers`, rather than the text `None`."""
+    return dict(getattr(tokenizer, "template_tokens", {}))
 
 
 def prompt_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:

@@ -50,6 +50,19 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+_NAMED = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _template_tokens(settings: dict[str, Any]) -> dict[str, Any]:
+    """The special tokens a chat template sees by name, as `transformers` passes them: those the directory
+    names (a template naming one it does not gets nothing, not the text `None`), and the additional ones."""
+    tokens: dict[str, Any] = {k: text for k in _NAMED if (text := _token_text(settings.get(k))) is not None}
+    extra = settings.get("additional_special_tokens")
+    if isinstance(extra, list):
+        tokens["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
+    return tokens
+
+
 def _ids(value: Any) -> list[int]:
     if isinstance(value, bool):
         return []
@@ -81,17 +94,20 @@ class PretrainedTokenizer(HFTokenizer):
         super().__init__(PRETRAINED, tokenizer)
         self.directory = directory
         settings = _read_json(directory / "tokenizer_config.json")
+        # older directories name their special tokens only in special_tokens_map.json, which transformers reads too
+        named = _read_json(directory / "special_tokens_map.json")
+        settings = {**named, **{k: v for k, v in settings.items() if v is not None}}
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
+        self.template_tokens = _template_tokens(settings)
         self.special_ids = self._special_ids(settings)
         self.chat_template = self._template(settings)
         self.prefix, self.suffix = self._specials()
-        generation = _read_json(directory / "generation_config.json")
-        model = _read_json(directory / "config.json")
-        stops = _ids(generation.get("eos_token_id")) or _ids(model.get("eos_token_id"))
+        # where transformers' generate stops: generation_config.json's ids when the file is there (config.json's
+        # are not read then), else config.json's; never the tokenizer's eos_token, which ends a chat turn
+        generation = directory / "generation_config.json"
+        stops = _ids(_read_json(generation if generation.is_file() else directory / "config.json").get("eos_token_id"))
         eos = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
-        if not stops and eos is not None:
-            stops = [eos]
         if self.eod_id >= self._base_vocab and eos is not None:  # no end-of-text token: documents end with eos
             self.eod_id, self.vocab_size = eos, self._base_vocab
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
@@ -114,8 +130,7 @@ class PretrainedTokenizer(HFTokenizer):
         """The ids `transformers` counts special: tokenizer_config.json's named special tokens and those its
         `added_tokens_decoder` marks special, which transformers registers as special with the tokenizer even
         when tokenizer.json does not (a word-level vocabulary's `<s>` is a plain token there)."""
-        names = [settings.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                                           "cls_token", "mask_token")]  # fmt: skip
+        names = [settings.get(k) for k in _NAMED]
         extra = settings.get("additional_special_tokens") or settings.get("extra_special_tokens") or []
         names += list(extra.values()) if isinstance(extra, dict) else list(extra) if isinstance(extra, list) else []
         ids = {self._tokenizer.token_to_id(t) for t in map(_token_text, names) if t is not None}
