@@ -570,3 +570,27 @@ def test_stops_are_generation_configs_ids_when_it_is_there_else_config_jsons_nev
     (directory / "generation_config.json").unlink()
     (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": [7, 9]}))
     assert stops() == ((7, 9), (7, 9, eos))
+
+
+def test_a_stored_head_of_other_values_is_read_untied_whatever_tie_word_embeddings_says(tmp_path, llama_dir, capfd):
+    from safetensors.numpy import load_file, save_file
+
+    target = broken(tmp_path, llama_dir)  # untied: its lm_head.weight differs from the embedding
+    (target / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "tie_word_embeddings": True}))
+    got, untied = loaded(target), loaded(llama_dir)
+    assert np.array_equal(got["head/kernel"], untied["head/kernel"])  # as transformers 5 reads it
+    assert "lm_head.weight of other values; it is read untied" in capfd.readouterr().err
+    hf.open_pretrained.cache_clear()
+    for shard in target.glob("*.safetensors"):  # the same head as the embedding: tied, one table
+        tensors = load_file(shard)
+        if "lm_head.weight" in tensors:
+            tensors.pop("lm_head.weight")
+            save_file(tensors, shard, metadata={"format": "pt"})
+    tensors = {k: v for shard in target.glob("*.safetensors") for k, v in load_file(shard).items()}
+    save_file(
+        {"lm_head.weight": tensors["model.embed_tokens.weight"]}, target / "head.safetensors", metadata={"format": "pt"}
+    )
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "head.safetensors"
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "head/kernel" not in loaded(target)

@@ -22,6 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nnx_cli.data import tokenizers
 from nnx_cli.errors import UserError
 from nnx_cli.hf import bnb, families
@@ -162,8 +164,40 @@ def open_pretrained(source: str) -> Pretrained:
     if quantize is not None:  # a bitsandbytes checkpoint: a quantised base unless the YAML says otherwise
         options["quantize"] = quantize
     weights = Weights.open(directory)
+    if options.get("tie_embeddings") and _head_of_its_own(weights, family, options):
+        options["tie_embeddings"] = False
+        _say(
+            f"note: {directory / 'config.json'} ties the output head to the embedding (tie_word_embeddings), but "
+            "the weights hold an lm_head.weight of other values; it is read untied, as transformers reads it"
+        )
     maps = weights.check(family, options)
     return Pretrained(source, directory, family, options, weights, maps)
+
+
+def _head_of_its_own(weights: Weights, family: families.Family, options: dict[str, Any]) -> bool:
+    """Whether the files hold an `lm_head.weight` that differs from the embedding (compared a block of rows at a
+    time), for a family that can read an untied head: transformers 5 then keeps the two apart, whatever
+    `tie_word_embeddings` says."""
+    if "lm_head.weight" not in weights.files:
+        return False
+    untied = family.tensors({**options, "tie_embeddings": False}, weights.files)
+    if not any(m.name == "lm_head.weight" for m in untied):
+        return False
+    embedding = next(m.name for m in untied if m.path == "embedding/embedding")
+    head, table = weights.view("lm_head.weight"), weights.view(embedding)
+    if head.shape != table.shape:
+        return True
+    rows = max(1, (64 << 20) // max(1, head[0].nbytes))
+    return any(not np.array_equal(head[i : i + rows], table[i : i + rows]) for i in range(0, len(head), rows))
+
+
+def _say(message: str) -> None:
+    import sys
+
+    import jax
+
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def apply_pretrained(cfg: Any) -> Pretrained | None:
