@@ -24,8 +24,8 @@ from nnx_cli.hf import chat
 from nnx_cli.lm import encode_prompt, stops
 
 WINDOWED = ["gemma2", "gemma3", "phi3", "mistral_window", "qwen2_window"]
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", *WINDOWED]
-CHATS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
+FAMILIES = ["llama", "llama2", "mistral", "qwen2", "qwen3", "gpt2", *WINDOWED]
+CHATS = ["llama", "llama2", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
 FLOAT32 = 1e-4  # of the largest golden logit
 BFLOAT16 = 0.025  # bfloat16 keeps 8 bits of mantissa: measured 0.75-1.1% of the largest logit, 2 layers deep
 

@@ -73,6 +73,33 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
+def _rebuilt_as_llama(settings: dict[str, Any], config: dict[str, Any], path: Path) -> bool:
+    """Whether `transformers`' AutoTokenizer builds this directory's tokenizer as its `LlamaTokenizer`, which keeps
+    tokenizer.json's vocabulary, merges and post-processor and replaces the rest: a `model_type: llama` directory
+    whose tokenizer_config.json names `LlamaTokenizer` (Llama 2, TinyLlama), unless its tokenizer.json is
+    byte-level (Llama 3 names that class too). Other model types naming it (Mistral, Phi-3) get tokenizer.json
+    as it is."""
+    named = settings.get("tokenizer_class") or config.get("tokenizer_class")
+    if config.get("model_type") != "llama" or not isinstance(named, str):
+        return False
+    return named.removesuffix("Fast") == "LlamaTokenizer" and '"ByteLevel"' not in path.read_text()
+
+
+def _as_llama_tokenizer(tokenizer: Any, settings: dict[str, Any]) -> None:
+    """`tokenizer` as `transformers`' LlamaTokenizer rebuilds it: no normalizer; a `▁` for each space and one
+    before the text (`legacy: false`, the default: before its first piece only, none after a special token;
+    `legacy: true`: before every piece; `add_prefix_space: false`: none); decoding back, that first `▁` dropped."""
+    from tokenizers import decoders, pre_tokenizers
+
+    prefix = settings.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if settings.get("legacy", False) else "first") if prefix else "never"
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+
+
 class PretrainedTokenizer(HFTokenizer):
     """The tokenizer of a Hugging Face model directory; see the module docstring."""
 
@@ -91,12 +118,14 @@ class PretrainedTokenizer(HFTokenizer):
             tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises plain Exceptions for unreadable files
             raise UserError(f"{path}: not a readable tokenizer.json ({type(e).__name__}: {e})") from None
-        super().__init__(PRETRAINED, tokenizer)
-        self.directory = directory
         settings = _read_json(directory / "tokenizer_config.json")
         # older directories name their special tokens only in special_tokens_map.json, which transformers reads too
         named = _read_json(directory / "special_tokens_map.json")
         settings = {**named, **{k: v for k, v in settings.items() if v is not None}}
+        if _rebuilt_as_llama(settings, _read_json(directory / "config.json"), path):
+            _as_llama_tokenizer(tokenizer, settings)
+        super().__init__(PRETRAINED, tokenizer)
+        self.directory = directory
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
         self.template_tokens = _template_tokens(settings)
