@@ -225,6 +225,66 @@ def test_a_run_from_scratch_with_the_bytes_tokenizer_exports_its_256_bytes_and_e
     assert np.abs(again - reference).max() / np.abs(reference).max() < 1e-5
 
 
+LLAMA_SHAPE = ["model.positions=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false"]
+
+
+def scratch(tmp_path, *options: str) -> export.Source:
+    """A run from scratch on the bytes tokenizer with `options`, its initial parameters as the weights."""
+    from nnx_cli.config import load_config
+    from nnx_cli.data.tokenizers import BytesTokenizer
+
+    base = ["model.name=transformer_lm", "model.num_layers=2", "model.num_heads=4", "model.embed_dim=32",
+            "model.dropout=0.0", "data.text_key=text", "data.seq_len=32"]  # fmt: skip
+    exp = setup(load_config(None, [*base, *options]), data=None)
+    arrays = {p: np.asarray(v.value) for p, v in exp.init_state()["params"].items()}
+    (tmp_path / "files").mkdir()
+    return export.from_run(exp, arrays, BytesTokenizer(), tmp_path / "files", name="scratch")
+
+
+def test_a_gpt2_run_with_an_mlp_width_of_its_own_writes_that_width_and_reads_back(tmp_path):
+    export.write(scratch(tmp_path, "model.mlp_dim=96"), tmp_path / "scratch.gguf", "f32")
+    assert summary(tmp_path / "scratch.gguf")["metadata"]["gpt2.feed_forward_length"][1] == 96  # not 4 x 32
+    exp = setup(hf.model_dir_config(tmp_path / "scratch.gguf", []), data=None)
+    assert exp.cfg.model.options["mlp_dim"] == 96
+
+
+def test_an_olmoe_run_writes_its_own_norm_epsilon(tmp_path):
+    moe = ["model.moe={num_experts: 4, top_k: 2, normalize: false}", "model.qk_norm=true",
+           "model.qk_norm_scope=projection", "model.tie_embeddings=false", "model.norm_eps=0.001"]  # fmt: skip
+    export.write(scratch(tmp_path, *LLAMA_SHAPE, *moe), tmp_path / "olmoe.gguf", "f32")
+    fields = summary(tmp_path / "olmoe.gguf")["metadata"]
+    assert fields["general.architecture"][1] == "olmoe"
+    assert fields["olmoe.attention.layer_norm_rms_epsilon"][1] == pytest.approx(0.001)  # the converter writes 1e-5
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["model.qk_norm=true", "model.qk_norm_scope=projection"], "qk_norm_scope projection .* without experts"),
+        (["model.qkv_bias=true", "model.rope_scaling={type: llama3, factor: 8.0, low_freq_factor: 1.0, "
+          "high_freq_factor: 4.0, original_max_position_embeddings: 16}"],
+         "the run's model options: llama3 rotary scaling on a Qwen2ForCausalLM; .* its qwen2 would run without it"),
+        (["model.moe={num_experts: 4, top_k: 2, normalize: false}", "model.qk_norm=true",
+          "model.qk_norm_scope=projection"], "an OLMoE whose output head is its embedding .* needs a head of its own"),
+    ],
+    ids=["dense-projection-qk-norm", "qwen2-llama3-rope", "tied-olmoe"],
+)  # fmt: skip
+def test_runs_llama_cpp_would_compute_otherwise_are_refused(tmp_path, options, message):
+    with pytest.raises(UserError, match=message):
+        export.write(scratch(tmp_path, *LLAMA_SHAPE, *options), tmp_path / "out.gguf", "f32")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_expert_weighting_llama_cpp_does_otherwise_is_noted():
+    from nnx_cli.gguf import families
+
+    olmoe = families.differences("OlmoeForCausalLM", families.HParams({"norm_topk_prob": True}))
+    qwen = families.differences("Qwen3MoeForCausalLM", families.HParams({"norm_topk_prob": False}))
+    assert "not renormalised to sum to 1 (norm_topk_prob)" in olmoe[0]
+    assert "renormalises the weights of this Qwen3-MoE's chosen experts" in qwen[0]
+    assert families.differences("Qwen3MoeForCausalLM", families.HParams({"norm_topk_prob": True})) == []
+
+
 # In: a .gguf file as a model
 # ------------------------------------------------------------------------------------------------------------------
 

@@ -173,7 +173,8 @@ def write(source: Source, out: Path, dtype: str | None = None, *, overwrite: boo
     check_dtype(dtype)
     check_out(out, overwrite)
     dtype = dtype or default_dtype(source.stored)
-    where = str(source.files / "config.json")
+    # a run from scratch has no config.json of its own: the one in `files` is written from its options
+    where = str(source.card / "config.json") if source.card is not None else "the run's model options"
     arch, hp = families.arch_of(source.architecture, source.config, where)
     vocab_size = source.config.get("vocab_size")
     vocab = Vocab.read(source.files, vocab_size=vocab_size, architecture=source.architecture)

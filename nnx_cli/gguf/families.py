@@ -81,6 +81,13 @@ def differences(architecture: str, hp: HParams) -> list[str]:
         if scalar != used:
             notes.append(f"llama.cpp scales this {architecture}'s attention by {used} ** -0.5, not by its "
                          f"query_pre_attn_scalar {scalar} ** -0.5: it computes other logits")  # fmt: skip
+    normalize = hp.get("norm_topk_prob")
+    if architecture == "OlmoeForCausalLM" and normalize:
+        notes.append("llama.cpp's olmoe weighs this OLMoE's chosen experts by their router probabilities as they are, "
+                     "not renormalised to sum to 1 (norm_topk_prob): it computes other logits")  # fmt: skip
+    if architecture == "Qwen3MoeForCausalLM" and not normalize:
+        notes.append("llama.cpp's qwen3moe renormalises the weights of this Qwen3-MoE's chosen experts to sum to 1, "
+                     "which it does not (norm_topk_prob false): it computes other logits")  # fmt: skip
     return notes
 
 
@@ -95,4 +102,9 @@ def arch_of(architecture: str, config: Mapping[str, Any], where: str) -> tuple[A
     arch, hp = ARCHES[architecture], HParams(config)
     if arch.check is not None:
         arch.check(hp, where)
+    if arch.name != "llama" and str(hp.global_rope.get("rope_type", "")).lower() == "llama3":
+        raise UserError(
+            f"{where}: llama3 rotary scaling on a {architecture}; llama.cpp applies it to its llama architecture only "
+            f"(as rope_freqs.weight), and its {arch.name} would run without it"
+        )
     return arch, hp

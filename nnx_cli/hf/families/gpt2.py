@@ -104,7 +104,7 @@ def _gpt2(hp: HParams, w: Any) -> None:
     w.add_block_count(hp.get("n_layer"))
     w.add_context_length(hp.first("n_ctx", "n_positions"))  # transformers 5 no longer writes n_ctx
     w.add_embedding_length(hp.get("n_embd"))
-    w.add_feed_forward_length(4 * hp.get("n_embd"))
+    w.add_feed_forward_length(hp.get("n_inner") or 4 * hp.get("n_embd"))  # the converter's 4 x, unless n_inner
     w.add_head_count(hp.get("n_head"))
     w.add_layer_norm_eps(hp.get("layer_norm_epsilon", 1e-5))
 

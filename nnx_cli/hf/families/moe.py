@@ -153,7 +153,7 @@ def _qwen3_moe(hp: HParams, w: Any) -> None:
 
 def _olmoe(hp: HParams, w: Any) -> None:
     _common(hp, w)
-    w.add_layer_norm_rms_eps(1e-5)  # what llama.cpp's converter writes for every OLMoE
+    w.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-5))  # the converter writes 1e-5, every OLMoE's
 
 
 def _check_qwen3_moe(hp: HParams, where: str) -> None:
@@ -172,6 +172,11 @@ def _check_olmoe(hp: HParams, where: str) -> None:
         raise UserError(
             f"{where}: an OLMoE with {kv} key-value heads for {heads} query heads; llama.cpp's olmoe normalises the "
             "keys of all heads together and shares none, so it cannot run this model"
+        )
+    if hp.get("tie_word_embeddings"):
+        raise UserError(
+            f"{where}: an OLMoE whose output head is its embedding (tie_word_embeddings); llama.cpp's olmoe needs a "
+            "head of its own, so it cannot run this model (train it with model.tie_embeddings=false)"
         )
 
 

@@ -44,6 +44,11 @@ def architecture_of(options: Mapping[str, Any]) -> str:
     if options.get("moe"):
         return _moe_architecture(options, llama, unwritten)
     if not llama:
+        if options.get("qk_norm") and options.get("qk_norm_scope", "head") != "head":
+            raise UserError(
+                "model.qk_norm_scope projection (q/k norms over all heads at once) without experts is in no Hugging "
+                "Face family nnx writes (Qwen3's normalise each head): it cannot be exported"
+            )
         if options.get("qkv_bias") and options.get("qk_norm"):
             raise UserError("model.qkv_bias and model.qk_norm together are in no Hugging Face family (Qwen2 has the "
                             "first, Qwen3 the second): it cannot be exported")  # fmt: skip
