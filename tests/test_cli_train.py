@@ -463,9 +463,10 @@ def test_a_run_stopped_at_set_up_removes_the_empty_work_dir_it_made_and_keeps_on
     made = cli("nnx-train", "run.yaml", "data.source=./no/such/data", "--workdir", "new/runs/bad", cwd=project)
     assert_user_error(made, "data.source")
     assert not (project / "new").exists()
-    (project / "kept").mkdir()
-    assert_user_error(cli("nnx-train", "run.yaml", "logging.loggers=[tensorbord]", "--workdir", "kept", cwd=project))
-    assert (project / "kept").is_dir()
+    (project / "was-there").mkdir()
+    result = cli("nnx-train", "run.yaml", "logging.loggers=[tensorbord]", "--workdir", "was-there", cwd=project)
+    assert_user_error(result)
+    assert (project / "was-there").is_dir()
 
 
 def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: Path):
