@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.data import tokenizers
+from nnx_cli.data.sources import notice
 from nnx_cli.errors import UserError
 from nnx_cli.hf import bnb, families
 from nnx_cli.hf.hub import is_model_dir, resolve
@@ -166,9 +167,10 @@ def open_pretrained(source: str) -> Pretrained:
     weights = Weights.open(directory)
     if options.get("tie_embeddings") and _head_of_its_own(weights, family, options):
         options["tie_embeddings"] = False
-        _say(
+        notice(
+            ("untied head", str(directory)),
             f"note: {directory / 'config.json'} ties the output head to the embedding (tie_word_embeddings), but "
-            "the weights hold an lm_head.weight of other values; it is read untied, as transformers reads it"
+            "the weights hold an lm_head.weight of other values; it is read untied, as transformers reads it",
         )
     maps = weights.check(family, options)
     return Pretrained(source, directory, family, options, weights, maps)
@@ -189,15 +191,6 @@ def _head_of_its_own(weights: Weights, family: families.Family, options: dict[st
         return True
     rows = max(1, (64 << 20) // max(1, head[0].nbytes))
     return any(not np.array_equal(head[i : i + rows], table[i : i + rows]) for i in range(0, len(head), rows))
-
-
-def _say(message: str) -> None:
-    import sys
-
-    import jax
-
-    if jax.process_index() == 0:
-        print(message, file=sys.stderr, flush=True)
 
 
 def apply_pretrained(cfg: Any) -> Pretrained | None:

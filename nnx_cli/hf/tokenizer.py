@@ -122,7 +122,8 @@ class PretrainedTokenizer(HFTokenizer):
         # older directories name their special tokens only in special_tokens_map.json, which transformers reads too
         named = _read_json(directory / "special_tokens_map.json")
         settings = {**named, **{k: v for k, v in settings.items() if v is not None}}
-        if _rebuilt_as_llama(settings, _read_json(directory / "config.json"), path):
+        config = _read_json(directory / "config.json")
+        if _rebuilt_as_llama(settings, config, path):
             _as_llama_tokenizer(tokenizer, settings)
         super().__init__(PRETRAINED, tokenizer)
         self.directory = directory
@@ -135,7 +136,7 @@ class PretrainedTokenizer(HFTokenizer):
         # where transformers' generate stops: generation_config.json's ids when the file is there (config.json's
         # are not read then), else config.json's; never the tokenizer's eos_token, which ends a chat turn
         generation = directory / "generation_config.json"
-        stops = _ids(_read_json(generation if generation.is_file() else directory / "config.json").get("eos_token_id"))
+        stops = _ids((_read_json(generation) if generation.is_file() else config).get("eos_token_id"))
         eos = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         if self.eod_id >= self._base_vocab and eos is not None:  # no end-of-text token: documents end with eos
             self.eod_id, self.vocab_size = eos, self._base_vocab
