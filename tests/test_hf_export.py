@@ -402,6 +402,40 @@ def test_a_config_json_written_from_options_reads_back_as_those_options(options,
         assert read[key] == value, key
 
 
+@pytest.mark.parametrize(
+    "options, architecture, window",
+    [
+        (dict(sliding_window=8, layer_types=["sliding_attention"] * 2), "MistralForCausalLM", 8),
+        (dict(sliding_window=8, layer_types=["full_attention"] * 2), "LlamaForCausalLM", None),
+        (dict(qkv_bias=True, sliding_window=8, layer_types=["full_attention"] * 2), "Qwen2ForCausalLM", None),
+        (dict(qk_norm=True, sliding_window=8, layer_types=["sliding_attention"] * 2), "Qwen3ForCausalLM", 8),
+        (dict(query_scale=8.0, rotary_dim=8), "LlamaForCausalLM", None),  # head_dim 32 / 4: the defaults
+    ],
+    ids=["every-layer-slides", "no-layer-slides", "qwen2-no-layer-slides", "qwen3-every-layer-slides", "defaults"],
+)  # fmt: skip
+def test_options_that_compute_as_a_family_does_export_as_it(options, architecture, window):
+    """A window that every layer of layer_types takes, or none does, and a query scale or rotary width of the
+    head's size are how the model computes anyway: no longer refused as mixed layers or as Gemma's options (or a
+    traceback, for a window no Qwen layer took)."""
+    from nnx_cli.hf import families
+    from nnx_cli.models.transformer.options import architecture as model_architecture
+
+    llama = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, num_layers=2, num_heads=4, num_kv_heads=2,
+                 embed_dim=32, mlp_dim=64, tie_embeddings=False, norm_eps=1e-5, rope_theta=1e4)  # fmt: skip
+    config = families.config_json({**llama, **options}, vocab_size=300, context=64, bos=None, eos=256, dtype="float32")
+    assert config["architectures"] == [architecture]
+    read = families.options_of(json.loads(json.dumps(config)), "config.json")
+    assert read.get("sliding_window") == window and read.get("layer_types") is None
+    assert read.get("query_scale") is None and read.get("rotary_dim") is None
+    if "query_scale" not in options:  # the model's own reading of both option sets is the same
+        common = dict(dropout=0.0, attention_dropout=0.0, remat="none", scan_layers=True, dtype="float32",
+                      qkv_bias=False, qk_norm=False, head_dim=None, rope_scaling=None)  # fmt: skip
+        model = {k: v for k, v in llama.items() if k != "tie_embeddings"}
+        assert model_architecture(**{**common, **model, **options}) == model_architecture(
+            **{**common, **model, **options, "sliding_window": window, "layer_types": None}
+        )
+
+
 def test_the_bytes_tokenizer_exports_as_an_equivalent_tokenizer_json(project):
     from tokenizers import Tokenizer
 

@@ -32,9 +32,26 @@ PEFT_MODULES = {
 """Our projections' module names in the Llama family, as PEFT names its adapters' targets."""
 
 
+def _as_computed(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` as the model computes with them: a window no layer of `layer_types` takes is none, one every
+    layer takes needs no `layer_types`, and a `query_scale` or `rotary_dim` of the head's size is the default."""
+    options = dict(options)
+    types, window = options.get("layer_types"), options.get("sliding_window")
+    if window is None or (types is not None and "sliding_attention" not in types):
+        options["sliding_window"] = options["layer_types"] = None
+    elif types is not None and all(t == "sliding_attention" for t in types):
+        options["layer_types"] = None
+    head_dim = options.get("head_dim") or options["embed_dim"] // options["num_heads"]
+    for name in ("query_scale", "rotary_dim"):
+        if options.get(name) is not None and options[name] == head_dim:
+            options[name] = None
+    return options
+
+
 def architecture_of(options: Mapping[str, Any]) -> str:
     """The family whose architecture `options` (a `transformer_lm`'s, resolved) describe; options no family has
     are a UserError naming them."""
+    options = _as_computed(options)
 
     def differ(shape: Mapping[str, Any]) -> list[str]:
         return [f"{k}: {options.get(k)!r} (the family's is {v!r})" for k, v in shape.items() if options.get(k) != v]
@@ -82,7 +99,7 @@ def architecture_of(options: Mapping[str, Any]) -> str:
 def config_json(options: Mapping[str, Any], *, vocab_size: int, context: int, bos: int | None, eos: int | None,
                 dtype: str) -> dict[str, Any]:  # fmt: skip
     """A `config.json` for a model trained from scratch with `options` (see :func:`architecture_of`)."""
-    architecture = architecture_of(options)
+    architecture, options = architecture_of(options), _as_computed(options)
     heads, embed = options["num_heads"], options["embed_dim"]
     mlp = options.get("mlp_dim") or 4 * embed
     ids = {"bos_token_id": bos, "eos_token_id": eos}
