@@ -543,6 +543,28 @@ def test_an_adapter_export_needs_the_base_model_the_adapters_adapt(tmp_path):
         exporting.check(setup(load_config(None, options), data=None), tmp_path / "a", adapter=True, dtype=None)
 
 
+@pytest.mark.parametrize("targets, refused", [(None, True), (["q", "v"], False), (["up"], True)])
+def test_an_adapter_of_the_dense_layers_mlp_in_a_mixture_of_experts_is_refused(tmp_path, targets, refused):
+    """PEFT (0.21, transformers 5) puts a Qwen3-MoE adapter's mlp.gate_proj/up_proj/down_proj tensors on the
+    sparse layers' fused experts and leaves the dense layers' MLP unadapted: logits as if it had not trained."""
+    lora = "{rank: 2}" if targets is None else f"{{rank: 2, targets: [{', '.join(targets)}]}}"
+    options = [
+        f"model.pretrained={fixture('qwen3_moe')}",
+        f"model.lora={lora}",
+        "data.text_key=text",
+        "data.seq_len=16",
+    ]
+    exp = setup(load_config(None, ["model.name=transformer_lm", *options]), data=None)
+    assert exp.pretrained.options["moe"]["dense_layers"]
+    if refused:
+        message = r"--adapter: model.lora.targets adapts the MLP projections \((gate, up, down|up)\) of the dense"
+        with pytest.raises(UserError, match=message):
+            exporting.check(exp, tmp_path / "a", adapter=True, dtype=None)
+    else:
+        exporting.check(exp, tmp_path / "a", adapter=True, dtype=None)
+    exporting.check(exp, tmp_path / "b", adapter=False, dtype=None)  # merged: what transformers reads as trained
+
+
 def test_bfloat16_exports_store_bfloat16_into_an_empty_out(project):
     (project / "llama-bf16").mkdir()
     result = cli("nnx-export", "llama", "--out", "llama-bf16", "--dtype", "bfloat16", cwd=project)

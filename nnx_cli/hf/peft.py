@@ -162,6 +162,15 @@ def check_exportable(cfg: Any, pretrained: Any, lora: Any) -> None:
             f"--adapter: model.lora.targets adapts each expert's projections ({', '.join(experts)}), which PEFT "
             "files of transformers' fused experts do not hold; drop --adapter to export the merged weights"
         )
+    dense = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if dense and (pretrained.options.get("moe") or {}).get("dense_layers"):
+        # peft loads their tensors onto the sparse layers' fused experts (mlp.gate_proj is those experts' name in
+        # transformers 5) and leaves the dense layers' MLP as it was: logits as if they had not trained
+        raise UserError(
+            f"--adapter: model.lora.targets adapts the MLP projections ({', '.join(dense)}) of the dense layers of "
+            "a mixture of experts, which PEFT places on the other layers' fused experts instead; drop --adapter to "
+            "export the merged weights, or leave gate, up and down out of model.lora.targets"
+        )
 
 
 def adapter(exp: Any, lora: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple], Iterator]:
