@@ -19,6 +19,7 @@ from nnx_cli.errors import UserError
 from nnx_cli.experiment import setup
 from nnx_cli.hf import export as exporting
 from nnx_cli.hf import peft
+from nnx_cli.hf.tokenizer import PretrainedTokenizer
 from nnx_cli.hf.weights import Weights
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "olmoe"]
@@ -447,6 +448,11 @@ def test_the_bytes_tokenizer_exports_as_an_equivalent_tokenizer_json(project):
     text = "".join(chr(c) for c in rng.integers(32, 0x2FFF, 300))
     assert tokenizer.encode(text, add_special_tokens=False).ids == list(text.encode("utf-8"))
     assert tokenizer.token_to_id("<|endoftext|>") == 256
+    # the end token's text inside a text is its bytes, as the run read it: tokenizer_config.json says so to
+    # transformers (split_special_tokens), and the directory read back as a pretrained tokenizer does the same
+    assert json.loads((out / "tokenizer_config.json").read_text())["split_special_tokens"] is True
+    text = f"a <|endoftext|> b{text}"
+    assert PretrainedTokenizer(out).encode(text).tolist() == list(text.encode("utf-8"))
 
 
 @pytest.mark.parametrize(

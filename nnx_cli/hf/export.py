@@ -151,7 +151,7 @@ class _Merged:
 
 def bytes_tokenizer(directory: Path, context: int) -> None:
     """`tokenizer.json` (and `tokenizer_config.json`) equivalent to the `bytes` tokenizer: byte `b` is id `b`
-    (byte-level, no merges), `<|endoftext|>` is 256."""
+    (byte-level, no merges), `<|endoftext|>` is 256 and never read from a text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     mapping = _byte_characters()
@@ -161,8 +161,9 @@ def bytes_tokenizer(directory: Path, context: int) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<|endoftext|>"])
     tokenizer.save(str(directory / "tokenizer.json"))
+    # split_special_tokens: `<|endoftext|>` written in a text is its bytes, as the bytes tokenizer reads it
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-                "model_max_length": context}  # fmt: skip
+                "model_max_length": context, "split_special_tokens": True}  # fmt: skip
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 

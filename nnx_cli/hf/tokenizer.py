@@ -125,6 +125,9 @@ class PretrainedTokenizer(HFTokenizer):
         config = _read_json(directory / "config.json")
         if _rebuilt_as_llama(settings, config, path):
             _as_llama_tokenizer(tokenizer, settings)
+        split = bool(settings.get("split_special_tokens"))
+        if split:  # as transformers reads it: a special token's text in a text is that text, not the token
+            tokenizer.encode_special_tokens = True
         super().__init__(PRETRAINED, tokenizer)
         self.directory = directory
         self.bos_token = _token_text(settings.get("bos_token"))
@@ -142,7 +145,7 @@ class PretrainedTokenizer(HFTokenizer):
             self.eod_id, self.vocab_size = eos, self._base_vocab
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
         self.chat_stop_ids: tuple[int, ...] = tuple(dict.fromkeys([*stops, *([eos] if eos is not None else [])]))
-        definition = hashlib.sha256(f"{self.prefix}{self.suffix}".encode()).hexdigest()[:8]
+        definition = hashlib.sha256(f"{self.prefix}{self.suffix}{' split' if split else ''}".encode()).hexdigest()[:8]
         self.version = f"{self.version}-specials-{definition}"
 
     def _template(self, settings: dict[str, Any]) -> str | None:
