@@ -121,6 +121,8 @@ class Checkpoint:
         self.base = base  # an adapter run's base model and its weights' checksums, kept in each manifest
 
     def __call__(self, loop: Loop) -> None:
+        if self.saved == loop.step:  # keep_best saved this step already
+            return
         self.guard.check(loop)
         self.checkpointer.save(loop.step, steps.trainable(loop.state), loop=loop.sums, base=self.base)
         self.saved = loop.step

@@ -143,9 +143,11 @@ def test_a_sample_prompt_that_cannot_be_drawn_on_stops_the_run_before_it_starts(
     assert not (project / "bad_prompts").exists()  # found before anything was written, not at the first eval
 
 
-def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path, project: Path):
+def test_a_killed_run_resumes_to_the_same_parameters_evals_and_samples(reference: Path, project: Path):
+    """Killed the moment the checkpoint of an eval step commits: that step's eval and samples were written
+    before it (a resumed run never repeats a committed step's eval)."""
     proc = start("nnx-train", "lm.yaml", "--workdir", "killed", cwd=project, extra_env=OPTIMIZED)
-    wait_for_checkpoint(project / "killed", 25, [proc])
+    wait_for_checkpoint(project / "killed", STEPS // 2, [proc])
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert Checkpointer(project / "killed" / "checkpoints", read_only=True).latest_step() < STEPS
@@ -154,8 +156,11 @@ def test_a_killed_run_resumes_to_the_same_parameters_and_samples(reference: Path
     a, b = final_state(project / "killed"), final_state(reference)
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    last = Path("samples", f"{STEPS}.txt")
-    assert (project / "killed" / last).read_text() == (reference / last).read_text()
+    evals = [[(r["step"], r["metrics"]) for r in records(run, "eval")] for run in (project / "killed", reference)]
+    assert evals[0] == evals[1] and [step for step, _ in evals[0]] == [STEPS // 2, STEPS]
+    for step in (STEPS // 2, STEPS):
+        last = Path("samples", f"{step}.txt")
+        assert (project / "killed" / last).read_text() == (reference / last).read_text()
 
 
 def test_generate_continues_a_prompt_and_the_seed_fixes_the_text(reference: Path, project: Path):

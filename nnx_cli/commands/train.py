@@ -359,14 +359,16 @@ def prepare(
     save = hooks.Checkpoint(
         cfg.checkpoint.every_steps, session.checkpointer, guard, saved=session.start, base=exp.base_record()
     )
-    chosen = [log, save]
+    # a step's checkpoint comes after everything else it writes (its eval, keep_best's record, images,
+    # samples): a run killed before the checkpoint is committed does the step again, one killed after it has them
+    chosen, best = [log], None
     if exp.eval is not None:
         eval_layout = None if sampling else sharding.eval_batch_layout(exp.mesh, exp.rules, t)
         evaluate = hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard)
         chosen.append(evaluate)
         if cfg.checkpoint.keep_best is not None:
-            best = cfg.checkpoint.keep_best
-            chosen.append(hooks.KeepBest(evaluate, save, best["metric"], best["mode"], session.start))
+            keep = cfg.checkpoint.keep_best
+            best = hooks.KeepBest(evaluate, save, keep["metric"], keep["mode"], session.start)
         if exp.has_images:
             images = session.workdir / "images" if session.lock is not None else None
             chosen.append(hooks.ImageGrid(t.eval_every, hooks.image_maker(exp, eval_layout, scalar), images, guard))
@@ -380,6 +382,7 @@ def prepare(
                 )
     if harness_tasks is not None:
         chosen.append(hooks.HarnessEval(harness_every, exp, harness_tasks, session.loggers, guard, session.workdir))
+    chosen += [best, save] if best is not None else [save]
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)
