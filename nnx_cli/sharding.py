@@ -92,9 +92,21 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
     does not is a UserError naming the entry and its logical axis. Rules that
     would leave devices computing the same are one too (:func:`check_rules`).
     """
-    # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf.
-    logical = jax.tree.map(
-        lambda spec, subtree: jax.tree.map(lambda _: spec, subtree), nnx.get_partition_spec(abstract), abstract
+
+    # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf. Optimizer statistics that
+    # are not shaped as their parameter (Adafactor's row and column means, of another rank or of size 1) keep the
+    # dimensions they cannot split whole.
+    def spec_of(path: tuple, spec: Any, leaf: Any) -> Any:
+        if jax.tree_util.keystr(path[:1], simple=True) == "params":
+            return spec
+        if len(spec) != len(leaf.shape):
+            return type(spec)(*[None] * len(leaf.shape))
+        return type(spec)(*[None if size == 1 else name for size, name in zip(leaf.shape, spec)])
+
+    logical = jax.tree_util.tree_map_with_path(
+        lambda path, spec, subtree: jax.tree.map(lambda leaf: spec_of(path, spec, leaf), subtree),
+        nnx.get_partition_spec(abstract),
+        abstract,
     )
     check_rules([name for spec in jax.tree.leaves(logical) for name in spec if isinstance(name, str)], mesh, rules)
     shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)

@@ -171,3 +171,19 @@ def test_an_optimizer_factory_that_raises_is_a_user_error_naming_the_key(tmp_pat
         UserError, match=r"^config key 'optimizer\.name': nnx_test_bad_optim:make raised RuntimeError: boom; fix it"
     ):
         build(OptimizerConfig(name="nnx_test_bad_optim:make"), 10)
+
+
+@pytest.mark.parametrize("name", optimizer_names())
+def test_every_optimizer_states_placement_fits_its_arrays(name):
+    """Adafactor's factored statistics of a matrix are vectors (and size-1 placeholders for a vector) under the
+    parameter's Variable: placed with the parameter's spec, jit refused them ('only valid for values of rank at
+    least 2'); they are kept whole now, and a placed state steps."""
+    from nnx_cli.config import load_config
+    from nnx_cli.experiment import setup
+
+    options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=8",
+               "data.text_key=text", "data.seq_len=16", f"optimizer.name={name}"]  # fmt: skip
+    exp = setup(load_config(None, options), data=None)
+    state = jax.jit(lambda: jax.tree.map(jnp.zeros_like, exp.abstract), out_shardings=exp.shardings)()
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(exp.shardings)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
