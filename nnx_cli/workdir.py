@@ -15,6 +15,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -54,6 +55,46 @@ def remove_if_empty(directories: Sequence[Path]) -> None:
             directory.rmdir()  # only an empty directory goes
         except OSError:
             return
+
+
+ASIDE = ".replaced"  # where `nnx-train --no-resume` keeps the earlier run until the new one has a checkpoint
+_REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "config.yaml", "run.json")
+
+
+def set_aside(workdir: Path) -> Path | None:
+    """`--no-resume`: move the earlier run's checkpoints, images, samples, metrics, config and run.json into
+    `<workdir>/.replaced` (None when there were none). `settle_aside` deletes them once the new run has committed
+    a checkpoint, and puts them back when it stops before that: a rejected run loses nothing.
+
+    A `.replaced` already there is what a run killed before its first checkpoint left: deleted first."""
+    aside = workdir / ASIDE
+    shutil.rmtree(aside, ignore_errors=True)
+    moved = [name for name in _REPLACED if (workdir / name).exists()]
+    if not moved:
+        return None
+    aside.mkdir()
+    for name in moved:
+        (workdir / name).rename(aside / name)
+    return aside
+
+
+def settle_aside(aside: Path | None) -> None:
+    """Delete what `set_aside` moved once the work dir has a committed checkpoint of the new run, else put it back
+    (replacing whatever the new run wrote in its place)."""
+    if aside is None or not aside.is_dir():
+        return
+    workdir, checkpoints = aside.parent, aside.parent / "checkpoints"
+    if checkpoints.is_dir() and any((step / "commit_success.txt").is_file() for step in checkpoints.iterdir()):
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    for kept in aside.iterdir():
+        new = workdir / kept.name
+        if new.is_dir() and not new.is_symlink():
+            shutil.rmtree(new)
+        else:
+            new.unlink(missing_ok=True)
+        kept.rename(new)
+    aside.rmdir()
 
 
 def lock_workdir(workdir: Path) -> IO:

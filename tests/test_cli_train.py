@@ -220,9 +220,22 @@ def test_cnn_classifier_with_a_schedule_checkpoints_its_batch_statistics(project
     assert set(report["metrics"]) == {"loss", "accuracy"} and 0.0 <= report["metrics"]["accuracy"] <= 1.0
 
 
-def test_no_resume_starts_over(project: Path):
+def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before_that_puts_all_back(
+    project: Path,
+):
     first = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", cwd=project)
     assert first.returncode == 0, first.stderr
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(project / "fresh")): p.read_bytes()
+                for p in sorted((project / "fresh").rglob("*")) if p.is_file() and p.name != ".lock"}  # fmt: skip
+
+    before = files()
+    # non-finite from its first step: stopped before its first checkpoint, once the work dir was set up
+    failed = cli("nnx-train", "run.yaml", "train.steps=40", "optimizer.learning_rate=1.0e+30", "--workdir", "fresh",
+                 "--no-resume", cwd=project)  # fmt: skip
+    assert failed.returncode == 1 and "non-finite" in failed.stderr, failed.stderr
+    assert files() == before and not (project / "fresh" / ".replaced").exists()
     again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     assert again.returncode == 0, again.stderr
     assert "resumed" not in again.stderr
@@ -231,7 +244,7 @@ def test_no_resume_starts_over(project: Path):
         for line in (project / "fresh" / "metrics.jsonl").read_text().splitlines()
         if '"train"' in line
     ]
-    assert steps == [20, 40]
+    assert steps == [20, 40] and not (project / "fresh" / ".replaced").exists()
 
 
 # --------------------------------------------------------------------------- faults lose nothing

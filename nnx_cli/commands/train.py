@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import signal
 from pathlib import Path
 from typing import IO, Any
@@ -55,8 +54,9 @@ def train(
     resume: bool = typer.Option(
         True,
         "--resume/--no-resume",
-        help="Continue from the latest checkpoint in the work dir; "
-        "--no-resume deletes the old checkpoints, metrics, images and samples first.",
+        help="Continue from the latest checkpoint in the work dir; --no-resume starts over, deleting the old "
+        "checkpoints, metrics, images and samples once the new run commits its first checkpoint (a run that stops "
+        "before that puts them back).",
     ),
     coordinator: str | None = typer.Option(
         None,
@@ -114,7 +114,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     from nnx_cli import hooks
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import check_workdir, remove_if_empty, update_run_info
+    from nnx_cli.workdir import check_workdir, remove_if_empty, settle_aside, update_run_info
 
     created = check_workdir(workdir)  # before any data is read or downloaded
     try:
@@ -124,6 +124,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         sample_prompts = hooks.eval_prompts(exp) if _writes_samples(exp) else None  # and an unusable prompt
         if sample_prompts is not None:
             hooks.check_sample_prompts(exp, sample_prompts)
+        plan(exp, harness_tasks)  # and steps per dispatch or batches the run cannot take
         session = open_session(exp, workdir, resume)
     except BaseException:
         remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir
@@ -143,6 +144,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
             loops.run(loop, feed, dispatch, chosen)
     finally:
         session.close()
+        settle_aside(session.aside)  # kept when this run stopped before its first checkpoint, else deleted
     where = session.workdir / "checkpoints" / str(loop.step)
     if loop.stop_signal is not None:
         session.say(f"interrupted by {signal.Signals(loop.stop_signal).name}: checkpoint written at {where}")
@@ -165,6 +167,7 @@ class Session:
     start: int
     state: Any
     sums: Any
+    aside: Path | None = None  # --no-resume: the earlier run, until this one commits a checkpoint (workdir.set_aside)
 
     def say(self, message: str) -> None:
         self.console.print(message, highlight=False, soft_wrap=True)
@@ -181,21 +184,35 @@ class Session:
 def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     """Lock the work dir, then resume from its newest usable checkpoint (which must fit the config) or start
     afresh; only then write the resolved config and run.json."""
-    import jax
-    import jax.numpy as jnp
-
-    from nnx_cli import report, steps
-    from nnx_cli.checkpoint import Checkpointer
-    from nnx_cli.workdir import lock_workdir, write_config, write_run_info
+    from nnx_cli import report
+    from nnx_cli.workdir import ASIDE, lock_workdir, set_aside, settle_aside
 
     is_main = _distributed.is_main()
     console = report.stderr_console(quiet=not is_main)
-    ckpt_dir = workdir / "checkpoints"
     lock = lock_workdir(workdir) if is_main else None  # held until the session closes
-    if not resume and is_main:
-        for old in (ckpt_dir, workdir / "images", workdir / "samples"):
-            shutil.rmtree(old, ignore_errors=True)
-        (workdir / "metrics.jsonl").unlink(missing_ok=True)
+    if is_main and resume:  # a --no-resume run killed before its first checkpoint left the earlier run aside
+        settle_aside(workdir / ASIDE)
+    aside = set_aside(workdir) if is_main and not resume else None  # until this run commits a checkpoint
+    try:
+        session = _open(exp, workdir, resume, lock, console)
+    except BaseException:
+        settle_aside(aside)
+        raise
+    session.aside = aside
+    return session
+
+
+def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) -> Session:
+    """`open_session` once the work dir is locked (and, with --no-resume, the earlier run set aside)."""
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_cli import steps
+    from nnx_cli.checkpoint import Checkpointer
+    from nnx_cli.workdir import write_config, write_run_info
+
+    is_main = _distributed.is_main()
+    ckpt_dir = workdir / "checkpoints"
     # Decided before the barrier: once past it, another process's Checkpointer may create the directory.
     has_checkpoints = resume and ckpt_dir.is_dir()
     _distributed.barrier("nnx-train: work dir ready")
@@ -314,6 +331,31 @@ def _harness_tasks(exp: Any) -> Any:
         return harness.load_tasks(options.tasks, options.include_path)
 
 
+def plan(exp: Any, harness_tasks: Any = None) -> tuple[int, Any, Any]:
+    """The steps per dispatch, the batch layout and the eval batch layout (None where the objective samples its
+    own batches); a UserError, before the work dir is touched, for steps per dispatch that do not divide the
+    intervals and for batches the mesh cannot split or the training split cannot fill."""
+    from nnx_cli import loop as loops
+    from nnx_cli import sharding
+    from nnx_cli.experiment import count_params
+
+    cfg, t = exp.cfg, exp.cfg.train
+    if hasattr(exp.objective, "inputs"):  # the objective makes its batches: one per dispatch
+        return exp.objective.steps_per_batch, None, None
+    intervals = {
+        "train.log_every": t.log_every,
+        "train.eval_every": t.eval_every,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+    }
+    if harness_tasks is not None:
+        intervals["eval.harness.every_steps"] = cfg.eval.harness.every_steps or t.eval_every
+    k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
+    layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
+    exp.train.steps_per_epoch(t.batch_size)
+    eval_layout = sharding.eval_batch_layout(exp.mesh, exp.rules, t) if exp.eval is not None else None
+    return k, layout, eval_layout
+
+
 def prepare(
     exp: Any,
     session: Session,
@@ -329,7 +371,6 @@ def prepare(
     from nnx_cli import hooks, sharding, steps
     from nnx_cli import loop as loops
     from nnx_cli.data import pipeline
-    from nnx_cli.experiment import count_params
 
     cfg, t = exp.cfg, exp.cfg.train
     if session.lock is not None:  # process 0 reports
@@ -337,20 +378,9 @@ def prepare(
             session.workdir, to_dict(cfg), session.start, exp.total_steps, exp.loss_metric, session.console
         )
         session.loggers = loggers.open_loggers(factories, run)
-    intervals = {
-        "train.log_every": t.log_every,
-        "train.eval_every": t.eval_every,
-        "checkpoint.every_steps": cfg.checkpoint.every_steps,
-    }
+    k, layout, eval_layout = plan(exp, harness_tasks)
+    sampling = hasattr(exp.objective, "inputs")
     harness_every = cfg.eval.harness.every_steps or t.eval_every
-    if harness_tasks is not None:
-        intervals["eval.harness.every_steps"] = harness_every
-    sampling = hasattr(exp.objective, "inputs")  # the objective makes its batches: one per dispatch
-    if sampling:
-        k = exp.objective.steps_per_batch
-    else:
-        k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
-    layout = None if sampling else sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
     scalar = sharding.replicated(exp.mesh)
     feed, dispatch = loops.inputs(exp, layout, pipeline.dispatches(session.start, exp.total_steps, k))
     guard = hooks.Guard(session.checkpointer, session.workdir / "checkpoints")
@@ -363,7 +393,6 @@ def prepare(
     # samples): a run killed before the checkpoint is committed does the step again, one killed after it has them
     chosen, best = [log], None
     if exp.eval is not None:
-        eval_layout = None if sampling else sharding.eval_batch_layout(exp.mesh, exp.rules, t)
         evaluate = hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard)
         chosen.append(evaluate)
         if cfg.checkpoint.keep_best is not None:
