@@ -19,8 +19,8 @@ from rich.table import Table
 
 def stderr_console(quiet: bool = False) -> Console:
     """Where progress and messages go; `quiet` for every process but the first. Messages are plain text: a path
-    or prompt holding `[...]` is printed as it is, not read as Rich markup."""
-    return Console(stderr=True, quiet=quiet, markup=False)
+    or prompt holding `[...]` is printed as it is, not read as Rich markup, and a long one is not folded."""
+    return Console(stderr=True, quiet=quiet, markup=False, soft_wrap=True)  # one message, one line (grep, logs)
 
 
 def json_metrics(metrics: Mapping[str, float]) -> dict[str, float | None]:

@@ -323,3 +323,21 @@ def test_a_model_trained_on_eight_devices_samples_in_one_process(on_meshes: tupl
     result = cli("nnx-generate", eight, "--prompt", "2. the", "--max-tokens", "8", "--json", cwd=project)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step"] == 20
+
+
+def test_generate_and_export_name_a_damaged_step_on_one_line_and_use_the_one_before(reference: Path, project: Path):
+    """As nnx-train and nnx-eval do: one line per bad step, however long its path (it was folded at 80
+    columns when stderr is no terminal)."""
+    import shutil
+
+    run = project / "damaged" / ("a-long-directory-name-" * 3)
+    shutil.copytree(reference, run)
+    data = max((run / "checkpoints" / str(STEPS) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))  # every bit flipped
+    generated = cli("nnx-generate", run, "--prompt", "3. the", "--max-tokens", "2", "--json", cwd=project)
+    exported = cli("nnx-export", run, "--out", project / "damaged" / "hf", cwd=project)
+    for result in (generated, exported):
+        assert result.returncode == 0, result.stderr
+        [line] = [line for line in result.stderr.splitlines() if "cannot be used" in line]
+        assert line.endswith("content differs from its checksum (xxh3_128); trying the one before it"), line
+    assert json.loads(generated.stdout)["step"] == STEPS * 3 // 4
