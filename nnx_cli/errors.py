@@ -58,6 +58,9 @@ WRITE_FIXES = {  # errno of a failed write -> what to do about it
 }
 
 
+_ANY_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that fails so needs no file name to be understood
+
+
 def cannot_write(path: Any, error: BaseException) -> str:
     """A failed write in the words every command uses: `cannot write PATH (why); what to do, then run again`."""
     cause, code = write_cause(error)
@@ -102,9 +105,10 @@ def report_errors(fn: F) -> F:
             print("interrupted", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_INTERRUPTED) from None
         except OSError as e:  # a write into the work dir failed mid-run: disk full, permission lost, ...
-            if e.filename is None or e.errno not in WRITE_FIXES:
+            if e.errno not in WRITE_FIXES or (e.filename is None and e.errno not in _ANY_WRITE):
                 raise
-            print(f"error: {cannot_write(e.filename, e)}", file=sys.stderr, flush=True)
+            where = e.filename if e.filename is not None else "to disk"  # write() and flush() name no file
+            print(f"error: {cannot_write(where, e)}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_RUN_FAILED) from None
         except Exception as e:
             if not is_out_of_memory(e):

@@ -6,7 +6,9 @@ damages a copy of its work dir and runs the commands on it.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -248,3 +250,21 @@ def test_a_full_disk_is_exit_1_naming_the_directory_and_the_run_resumes_once_the
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_a_full_disk_where_python_names_no_file_is_one_line_and_exit_1(code, capsys):
+    """A write() or flush() that fails (appending to metrics.jsonl, run.json, the lock's pid) raises an OSError
+    without a file name: it was a traceback, and is the one line every failed write gives."""
+    from nnx_cli.errors import WRITE_FIXES, report_errors
+
+    def append() -> None:
+        raise OSError(code, os.strerror(code))
+
+    with pytest.raises(SystemExit) as stopped:
+        report_errors(append)()
+    assert stopped.value.code == 1
+    message = f"error: cannot write to disk ({os.strerror(code)}); {WRITE_FIXES[code]}, then run again\n"
+    assert capsys.readouterr().err == message
+    with pytest.raises(OSError):  # other failures without a file are not guessed at
+        report_errors(lambda: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied")))()
