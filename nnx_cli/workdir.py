@@ -206,21 +206,33 @@ def same_source(cfg_source: str, given: str, cwd: str | None) -> bool:
 def _best_step(checkpoints: Path, step: int | None) -> int:
     if step is not None:
         raise UserError("--best and --step both pick a checkpoint: pass one of them")
-    try:
-        return int(json.loads((checkpoints / BEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+    record = best_record(checkpoints)
+    if record is None:
         raise UserError(
             f"--best: {str(checkpoints)!r} records no best step; train with checkpoint.keep_best="
             "'{metric: <eval metric>, mode: min}' (or max) to keep one"
-        ) from None
+        )
+    return record["step"]
 
 
 def best_record(checkpoints: Path) -> dict[str, Any] | None:
-    """The best step kept by `checkpoint.keep_best` (`{"step", "metric", "mode", "value"}`), or None."""
-    try:
-        return json.loads((checkpoints / BEST).read_text())
-    except (OSError, ValueError):
+    """The best step kept by `checkpoint.keep_best` (`{"step", "metric", "mode", "value"}`), or None when there
+    is none; a `best.json` that cannot be read is a UserError (taken for none, its step would be pruned)."""
+    path = checkpoints / BEST
+    if not path.exists():
         return None
+    try:
+        record = json.loads(path.read_text())
+        record["step"], record["value"] = int(record["step"]), float(record["value"])
+        if not isinstance(record["metric"], str):
+            raise TypeError(f"metric is {record['metric']!r}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise UserError(
+            f"{path} cannot be read ({cause}); it names the step checkpoint.keep_best keeps from pruning: restore "
+            "it, or delete it to record the best anew (the steps it kept then follow checkpoint.keep)"
+        ) from None
+    return record
 
 
 def write_best(checkpoints: Path, record: dict[str, Any]) -> None:

@@ -194,6 +194,19 @@ def test_keep_best_keeps_the_best_eval_step_beyond_keep_and_eval_best_uses_it(pr
     assert report["step"] == 40 and report["metrics"]["nelbo"] == pytest.approx(worst["metrics"]["nelbo"], rel=1e-6)
 
 
+def test_a_best_json_that_cannot_be_read_stops_the_run_before_it_prunes_the_best_step(project: Path):
+    train_keeping_one_and_the_best(project, "best_torn", "max")
+    best = project / "best_torn" / "checkpoints" / "best.json"
+    best.write_text('{"step": 40, "metric": "nel')  # torn: the best step would be pruned as any other
+    result = cli(
+        "nnx-train", "run.yaml", "checkpoint.keep=1", "checkpoint.keep_best={metric: nelbo, mode: max}",
+        "train.steps=120", "--workdir", "best_torn", cwd=project,
+    )  # fmt: skip
+    assert_user_error(result, "best_torn/checkpoints/best.json cannot be read (JSONDecodeError", "restore it, or")
+    assert integrity.steps(project / "best_torn" / "checkpoints") == [40, 80]
+    assert_user_error(cli("nnx-eval", "best_torn", "--best", cwd=project), "best.json cannot be read")
+
+
 def test_a_best_step_that_a_later_eval_replaces_is_pruned_by_the_end_of_the_run(project: Path):
     record = train_keeping_one_and_the_best(project, "best_last", "min")
     assert record["step"] == 80  # the last eval is the best: it is both the newest and the best step

@@ -114,7 +114,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     from nnx_cli import hooks
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import check_workdir, remove_if_empty, settle_aside, update_run_info
+    from nnx_cli.workdir import best_record, check_workdir, remove_if_empty, settle_aside, update_run_info
 
     created = check_workdir(workdir)  # before any data is read or downloaded
     try:
@@ -125,6 +125,8 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         if sample_prompts is not None:
             hooks.check_sample_prompts(exp, sample_prompts)
         plan(exp, harness_tasks)  # and steps per dispatch or batches the run cannot take
+        if resume and cfg.checkpoint.keep_best is not None:
+            best_record(workdir / "checkpoints")  # and a best.json that cannot be read (its step would be pruned)
         session = open_session(exp, workdir, resume)
     except BaseException:
         remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir
