@@ -334,6 +334,14 @@ def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: Trai
         cfg.model.num_classes = spec.num_classes
     if getattr(model_cls, "needs_labels", False) and train is not None and cfg.model.num_classes:
         _check_labels(train.stored()["label"], cfg.model.num_classes)
+    vocab = cfg.model.options.get("vocab_size") or cfg.model.num_classes
+    if spec.tokenizer is not None and spec.num_classes and vocab and vocab < spec.num_classes:
+        key = "model.vocab_size" if cfg.model.options.get("vocab_size") else "model.num_classes"
+        raise UserError(
+            f"config key {key!r} is {vocab}, fewer rows than the tokenizer's {spec.num_classes:,} ids: a token "
+            f"beyond them has no embedding; drop {key} (the tokenizer's is the default) or set it to at least "
+            f"{spec.num_classes}"
+        )
     if cfg.sharding.rules is None:
         rules = [list(r) for r in getattr(model_cls, "default_rules", sharding.DEFAULT_RULES)]
         cfg.sharding.rules = sharding.default_rules(rules, cfg.sharding.mesh)

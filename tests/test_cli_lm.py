@@ -341,3 +341,28 @@ def test_generate_and_export_name_a_damaged_step_on_one_line_and_use_the_one_bef
         [line] = [line for line in result.stderr.splitlines() if "cannot be used" in line]
         assert line.endswith("content differs from its checksum (xxh3_128); trying the one before it"), line
     assert json.loads(generated.stdout)["step"] == STEPS * 3 // 4
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.vocab_size=3", r"'model.vocab_size' is 3, fewer rows than the tokenizer's 257 ids"),
+        ("model.num_classes=100", r"'model.num_classes' is 100, fewer rows than the tokenizer's 257 ids"),
+        (f"model.pretrained={Path(__file__).parent / 'fixtures' / 'hf' / 'llama'}",
+         r"'data.tokenizer' is bytes, but model.pretrained was trained on its own tokenizer's ids"),
+    ],
+    ids=["vocab-size", "num-classes", "pretrained-with-bytes"],
+)  # fmt: skip
+def test_a_vocabulary_that_does_not_fit_the_tokenizer_is_refused_at_set_up(project: Path, override, message):
+    """A model with fewer rows than the tokenizer's ids trained at a loss of 1e30 and failed at its first eval;
+    a pretrained model fed byte ids failed sampling and exported its own tokenizer beside them."""
+    from nnx_cli.config import load_config
+    from nnx_cli.errors import UserError
+    from nnx_cli.experiment import setup
+
+    options = [f"data.source={project / 'book.txt'}", f"data.cache_dir={project / 'c'}", override]
+    config: Path | None = project / "lm.yaml"
+    if "pretrained" in override:  # the model's shape from its config.json
+        config, options = None, [*options, "model.name=transformer_lm", "data.text_key=text", "data.tokenizer=bytes"]
+    with pytest.raises(UserError, match=message):
+        setup(load_config(config, options), data="train")

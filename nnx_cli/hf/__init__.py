@@ -231,6 +231,12 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
             )
         cfg.model.options[key] = value
     cfg.model.options.setdefault("dropout", 0.0)
+    if cfg.data.tokenizer == "bytes":
+        raise UserError(
+            "config key 'data.tokenizer' is bytes, but model.pretrained was trained on its own tokenizer's ids (a "
+            "byte's id is another token to it, and its exports would carry that tokenizer); drop data.tokenizer "
+            "(pretrained is the default with model.pretrained)"
+        )
     if cfg.data.tokenizer == "pretrained":
         from nnx_cli.hf.tokenizer import check_vocabulary
 
