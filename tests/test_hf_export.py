@@ -497,6 +497,18 @@ def test_a_non_empty_out_is_refused_and_left_as_it_was(project):
     assert not list(project.glob(".taken*"))  # nothing left beside it either
 
 
+@pytest.mark.parametrize("form", [[], ["--format", "gguf"]], ids=["hf", "gguf"])
+def test_an_out_inside_the_runs_checkpoints_is_refused(project, form):
+    """A file in a sealed step is one its checksums do not list: the step would become unusable."""
+    from nnx_cli.checkpoint import Checkpointer
+
+    step = Checkpointer(project / "llama" / "checkpoints", read_only=True).latest_step()
+    out = Path("llama", "checkpoints", str(step), "x.gguf" if form else "x")
+    result = cli("nnx-export", "llama", "--out", out, *form, cwd=project)
+    assert_user_error(result, f"--out '{out}' is inside the run's checkpoints", "nothing was written")
+    assert not (project / out).exists()
+
+
 def test_adapter_export_of_a_run_without_lora_and_bad_dtypes_are_user_errors(project):
     assert_user_error(cli("nnx-export", "llama", "--out", "a", "--adapter", cwd=project), "has none (no model.lora)")
     assert_user_error(cli("nnx-export", "llama", "--out", "b", "--dtype", "int8", cwd=project), "--dtype must be")

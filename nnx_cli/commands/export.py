@@ -75,6 +75,7 @@ def export(
     exporting.check_out(out)  # before anything is read
     runtime.configure()
     run = open_run(target, [], step, best=best)
+    _outside_checkpoints(out, run)
     exp = language_model(run, "nnx-export writes")
     exporting.check(exp, out, adapter=adapter, dtype=dtype)
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
@@ -88,6 +89,15 @@ def export(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _outside_checkpoints(out: Path, run: Any) -> None:
+    """`--out` inside the run's checkpoints would add a file to a sealed step: it would fail verification."""
+    if out.resolve().is_relative_to(run.checkpoints.resolve()):
+        raise UserError(
+            f"--out {str(out)!r} is inside the run's checkpoints ({run.checkpoints}), where a file the checksums do "
+            "not list makes its step unusable; give a path outside them (nothing was written)"
+        )
 
 
 def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: bool, dtype: str | None, ollama: bool,
@@ -123,6 +133,7 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
 
         runtime.configure()
         run = open_run(target, [], step, best=best)
+        _outside_checkpoints(out, run)
         exp = language_model(run, "nnx-export writes")
         tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
         step, params = restore_parameters(run, exp, jax.devices("cpu")[0], export=True)
