@@ -291,7 +291,8 @@ class JsonlLogger:
             "harness": harness.get("every_steps") or train.get("eval_every", 1),
         }
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if _kept(line, run.start_step, intervals)]
+            lines = self.path.read_text(errors="replace").splitlines()  # bytes not UTF-8: no JSON, dropped as torn
+            kept = [line for line in lines if _kept(line, run.start_step, intervals)]
             partial = self.path.with_name(self.path.name + ".partial")
             partial.write_text("".join(line + "\n" for line in kept))
             partial.replace(self.path)

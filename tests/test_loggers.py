@@ -65,10 +65,11 @@ def test_jsonl_writes_non_finite_metrics_as_null(tmp_path: Path):
     assert "NaN" not in line and "Infinity" not in line
 
 
-def test_jsonl_on_resume_drops_records_past_the_restored_step_and_a_torn_line(tmp_path: Path):
+def test_jsonl_on_resume_drops_records_past_the_restored_step_a_torn_line_and_bytes_not_utf8(tmp_path: Path):
     _log_run(["jsonl"], _run(tmp_path), [10, 20, 30, 40])
-    with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 50, "spl')  # killed mid-write
+    with (tmp_path / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 45, "split": "train", "metrics": {"nelbo": 1.0\xff\xfe}}\n')  # a damaged block: not UTF-8
+        f.write(b'{"step": 50, "spl')  # killed mid-write
     _log_run(["jsonl"], _run(tmp_path, start=20), [30, 40], scale=10.0)
     records = _records(tmp_path)
     assert [(r["step"], r["split"]) for r in records] == [

@@ -95,6 +95,17 @@ def test_default_metric_is_the_loss_metric_of_the_model_in_config_yaml(tmp_path:
     assert default_metric(workdir, read_metrics(workdir)) == "nelbo"
 
 
+def test_lines_and_a_config_that_are_not_utf8_are_passed_over_like_torn_ones(tmp_path: Path):
+    """A damaged block of metrics.jsonl or config.yaml (bytes that are not UTF-8) was a UnicodeDecodeError."""
+    workdir = _write_metrics(tmp_path / "run", model="vae")
+    whole = read_metrics(workdir)
+    with (workdir / "metrics.jsonl").open("ab") as f:
+        f.write(b"\xff\xfe\n")
+    (workdir / "config.yaml").write_bytes(b"\x00\xff\xfe garbage")
+    assert read_metrics(workdir) == whole
+    assert default_metric(workdir, whole) == "kl"  # no model named: the first metric logged
+
+
 def test_default_metric_without_a_config_is_the_first_metric_logged(tmp_path: Path):
     workdir = _write_metrics(tmp_path / "run", model=None)
     assert default_metric(workdir, read_metrics(workdir)) == "kl"

@@ -108,7 +108,8 @@ def read_metrics(workdir: Path) -> list[dict[str, Any]]:
             f"{str(path)!r} not found: {str(workdir)!r} is not the work dir of an nnx-train run, or its run "
             "did not list 'jsonl' in logging.loggers"
         )
-    lines = path.read_text().splitlines() if path.is_file() else []
+    # a line with bytes that are not UTF-8 (a damaged disk block) is not JSON: passed over like a torn one
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     records = [record for line in lines if (record := _record(line)) is not None] + harness
     if not records:
         raise UserError(
@@ -176,7 +177,7 @@ def default_metric(workdir: Path, records: Records) -> str:
 def _loss_metric(config_path: Path) -> str | None:
     try:
         model_name = yaml.safe_load(config_path.read_text())["model"]["name"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):  # ValueError: not UTF-8
         return None
     from nnx_cli.models import MODELS
 
