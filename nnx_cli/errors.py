@@ -110,6 +110,10 @@ def report_errors(fn: F) -> F:
             where = e.filename if e.filename is not None else "to disk"  # write() and flush() name no file
             print(f"error: {cannot_write(where, e)}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_RUN_FAILED) from None
+        except MemoryError:  # the host's memory, not a device's (that is XLA's RESOURCE_EXHAUSTED below)
+            print("error: out of host memory (an allocation failed): ask for less (a smaller batch, fewer samples, "
+                  "a shorter sequence), or free memory on this machine", file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(EXIT_RUN_FAILED) from None
         except Exception as e:
             if not is_out_of_memory(e):
                 raise

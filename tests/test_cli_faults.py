@@ -281,3 +281,17 @@ def test_a_full_disk_where_python_names_no_file_is_one_line_and_exit_1(code, cap
     assert capsys.readouterr().err == message
     with pytest.raises(OSError):  # other failures without a file are not guessed at
         report_errors(lambda: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied")))()
+
+
+def test_running_out_of_host_memory_is_one_line_and_exit_1(capsys):
+    """numpy's MemoryError (nnx-generate --num-samples 99999999999 asked for hundreds of GB) was a traceback."""
+    from nnx_cli.errors import report_errors
+
+    def allocate() -> None:
+        raise MemoryError("Unable to allocate 745. GiB for an array with shape (99999999999, 2) and data type int32")
+
+    with pytest.raises(SystemExit) as stopped:
+        report_errors(allocate)()
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of host memory") and err.count("\n") == 1

@@ -7,6 +7,7 @@ model is trained once and shared.
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -216,7 +217,11 @@ def test_greedy_generation_that_fills_the_context_stops_there_truncated(referenc
         (["--prompt", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
         (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
         (["--prompt", "hi", "--step", "7"], "--step 7: no such checkpoint"),
+        (["--prompt", "hi", "--seed", str(2**64)], f"--seed must be 0 to 2**32 - 1, got {2**64}"),
+        (["--prompt", "hi", "--seed", "-1"], "--seed must be 0 to 2**32 - 1, got -1"),
+        (["--prompt", os.fsdecode(b"ab\xff\xfe")], "--prompt is not UTF-8 text (a byte at 2 is not)"),
     ],
+    ids=["empty", "long", "top-p", "temperature", "max-tokens", "step", "seed-big", "seed-negative", "not-utf8"],
 )
 def test_generate_rejects_bad_input_with_one_line(reference: Path, project: Path, args: list[str], fragment: str):
     assert_user_error(cli("nnx-generate", "ref", *args, cwd=project), fragment)

@@ -305,6 +305,8 @@ def test_a_7b_config_builds_under_eval_shape_in_seconds_and_counts_its_flops():
         (dict(embed_dim=30, num_heads=4), r"model\.embed_dim \(30\) must be a multiple of model\.num_heads \(4\)"),
         (dict(num_layers=0), r"model\.num_layers must hold positive sizes"),
         (dict(mlp_dim=0), r"model\.mlp_dim must hold positive sizes"),
+        (dict(mlp_dim=10**23), r"model\.mlp_dim must hold sizes below 2\*\*31 \(no array is that wide\)"),
+        (dict(head_dim=2**31), r"model\.head_dim must hold sizes below 2\*\*31"),
         (dict(dropout=1.0), r"model\.dropout is a drop probability in \[0, 1\)"),
         (dict(attention_dropout=-0.1), r"model\.attention_dropout is a drop probability"),
         (dict(positions="rope", embed_dim=6, num_heads=2), r"model\.positions rope .* must be even"),

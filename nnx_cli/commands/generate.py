@@ -66,6 +66,13 @@ def generate(
         raise UserError("--prompt is empty: give some text to continue")
     if num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {num_samples}")
+    if not 0 <= seed < 2**32:  # as the config's seed
+        raise UserError(f"--seed must be 0 to 2**32 - 1, got {seed}")
+    for flag, text in (("--prompt", prompt), ("--system", system)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes of the command line that are not UTF-8 arrive as lone surrogates
+            raise UserError(f"{flag} is not UTF-8 text (a byte at {e.start} is not); give it in UTF-8") from None
     for flag, value, right, wanted in (
         ("--max-tokens", max_tokens, max_tokens >= 1, "at least 1"),
         ("--temperature", temperature, 0 <= temperature < float("inf"), "a finite number >= 0 (0 is greedy)"),

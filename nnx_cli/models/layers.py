@@ -32,9 +32,11 @@ def mlp(sizes: Sequence[int], axes: Sequence[str], ctx: nnx.Context) -> nnx.Sequ
 
 
 def check_sizes(option: str, sizes: Sequence[int]) -> list[int]:
-    """Layer sizes must be positive: a zero-width layer has nothing to learn."""
+    """Layer sizes must be positive (a zero-width layer has nothing to learn) and below 2**31 (no array is wider)."""
     if any(size < 1 for size in sizes):
         raise ValueError(f"model.{option} must hold positive sizes, got {list(sizes)}")
+    if any(size >= 2**31 for size in sizes):
+        raise ValueError(f"model.{option} must hold sizes below 2**31 (no array is that wide), got {list(sizes)}")
     return list(sizes)
 
 
