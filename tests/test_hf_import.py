@@ -505,6 +505,22 @@ def test_a_shape_key_that_disagrees_with_config_json_names_both_values(tmp_path,
     check(llama_dir, "model.num_layers=2", "model.dtype=bfloat16", "model.remat=full")  # agreeing or free keys
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("model.sliding_window=2", r"'model.sliding_window' is 2, but .*config.json leaves it at None"),
+        ("model.moe={num_experts: 2, top_k: 1}", r"'model.moe' is \{'num_experts': 2, 'top_k': 1\}, but .*leaves it"),
+        ("model.logit_softcap=30.0", r"'model.logit_softcap' is 30.0, but .*config.json leaves it at None"),
+    ],
+)
+def test_a_shape_key_that_config_json_leaves_at_its_default_is_refused(llama_dir, option, message):
+    """A window on a Llama computed another function than its weights were trained for, silently (eval loss
+    5.845 against 5.894); experts on a dense model failed later, naming a tensor."""
+    with pytest.raises(UserError, match=message):
+        check(llama_dir, option)
+    check(llama_dir, "model.sliding_window=null", "model.attention=core", "model.max_positions=128")  # free keys
+
+
 def test_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, llama_dir):
     target = broken(tmp_path, llama_dir)
     (target / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "vocab_size": 200}))

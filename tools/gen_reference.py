@@ -201,7 +201,8 @@ def config_page() -> str:
                 "Every other key of `model` is an option of the model `model.name` names, checked against its",
                 "constructor's signature and annotations. Under `model.pretrained` the directory's `config.json`",
                 "gives the shape options; the YAML may set those that do not change the function (`dtype`,",
-                "`scan_layers`, `remat`, `dropout`, `attention_dropout`, `lora`, `router_aux_loss_coef`).",
+                "`scan_layers`, `remat`, `dropout`, `attention_dropout`, `lora`, `quantize`, `router_aux_loss_coef`,",
+                "`attention`); another that disagrees with `config.json`, or that it leaves at its default, is exit 2.",
                 "",
             ]
             for name, cls in _models().items():

@@ -48,6 +48,9 @@ _FREE = (
 )
 # Of these, config.json may give a default that the YAML overrides (a mixture of experts' router_aux_loss_coef, a
 # bitsandbytes checkpoint's quantize).
+_RUNNING = ("attention", "max_positions")
+# How the model runs (its attention kernel, its longest context): free where config.json does not give them (the
+# length of a learned position table it does give, and that must agree).
 
 
 @dataclasses.dataclass
@@ -215,6 +218,7 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
     if Path(source).expanduser().is_dir():  # a local directory is recorded as an absolute path: found from anywhere
         cfg.model.pretrained = str(pretrained.directory)
     config_json = pretrained.directory / "config.json"
+    _check_unread(cfg, pretrained.options, config_json)
     for key, value in pretrained.options.items():
         if key in _FREE:
             given = cfg.model.options.get(key)
@@ -242,6 +246,21 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
 
         check_vocabulary(pretrained_tokenizer(source), pretrained.options["vocab_size"], pretrained.directory)
     return pretrained
+
+
+def _check_unread(cfg: Any, read: dict[str, Any], config_json: Path) -> None:
+    """An option of the YAML's that config.json leaves at its default (a window on a Llama, experts on a dense
+    model) would compute another function than the weights were trained for: a UserError, as a disagreement is."""
+    from nnx_cli import models
+
+    defaults = models.option_defaults(models.model_class(cfg.model.name))
+    for key, given in cfg.model.options.items():
+        if key in (*_FREE, *_RUNNING) or key in read or key not in defaults or _same(given, defaults[key]):
+            continue
+        raise UserError(
+            f"config key 'model.{key}' is {given!r}, but {config_json} leaves it at {defaults[key]!r}: a pretrained "
+            f"model's shape comes from its config.json; drop model.{key} (the YAML may set {', '.join(_FREE)})"
+        )
 
 
 def _same(given: Any, value: Any) -> bool:
