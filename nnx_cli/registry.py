@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import re
 import sys
@@ -199,6 +200,8 @@ def bind_options(
             )
     hints = _type_hints(fn) if check_types else {}
     out = {}
+    for name, value in options.items():
+        _check_finite(value, prefix + name)
     for name, p in params.items():
         if name in options:
             out[name] = check_type(options[name], hints.get(name, Any), prefix + name) if check_types else options[name]
@@ -207,6 +210,18 @@ def bind_options(
         elif fill_defaults:
             out[name] = list(p.default) if isinstance(p.default, tuple) else p.default
     return out
+
+
+def _check_finite(value: Any, path: str) -> None:
+    """YAML's .nan and .inf are numbers to YAML; no option means anything by them (null is "none")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"config key {path!r} must be a finite number, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{path}[{i}]")
 
 
 def signature(fn: Callable) -> inspect.Signature:

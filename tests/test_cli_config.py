@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nnx_cli.config import Config, apply_overrides, from_dict, load_config, parse_value, to_dict
@@ -215,3 +217,26 @@ def test_an_objective_is_completed_with_its_own_defaults():
 def test_objective_mistakes_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optimizer.learning_rate=.nan", "optimizer.learning_rate"),
+        ("optimizer.clip_grad_norm=.nan", "optimizer.clip_grad_norm"),
+        ("optimizer.b1=.inf", "optimizer.b1"),  # an optax keyword
+        ("model.rope_theta=.nan", "model.rope_theta"),  # a model option
+        ("model.lora={rank: 2, alpha: .inf}", "model.lora.alpha"),
+        ("objective={name: grpo, reward_weights: [.nan]}", "objective.reward_weights[0]"),
+        ("eval.harness.limit=.nan", "eval.harness.limit"),
+    ],
+)
+def test_nan_and_infinity_are_refused_wherever_a_number_goes(override, key):
+    """YAML reads .nan and .inf as numbers: range checks such as 'positive' let NaN through, and the run
+    failed later as a non-finite loss (exit 1), or a GRPO run completed on NaN rewards (exit 0)."""
+    from nnx_cli.experiment import setup
+
+    options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=8",
+               "model.positions=rope", "data.text_key=text", "data.seq_len=16", override]  # fmt: skip
+    with pytest.raises(UserError, match=rf"config key '{re.escape(key)}' must be a finite number, got (nan|inf)"):
+        setup(load_config(None, options), data=None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -114,6 +115,8 @@ def check_type(value: Any, hint: Any, path: str) -> Any:
     ok, out = _match(value, hint)
     if not ok:
         path, value, hint = _culprit(value, hint, path)
+        if isinstance(value, float) and not math.isfinite(value):  # YAML's .nan and .inf are numbers to YAML
+            raise UserError(f"config key {path!r} must be a finite number, got {show(value)}")
         raise UserError(f"config key {path!r} must be {describe(hint)}, got {show(value)}")
     return out
 
@@ -156,7 +159,7 @@ def _match(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else None
     if hint is str:
         return isinstance(value, str), value
