@@ -34,6 +34,10 @@ def check_workdir(workdir: Path) -> list[Path]:
     """
     if workdir.exists() and not workdir.is_dir():
         raise UserError(f"work dir {str(workdir)!r} is a file; pass --workdir with a directory")
+    try:
+        str(workdir.absolute()).encode("utf-8")
+    except UnicodeEncodeError:  # Orbax and TensorStore take UTF-8 paths only: its first checkpoint would fail
+        raise UserError(f"work dir {str(workdir)!r} is not a UTF-8 path; pass --workdir with one") from None
     created = [p for p in (workdir, *workdir.parents) if not p.exists()]
     try:
         workdir.mkdir(parents=True, exist_ok=True)

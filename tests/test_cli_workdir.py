@@ -25,6 +25,16 @@ def test_a_file_in_place_of_the_work_dir_is_a_user_error(tmp_path: Path):
         check_workdir(tmp_path / "run")
 
 
+def test_a_work_dir_whose_path_is_not_utf8_is_a_user_error_before_anything_is_made(tmp_path: Path):
+    """Orbax takes UTF-8 paths only: such a run trained, then could not write its first checkpoint."""
+    import os
+
+    workdir = tmp_path / os.fsdecode(b"run\xff")
+    with pytest.raises(UserError, match="is not a UTF-8 path; pass --workdir with one"):
+        check_workdir(workdir)
+    assert not os.path.lexists(workdir)
+
+
 def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path):
     (tmp_path / "checkpoints").write_text("")
     with pytest.raises(UserError, match="checkpoints' should be a directory; move it away"):
