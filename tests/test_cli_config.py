@@ -240,3 +240,17 @@ def test_nan_and_infinity_are_refused_wherever_a_number_goes(override, key):
                "model.positions=rope", "data.text_key=text", "data.seq_len=16", override]  # fmt: skip
     with pytest.raises(UserError, match=rf"config key '{re.escape(key)}' must be a finite number, got (nan|inf)"):
         setup(load_config(None, options), data=None)
+
+
+def test_a_model_that_cannot_be_built_names_the_keys_at_fault_without_every_option():
+    """The message was one line holding all 40 of the model's resolved options before the reason."""
+    from nnx_cli.experiment import setup
+
+    options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=8",
+               "model.max_positions=4", "data.text_key=text", "data.seq_len=16"]  # fmt: skip
+    with pytest.raises(UserError) as raised:
+        setup(load_config(None, options), data=None)
+    assert str(raised.value) == (
+        "config section 'model': 'transformer_lm' cannot be built: data.seq_len (16) exceeds the model's 4 learned "
+        "positions (model.max_positions); lower data.seq_len"
+    )

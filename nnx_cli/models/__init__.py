@@ -25,6 +25,7 @@ before anything is built. Every parameter should declare logical axes
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -133,6 +134,7 @@ def model_factory(cfg: ModelConfig, spec: Any) -> Callable[[nnx.Context], nnx.Mo
     options = resolve_options(cfg)
     input_shape = tuple(cfg.input_shape) if cfg.input_shape is not None else spec.input_shape
     num_classes = cfg.num_classes if cfg.num_classes is not None else spec.num_classes
+    given = {k: v for k, v in options.items() if k in cfg.options}  # the options the config set (not defaults)
 
     def build(ctx: nnx.Context) -> nnx.Module:
         try:
@@ -142,9 +144,11 @@ def model_factory(cfg: ModelConfig, spec: Any) -> Callable[[nnx.Context], nnx.Mo
         except ValueError as e:
             if str(e).startswith("model."):  # the constructor's own checks name the option: that says it all
                 raise UserError(f"config key {e}") from None
-            raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {options}: {e}") from None
+            if re.search(r"\b(model|data|train)\.[a-z_]+", str(e)):  # it names the keys at fault
+                raise UserError(f"config section 'model': {cfg.name!r} cannot be built: {e}") from None
+            raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {given}: {e}") from None
         except Exception as e:  # what a bad option breaks inside the constructor
-            raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {options}: {e}") from None
+            raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {given}: {e}") from None
 
     return build
 
