@@ -197,6 +197,13 @@ eval: {{harness: {{tasks: [local_choices, local_rolling], every_steps: 2, limit:
 """
 
 
+def test_an_unknown_harness_task_in_a_config_is_named_by_its_config_key(project):
+    (project / "tune.yaml").write_text(TUNE)
+    result = cli("nnx-train", "tune.yaml", "eval.harness.tasks=[local_choicez]", "--workdir", "tune-typo", cwd=project)
+    assert_user_error(result, "config key 'eval.harness.tasks': unknown task 'local_choicez'", "local_choices")
+    assert not (project / "tune-typo").exists()
+
+
 def test_a_run_logs_harness_metrics_as_it_trains_and_nnx_eval_of_its_checkpoint_agrees(project):
     (project / "tune.yaml").write_text(TUNE)
     run(project, "nnx-train", "tune.yaml", "--workdir", "tune")

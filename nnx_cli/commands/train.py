@@ -330,7 +330,14 @@ def _harness_tasks(exp: Any) -> Any:
     if jax.process_count() > 1:
         raise UserError("config key 'eval.harness' runs in single-process runs; evaluate with nnx-eval --tasks after")
     with PHASES("data"):
-        return harness.load_tasks(options.tasks, options.include_path)
+        try:
+            return harness.load_tasks(options.tasks, options.include_path)
+        except UserError as e:  # its messages name nnx-eval's options: here they are config keys
+            message = str(e)
+            for flag, key in (("--tasks", "eval.harness.tasks"), ("--include-path", "eval.harness.include_path")):
+                if message.startswith(flag):
+                    message = f"config key '{key}'{message[len(flag) :]}"
+            raise UserError(message) from None
 
 
 def plan(exp: Any, harness_tasks: Any = None) -> tuple[int, Any, Any]:
