@@ -178,8 +178,8 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     config = workdir / "config.yaml"
     if not config.is_file():
         raise UserError(
-            f"{str(config)!r} is missing: nnx-eval and nnx-inspect rebuild the model from the config nnx-train saved "
-            "there"
+            f"{str(config)!r} is missing: the commands that read a run rebuild its model from the config nnx-train "
+            "saved there"
         )
     from nnx_cli.registry import add_import_paths
 

@@ -69,6 +69,12 @@ def test_open_run_leaves_the_choice_of_step_to_restore_unless_one_is_named(tmp_p
         open_run(tmp_path / "run" / "checkpoints" / "1", step=2)
 
 
+def test_a_run_without_its_config_names_the_file_for_every_command(tmp_path: Path):
+    (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"config.yaml' is missing: the commands that read a run rebuild its model"):
+        open_run(tmp_path / "run")
+
+
 def test_a_dir_without_checkpoints_is_a_user_error(tmp_path: Path):
     with pytest.raises(UserError, match="no checkpoint found"):
         open_run(tmp_path)
