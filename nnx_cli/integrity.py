@@ -118,6 +118,11 @@ def seal(step_dir: str | Path, *, process: int | None = None, process_count: int
     return target
 
 
+def checksum_files(step_dir: str | Path) -> list[Path]:
+    """The checksum files of `step_dir` (one per process that sealed it; none: never sealed)."""
+    return sorted(Path(step_dir).glob("nnx-checksums.process_*.json"))
+
+
 def verify(step_dir: str | Path, *, process: int | None = None) -> Verification:
     """Re-hash a step directory against its checksums; the first problem found, in one line.
 

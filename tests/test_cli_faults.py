@@ -123,13 +123,23 @@ def test_train_resumes_from_the_newest_good_step_moves_the_bad_one_aside_and_end
     assert_same_params(run, reference)
 
 
-def test_a_step_written_before_checksums_is_used_with_a_warning(reference: Path, project: Path):
+def test_a_step_without_checksums_is_used_with_a_warning_and_sealed_when_training_resumes(
+    reference: Path, project: Path
+):
     run = copy(reference, "unsealed")
     for seal in (run / "checkpoints" / "80").glob("nnx-checksums*"):
         seal.unlink()
     result = cli("nnx-eval", "unsealed", "--json", cwd=project)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step"] == 80 and "has no checksums to verify" in result.stderr
+    assert integrity.verify(run / "checkpoints" / "80").status is integrity.Status.NO_CHECKSUMS  # eval reads only
+    # nnx-train, which holds the work dir, seals the step it resumes from: damage from then on is found
+    resumed = cli("nnx-train", "run.yaml", "--workdir", "unsealed", cwd=project)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "sealed checkpoint unsealed/checkpoints/80 with the checksums" in resumed.stderr
+    assert integrity.verify(run / "checkpoints" / "80").ok
+    flip(data_file(run / "checkpoints" / "80"))
+    assert integrity.verify(run / "checkpoints" / "80").status is integrity.Status.DAMAGED
 
 
 def test_when_no_step_is_usable_train_stops_with_exit_2_listing_them(reference: Path, project: Path):

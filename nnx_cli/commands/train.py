@@ -263,7 +263,7 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
     """The newest usable checkpoint (`restore.Found`) in an existing `ckpt_dir`, or None when it has none; unusable
     newer steps are moved aside; a work dir whose checkpoints are all unusable is a UserError, and then nothing is
     moved: the same command run again refuses again, where an emptied directory would start over from step 0."""
-    from nnx_cli import restore, steps
+    from nnx_cli import integrity, restore, steps
     from nnx_cli.checkpoint import LOOP, Checkpointer
 
     reader = Checkpointer(ckpt_dir, read_only=True)
@@ -284,6 +284,11 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
         reader.close()
     if found.step is not None and found.rejected and _distributed.is_main():
         restore.quarantine(ckpt_dir, found.rejected, say)
+    if found.step is not None and not integrity.checksum_files(ckpt_dir / str(found.step)):
+        # a step that restored and is finite but was never sealed (written before checksums, or a crash between
+        # Orbax's commit and the seal): sealed now, so that damage from here on is found, as on any other step
+        integrity.seal(ckpt_dir / str(found.step))
+        say(f"sealed checkpoint {ckpt_dir / str(found.step)} with the checksums of the files it restored from")
     _distributed.barrier("nnx-train: checkpoints checked")
     if found.step is None and found.rejected:
         raise restore.no_usable_step(
