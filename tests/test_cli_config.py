@@ -76,6 +76,14 @@ def test_wrong_type_names_key_expected_type_and_value():
         load_config(None, ["train.batch_size=many"])
 
 
+@pytest.mark.parametrize("key", ["train.batch_size", "train.eval_batch_size"])
+def test_a_batch_no_array_can_hold_is_refused_naming_the_key(key):
+    """An eval batch of 2**63 - 1 trained the whole run, then ended in numpy's traceback at the final eval."""
+    with pytest.raises(UserError, match=rf"config key '{re.escape(key)}' must be below 2\*\*31, got {2**63 - 1}"):
+        load_config(None, [f"{key}={2**63 - 1}"])
+    load_config(None, [f"{key}={2**31 - 1}"])
+
+
 def test_wrong_type_inside_a_mapping_names_the_inner_key():
     with pytest.raises(UserError, match=r"config key 'sharding\.mesh\.data' must be an integer, got 'abc'"):
         load_config(None, ["sharding.mesh.data=abc"])

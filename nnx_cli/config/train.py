@@ -48,6 +48,9 @@ class TrainConfig:
             positive(f"train.{name}", getattr(self, name))
         for name in ("eval_batch_size", "steps", "epochs", "eval_max_batches"):
             positive(f"train.{name}", getattr(self, name), allow_none=True)
+        for name in ("batch_size", "eval_batch_size"):
+            if (getattr(self, name) or 0) >= 2**31:  # rows of one array: numpy refuses such a shape with a traceback
+                raise UserError(f"config key 'train.{name}' must be below 2**31, got {getattr(self, name)}")
         if self.sample_tokens < 0:  # its type is the schema's check
             raise UserError(
                 f"config key 'train.sample_tokens' must be 0 (no samples) or more, got {show(self.sample_tokens)}"
