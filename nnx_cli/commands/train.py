@@ -284,12 +284,14 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
         reader.close()
     if found.step is not None and found.rejected and _distributed.is_main():
         restore.quarantine(ckpt_dir, found.rejected, say)
-    if found.step is not None and not integrity.checksum_files(ckpt_dir / str(found.step)):
-        # a step that restored and is finite but was never sealed (written before checksums, or a crash between
-        # Orbax's commit and the seal): sealed now, so that damage from here on is found, as on any other step
+    # a step that restored and is finite but was never sealed (written before checksums, or a crash between
+    # Orbax's commit and the seal) is sealed now, so that damage from here on is found, as on any other step;
+    # every process seals its own files, so each decides before any of them writes one
+    unsealed = found.step is not None and not integrity.checksum_files(ckpt_dir / str(found.step))
+    _distributed.barrier("nnx-train: checkpoints checked")
+    if unsealed:
         integrity.seal(ckpt_dir / str(found.step))
         say(f"sealed checkpoint {ckpt_dir / str(found.step)} with the checksums of the files it restored from")
-    _distributed.barrier("nnx-train: checkpoints checked")
     if found.step is None and found.rejected:
         raise restore.no_usable_step(
             ckpt_dir, found.rejected, "train in a new --workdir, or pass --no-resume to start over (it deletes them)"
