@@ -95,9 +95,9 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
 
     # get_partition_spec drops the Variable wrappers; expand back to one spec per leaf. Optimizer statistics that
     # are not shaped as their parameter (Adafactor's row and column means, of another rank or of size 1) keep the
-    # dimensions they cannot split whole.
+    # dimensions they cannot split whole; parameters, frozen or trained, are split as their names say or refused.
     def spec_of(path: tuple, spec: Any, leaf: Any) -> Any:
-        if jax.tree_util.keystr(path[:1], simple=True) == "params":
+        if jax.tree_util.keystr(path[:1], simple=True) != "opt_state":
             return spec
         if len(spec) != len(leaf.shape):
             return type(spec)(*[None] * len(leaf.shape))
