@@ -84,20 +84,21 @@ def set_aside(workdir: Path) -> Path | None:
 
 def settle_aside(aside: Path | None) -> None:
     """Delete what `set_aside` moved once the work dir has a committed checkpoint of the new run, else put it back
-    (replacing whatever the new run wrote in its place)."""
+    (replacing whatever the new run wrote in those places: its first eval's images and samples too)."""
     if aside is None or not aside.is_dir():
         return
     workdir, checkpoints = aside.parent, aside.parent / "checkpoints"
     if checkpoints.is_dir() and any((step / "commit_success.txt").is_file() for step in checkpoints.iterdir()):
         shutil.rmtree(aside, ignore_errors=True)
         return
-    for kept in aside.iterdir():
-        new = workdir / kept.name
+    for name in _REPLACED:  # the work dir as it was: what the new run wrote in these places goes
+        new = workdir / name
         if new.is_dir() and not new.is_symlink():
             shutil.rmtree(new)
         else:
             new.unlink(missing_ok=True)
-        kept.rename(new)
+        if (aside / name).exists():
+            (aside / name).rename(new)
     aside.rmdir()
 
 

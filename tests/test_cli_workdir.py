@@ -104,3 +104,27 @@ def test_image_grid_tiles_images_with_a_border_and_upscales(tmp_path: Path):
     grid = np.asarray(Image.open(tmp_path / "grid.png"))
     assert grid.shape == ((2 * (3 + 1) + 1) * 2, (8 * (2 + 1) + 1) * 2)  # 2 rows of 8, one-pixel borders, x2
     assert grid[2:8, 2:6].min() == 255 and grid[2:8, 8:12].max() == 0  # first image white, second black
+
+
+def test_a_run_set_aside_comes_back_as_it_was_when_the_new_one_committed_no_checkpoint(tmp_path: Path):
+    from nnx_cli.workdir import set_aside, settle_aside
+
+    (tmp_path / "checkpoints" / "40").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "40" / "commit_success.txt").write_text("")
+    (tmp_path / "metrics.jsonl").write_text("old\n")
+    aside = set_aside(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".replaced"]
+    # the new run: a first eval's grid and samples, a step it never committed, then it stops
+    for name in ("images", "samples", "checkpoints/10"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text("new\n")
+    settle_aside(aside)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["40"]
+    assert (tmp_path / "metrics.jsonl").read_text() == "old\n"
+    # once the new run has committed one, the earlier run goes
+    aside = set_aside(tmp_path)
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "10" / "commit_success.txt").write_text("")
+    settle_aside(aside)
+    assert not aside.exists() and [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["10"]
