@@ -291,6 +291,12 @@ def _constrain(x: tp.Any, spec: PartitionSpec, mesh: tp.Any) -> tp.Any:
         if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
         for axis in _as_axes_tuple(entry)
     ]
+    missing = [a for a in used if a not in axis_types]
+    if missing:
+        raise ValueError(
+            f"Cannot constrain an array to {spec}: the mesh has no axis {missing[0]!r} (its axes: "
+            f"{', '.join(map(repr, mesh.axis_names))}); map the logical axis to one of them, or to None, in the rules."
+        )
     explicit = [a for a in used if axis_types[a] == jax.sharding.AxisType.Explicit]
     sharding = NamedSharding(mesh, spec)
     if not explicit:

@@ -134,6 +134,15 @@ def test_with_logical_constraint_is_a_no_op_without_rules():
     assert nnx.with_logical_constraint(x, ("row", "col")) is x
 
 
+def test_a_rule_naming_an_axis_the_mesh_lacks_is_a_value_error_naming_it():
+    """It was a bare KeyError: 'model' from inside the constraint."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    message = r"the mesh has no axis 'model' \(its axes: 'data'\); map the logical"
+    rules = [("batch", "data"), ("mlp", "model")]
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules), pytest.raises(ValueError, match=message):
+        jax.jit(lambda x: nnx.with_logical_constraint(x, ("batch", "mlp")))(jnp.ones((4, 8)))
+
+
 def test_logical_to_mesh_sharding_builds_named_shardings():
     devices = np.array(jax.devices()[:1]).reshape(1, 1)
     mesh = jax.sharding.Mesh(devices, ("data", "model"))
