@@ -95,6 +95,15 @@ class Pytree(reprlib.Representable, metaclass=PytreeMeta):
                     )
             containers.assign(attributes, name, value, copy=True)
 
+        def __delattr__(self, name: str) -> None:
+            attributes = _get_attribute(self, "__dict__")
+            if _INITIALIZING not in attributes and not self._pytree__class_is_mutable and name in attributes:
+                raise AttributeError(  # deleting a field changes the tree's structure as much as adding one
+                    f"{type(self).__name__} is immutable, trying to update field {name!r}: fields cannot be "
+                    "deleted after __init__"
+                )
+            object.__delattr__(self, name)
+
     def replace(self: P, **updates: tp.Any) -> P:
         """A copy with some fields replaced."""
         import dataclasses

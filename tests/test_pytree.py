@@ -43,6 +43,9 @@ def test_pytree_is_immutable_after_init():
         p.name = "q"
     with pytest.raises(AttributeError, match="Cannot add new fields to an initialized Pytree"):
         p.z = 1
+    with pytest.raises(AttributeError, match="is immutable, trying to update field 'x': fields cannot be deleted"):
+        del p.x  # it emptied the tree's leaves, silently
+    assert jax.tree.leaves(p) == [1.0, 2.0]
 
 
 def test_replace_returns_a_modified_copy():
