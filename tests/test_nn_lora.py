@@ -133,3 +133,13 @@ def test_adapt_on_a_cpu_keeps_no_float32_copy_of_a_wide_gradient():
         jax.jit(backward).lower(x, params, g).compile(compiler_options=DEPLOYED).memory_analysis().temp_size_in_bytes
     )
     assert temporaries < tokens * fan_out * 4 / 2
+
+
+def test_an_integer_input_is_promoted_to_float32_as_linear_promotes_it():
+    """The update was computed in int32: a, b and the product truncated to integers."""
+    lora = nnx.LoRA(4, 3, rank=2, ctx=nnx.context(0))
+    lora.b = jnp.full_like(lora.b, 0.3)  # b starts at zero: a nonzero update
+    x = jnp.arange(8).reshape(2, 4)
+    y = lora(x)
+    assert y.dtype == jnp.float32 and nnx.Linear(4, 3, ctx=nnx.context(0))(x).dtype == jnp.float32
+    np.testing.assert_array_equal(y, lora(x.astype(jnp.float32)))

@@ -247,3 +247,12 @@ def test_one_row_on_a_cpu_is_multiplied_from_the_codes_by_the_float32_weights(ty
     ours = jax.grad(lambda x: jnp.sum(jnp.sin(kerneldef.merge(parts)(x, dtype=jnp.float32))))(x32)
     theirs = jax.grad(lambda x: jnp.sum(jnp.sin(x @ exact)))(x32)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_4bit_kernel_promotes_an_integer_input_to_float32_as_linear_does():
+    """It dequantised into the input's int32: the product of every weight truncated (6.0 off at this size)."""
+    kernel = nnx.QuantizedKernel(64, 8, value=jax.random.normal(jax.random.key(0), (64, 8)))
+    x = jnp.arange(4 * 64).reshape(4, 64) % 3
+    y = kernel(x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, kernel(x.astype(jnp.float32)))

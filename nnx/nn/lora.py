@@ -211,7 +211,8 @@ class LoRA(Module):
         self.dropout = Dropout(dropout)
 
     def __call__(self, x: Array, *, deterministic: bool | None = True, ctx: Context | None = None) -> Array:
-        dtype = self.dtype or x.dtype
+        # x's dtype; an integer x in float32, as Linear promotes it (it truncated the update to integers)
+        dtype = self.dtype or (x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
         x = self.dropout(x, deterministic=deterministic, ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")  # not constrained: a scan would stack them again
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]

@@ -548,11 +548,12 @@ class QuantizedKernel(Module):
 
     def __call__(self, x: Array, *, dtype: Any = None, out_dtype: Any = None) -> Array:
         """``x @ kernel``, contracting the trailing ``len(in_features)`` axes of ``x``, the kernel dequantised in
-        ``dtype`` (``x``'s by default) for this product only (again in the backward pass, never kept); a single
-        row on a CPU multiplied from the codes instead (:func:`_row_product`)."""
+        ``dtype`` (``x``'s by default, float32 for an integer ``x``, as ``Linear`` promotes it) for this product
+        only (again in the backward pass, never kept); a single row on a CPU multiplied from the codes instead
+        (:func:`_row_product`)."""
         if self.batch:
             raise ValueError("a stack of kernels (batch axes) is applied with dequantized_product")
-        dtype = dtype or x.dtype
+        dtype = dtype or (x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
         tokens = x.shape[: x.ndim - len(self.in_shape)]
         x2 = x.astype(dtype).reshape(math.prod(tokens), -1)
         if x2.shape[0] == 1 and spmd.platform() == "cpu":  # a batch-1 decoding step
