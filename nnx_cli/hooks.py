@@ -121,7 +121,7 @@ class Checkpoint:
         self.base = base  # an adapter run's base model and its weights' checksums, kept in each manifest
 
     def __call__(self, loop: Loop) -> None:
-        if self.saved == loop.step:  # keep_best saved this step already
+        if self.saved == loop.step:  # saved already (keep_best saves its step before the checkpoint hook runs)
             return
         self.guard.check(loop)
         self.checkpointer.save(loop.step, steps.trainable(loop.state), loop=loop.sums, base=self.base)
@@ -129,8 +129,7 @@ class Checkpoint:
 
     def end(self, loop: Loop) -> None:
         self.guard.check(loop)
-        if loop.step != self.saved:
-            self(loop)
+        self(loop)
         self.checkpointer.wait()
 
 
@@ -182,8 +181,7 @@ class KeepBest:
         value = self.evaluate.metrics.get(self.metric) if self.evaluate.done == loop.step else None
         if value is None or (self.best is not None and not self._better(value, self.best["value"])):
             return
-        if self.checkpoint.saved != loop.step:
-            self.checkpoint(loop)
+        self.checkpoint(loop)  # saves this step unless it is saved already
         self.best = {"step": loop.step, "metric": self.metric, "mode": self.mode, "value": value}
         self.checkpoint.checkpointer.protect = {loop.step}
         if jax.process_index() == 0:

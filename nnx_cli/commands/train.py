@@ -124,7 +124,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         sample_prompts = hooks.eval_prompts(exp) if _writes_samples(exp) else None  # and an unusable prompt
         if sample_prompts is not None:
             hooks.check_sample_prompts(exp, sample_prompts)
-        plan(exp, harness_tasks)  # and steps per dispatch or batches the run cannot take
+        planned = plan(exp, harness_tasks)  # and steps per dispatch or batches the run cannot take
         if resume and cfg.checkpoint.keep_best is not None:
             best_record(workdir / "checkpoints")  # and a best.json that cannot be read (its step would be pruned)
         session = open_session(exp, workdir, resume)
@@ -135,7 +135,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
             return 0
-        loop, feed, dispatch, chosen = prepare(exp, session, signals, factories, harness_tasks, sample_prompts)
+        loop, feed, dispatch, chosen = prepare(exp, session, signals, factories, planned, harness_tasks, sample_prompts)
         attention = exp.attention()
         if attention is not None:
             session.say(f"attention: {attention}")
@@ -377,11 +377,13 @@ def prepare(
     session: Session,
     signals: Signals,
     factories: dict[str, Any],
+    planned: tuple[int, Any, Any],
     harness_tasks: Any = None,
     sample_prompts: list[list[int]] | None = None,
 ) -> tuple[Any, Any, Any, list[Any]]:
     """The loop's state, its feed of dispatch inputs, the jitted dispatch and the hooks, in the order they run;
-    `sample_prompts` are those of the samples each eval writes (`_writes_samples`), encoded and checked."""
+    `planned` is what :func:`plan` gave for the run, `sample_prompts` are those of the samples each eval writes
+    (`_writes_samples`), encoded and checked."""
     import jax
 
     from nnx_cli import hooks, sharding, steps
@@ -394,7 +396,7 @@ def prepare(
             session.workdir, to_dict(cfg), session.start, exp.total_steps, exp.loss_metric, session.console
         )
         session.loggers = loggers.open_loggers(factories, run)
-    k, layout, eval_layout = plan(exp, harness_tasks)
+    k, layout, eval_layout = planned
     sampling = hasattr(exp.objective, "inputs")
     harness_every = cfg.eval.harness.every_steps or t.eval_every
     scalar = sharding.replicated(exp.mesh)
