@@ -24,7 +24,9 @@ import functools
 import typing as tp
 from abc import ABCMeta
 
+import jax
 import jax.tree_util as jtu
+import numpy as np
 
 from nnx import _flax_serialization, nodes, reprlib
 
@@ -317,13 +319,28 @@ class Static(Container[A]):
         return hash(self.value)
 
 
+# Arrays compare elementwise and do not hash, so as aux data they break jit's cache only on a later call: refuse
+# them when the Static is flattened instead.
+_ARRAY_TYPES = (np.ndarray, jax.Array)
+
+
 def _register_static(cls: type[Static[tp.Any]]) -> None:
     def unflatten(attributes, _children):
         static = object.__new__(cls)
         vars(static).update(attributes)
         return static
 
-    jtu.register_pytree_node(cls, lambda static: ((), tuple(vars(static).items())), unflatten)
+    def flatten(static):
+        attributes = tuple(vars(static).items())
+        for name, value in attributes:
+            if isinstance(value, _ARRAY_TYPES):
+                raise TypeError(
+                    f"{cls.__name__}.{name} holds an array ({type(value).__name__} of shape {value.shape}): a Static "
+                    "travels as pytree aux data, which must be hashable; keep arrays in a Variable or pass a tuple"
+                )
+        return (), attributes
+
+    jtu.register_pytree_node(cls, flatten, unflatten)
 
 
 _register_static(Static)

@@ -131,6 +131,12 @@ def test_static_with_unhashable_array_fails_under_jit():
         f(nnx.Static(np.ones((3, 3))))
 
 
+@pytest.mark.parametrize("array", [np.ones((3, 3)), jax.numpy.ones(2)], ids=["numpy", "jax"])
+def test_static_holding_an_array_fails_at_the_first_jitted_call_naming_the_field(array):
+    with pytest.raises(TypeError, match=r"Static.value holds an array .* shape"):
+        jax.jit(lambda x: x)(nnx.Static(array))
+
+
 def test_with_metadata_attaches_metadata_to_initializer_result():
     init = nnx.with_metadata(nnx.initializers.lecun_normal(), sharding=("din", "dout"))
     boxed = init(jax.random.key(0), (2, 3))
