@@ -143,3 +143,11 @@ def test_an_integer_input_is_promoted_to_float32_as_linear_promotes_it():
     y = lora(x)
     assert y.dtype == jnp.float32 and nnx.Linear(4, 3, ctx=nnx.context(0))(x).dtype == jnp.float32
     np.testing.assert_array_equal(y, lora(x.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("method", ["call", "adapt"])
+def test_an_input_of_the_wrong_width_says_which_shape_the_update_expects(method):
+    lora = nnx.LoRA((2, 3), 4, rank=2, ctx=nnx.context(0))
+    x = jnp.ones((5, 2, 4))
+    with pytest.raises(ValueError, match=r"trailing axes have the shape in_features=\(2, 3\), got shape \(5, 2, 4\)"):
+        lora(x) if method == "call" else lora.adapt(x, lambda w: w, jnp.ones((6, 4)))

@@ -332,6 +332,12 @@ def test_layernorm_normalizes_each_example():
     np.testing.assert_allclose(jnp.std(y, -1), np.ones((2, 3)), atol=1e-3)
 
 
+def test_layernorm_with_the_wrong_number_of_features_says_which():
+    ln = LayerNorm(6, ctx=ctx())
+    with pytest.raises(ValueError, match=r"feature axes \(1,\) hold 5 elements: build the layer with num_features=5"):
+        ln(jnp.ones((2, 5)))
+
+
 def test_layernorm_without_scale_and_bias():
     ln = LayerNorm(5, use_scale=False, use_bias=False, ctx=ctx())
     assert ln.scale is None and ln.bias is None

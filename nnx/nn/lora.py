@@ -145,6 +145,13 @@ def _adapted_backward(spec, weight, saved, g):
 _adapted.defvjp(_adapted_forward, _adapted_backward)
 
 
+def _check_input(x: Array, in_shape: tuple[int, ...]) -> None:
+    if x.ndim < len(in_shape) or x.shape[x.ndim - len(in_shape) :] != in_shape:
+        raise ValueError(
+            f"LoRA expects inputs whose trailing axes have the shape in_features={in_shape}, got shape {x.shape}."
+        )
+
+
 class LoRA(Module):
     """The low-rank update ``dropout(x) @ a @ b * (alpha / rank)`` of a linear map ``in_features -> out_features``.
 
@@ -215,6 +222,7 @@ class LoRA(Module):
         dtype = self.dtype or (x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
         x = self.dropout(x, deterministic=deterministic, ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")  # not constrained: a scan would stack them again
+        _check_input(x, a.shape[:-1])
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
         a = a.astype(dtype).reshape(-1, self.rank)
         y = _low_rank(x.astype(dtype), a, b.astype(dtype).reshape(self.rank, -1), self.scale)
@@ -249,6 +257,7 @@ class LoRA(Module):
         """
         xl = self.dropout(x, deterministic=deterministic, ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")
+        _check_input(x, a.shape[:-1])
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
         a2, b2 = a.astype(x.dtype).reshape(-1, self.rank), b.astype(x.dtype).reshape(self.rank, -1)
         x_lora = None if xl is x else _flat(xl.astype(x.dtype), a2.shape[0])

@@ -339,6 +339,15 @@ class LayerNorm(Module):
 
     def __call__(self, x: Array) -> Array:
         """Normalizes ``x`` over ``reduction_axes``."""
+        if self.use_scale or self.use_bias:
+            feature_axes = _canonicalize_axes(x.ndim, self.feature_axes)
+            features = math.prod(x.shape[i] for i in feature_axes)
+            if features != self.num_features:
+                raise ValueError(
+                    f"LayerNorm(num_features={self.num_features}, feature_axes={self.feature_axes}) got an input of "
+                    f"shape {x.shape}, whose feature axes {feature_axes} hold {features} elements: build the layer "
+                    f"with num_features={features}, or pass the feature axes as feature_axes=."
+                )
         mean, var = _compute_stats(
             x,
             self.reduction_axes,
