@@ -307,6 +307,33 @@ def test_bad_rows_and_templates_name_the_row(tmp_path, rows, options, message):
         load(config(tmp_path, source, **options))
 
 
+def sharegpt_roles(rows: list[dict]) -> list[dict]:
+    return [{"messages": [{**m, "role": {"assistant": "gpt"}.get(m["role"], m["role"])} for m in r["messages"]]}
+            for r in rows]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "rows, options, message",
+    [
+        (sharegpt_roles(chats(4)), {}, r"training split 'train' has no target token to learn from: none of its 4 "
+         r"conversations has an assistant turn .*rename roles such as 'gpt'"),
+        (chats(4), {"seq_len": 15}, r"training split 'train' has no target token to learn from: .* within "
+         r"data.seq_len \(15\)"),
+        (chats(4), {"seq_len": 15, "train_split": "x", "eval_split": "train"}, r"eval split 'train' has no target "
+         r"token to measure: .* or set data.eval_split: null"),
+        ([{"prompt": "word " * 40, "completion": "yes"}] * 3, {"format": "completion", "seq_len": 31},
+         r"none of its \d+ examples has a completion token"),
+    ],
+    ids=["sharegpt-roles", "answers-cut", "eval-answers-cut", "completions-cut"],
+)  # fmt: skip
+def test_a_split_with_no_target_token_is_an_error_not_a_loss_of_zero(tmp_path, rows, options, message):
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    splits = ("eval",) if options.get("train_split") == "x" else ("train",)
+    options = {k: v for k, v in options.items() if k != "train_split"}
+    with pytest.raises(UserError, match=message):
+        examples.load_example_splits(config(tmp_path, source, **options), 0, splits, str(fixture("qwen2")))
+
+
 def test_a_column_the_source_lacks_is_named_with_the_columns_it_has(tmp_path):
     source = write_jsonl(tmp_path / "pairs.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(UserError, match=r"no column 'prompt'; columns: question, answer"):

@@ -99,6 +99,14 @@ def test_each_sequence_is_cut_at_half_a_row_and_a_pair_with_no_response_left_is_
     assert "1 of 3 pairs have a response with no token left after the cut and were left out" in said
 
 
+def test_an_eval_split_whose_every_pair_is_left_out_is_an_error_naming_the_way_out(tmp_path):
+    long = {"prompt": "Who keeps the bridge? " * 4, "chosen": " The old guard.", "rejected": " No one."}
+    cfg = data_config(tmp_path, [*RECORD["llama_standard"] * 4, long], seq_len=63, eval_split="test")
+    with pytest.raises(UserError, match=r"eval split 'test' has no target token to measure: every pair was left "
+                       r"out .* or set data.eval_split: null"):  # fmt: skip
+        examples.load_example_splits(cfg, seed=0, pretrained=str(fixture("llama")))
+
+
 # The reference model and the numbers
 # ------------------------------------------------------------------------------
 

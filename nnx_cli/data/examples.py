@@ -464,11 +464,32 @@ def load_example_splits(
             train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", None, f"{cfg.train_split!r}")
         if want_eval:
             evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None, f"{cfg.eval_split!r}")
+    if train is not None and len(train["tokens"]):
+        _check_targets(cfg, train, f"the training split {cfg.train_split!r}", "to learn from", "")
+    if evaluation is not None:
+        _check_targets(cfg, evaluation, f"the eval split {cfg.eval_split!r}", "to measure",
+                       ", or set data.eval_split: null to train without evals")  # fmt: skip
     return ExampleSplits(
         ExampleTrainSplit(train, seed, spec) if train is not None else None,
         ExampleEvalSplit(evaluation, spec) if evaluation is not None else None,
         spec,
     )
+
+
+def _check_targets(cfg: DataConfig, arrays: dict[str, np.ndarray], split: str, purpose: str, way_out: str) -> None:
+    """A UserError when no row of `split` has a token the loss counts: a run would report a loss of 0 and learn
+    nothing (the chat format trains on assistant turns only; a data.seq_len too short cuts every answer away)."""
+    if np.any(arrays["targets"][:, 1:]):
+        return
+    rows = int(arrays["segments"].max(axis=1, initial=0).sum())  # examples: packed rows number theirs from 1
+    if cfg.format == PREFERENCE:
+        why = "every pair was left out (the notices above say why)" if rows == 0 else "no pair has a response token"
+    elif cfg.format == CHAT:
+        why = (f"none of its {rows:,} conversations has an assistant turn within data.seq_len ({cfg.seq_len}) "
+               "tokens: the loss is on messages whose role is 'assistant' (rename roles such as 'gpt' or 'model')")  # fmt: skip
+    else:
+        why = f"none of its {rows:,} examples has a completion token within data.seq_len ({cfg.seq_len}) tokens"
+    raise UserError(f"{split} has no target token {purpose}: {why}; raise data.seq_len or fix the data{way_out}")
 
 
 def _columns(cfg: DataConfig) -> list[str]:
