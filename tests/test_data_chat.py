@@ -218,6 +218,20 @@ def test_a_template_file_overrides_the_model_directorys(tmp_path):
     assert tokenizer.decode(tokens[targets == 1].tolist()) == "The old guard.<|im_end|>"
 
 
+def test_a_training_template_with_generation_tags_gives_the_rows_of_the_same_template_without_them(tmp_path):
+    plain = (fixture("qwen2") / "chat_template.jinja").read_text()
+    tagged = plain.replace("{{ m['content'] }}<|im_end|>", "{% generation %}{{ m['content'] }}"
+                           "{% endgeneration %}<|im_end|>")  # fmt: skip
+    assert "{% generation %}" in tagged
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(4))
+    rows = []
+    for name, text in [("plain", plain), ("tagged", tagged)]:
+        (tmp_path / f"{name}.jinja").write_text(text)
+        rows.append(load(config(tmp_path, source, chat_template=str(tmp_path / f"{name}.jinja"))).train.stored())
+    for column in rows[0]:
+        np.testing.assert_array_equal(rows[0][column], rows[1][column])
+
+
 def test_unpacked_rows_hold_one_padded_example_and_eval_pads_its_last_batch(tmp_path):
     source = write_jsonl(tmp_path / "chats.jsonl", chats(5))
     cfg = config(tmp_path, source, packing=False, eval_split="train")
@@ -316,7 +330,7 @@ def sharegpt_roles(rows: list[dict]) -> list[dict]:
     "rows, options, message",
     [
         (sharegpt_roles(chats(4)), {}, r"training split 'train' has no target token to learn from: none of its 4 "
-         r"conversations has an assistant turn .*rename roles such as 'gpt'"),
+         r"conversations has an assistant turn .*rename roles like 'gpt'"),
         (chats(4), {"seq_len": 15}, r"training split 'train' has no target token to learn from: .* within "
          r"data.seq_len \(15\)"),
         (chats(4), {"seq_len": 15, "train_split": "x", "eval_split": "train"}, r"eval split 'train' has no target "

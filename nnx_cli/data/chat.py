@@ -48,13 +48,30 @@ def _strftime_now(format: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
+@functools.cache
+def _generation_tag() -> type:
+    """`{% generation %}...{% endgeneration %}`, which training templates (TRL's, some models') wrap around an
+    assistant's reply for `transformers`' assistant masks: rendered as its body, as `transformers` renders it.
+    The targets here come from the renderings of each turn, as for any template (`assistant_spans`)."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 def compile_template(source: str) -> Any:
     """The Jinja template of `source`, compiled in an immutable sandbox; a syntax error is a TemplateFailed."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_tag()]
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise
