@@ -19,7 +19,7 @@ import datetime
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,7 +56,7 @@ def _generation_tag() -> type:
     from jinja2.ext import Extension
 
     class Generation(Extension):
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             next(parser.stream)

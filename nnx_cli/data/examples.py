@@ -486,7 +486,8 @@ def _check_targets(cfg: DataConfig, arrays: dict[str, np.ndarray], split: str, p
         why = "every pair was left out (the notices above say why)" if rows == 0 else "no pair has a response token"
     elif cfg.format == CHAT:
         why = (f"none of its {rows:,} conversations has an assistant turn within data.seq_len ({cfg.seq_len}) "
-               "tokens: the loss is on messages whose role is 'assistant' (rename roles like 'gpt' or 'model')")  # fmt: skip
+               "tokens: the loss is on messages whose role is 'assistant' "
+               "(rename roles like 'gpt' or 'model')")  # fmt: skip
     else:
         why = f"none of its {rows:,} examples has a completion token within data.seq_len ({cfg.seq_len}) tokens"
     raise UserError(f"{split} has no target token {purpose}: {why}; raise data.seq_len or fix the data{way_out}")
