@@ -6,6 +6,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -339,6 +340,27 @@ def test_a_tokenizer_json_tokenizes_each_document_then_ends_it(tmp_path):
     tokenizer = load_tokenizer(str(path))
     expected = [t for d in documents for t in [*tokenizer.encode(d).tolist(), tokenizer.eod_id]]
     assert tokens.tolist() == expected
+
+
+def test_a_post_processor_that_ends_each_text_with_the_end_token_ends_each_document_once(tmp_path):
+    import nnx_cli.hf  # noqa: F401  (reads model directories)
+    from hf_support import fixture
+
+    model = tmp_path / "model"
+    shutil.copytree(fixture("llama"), model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    ends = {"SpecialToken": {"id": "<|end_of_text|>", "type_id": 0}}
+    spec["post_processor"]["single"].append(ends)  # <|begin_of_text|> $A <|end_of_text|>
+    spec["post_processor"]["special_tokens"]["<|end_of_text|>"] = {"id": "<|end_of_text|>", "ids": [1],
+                                                                   "tokens": ["<|end_of_text|>"]}  # fmt: skip
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    documents = ["more lovely", "a summer's day"]
+    source = write_jsonl(tmp_path / "docs.jsonl", documents)
+    cfg = config(tmp_path, source, tokenizer="pretrained")
+    tokens = load_text_splits(cfg, seed=0, pretrained=str(model)).train.tokens.tolist()
+    tokenizer = load_tokenizer("pretrained", str(model))
+    assert tokenizer.encode(documents[0]).tolist()[-1] == tokenizer.eod_id == 1  # the post-processor's end
+    assert tokens == [t for d in documents for t in tokenizer.encode(d).tolist()]  # as transformers tokenizes
 
 
 def test_long_documents_are_tokenized_in_pieces_that_tokenize_as_the_whole(tmp_path):

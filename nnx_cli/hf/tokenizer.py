@@ -147,6 +147,8 @@ class PretrainedTokenizer(HFTokenizer):
         self.chat_stop_ids: tuple[int, ...] = tuple(dict.fromkeys([*stops, *([eos] if eos is not None else [])]))
         definition = hashlib.sha256(f"{self.prefix}{self.suffix}{' split' if split else ''}".encode()).hexdigest()[:8]
         self.version = f"{self.version}-specials-{definition}"
+        if self.suffix[-1:] == [self.eod_id]:  # streams built before ended such documents twice
+            self.version += "-one-end"
 
     def _template(self, settings: dict[str, Any]) -> str | None:
         """`chat_template.jinja` (what current transformers writes), else tokenizer_config.json's `chat_template`."""
@@ -194,7 +196,10 @@ class PretrainedTokenizer(HFTokenizer):
 
     @property
     def document_suffix(self) -> list[int]:
-        return self.suffix
+        """What follows a document before its end-of-document id: the post-processor's suffix, less that id
+        where the post-processor ends a text with it already (one end token per document, as transformers
+        tokenizes a document)."""
+        return self.suffix[:-1] if self.suffix[-1:] == [self.eod_id] else self.suffix
 
     def encode(self, text: str) -> np.ndarray:
         """The ids of `text` with the post-processor's special tokens, as `transformers` tokenizes it."""
