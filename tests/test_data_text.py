@@ -343,8 +343,9 @@ def test_a_tokenizer_json_tokenizes_each_document_then_ends_it(tmp_path):
 
 
 def test_a_post_processor_that_ends_each_text_with_the_end_token_ends_each_document_once(tmp_path):
-    import nnx_cli.hf  # noqa: F401  (reads model directories)
     from hf_support import fixture
+
+    import nnx_cli.hf  # noqa: F401  (reads model directories)
 
     model = tmp_path / "model"
     shutil.copytree(fixture("llama"), model)
