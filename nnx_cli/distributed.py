@@ -11,7 +11,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,6 +152,14 @@ class Signals:
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_AT_SIGNAL_EXIT: list[Callable[[], None]] = []
+
+
+def at_signal_exit(undo: Callable[[], None]) -> Callable[[], None]:
+    """Run `undo` if a signal ends the process at once (:func:`exit_now`, which skips every `finally`); returns
+    the function that forgets it. `nnx-train --no-resume` puts the earlier run back this way."""
+    _AT_SIGNAL_EXIT.append(undo)
+    return lambda: _AT_SIGNAL_EXIT.remove(undo) if undo in _AT_SIGNAL_EXIT else None
 
 
 def exit_now(signum: int) -> None:
@@ -159,6 +167,9 @@ def exit_now(signum: int) -> None:
     from nnx_cli import watchdog
 
     sys.stdout.flush()
+    for undo in reversed(_AT_SIGNAL_EXIT):
+        with contextlib.suppress(Exception):  # nothing may stop the exit
+            undo()
     print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
     watchdog.fail(f"interrupted by {signal.Signals(signum).name}", EXIT_INTERRUPTED, probe=False)
     os._exit(EXIT_INTERRUPTED)

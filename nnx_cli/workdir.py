@@ -82,14 +82,16 @@ def set_aside(workdir: Path) -> Path | None:
     return aside
 
 
-def settle_aside(aside: Path | None) -> None:
+def settle_aside(aside: Path | None, *, delete: bool = True) -> None:
     """Delete what `set_aside` moved once the work dir has a committed checkpoint of the new run, else put it back
-    (replacing whatever the new run wrote in those places: its first eval's images and samples too)."""
+    (replacing whatever the new run wrote in those places: its first eval's images and samples too). Without
+    `delete` (a process ending at once), a run with a checkpoint leaves it for the next `nnx-train` to delete."""
     if aside is None or not aside.is_dir():
         return
     workdir, checkpoints = aside.parent, aside.parent / "checkpoints"
     if checkpoints.is_dir() and any((step / "commit_success.txt").is_file() for step in checkpoints.iterdir()):
-        shutil.rmtree(aside, ignore_errors=True)
+        if delete:
+            shutil.rmtree(aside, ignore_errors=True)
         return
     for name in _REPLACED:  # the work dir as it was: what the new run wrote in these places goes
         new = workdir / name
@@ -165,6 +167,17 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         checkpoints = path
     steps = list_steps(checkpoints) if checkpoints.is_dir() else []
     if not steps:
+        if (path / ASIDE).is_dir():
+            raise UserError(
+                f"no checkpoint found in {str(path)!r}: an `nnx-train --no-resume` that stopped before its first "
+                f"checkpoint left the earlier run in {str(path / ASIDE)!r}; nnx-train on this work dir without "
+                "--no-resume puts it back"
+            )
+        if path.is_file() and path.suffix in (".yaml", ".yml"):
+            raise UserError(
+                f"{str(path)!r} is a config file; pass the work dir its run wrote (the config's workdir, else "
+                f"runs/{path.stem}, or the --workdir it was trained with)"
+            )
         raise UserError(
             f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has "
             "checkpoints/"

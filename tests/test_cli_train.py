@@ -236,6 +236,15 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
                  "--no-resume", cwd=project)  # fmt: skip
     assert failed.returncode == 1 and "non-finite" in failed.stderr, failed.stderr
     assert files() == before and not (project / "fresh" / ".replaced").exists()
+    # Ctrl-C during its set-up ends the process at once (nothing unwinds): the earlier run goes back all the same
+    proc = start("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
+    deadline = time.monotonic() + 60
+    while not (project / "fresh" / ".replaced").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted by SIGINT" in stderr, stderr
+    assert files() == before and not (project / "fresh" / ".replaced").exists()
     again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     assert again.returncode == 0, again.stderr
     assert "resumed" not in again.stderr

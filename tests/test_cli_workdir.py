@@ -80,6 +80,19 @@ def test_a_dir_without_checkpoints_is_a_user_error(tmp_path: Path):
         open_run(tmp_path)
 
 
+def test_a_work_dir_whose_earlier_run_was_set_aside_says_how_to_put_it_back(tmp_path: Path):
+    (tmp_path / "run" / ".replaced" / "checkpoints" / "4").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"left the earlier run in .*\.replaced'; nnx-train on this work dir without "
+                       "--no-resume puts it back"):  # fmt: skip
+        open_run(tmp_path / "run")
+
+
+def test_a_config_file_given_for_a_work_dir_says_where_its_run_went(tmp_path: Path):
+    (tmp_path / "my_images.yaml").write_text("model: {name: vae}\n")
+    with pytest.raises(UserError, match=r"is a config file; pass the work dir its run wrote .* runs/my_images"):
+        open_run(tmp_path / "my_images.yaml")
+
+
 def test_run_json_records_where_plug_ins_were_imported_from(tmp_path: Path, monkeypatch):
     project = tmp_path / "project"
     project.mkdir()

@@ -16,6 +16,7 @@ into the work dir.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import signal
 from pathlib import Path
@@ -147,6 +148,8 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     finally:
         session.close()
         settle_aside(session.aside)  # kept when this run stopped before its first checkpoint, else deleted
+        if session.forget_aside is not None:
+            session.forget_aside()
     where = session.workdir / "checkpoints" / str(loop.step)
     if loop.stop_signal is not None:
         session.say(f"interrupted by {signal.Signals(loop.stop_signal).name}: checkpoint written at {where}")
@@ -170,6 +173,7 @@ class Session:
     state: Any
     sums: Any
     aside: Path | None = None  # --no-resume: the earlier run, until this one commits a checkpoint (workdir.set_aside)
+    forget_aside: Any = None  # drops the signal-exit hook that puts `aside` back
 
     def say(self, message: str) -> None:
         self.console.print(message, highlight=False, soft_wrap=True)
@@ -195,12 +199,15 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     if is_main and resume:  # a --no-resume run killed before its first checkpoint left the earlier run aside
         settle_aside(workdir / ASIDE)
     aside = set_aside(workdir) if is_main and not resume else None  # until this run commits a checkpoint
+    # a signal before the loop (or a second one in it) ends the process at once: the earlier run goes back first
+    forget = _distributed.at_signal_exit(functools.partial(settle_aside, aside, delete=False))
     try:
         session = _open(exp, workdir, resume, lock, console)
     except BaseException:
+        forget()
         settle_aside(aside)
         raise
-    session.aside = aside
+    session.aside, session.forget_aside = aside, forget
     return session
 
 
