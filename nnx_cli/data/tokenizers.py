@@ -6,7 +6,7 @@
   loaded by the factory that :mod:`nnx_cli.hf` (which reads model
   directories) provides when imported (:func:`provide_pretrained`); this
   package never imports `nnx_cli.hf`.
-- A Hugging Face `tokenizers` tokenizer (needs `pip install tokenizers`): a
+- A Hugging Face `tokenizers` tokenizer (a dependency of nnx): a
   local `tokenizer.json` (or a directory holding one), or a Hub id such as
   `gpt2`, whose `tokenizer.json` is downloaded once into the Hugging Face cache
   and read from there ever after (offline too). Its end-of-document id is its
@@ -231,9 +231,10 @@ def import_tokenizers(name: str) -> Any:
     try:
         import tokenizers
     except ImportError:
+        instead = "" if name == PRETRAINED else " (or use data.tokenizer=bytes)"  # a model knows its own ids only
         raise UserError(
-            f"{_KEY}: {name!r} is a Hugging Face tokenizer, which needs the `tokenizers` package: "
-            "pip install tokenizers (or use data.tokenizer=bytes)"
+            f"{_KEY}: {name!r} is a Hugging Face tokenizer, which needs the `tokenizers` package (a dependency of "
+            f"nnx that this environment lacks): pip install tokenizers{instead}"
         ) from None
     return tokenizers
 
