@@ -494,7 +494,7 @@ def test_a_run_stopped_at_set_up_removes_the_empty_work_dir_it_made_and_keeps_on
 def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: Path):
     result = cli("nnx-train", "run.yaml", "data.source=nnx-tests/not-cached", "--workdir", "bad-hub", cwd=project)
     assert_user_error(result, "data.source", "nnx-tests/not-cached", "cannot be reached", "local copy",
-                      "data.source=/path/to/not-cached")  # fmt: skip
+                      "data.source=/path/to/not-cached", f"is no file or directory under {project}")  # fmt: skip
 
 
 def test_resuming_with_a_different_model_is_a_user_error(project: Path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import codecs
 import glob
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -136,9 +137,10 @@ def open_dataset(source: str) -> Any:
         if path.exists():
             raise UserError(f"config key 'data.source': cannot read local dataset {source!r}: {e}") from None
         raise UserError(
-            f"config key 'data.source': cannot load Hub dataset {source!r}: the Hugging Face Hub cannot be reached "
-            f"and the dataset is not in the local cache ({type(e).__name__}). Run once with network access so "
-            f"`datasets` caches it, or download it and set data.source to the local copy, e.g. "
+            f"config key 'data.source': {source!r} is no file or directory under {os.getcwd()} (a relative path is "
+            f"read from where the command runs), and as a Hub dataset it cannot be loaded: the Hugging Face Hub "
+            f"cannot be reached and the dataset is not in the local cache ({type(e).__name__}). Run once with "
+            f"network access so `datasets` caches it, or download it and set data.source to the local copy, e.g. "
             f"data.source=/path/to/{source.rsplit('/', 1)[-1]} (a directory of parquet files or a save_to_disk "
             "directory)"
         ) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 from nnx_cli.errors import UserError
@@ -124,9 +125,11 @@ def _fetch(repo_id: str, filename: str, *, required: bool) -> Path | None:
         if not required:  # an optional file that is not cached: the model works without it
             return None
         raise UserError(
-            f"{_KEY}: cannot load Hub model {repo_id!r}: the Hugging Face Hub cannot be reached (or HF_HUB_OFFLINE "
-            f"is set) and {filename} is not in the local cache ({type(e).__name__}). Run once with network access "
-            f"so it is cached, or download it (hf download {repo_id} --local-dir DIR) and set model.pretrained=DIR"
+            f"{_KEY}: {repo_id!r} is no directory under {os.getcwd()} (a relative path is read from where the "
+            f"command runs), and as a Hub model it cannot be loaded: the Hugging Face Hub cannot be reached (or "
+            f"HF_HUB_OFFLINE is set) and {filename} is not in the local cache ({type(e).__name__}). Run once "
+            f"with network access so it is cached, or download it (hf download {repo_id} --local-dir DIR) and "
+            "set model.pretrained=DIR"
         ) from None
     except errors.EntryNotFoundError:  # the Hub answered: the file is not there
         if required:
