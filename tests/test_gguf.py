@@ -429,7 +429,7 @@ def test_a_disk_that_refuses_the_file_is_one_line_and_an_existing_file_is_kept(t
 
 def test_without_the_gguf_package_the_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)
-    with pytest.raises(UserError, match=r"pip install 'nnx\[gguf\]'"):
+    with pytest.raises(UserError, match=r"pip install 'gguf>=0.19' \(the gguf extra of nnx\)"):
         export.write(export.from_model_dir(fixture("llama")), Path("never.gguf"), "f32")
 
 

@@ -8,7 +8,7 @@ directory as one GGUF file (:mod:`nnx_cli.gguf.export`): the family's tensors un
 and `nnx-inspect`, and a `model.pretrained` (:mod:`nnx_cli.gguf.read`).
 
 The files are written and read with llama.cpp's own `gguf` package, an optional dependency
-(`pip install 'nnx[gguf]'`).
+(`pip install gguf`, or the `gguf` extra).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from nnx_cli.errors import UserError
 
-INSTALL = "pip install 'nnx[gguf]'"
+INSTALL = "pip install 'gguf>=0.19' (the gguf extra of nnx)"
 
 
 def require() -> Any:
