@@ -66,8 +66,14 @@ def differences(architecture: str, hp: HParams) -> list[str]:
     writes these models all the same): windows it does not apply, attention scales it does not read."""
     notes = []
     window = hp.get("sliding_window")
-    slides = (architecture in ("MistralForCausalLM", "MixtralForCausalLM") and window) or (
-        architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and hp.get("use_sliding_window")
+    slides = (
+        (architecture in ("MistralForCausalLM", "MixtralForCausalLM") and window)
+        or (
+            architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            and hp.get("use_sliding_window")
+        )
+        # Phi-3's window (2,047 of Phi-3-mini-4k's 4,096): llama.cpp keeps its key but masks nothing by it
+        or (architecture == "Phi3ForCausalLM" and window and window < hp.get("max_position_embeddings", window + 1))
     )
     if slides:
         notes.append(f"llama.cpp runs this {architecture} without its sliding window of {window} positions: the same "

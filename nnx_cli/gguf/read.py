@@ -4,9 +4,10 @@
 the families nnx exports (:data:`nnx_cli.gguf.families.ARCHES`). The file is read with the `gguf` package's reader
 and turned back into what llama.cpp's converter started from: `config.json` from the `<arch>.*` keys (the
 function llama.cpp computes: Gemma's sliding layers in llama.cpp's pattern, its attention scale, Qwen3-MoE's
-renormalised experts), the tensors under their Hugging Face names and layouts (query and key rows permuted back,
-Gemma's norms less one, experts unstacked, q8_0 dequantised) in `model.safetensors` (float32), and the tokenizer
-(`tokenizer.json` rebuilt from `tokenizer.ggml.*`, the chat template, the stop tokens)::
+renormalised experts, no window for Mistral, Qwen or Phi-3), the tensors under their Hugging Face names and
+layouts (query and key rows permuted back, Gemma's norms less one, experts unstacked, q8_0 dequantised) in
+`model.safetensors` (float32), and the tokenizer (`tokenizer.json` rebuilt from `tokenizer.ggml.*`, the chat
+template, the stop tokens)::
 
     directory = model_dir(Path("qwen.gguf"))   # ~/.cache/nnx/gguf/qwen-<checksum>/, built the first time
 
@@ -31,7 +32,7 @@ from nnx_cli.errors import UserError
 from nnx_cli.gguf import families, require
 from nnx_cli.gguf.vocab import BYTE, CONTROL, LLAMA3_REGEX, QWEN2_REGEX, UNKNOWN, UNUSED, USER_DEFINED
 
-_VERSION = "1"  # of the directories this writes: a change makes new ones
+_VERSION = "2"  # of the directories this writes: a change makes new ones (2: Phi-3 without its window)
 _HF = {
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
@@ -258,9 +259,8 @@ def _config(architecture: str, name: str, fields: Mapping[str, Any], tensors: Ma
             config["attention_bias"] = False
     elif architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         config.update(_gemma(architecture, key, config, embed, heads, head_dim))
-    elif architecture == "Phi3ForCausalLM":
-        window = key("attention.sliding_window") or None
-        config.update(partial_rotary_factor=key("rope.dimension_count") * heads / embed, sliding_window=window,
+    elif architecture == "Phi3ForCausalLM":  # llama.cpp writes Phi-3's window and attends over the whole context
+        config.update(partial_rotary_factor=key("rope.dimension_count") * heads / embed, sliding_window=None,
                       original_max_position_embeddings=key("rope.scaling.original_context_length"),
                       rope_scaling=None)  # fmt: skip
     return config
