@@ -227,6 +227,25 @@ def test_a_run_from_scratch_with_the_bytes_tokenizer_exports_its_256_bytes_and_e
     assert np.abs(again - reference).max() / np.abs(reference).max() < 1e-5
 
 
+def test_a_run_from_scratch_on_a_tokenizer_json_that_adds_a_begin_token_tells_llama_cpp_to_add_none(tmp_path):
+    """The run tokenized without the post-processor's <|begin_of_text|>; llama.cpp added it to every prompt."""
+    from nnx_cli.config import load_config
+    from nnx_cli.data.tokenizers import load_tokenizer
+
+    source = fixture("llama") / "tokenizer.json"
+    options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=16",
+               "data.text_key=text", "data.seq_len=16", f"data.tokenizer={source}"]  # fmt: skip
+    exp = setup(load_config(None, options), data=None)
+    arrays = {p: np.asarray(v.value) for p, v in exp.init_state()["params"].items()}
+    (tmp_path / "files").mkdir()
+    run_tokenizer = load_tokenizer(str(source))
+    export.write(export.from_run(exp, arrays, run_tokenizer, tmp_path / "files", name="s"), tmp_path / "s.gguf", "f32")
+    fields = summary(tmp_path / "s.gguf")["metadata"]
+    assert fields["tokenizer.ggml.add_bos_token"][1] is False and fields["tokenizer.ggml.add_eos_token"][1] is False
+    text = "The river ran past the old mill."
+    assert list(hf.pretrained_tokenizer(str(tmp_path / "s.gguf")).encode(text)) == list(run_tokenizer.encode(text))
+
+
 LLAMA_SHAPE = ["model.positions=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.bias=false"]
 
 

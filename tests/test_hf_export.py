@@ -604,12 +604,13 @@ def test_bfloat16_exports_store_bfloat16_into_an_empty_out(project):
             np.testing.assert_array_equal(value, full[name].astype(ml_dtypes.bfloat16), err_msg=name)
 
 
-def test_a_tokenizer_json_the_run_trained_with_exports_as_itself(tmp_path):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # llama's post-processor adds <|begin_of_text|>
+def test_a_tokenizer_json_the_run_trained_with_exports_as_the_run_tokenized(tmp_path, family):
     from tokenizers import Tokenizer
 
     from nnx_cli.data.tokenizers import load_tokenizer
 
-    source = fixture("gpt2") / "tokenizer.json"
+    source = fixture(family) / "tokenizer.json"
     options = ["model.name=transformer_lm", "model.num_layers=1", "model.num_heads=2", "model.embed_dim=16",
                "data.text_key=text", "data.seq_len=16", f"data.tokenizer={source}"]  # fmt: skip
     exp = setup(load_config(None, options), data=None)
@@ -619,9 +620,10 @@ def test_a_tokenizer_json_the_run_trained_with_exports_as_itself(tmp_path):
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(files)
     text = "The river ran past the old mill."
     ours, theirs = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")), Tokenizer.from_file(str(source))
-    assert ours.encode(text).ids == theirs.encode(text).ids
+    # transformers (and llama.cpp's converter) tokenize with the post-processor's tokens: none, as the run did
+    assert ours.encode(text).ids == tokenizer.encode(text).tolist() == theirs.encode(text, add_special_tokens=False).ids
     settings = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
-    assert settings["eos_token"] == "<|endoftext|>" == theirs.id_to_token(tokenizer.eod_id)
+    assert settings["eos_token"] == theirs.id_to_token(tokenizer.eod_id)
 
 
 def test_out_that_is_a_file_or_a_directory_holding_files_is_refused_saying_which(tmp_path):

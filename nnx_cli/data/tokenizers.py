@@ -125,6 +125,11 @@ class HFTokenizer:
         """The tokenizer's whole definition, as a `tokenizer.json` holds it."""
         return self._tokenizer.to_str()
 
+    def adds_special_tokens(self) -> bool:
+        """Whether the file's post-processor puts tokens around a text (Llama's begin-of-text), which a text
+        stream tokenized from scratch never holds."""
+        return self._tokenizer.encode("a").ids != self._tokenizer.encode("a", add_special_tokens=False).ids
+
     def token(self, i: int) -> str | None:
         """The token of id `i` (None past the file's vocabulary, as the end-of-document id added after it is)."""
         return self._tokenizer.id_to_token(i)

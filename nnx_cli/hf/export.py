@@ -344,11 +344,15 @@ def _write_tokenizer(directory: Path, cfg: Any, pretrained: Any, tokenizer: Any,
     elif hasattr(tokenizer, "to_bytes"):
         bytes_tokenizer(directory, cfg.data.seq_len)
         written += ["tokenizer.json", "tokenizer_config.json"]
-    else:
-        definition = tokenizer.to_json()
-        (directory / "tokenizer.json").write_text(definition)
+    else:  # a tokenizer.json from scratch: the run's ids are its plain ones, never its post-processor's tokens
+        definition = json.loads(tokenizer.to_json())
+        if tokenizer.adds_special_tokens():
+            definition["post_processor"] = None
+        (directory / "tokenizer.json").write_text(json.dumps(definition, ensure_ascii=False))
         eod = tokenizer.token(tokenizer.eod_id)
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod}
+        # and said so, for llama.cpp's converter: without the flags it adds a begin-of-text of its own
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod, "add_bos_token": False,
+                    "add_eos_token": False}  # fmt: skip
         (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
         written += ["tokenizer.json", "tokenizer_config.json"]
     if cfg.data.chat_template:  # the template the run was trained with
