@@ -45,6 +45,12 @@ def test_cp_copies_a_config_out_to_a_file_or_into_a_directory(tmp_path):
     assert (tmp_path / "more" / "digits_vae.yaml").read_text() == original["digits_vae"].read_text()
 
 
+def test_cp_to_a_dash_prints_the_config_and_writes_no_file(tmp_path):
+    done = cli("nnx-configs", "cp", "tiny_lm", "-", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == configs.shipped()["tiny_lm"].read_text() and list(tmp_path.iterdir()) == []
+
+
 def test_cp_never_writes_over_a_file(tmp_path):
     mine = tmp_path / "chat.yaml"
     mine.write_text("# my edits\n")

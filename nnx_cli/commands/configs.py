@@ -78,6 +78,17 @@ def listing() -> list[str]:
     return [f"{name:<{width}}{summary(path)}".rstrip() for name, path in recipes.items()]
 
 
+def _shipped(name: str) -> Path:
+    """The shipped config `name` (with or without `.yaml`); a UserError listing them for any other name."""
+    recipes = shipped()
+    name = name.removesuffix(".yaml")
+    if name not in recipes:
+        raise UserError(
+            f"no config named {name!r} ships with nnx{did_you_mean(name, recipes)}; shipped: {', '.join(recipes)}"
+        )
+    return recipes[name]
+
+
 def copy(name: str, dest: str | Path) -> Path:
     """Copy the shipped config `name` to the file `dest`, or into the directory `dest` (one that exists, or a path
     ending in `/`) as `NAME.yaml`; return the file written. A file that exists is never written over.
@@ -85,19 +96,14 @@ def copy(name: str, dest: str | Path) -> Path:
     >>> copy("chat_lora", "my_chat.yaml")      # doctest: +SKIP
     PosixPath('my_chat.yaml')
     """
-    recipes = shipped()
-    name = name.removesuffix(".yaml")
-    if name not in recipes:
-        raise UserError(
-            f"no config named {name!r} ships with nnx{did_you_mean(name, recipes)}; shipped: {', '.join(recipes)}"
-        )
+    source, name = _shipped(name), name.removesuffix(".yaml")
     into = Path(dest).is_dir() or str(dest).endswith(("/", "\\"))
     target = Path(dest) / f"{name}.yaml" if into else Path(dest)
     if target.exists():
         raise UserError(f"{str(target)!r} exists already; nnx-configs cp writes a new file: name another DEST")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(recipes[name], target)
+        shutil.copyfile(source, target)
     except OSError as e:
         raise UserError(
             f"cannot write {str(target)!r}: {e.strerror or e}; name a DEST in a writable directory"
@@ -117,10 +123,16 @@ def ls() -> None:
 def cp(
     name: str = typer.Argument(..., metavar="NAME", help="A shipped config (nnx-configs ls).", show_default=False),
     dest: str = typer.Argument(
-        ..., metavar="DEST", help="The file to write, or a directory (DIR/) to put NAME.yaml in.", show_default=False
+        ...,
+        metavar="DEST",
+        help="The file to write, a directory (DIR/) to put NAME.yaml in, or - for standard output.",
+        show_default=False,
     ),
 ) -> None:
-    """Copy a shipped config out, to edit and train with: nnx-train DEST."""
+    """Copy a shipped config out, to edit and train with: nnx-train DEST (`-`: print it)."""
+    if dest == "-":
+        print(_shipped(name).read_text(), end="")
+        return
     target = copy(name, dest)
     print(f"copied {name.removesuffix('.yaml')} to {target}; edit it, then: nnx-train {target}")
 
