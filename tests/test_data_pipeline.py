@@ -176,6 +176,24 @@ def test_8_devices_gather_the_same_batches_resident_and_fed_and_count_a_devices_
     assert out.stdout.strip() == "ok"
 
 
+def test_worker_processes_leave_no_shared_memory_and_no_leak_warning_when_a_command_exits_at_once(tmp_path: Path):
+    script = """
+import numpy as np
+from nnx_cli.data.pipeline import map_ordered
+from nnx_cli.errors import exit_now
+
+if __name__ == "__main__":
+    assert sum(float(x.sum()) for x in map_ordered(np.ones, [1000] * 8, workers=2)) == 8000
+    exit_now(0)  # as every command ends: os._exit, no finalizers
+"""
+    (tmp_path / "run.py").write_text(script)
+    before = set(os.listdir("/dev/shm"))
+    out = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "leaked" not in out.stderr, out.stderr
+    assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith(("psm_", "sem."))}
+
+
 def test_on_device_true_and_false_are_taken_as_given():
     assert keep_on_device(True, small_split()) and not keep_on_device(False, small_split())
 

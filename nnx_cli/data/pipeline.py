@@ -38,6 +38,7 @@ import functools
 import math
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -97,6 +98,7 @@ def _grain_records(fn: Callable[[Any], T], items: int | Sequence[Any], workers: 
     workers = min(workers, len(items))
     if workers > 0:
         _absl_flags_readable()
+        _quiet_resource_tracker()
         iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer))
         iter_ds = iter_ds.map(_out_of_shared_memory)
     return iter_ds
@@ -106,6 +108,18 @@ def _out_of_shared_memory(record: Any) -> Any:
     """Copy a worker's arrays out of Grain's shared-memory blocks, so each block is released at once (a block
     still referenced when the interpreter exits leaks), and what the caller keeps is plain numpy."""
     return jax.tree.map(lambda v: np.array(v) if isinstance(v, np.ndarray) else v, record)
+
+
+def _quiet_resource_tracker() -> None:
+    """Keep multiprocessing's resource tracker from warning of "leaked" semaphores and shared memory at exit.
+
+    The commands end with `os._exit` (errors.exit_now), which skips the finalizers that unlink Grain's
+    semaphores, and a block a worker creates and this process unlinks stays registered on Python < 3.13: the
+    tracker unlinks all of them as the process ends (its job; /dev/shm is left empty), but warned of each. The
+    flag reaches the tracker when it starts, with this process's warning options."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
 
 
 def _absl_flags_readable() -> None:
