@@ -161,7 +161,7 @@ def qlora_config(tmp_path: Path, *overrides: str, pretrained: str = "llama_bnb4b
         f"model.pretrained={fixture(pretrained)}",
         f"data.source={tmp_path / 'chats.jsonl'}",
         "data.format=chat",
-        "data.seq_len=31",
+        "data.seq_len=63",
         "data.eval_split=null",
         f"data.cache_dir={tmp_path / 'cache'}",
     ]
