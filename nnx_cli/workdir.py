@@ -65,15 +65,21 @@ ASIDE = ".replaced"  # where `nnx-train --no-resume` keeps the earlier run until
 _REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "config.yaml", "run.json")
 
 
+def _replaced(directory: Path) -> list[str]:
+    """What of `_REPLACED` is in `directory`, and the earlier configs kept as `config.<step>.yaml`."""
+    kept = sorted(p.name for p in directory.glob("config.*.yaml") if p.is_file())
+    return [name for name in _REPLACED if (directory / name).exists()] + kept
+
+
 def set_aside(workdir: Path) -> Path | None:
-    """`--no-resume`: move the earlier run's checkpoints, images, samples, metrics, config and run.json into
+    """`--no-resume`: move the earlier run's checkpoints, images, samples, metrics, configs and run.json into
     `<workdir>/.replaced` (None when there were none). `settle_aside` deletes them once the new run has committed
     a checkpoint, and puts them back when it stops before that: a rejected run loses nothing.
 
     A `.replaced` already there is what a run killed before its first checkpoint left: deleted first."""
     aside = workdir / ASIDE
     shutil.rmtree(aside, ignore_errors=True)
-    moved = [name for name in _REPLACED if (workdir / name).exists()]
+    moved = _replaced(workdir)
     if not moved:
         return None
     aside.mkdir()
@@ -93,7 +99,7 @@ def settle_aside(aside: Path | None, *, delete: bool = True) -> None:
         if delete:
             shutil.rmtree(aside, ignore_errors=True)
         return
-    for name in _REPLACED:  # the work dir as it was: what the new run wrote in these places goes
+    for name in dict.fromkeys([*_REPLACED, *_replaced(aside)]):  # as it was: what the new run wrote there goes
         new = workdir / name
         if new.is_dir() and not new.is_symlink():
             shutil.rmtree(new)

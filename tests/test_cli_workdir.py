@@ -125,6 +125,7 @@ def test_a_run_set_aside_comes_back_as_it_was_when_the_new_one_committed_no_chec
     (tmp_path / "checkpoints" / "40").mkdir(parents=True)
     (tmp_path / "checkpoints" / "40" / "commit_success.txt").write_text("")
     (tmp_path / "metrics.jsonl").write_text("old\n")
+    (tmp_path / "config.20.yaml").write_text("model: {}\n")  # a config the earlier run changed at step 20
     aside = set_aside(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".replaced"]
     # the new run: a first eval's grid and samples, a step it never committed, then it stops
@@ -132,7 +133,7 @@ def test_a_run_set_aside_comes_back_as_it_was_when_the_new_one_committed_no_chec
         (tmp_path / name).mkdir(parents=True)
     (tmp_path / "metrics.jsonl").write_text("new\n")
     settle_aside(aside)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "config.20.yaml", "metrics.jsonl"]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["40"]
     assert (tmp_path / "metrics.jsonl").read_text() == "old\n"
     # once the new run has committed one, the earlier run goes
@@ -141,3 +142,4 @@ def test_a_run_set_aside_comes_back_as_it_was_when_the_new_one_committed_no_chec
     (tmp_path / "checkpoints" / "10" / "commit_success.txt").write_text("")
     settle_aside(aside)
     assert not aside.exists() and [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["10"]
+    assert not (tmp_path / "config.20.yaml").exists()  # the earlier run's, gone with it
