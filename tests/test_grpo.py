@@ -314,8 +314,11 @@ def test_built_in_rewards_score_exact_matches_patterns_and_math_answers():
 
 @pytest.mark.parametrize(
     "given, expected",
-    [("The answer is 12.", "12"), ("\\boxed{x^{2}}", "x^{2}"), ("3 apples, then 5", "5"), ("50%", "50%")],
-)
+    [("The answer is 12.", "12"), ("\\boxed{x^{2}}", "x^{2}"), ("3 apples, then 5", "5"), ("50%", "50%"),
+     ("The answer is: 12", "12"), ("The answer is **12**.", "12"), ("The answer is 12, since 5+7=12.", "12"),
+     ("So the answer is 12 apples.", "12"), ("#### 12 apples", "12"), ("#### 3\nso the answer is 4", "4"),
+     ("ANSWER: -3/4", "-3/4"), ("The answer is **Paris**.", "Paris")],
+)  # fmt: skip
 def test_the_final_answer_of_a_solution(given, expected):
     assert rewards.final_answer(given) == expected
 

@@ -112,15 +112,18 @@ BUILT_IN: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
 
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_MARKER = re.compile(r"####|answer\s+is\b|answer\s*:", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\.\d+%?")
 
 
 def final_answer(text: str) -> str:
-    """The final answer a solution gives: its last `\\boxed{...}`, else what follows its last `####` or "answer
-    is" / "answer:", else its last number, else the whole text::
+    """The final answer a solution gives: its last `\\boxed{...}`, else what follows the last of its `####`,
+    "answer is" and "answer:" (in any case; a number there is the answer, whatever words follow it), else its
+    last number, else the whole text::
 
         final_answer("so x = \\\\boxed{\\\\frac{1}{2}}.")      # '\\\\frac{1}{2}'
         final_answer("She pays 3 * 4 = 12 dollars. #### 12")  # '12'
+        final_answer("The answer is: **12** apples.")         # '12'
         final_answer("I count 7 apples and 5 pears")           # '5'
     """
     boxed = list(_BOXED.finditer(text))
@@ -131,10 +134,11 @@ def final_answer(text: str) -> str:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         return text[start : i - 1] if depth == 0 else text[start:]
-    for marker in ("####", "answer is", "answer:", "Answer:", "Answer is"):
-        at = text.rfind(marker)
-        if at >= 0:
-            return text[at + len(marker) :].strip().rstrip(".").strip()
+    markers = list(_MARKER.finditer(text))
+    if markers:
+        rest = text[markers[-1].end() :].lstrip(" \t:*_$").split("\n", 1)[0]
+        number = _NUMBER.match(rest)
+        return number.group().rstrip(",") if number else rest.strip().rstrip(".").strip(" *_")
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else text.strip()
 
