@@ -99,6 +99,14 @@ def test_each_sequence_is_cut_at_half_a_row_and_a_pair_with_no_response_left_is_
     assert "1 of 3 pairs have a response with no token left after the cut and were left out" in said
 
 
+@pytest.mark.parametrize("options, key", [({"max_len": 12, "seq_len": 127}, "data.max_len above 12"),
+                                          ({"seq_len": 31}, "data.seq_len above 31")])  # fmt: skip
+def test_a_training_split_whose_every_pair_is_left_out_names_the_key_that_cut_them(tmp_path, options, key):
+    long = {"prompt": "Who keeps the bridge? " * 4, "chosen": " The old guard.", "rejected": " No one."}
+    with pytest.raises(UserError, match=rf"training split has no examples: .*; a {key} keeps longer ones"):
+        rows_of(data_config(tmp_path, [long, long], **options))
+
+
 def test_an_eval_split_whose_every_pair_is_left_out_is_an_error_naming_the_way_out(tmp_path):
     long = {"prompt": "Who keeps the bridge? " * 4, "chosen": " The old guard.", "rejected": " No one."}
     cfg = data_config(tmp_path, [*RECORD["llama_standard"] * 4, long], seq_len=63, eval_split="test")

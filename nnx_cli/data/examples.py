@@ -464,7 +464,15 @@ def load_example_splits(
             train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", None, f"{cfg.train_split!r}")
         if want_eval:
             evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None, f"{cfg.eval_split!r}")
-    if train is not None and len(train["tokens"]):
+    if train is not None and not len(train["tokens"]):
+        limit = sequence_limit(cfg)
+        keeps = (f"a data.max_len above {cfg.max_len} keeps longer ones" if cfg.max_len is not None and
+                 cfg.max_len <= limit else f"a data.seq_len above {cfg.seq_len} keeps longer ones")  # fmt: skip
+        raise UserError(
+            "the training split has no examples: its source split is empty, or every example was left out (the "
+            f"notices above say why; {keeps})"
+        )
+    if train is not None:
         _check_targets(cfg, train, f"the training split {cfg.train_split!r}", "to learn from", "")
     if evaluation is not None:
         _check_targets(cfg, evaluation, f"the eval split {cfg.eval_split!r}", "to measure",
