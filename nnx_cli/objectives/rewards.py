@@ -22,8 +22,9 @@ built-in reward is its name, or a mapping with its options::
 - `exact_match` (`column`, default `answer`): 1.0 when the completion, stripped, is the column's text.
 - `regex` (`pattern`): 1.0 when `re.search(pattern, completion)` finds it.
 - `math_answer` (`column`, default `answer`): 1.0 when the completion's final answer (the last `\\boxed{...}`,
-  else what follows `####` or "answer is", else the last number) equals the column's, compared as numbers when
-  both read as numbers (`1,000`, `0.5`, `\\frac{1}{2}`, `50%`), else as text without spaces and `$`.
+  else the number or text after the last `####`, "answer is" or "answer:", else the last number) equals the
+  column's, compared as numbers when both read as numbers (`1,000`, `0.5`, `\\frac{1}{2}`, `50%`), else as
+  text without spaces and `$`.
 
 Each is logged as `reward/NAME`: a function's own name, a built-in's name, or the `label` a mapping gives.
 """
