@@ -180,10 +180,10 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
                 "--no-resume puts it back"
             )
         if path.is_file() and path.suffix in (".yaml", ".yml"):
-            raise UserError(
-                f"{str(path)!r} is a config file; pass the work dir its run wrote (the config's workdir, else "
-                f"runs/{path.stem}, or the --workdir it was trained with)"
-            )
+            where = (f"its work dir, {str(path.parent)!r}" if (path.parent / "checkpoints").is_dir() else
+                     f"the work dir its run wrote (the config's workdir, else runs/{path.stem}, or the --workdir it "
+                     "was trained with)")  # fmt: skip
+            raise UserError(f"{str(path)!r} is a config file; pass {where}")
         raise UserError(
             f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has "
             "checkpoints/"

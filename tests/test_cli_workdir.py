@@ -91,6 +91,10 @@ def test_a_config_file_given_for_a_work_dir_says_where_its_run_went(tmp_path: Pa
     (tmp_path / "my_images.yaml").write_text("model: {name: vae}\n")
     with pytest.raises(UserError, match=r"is a config file; pass the work dir its run wrote .* runs/my_images"):
         open_run(tmp_path / "my_images.yaml")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("model: {name: vae}\n")
+    with pytest.raises(UserError, match=r"config.yaml' is a config file; pass its work dir, '.*run'$"):
+        open_run(tmp_path / "run" / "config.yaml")
 
 
 def test_run_json_records_where_plug_ins_were_imported_from(tmp_path: Path, monkeypatch):
