@@ -232,6 +232,11 @@ def test_a_training_template_with_generation_tags_gives_the_rows_of_the_same_tem
         np.testing.assert_array_equal(rows[0][column], rows[1][column])
 
 
+def test_a_template_is_compiled_once_for_all_the_renderings_of_a_dataset():
+    template = (fixture("qwen2") / "chat_template.jinja").read_text()
+    assert chat.compile_template(template) is chat.compile_template(template)  # each turn renders it twice more
+
+
 def test_unpacked_rows_hold_one_padded_example_and_eval_pads_its_last_batch(tmp_path):
     source = write_jsonl(tmp_path / "chats.jsonl", chats(5))
     cfg = config(tmp_path, source, packing=False, eval_split="train")

@@ -47,7 +47,6 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
-@functools.lru_cache(maxsize=8)
 @functools.cache
 def _generation_tag() -> type:
     """`{% generation %}...{% endgeneration %}`, which training templates (TRL's, some models') wrap around an
@@ -65,6 +64,7 @@ def _generation_tag() -> type:
     return Generation
 
 
+@functools.lru_cache(maxsize=8)
 def compile_template(source: str) -> Any:
     """The Jinja template of `source`, compiled in an immutable sandbox; a syntax error is a TemplateFailed."""
     from jinja2 import TemplateError
