@@ -125,10 +125,19 @@ class HFTokenizer:
         """The tokenizer's whole definition, as a `tokenizer.json` holds it."""
         return self._tokenizer.to_str()
 
+    def _specials(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a text (Llama: `[bos]`, `[]`)."""
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        full = self._tokenizer.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        return [], []
+
     def adds_special_tokens(self) -> bool:
         """Whether the file's post-processor puts tokens around a text (Llama's begin-of-text), which a text
         stream tokenized from scratch never holds."""
-        return self._tokenizer.encode("a").ids != self._tokenizer.encode("a", add_special_tokens=False).ids
+        return any(self._specials())
 
     def token(self, i: int) -> str | None:
         """The token of id `i` (None past the file's vocabulary, as the end-of-document id added after it is)."""

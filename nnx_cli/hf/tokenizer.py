@@ -181,15 +181,6 @@ class PretrainedTokenizer(HFTokenizer):
             ids = [i for i in np.asarray(ids).tolist() if i not in self.special_ids]
         return super().decode_all(ids, skip_special_tokens=skip_special_tokens)
 
-    def _specials(self) -> tuple[list[int], list[int]]:
-        """The ids the post-processor puts before and after a text (Llama: `[bos]`, `[]`)."""
-        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
-        full = self._tokenizer.encode("a", add_special_tokens=True).ids
-        for start in range(len(full) - len(plain) + 1):
-            if full[start : start + len(plain)] == plain:
-                return full[:start], full[start + len(plain) :]
-        return [], []
-
     @property
     def document_prefix(self) -> list[int]:
         return self.prefix
