@@ -377,13 +377,8 @@ class ExampleTrainSplit(_Rowwise):
     """Training rows; epoch `e` is a permutation of them from `(seed, e)`."""
 
     def __init__(self, arrays: dict[str, np.ndarray], seed: int, spec: DataSpec):
-        super().__init__(arrays, spec)
+        super().__init__(arrays, spec)  # with at least one row: load_example_splits says why there is none
         self.seed = seed
-        if len(self) == 0:
-            raise UserError(
-                "the training split has no examples: its source split is empty, or every example was left out "
-                f"(the notices above say why; a data.seq_len above {spec.input_shape[0]} keeps longer ones)"
-            )
 
     def steps_per_epoch(self, batch_size: int) -> int:
         if batch_size > len(self):
@@ -465,12 +460,14 @@ def load_example_splits(
         if want_eval:
             evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None, f"{cfg.eval_split!r}")
     if train is not None and not len(train["tokens"]):
-        limit = sequence_limit(cfg)
-        keeps = (f"a data.max_len above {cfg.max_len} keeps longer ones" if cfg.max_len is not None and
-                 cfg.max_len <= limit else f"a data.seq_len above {cfg.seq_len} keeps longer ones")  # fmt: skip
+        cut = (
+            f"data.max_len above {cfg.max_len}"
+            if sequence_limit(cfg) == cfg.max_len
+            else f"data.seq_len above {cfg.seq_len}"
+        )
         raise UserError(
             "the training split has no examples: its source split is empty, or every example was left out (the "
-            f"notices above say why; {keeps})"
+            f"notices above say why; a {cut} keeps longer ones)"
         )
     if train is not None:
         _check_targets(cfg, train, f"the training split {cfg.train_split!r}", "to learn from", "")
