@@ -66,9 +66,9 @@ _REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "config.yaml",
 
 
 def _replaced(directory: Path) -> list[str]:
-    """What of `_REPLACED` is in `directory`, and the earlier configs kept as `config.<step>.yaml`."""
-    kept = sorted(p.name for p in directory.glob("config.*.yaml") if p.is_file())
-    return [name for name in _REPLACED if (directory / name).exists()] + kept
+    """The names `--no-resume` sets aside: `_REPLACED`, and the earlier configs kept as `config.<step>.yaml` in
+    `directory`."""
+    return [*_REPLACED, *sorted(p.name for p in directory.glob("config.*.yaml") if p.is_file())]
 
 
 def set_aside(workdir: Path) -> Path | None:
@@ -79,7 +79,7 @@ def set_aside(workdir: Path) -> Path | None:
     A `.replaced` already there is what a run killed before its first checkpoint left: deleted first."""
     aside = workdir / ASIDE
     shutil.rmtree(aside, ignore_errors=True)
-    moved = _replaced(workdir)
+    moved = [name for name in _replaced(workdir) if (workdir / name).exists()]
     if not moved:
         return None
     aside.mkdir()
@@ -99,7 +99,7 @@ def settle_aside(aside: Path | None, *, delete: bool = True) -> None:
         if delete:
             shutil.rmtree(aside, ignore_errors=True)
         return
-    for name in dict.fromkeys([*_REPLACED, *_replaced(aside)]):  # as it was: what the new run wrote there goes
+    for name in _replaced(aside):  # the work dir as it was: what the new run wrote in these places goes
         new = workdir / name
         if new.is_dir() and not new.is_symlink():
             shutil.rmtree(new)
