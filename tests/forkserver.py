@@ -160,7 +160,7 @@ def _serve(connection: socket.socket) -> None:
     _, status, usage = os.wait4(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if os.environ.get("NNX_DOCS_CPU_LOG"):  # where the time goes: one line per command, its CPU seconds
-        with open(os.environ["NNX_DOCS_CPU_LOG"], "a") as log:
+        with open(os.environ["NNX_DOCS_CPU_LOG"], "a", errors="backslashreplace") as log:  # argv may not be UTF-8
             log.write(f"{usage.ru_utime + usage.ru_stime:.2f} {' '.join(request['argv'])}\n")
     connection.sendall(f"{code if code >= 0 else 128 - code}\n".encode())
     os._exit(0)
