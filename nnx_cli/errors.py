@@ -38,8 +38,14 @@ def did_you_mean(word: str, choices: Iterable[str], prefix: str = "") -> str:
 
     >>> did_you_mean("setps", ["steps", "epochs"], prefix="train.")
     " (did you mean 'train.steps'?)"
+    >>> did_you_mean("acc", ["loss", "accuracy"])
+    " (did you mean 'accuracy'?)"
     """
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not match and len(word) >= 2:  # an abbreviation: `acc` for `accuracy`, when only one choice starts so
+        starting = [choice for choice in choices if choice.startswith(word)]
+        match = starting if len(starting) == 1 else []
     return f" (did you mean {prefix + match[0]!r}?)" if match else ""
 
 

@@ -119,6 +119,8 @@ def test_a_metric_typo_exits_2_suggesting_the_closest_and_listing_the_available(
         "error: --metric 'nelbp' is not logged by run 'run' (did you mean 'nelbo'?); "
         "available: kl, nelbo, learning_rate"
     )
+    short = cli("nnx-plot", "run", "--metric", "learn", cwd=tmp_path)  # a prefix of one metric only
+    assert short.returncode == 2 and "(did you mean 'learning_rate'?)" in short.stderr, short.stderr
 
 
 def test_non_finite_values_are_gaps_in_the_curve(tmp_path: Path):
