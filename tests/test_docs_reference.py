@@ -38,6 +38,17 @@ def test_the_generated_reference_pages_are_up_to_date():
     assert not stale, f"{', '.join(stale)} differ from the code: run `python tools/gen_reference.py`"
 
 
+def test_no_commands_help_shows_markup_the_terminal_prints_as_typed():
+    """--help prints a command's help as typed: backticks and reStructuredText's `::` showed in `nnx-configs
+    --help` (its module docstring). Options are checked too."""
+    for name, module in gen.console_scripts().items():
+        command = gen._click_command(module)
+        commands = [command, *getattr(command, "commands", {}).values()]
+        texts = [c.help or "" for c in commands] + [p.help or "" for c in commands for p in c.params]
+        for text in texts:
+            assert "`" not in text and "::" not in text, f"{name}: {text!r}"
+
+
 NAMES = [("text", "text"), ("str", "text"), ("integer", "integer"), ("int", "integer"), ("integer range", "integer"),
          ("int range", "integer"), ("float", "number")]  # fmt: skip
 

@@ -26,7 +26,20 @@ from nnx_cli.errors import UserError, did_you_mean, report_errors, run_app
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 """Where the shipped configs live: package data."""
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+HELP = """The configs that ship with nnx, to start from.
+
+nnx-configs ls lists them, with what each is for; nnx-configs cp NAME DEST copies one out to edit. \
+nnx-train NAME and nnx-inspect NAME take one by name from any directory (a path that exists wins over a name).
+
+    nnx-configs ls
+    nnx-configs cp chat_lora my_chat.yaml
+    nnx-train my_chat.yaml data.source=my_chats.jsonl
+"""
+"""`--help` and the commands reference: the module's docstring less its reStructuredText (backticks, `::`),
+which the terminal shows as typed; a paragraph a line (the terminal wraps it), the commands as a Markdown code
+block."""
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=HELP)
 
 
 def shipped() -> dict[str, Path]:
@@ -129,7 +142,7 @@ def cp(
         show_default=False,
     ),
 ) -> None:
-    """Copy a shipped config out, to edit and train with: nnx-train DEST (`-`: print it)."""
+    """Copy a shipped config out, to edit and train with: nnx-train DEST (DEST - prints it)."""
     if dest == "-":
         print(_shipped(name).read_text(), end="")
         return
