@@ -308,6 +308,7 @@ def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, Eval
                 "set model.input_shape (e.g. model.input_shape=[28,28,1]) and, for classifiers, model.num_classes"
             )
         return None, None, spec
+    _notice_unread(cfg, which)
     train = data.train_split(cfg) if which == "train" else None
     if which == "eval" and not cfg.data.eval_split:
         raise UserError(
@@ -323,6 +324,23 @@ def _setup_data(cfg: Config, which: str | None) -> tuple[TrainSplit | None, Eval
     if which == "eval":
         spec = data.spec_from_config(cfg) or spec  # the saved input shape: the model as it was trained
     return train, evals, spec
+
+
+def _notice_unread(cfg: Config, which: str) -> None:
+    """Say once what the config sets that its data does not read, and that a training run is evaluated on the
+    split it trains on: each went by without a word, as though it applied."""
+    from nnx_cli.data.sources import notice
+
+    d = cfg.data
+    if d.text_key is not None and d.format != "text":
+        column = "data.messages_key" if d.format == "chat" else "data.prompt_key"
+        notice(("text_key",), f"notice: data.text_key is not read with data.format={d.format} (rows: {column})")
+    if d.train_on_prompt and d.format not in ("chat", "completion"):
+        said = "notice: data.train_on_prompt is not read: it applies to data.format chat and completion"
+        notice(("train_on_prompt",), said)
+    if which == "train" and d.eval_split is not None and d.eval_split == d.train_split:
+        said = f"notice: data.eval_split is the training split {d.train_split!r}: the evals score examples the run "
+        notice(("eval_split",), said + "trains on, not held-out ones")
 
 
 def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: TrainSplit | None) -> None:

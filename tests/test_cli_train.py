@@ -395,6 +395,18 @@ def test_a_logger_class_without_log_is_rejected_before_the_work_dir_is_touched(r
     assert files(project / "kept-nolog") == before
 
 
+def test_a_run_says_what_its_data_does_not_read_and_that_it_evaluates_on_its_training_split(project: Path):
+    result = cli("nnx-train", "run.yaml", "train.steps=2", "train.eval_every=2", "data.eval_split=train",
+                 "data.train_on_prompt=true", "--workdir", "notices", cwd=project)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    notices = [line for line in result.stderr.splitlines() if line.startswith("notice:")]
+    assert notices == [
+        "notice: data.train_on_prompt is not read: it applies to data.format chat and completion",
+        "notice: data.eval_split is the training split 'train': the evals score examples the run trains on, not "
+        "held-out ones",
+    ]
+
+
 def test_a_run_with_nothing_left_to_do_changes_nothing_in_the_work_dir(reference: Path, project: Path):
     shutil.copytree(reference, project / "finished")
     before = files(project / "finished")

@@ -398,3 +398,19 @@ def test_a_template_sees_the_special_tokens_a_directory_names_and_nothing_for_th
     assert rendered() == f"{named['bos_token']}Hi<|eot_id|>"
     (directory / "special_tokens_map.json").unlink()
     assert rendered() == "Hi<|eot_id|>"  # transformers renders an unnamed token as nothing, not 'None'
+
+
+def test_a_text_key_beside_chat_data_is_said_to_be_unread(capsys, monkeypatch):
+    from nnx_cli import experiment
+    from nnx_cli.config import Config
+    from nnx_cli.data import sources
+
+    monkeypatch.setattr(sources, "_noticed", set())  # said once a process: this one may have said it already
+    cfg = Config()
+    cfg.data = DataConfig(source="chats.jsonl", format="chat", text_key="text")
+    experiment._notice_unread(cfg, "train")
+    said = "notice: data.text_key is not read with data.format=chat (rows: data.messages_key)\n"
+    assert capsys.readouterr().err == said
+    cfg.data = DataConfig(source="chats.jsonl", format="chat")
+    experiment._notice_unread(cfg, "train")
+    assert capsys.readouterr().err == ""
