@@ -228,6 +228,8 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
         train, evals, spec = _setup_data(cfg, data)
     _fill_model_shapes(cfg, model_cls, spec, train)
     objective = objectives.build(cfg, model_cls)
+    if (train or evals) is not None and hasattr(objective, "check_split"):  # GRPO: its rewards can read the rows
+        objective.check_split(cfg, train or evals)
     total_steps = _total_steps(cfg, train, getattr(objective, "steps_per_batch", 1))
     tx, schedule = _setup_optimizer(cfg, total_steps)
     build = models.model_factory(cfg.model, spec)

@@ -155,6 +155,36 @@ def test_a_reward_that_does_not_import_is_exit_2_naming_it_and_the_run_keeps_eve
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
 
 
+MORE_REWARDS = """
+def graded(prompts, completions, grade, **columns):
+    return [1.0] * len(completions)
+
+
+def strict(prompts, completions):
+    return [1.0] * len(completions)
+"""
+COLUMNS = [
+    ("[{name: math_answer, column: levle}]", "config key 'objective.rewards[0]': reward 'math_answer' reads a column "
+     "'levle' that the prompt rows of 'prompts.jsonl' lack (did you mean 'level'?); their columns: level (set "
+     "{name: math_answer, column: ...})"),
+    ("[my_rewards.vowels, more_rewards.graded]", "config key 'objective.rewards[1]': reward 'more_rewards.graded' "
+     "reads a column 'grade' that the prompt rows of 'prompts.jsonl' lack; their columns: level"),
+    ("[more_rewards.strict]", "config key 'objective.rewards[0]': reward function 'more_rewards.strict' has no "
+     "parameter 'level', and every reward is called with prompts, completions and each column of the prompt rows "
+     "by name (level); add **columns to its parameters"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rewards, message", COLUMNS, ids=["built-in", "parameter", "no-columns"])
+def test_a_reward_that_cannot_take_the_prompt_rows_is_exit_2_before_the_run_starts(project, rewards, message):
+    """It was found at the first step, after the model had loaded and the run had made its work dir."""
+    (project / "more_rewards.py").write_text(MORE_REWARDS)
+    result = cli("nnx-train", "grpo.yaml", "--workdir", "columns", f"objective.rewards={rewards}", cwd=project)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
+    assert not (project / "columns").exists()
+
+
 def test_a_reward_function_that_fails_mid_run_is_exit_2_naming_it_and_its_step_and_keeps_the_checkpoints(project):
     rewards = "objective.rewards=[my_rewards.vowels, my_rewards.flaky]"
     result = cli("nnx-train", "grpo.yaml", "--workdir", "flaky", rewards, "train.steps=4", "checkpoint.every_steps=2",

@@ -256,6 +256,11 @@ class GRPO:
                         f"batch of completions trains {n} steps, and logs, evals and checkpoints fall between batches"
                     )
 
+    def check_split(self, cfg: Config, split: Any) -> None:
+        """Whether the reward functions can be called with the prompt rows' columns (`rewards.check_columns`)."""
+        columns = [name for name in split.rows.column_names if name != split.prompt_key]
+        reward_functions.check_columns(self.rewards, columns, cfg.data.source)
+
     def metrics(self, model: nnx.Module, batch: Batch, ctx: nnx.Context, reference: nnx.Module | None) -> Batch:
         """Per row (a completion): loss, clip_ratio, kl (beta > 0) and the reward metrics of its batch."""
         temperature = self.options.temperature

@@ -188,6 +188,10 @@ class Reward:
     name: str
     source: str
     fn: Callable[..., Any]
+    reads: tuple[str, ...] = ()
+    """The columns it cannot do without: a built-in's `column`, a function's parameters without a default."""
+    takes: frozenset[str] | None = None
+    """The keyword arguments it accepts; None: any (`**columns`, or a signature that cannot be read)."""
 
 
 def load(entries: Sequence[str | dict[str, Any]]) -> list[Reward]:
@@ -231,7 +235,8 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
             fn = factory(**options)
         except TypeError as e:
             raise UserError(f"config key {where!r}: built-in reward {name}: {e}") from None
-        return Reward(label or name, name, fn)
+        column = options.get("column", "answer") if name != "regex" else None
+        return Reward(label or name, name, fn, reads=(column,) if isinstance(column, str) else ())
     if options:
         raise UserError(
             f"config key {where!r}: options ({', '.join(options)}) are for the built-in rewards "
@@ -243,7 +248,45 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
     fn = load_reference(reference, where, shown=name)
     if not callable(fn):
         raise UserError(f"config key {where!r}: {name!r} is a {type(fn).__name__}, not a function")
-    return Reward(label or reference.rpartition(":")[2].rpartition(".")[2], name, fn)
+    return Reward(label or reference.rpartition(":")[2].rpartition(".")[2], name, fn, *_parameters(fn))
+
+
+def _parameters(fn: Callable[..., Any]) -> tuple[tuple[str, ...], frozenset[str] | None]:
+    """`(reads, takes)` of a user's function: what :func:`check_columns` checks the prompt rows against."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or an object whose signature Python cannot read: checked when called
+        return (), None
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    reads = tuple(p.name for p in named if p.default is p.empty and p.name not in ("prompts", "completions"))
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return reads, None
+    return reads, frozenset(p.name for p in named)
+
+
+def check_columns(rewards: Sequence[Reward], columns: Sequence[str], source: str) -> None:
+    """Whether each reward can be called with the prompt rows' `columns` (every column but the prompt, by name,
+    beside `prompts` and `completions`): a column it reads that the rows lack, or a column it takes no parameter
+    for, is a UserError naming the reward before the run starts (it was found at the first step, after the model
+    had loaded)."""
+    passed = ["prompts", "completions", *columns]
+    listed = ", ".join(columns) or "none besides the prompt"
+    for index, reward in enumerate(rewards):
+        where = f"{_KEY}[{index}]"
+        for name in reward.reads:
+            if name not in columns:
+                fix = f" (set {{name: {reward.source}, column: ...}})" if reward.source in BUILT_IN else ""
+                raise UserError(
+                    f"config key {where!r}: reward {reward.source!r} reads a column {name!r} that the prompt rows of "
+                    f"{source!r} lack{did_you_mean(name, columns)}; their columns: {listed}{fix}"
+                )
+        unexpected = [name for name in passed if reward.takes is not None and name not in reward.takes]
+        if unexpected:
+            raise UserError(
+                f"config key {where!r}: reward function {reward.source!r} has no parameter {unexpected[0]!r}, and "
+                f"every reward is called with prompts, completions and each column of the prompt rows by name "
+                f"({listed}); add **columns to its parameters"
+            )
 
 
 def _reference(name: str, where: str) -> str:
