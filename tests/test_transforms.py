@@ -136,6 +136,22 @@ def test_jit_sees_assignments_made_between_calls():
     np.testing.assert_allclose(f(model, X), np.ones((4, 3)))
 
 
+def test_jit_sees_a_container_given_a_new_value_in_place_between_calls():
+    """A State's entries are the Module's own containers: setting `.value` on one changes the Module. The cache
+    of the last call's leaves took it for unchanged (its attribute still held the same container), computed with
+    the old value and wrote it back over the new one."""
+    model = _counter()
+
+    @nnx.jit
+    def f(model, x):
+        return model(x)
+
+    f(model, X)
+    model.get_state()["linear/kernel"].value = jnp.zeros((2, 3))
+    np.testing.assert_allclose(f(model, X), np.broadcast_to(model.linear.bias, (4, 3)))
+    np.testing.assert_array_equal(model.linear.kernel, np.zeros((2, 3)))
+
+
 def test_jit_returned_states_taken_earlier_do_not_change():
     model = _counter()
 

@@ -5,6 +5,7 @@ unchanged Module does no graph walk; :class:`Signature` is the static half
 of the call that ``jax.jit`` compiles against.
 """
 
+import operator
 import typing as tp
 import weakref
 
@@ -13,6 +14,8 @@ import jax
 from nnx import containers
 from nnx.module import Module, ModuleDef, _dict, _owner
 from nnx.state import State
+
+_VALUE = operator.attrgetter("value")
 
 
 class Signature:
@@ -50,10 +53,12 @@ class FlatState:
     attributes they came from are kept here, with a copy of every Module's
     attribute dict. While the copies still equal the dicts (checked at C
     speed; unchanged values compare by identity), nothing was assigned to the
-    Modules since the last call and the cached leaves are their state.
+    Modules since the last call; while each container still holds its cached
+    leaf (``node.value = x`` changes a container in place, through a State
+    entry, which is the container itself), the cached leaves are their state.
     """
 
-    __slots__ = ("module", "dicts", "copies", "signature", "leaves", "slots")
+    __slots__ = ("module", "dicts", "copies", "signature", "leaves", "slots", "nodes", "held")
 
     def __init__(self, module: Module):
         state, moduledef = module.partition()
@@ -63,6 +68,8 @@ class FlatState:
         self.copies = tuple(dict(d) for d in self.dicts)
         self.signature = Signature(treedef, moduledef)
         self.leaves = leaves
+        self.nodes: list = []  # the containers holding leaves, in the leaves' order
+        self.held: list = []  # the leaf each of them holds
         self.slots = self._slots(module, state, leaves)
 
     def _slots(self, module: Module, state: State, leaves: list) -> list | None:
@@ -88,22 +95,33 @@ class FlatState:
             owner, name = _owner(module, path)
             attributes = _dict(owner)
             slots.append((attributes, copy_of[id(attributes)], name, kind, metadata))
+            if kind is not None:
+                self.nodes.append(node)
+                self.held.append(leaf)
         return slots
 
     def is_current(self) -> bool:
         try:
-            return self.dicts == self.copies
+            if self.dicts != self.copies:
+                return False
         except Exception:  # a changed value whose == is not a bool (arrays)
             return False
+        if self.slots is None:  # where each leaf lives is not known: nor whether a container was given another
+            return False
+        return all(map(operator.is_, map(_VALUE, self.nodes), self.held))  # at C speed: a call's fixed cost
 
     def write_back(self, leaves: list) -> None:
         new_object = object.__new__
+        nodes, held = self.nodes, self.held
+        j = 0
         for (attributes, copy, name, kind, metadata), leaf in zip(self.slots, leaves):
             if kind is None:
                 value = leaf
             else:  # what Container._with_value does, inlined: this loop is hot
-                value = new_object(kind)
+                value = nodes[j] = new_object(kind)
                 value.__dict__ = {"value": leaf, **metadata}
+                held[j] = leaf
+                j += 1
             attributes[name] = copy[name] = value
         self.leaves = leaves
 
