@@ -119,6 +119,8 @@ class Checkpoint:
         self.guard = guard
         self.saved = saved
         self.base = base  # an adapter run's base model and its weights' checksums, kept in each manifest
+        self.saves = 0  # checkpoints this run has written
+        self.first_at_stop = False  # this run's first checkpoint is the one a signal's stop wrote
 
     def __call__(self, loop: Loop) -> None:
         if self.saved == loop.step:  # saved already (keep_best saves its step before the checkpoint hook runs)
@@ -126,9 +128,11 @@ class Checkpoint:
         self.guard.check(loop)
         self.checkpointer.save(loop.step, steps.trainable(loop.state), loop=loop.sums, base=self.base)
         self.saved = loop.step
+        self.saves += 1
 
     def end(self, loop: Loop) -> None:
         self.guard.check(loop)
+        self.first_at_stop = loop.stop_signal is not None and self.saves == 0
         self(loop)
         self.checkpointer.wait()
 

@@ -88,17 +88,20 @@ def set_aside(workdir: Path) -> Path | None:
     return aside
 
 
-def settle_aside(aside: Path | None, *, delete: bool = True) -> None:
+def settle_aside(aside: Path | None, *, delete: bool = True, put_back: bool = False) -> bool:
     """Delete what `set_aside` moved once the work dir has a committed checkpoint of the new run, else put it back
-    (replacing whatever the new run wrote in those places: its first eval's images and samples too). Without
-    `delete` (a process ending at once), a run with a checkpoint leaves it for the next `nnx-train` to delete."""
+    (replacing whatever the new run wrote in those places: its first eval's images and samples too); return
+    whether it was put back. Without `delete` (a process ending at once), a run with a checkpoint leaves it for
+    the next `nnx-train` to delete. `put_back`: whatever the new run wrote (its only checkpoint is the one Ctrl-C
+    made it write, before any of its own: the user stopped it before it replaced the earlier run)."""
     if aside is None or not aside.is_dir():
-        return
+        return False
     workdir, checkpoints = aside.parent, aside.parent / "checkpoints"
-    if checkpoints.is_dir() and any((step / "commit_success.txt").is_file() for step in checkpoints.iterdir()):
+    committed = checkpoints.is_dir() and any((step / "commit_success.txt").is_file() for step in checkpoints.iterdir())
+    if committed and not put_back:
         if delete:
             shutil.rmtree(aside, ignore_errors=True)
-        return
+        return False
     for name in _replaced(aside):  # the work dir as it was: what the new run wrote in these places goes
         new = workdir / name
         if new.is_dir() and not new.is_symlink():
@@ -108,6 +111,7 @@ def settle_aside(aside: Path | None, *, delete: bool = True) -> None:
         if (aside / name).exists():
             (aside / name).rename(new)
     aside.rmdir()
+    return True
 
 
 def lock_workdir(workdir: Path) -> IO:

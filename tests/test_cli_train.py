@@ -245,6 +245,19 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted by SIGINT" in stderr, stderr
     assert files() == before and not (project / "fresh" / ".replaced").exists()
+    # Ctrl-C while training, before its first checkpoint: the checkpoint the interrupt writes does not replace the
+    # earlier run (it did, deleting it, though the user had stopped the run before it replaced anything)
+    long = ["train.steps=100000", "checkpoint.every_steps=50000", "train.eval_every=50000"]
+    proc = start("nnx-train", "run.yaml", *long, "--workdir", "fresh", "--no-resume", cwd=project)
+    said = ""
+    while "training from step 0" not in said and proc.poll() is None:
+        said += proc.stderr.readline()
+    time.sleep(0.5)  # some steps trained
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, said + stderr
+    assert "interrupted by SIGINT before the new run's first checkpoint: the earlier run is back in fresh" in stderr
+    assert files() == before and not (project / "fresh" / ".replaced").exists()
     again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     assert again.returncode == 0, again.stderr
     assert "resumed" not in again.stderr

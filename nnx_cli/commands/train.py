@@ -132,6 +132,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     except BaseException:
         remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir
         raise
+    chosen: list[Any] = []  # the hooks, once prepared
     try:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
@@ -147,12 +148,20 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
             loops.run(loop, feed, dispatch, chosen)
     finally:
         session.close()
-        settle_aside(session.aside)  # kept when this run stopped before its first checkpoint, else deleted
+        # kept when this run stopped before its first checkpoint, else deleted; a Ctrl-C before that writes one,
+        # and puts the earlier run back all the same
+        save = next((hook for hook in chosen if isinstance(hook, hooks.Checkpoint)), None)
+        put_back = settle_aside(session.aside, put_back=save is not None and save.first_at_stop)
         if session.forget_aside is not None:
             session.forget_aside()
     where = session.workdir / "checkpoints" / str(loop.step)
     if loop.stop_signal is not None:
-        session.say(f"interrupted by {signal.Signals(loop.stop_signal).name}: checkpoint written at {where}")
+        name = signal.Signals(loop.stop_signal).name
+        if put_back:
+            session.say(f"interrupted by {name} before the new run's first checkpoint: the earlier run is back in "
+                        f"{session.workdir} (--no-resume again to start over)")  # fmt: skip
+        else:
+            session.say(f"interrupted by {name}: checkpoint written at {where}")
         return EXIT_INTERRUPTED
     session.say(f"done: {loop.step} steps, checkpoint {where}; {runtime.breakdown()}")
     if session.lock is not None:
