@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from nnx_cli.errors import UserError, first_line
+
 Chunk = tuple[np.ndarray | None, list[tuple[int, ...]]]
 """A decoded chunk: the stacked pixels when every image has the same shape (else None), and the shapes met."""
 
@@ -33,12 +35,24 @@ def _stacked(images: list[np.ndarray]) -> Chunk:
     return (np.stack(images) if len(shapes) == 1 else None), shapes
 
 
-def decode_image(data: bytes | None, path: str | None) -> np.ndarray:
-    """One encoded image (PNG, JPEG, ... as PIL reads them), from its bytes or else its file, as an array."""
+def decode_image(data: bytes | None, path: str | None, key: str = "image", row: int = 0) -> np.ndarray:
+    """One encoded image (PNG, JPEG, ... as PIL reads them), from its bytes or else its file, as an array; a
+    missing or undecodable one is a UserError naming row `row` of column `key` (and its file)."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(data) if data is not None else path) as img:
-        return np.asarray(img)
+    if data is None and path is None:
+        raise UserError(
+            f"config key 'data.image_key': row {row} of column {key!r} holds no image; drop the rows without one"
+        )
+    try:
+        with Image.open(io.BytesIO(data) if data is not None else path) as img:
+            return np.asarray(img)
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
+        where = f"row {row} of column {key!r}" + (f" ({path})" if path else "")
+        raise UserError(
+            f"config key 'data.image_key': the image of {where} cannot be decoded ({type(e).__name__}: "
+            f"{first_line(e)}); replace or remove it"
+        ) from None
 
 
 class ArrowImages:
@@ -63,7 +77,10 @@ class ArrowImages:
     def __call__(self, index: int) -> Chunk:
         images = self.table().column(self.column).slice(index * self.rows, self.rows).combine_chunks()
         data, paths = images.field("bytes").to_pylist(), images.field("path").to_pylist()
-        return _stacked([decode_image(d, p) for d, p in zip(data, paths, strict=True)])
+        valid = images.is_valid().to_pylist()  # a null image: no struct at all
+        first = index * self.rows
+        return _stacked([decode_image(d if ok else None, p if ok else None, self.column, first + i)
+                         for i, (d, p, ok) in enumerate(zip(data, paths, valid, strict=True))])  # fmt: skip
 
 
 class DatasetImages:
@@ -84,7 +101,9 @@ class DatasetImages:
         if not self.is_image:
             pixels = np.asarray(column)
             return pixels, [pixels.shape[1:]]
-        return _stacked([decode_image(item.get("bytes"), item.get("path")) for item in column])
+        first = index * self.rows
+        return _stacked([decode_image(*((item.get("bytes"), item.get("path")) if item else (None, None)), self.key,
+                                      first + i) for i, item in enumerate(column)])  # fmt: skip
 
 
 _TASK: Callable[[int], Any] | None = None  # a worker's task, set once when it starts

@@ -211,6 +211,65 @@ def test_images_of_several_shapes_are_a_user_error_and_leave_no_entry(tmp_path: 
     assert entries(tmp_path / "c") == []
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_image_that_cannot_be_decoded_is_a_user_error_naming_its_row_and_file(tmp_path: Path, workers: int):
+    """Decoded in the worker processes too: the error comes back as one line, not a PIL traceback (exit 1)."""
+    from PIL import Image
+
+    for i in range(6):
+        (tmp_path / "photos" / "train" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((4, 4), i, np.uint8)).save(tmp_path / "photos" / "train" / f"c{i % 2}" / f"{i}.png")
+    broken = tmp_path / "photos" / "train" / "c1" / "3.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\nnot an image")
+    cfg = DataConfig(source=str(tmp_path / "photos"), cache_dir=str(tmp_path / "c"), workers=workers)
+    with pytest.raises(UserError, match=r"the image of row \d of column 'image' \(.*3\.png\) cannot be decoded "
+                                        r"\(UnidentifiedImageError: "):  # fmt: skip
+        load_images(cfg, "train")
+    assert entries(tmp_path / "c") == []
+
+
+def test_a_row_without_an_image_is_a_user_error_naming_it(tmp_path: Path):
+    import datasets
+
+    ds, _ = png_dataset(4)
+    ds = datasets.Dataset.from_dict({"img": [ds[0]["img"], None, ds[2]["img"]], "digit": [0, 1, 2]})
+    ds.cast_column("img", datasets.Image()).save_to_disk(str(tmp_path / "nulls"))
+    cfg = DataConfig(source=str(tmp_path / "nulls"), image_key="img", label_key="digit", cache_dir=str(tmp_path / "c"),
+                     workers=0)  # fmt: skip
+    with pytest.raises(UserError, match=r"^config key 'data.image_key': row 1 of column 'img' holds no image; "):
+        load_images(cfg, "train")
+
+
+@pytest.mark.parametrize(
+    "labels, problem",
+    [(["a", "b", "a"], "'a' in row 0"), ([0.0, 1.5, 2.0], "1.5 in row 1"), ([0.0, None, 1.0], "no label in row 1")],
+    ids=["text", "fraction", "missing"],
+)
+def test_labels_that_are_not_class_indices_are_a_user_error_naming_a_row(tmp_path: Path, labels: list, problem: str):
+    """Text labels were a traceback (int('a')), fractions were cut to integers and trained on silently."""
+    import datasets
+
+    ds, _ = png_dataset(3)
+    datasets.Dataset.from_dict({"img": list(ds["img"]), "label": labels}).cast_column(
+        "img", datasets.Image()
+    ).to_parquet(str(tmp_path / "labels.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "labels.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    with pytest.raises(UserError, match=rf"^config key 'data.label_key': column 'label' has {problem}; labels are "):
+        load_images(cfg, "train")
+
+
+def test_whole_float_labels_are_class_indices(tmp_path: Path):
+    import datasets
+
+    ds, _ = png_dataset(3)
+    datasets.Dataset.from_dict({"img": list(ds["img"]), "label": [2.0, 0.0, 1.0]}).cast_column(
+        "img", datasets.Image()
+    ).to_parquet(str(tmp_path / "labels.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "labels.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    arrays = load_images(cfg, "train")
+    assert arrays.label.tolist() == [2, 0, 1] and arrays.num_classes == 3
+
+
 def test_todays_source_errors_are_kept(tmp_path: Path):
     cfg, _ = parquet_config(tmp_path)
     with pytest.raises(UserError, match="no split 'test'.*available: train.*data.eval_split=null"):

@@ -452,11 +452,36 @@ def _build(directory: Path, ds: Any, image_key: str, label_key: str | None, work
     dtype, shape = _decode_into(directory / "image.npy", ds, image_key, workers)
     num_classes = None
     if label_key is not None:
-        label = np.asarray(ds.with_format("numpy")[label_key][:]).astype(np.int32)
+        label = _class_indices(ds.with_format("numpy")[label_key][:], label_key)
         np.save(directory / "label.npy", label)
         feature = ds.features[label_key]
         num_classes = getattr(feature, "num_classes", None) or (int(label.max()) + 1 if len(label) else None)
     return {"scale": _SCALES[dtype], "num_classes": num_classes, "shape": list(shape)}
+
+
+def _class_indices(values: Any, key: str) -> np.ndarray:
+    """A label column as int32 class indices: integers, or floats that are whole numbers; anything else (text,
+    fractions, missing labels) is a UserError (text was a traceback, fractions were cut to integers silently)."""
+    labels = np.asarray(values)
+    if labels.dtype.kind in "iub":
+        return labels.astype(np.int32)
+    if labels.dtype.kind == "f":
+        missing = np.isnan(labels)
+        if missing.any():
+            problem = f"no label in row {int(np.argmax(missing))}"
+        elif (labels != np.round(labels)).any():
+            row = int(np.argmax(labels != np.round(labels)))
+            problem = f"{labels[row]:g} in row {row}"
+        else:
+            return labels.astype(np.int32)
+    else:
+        flat = [v.item() if isinstance(v, np.generic) else v for v in labels.ravel()]
+        row = next((i for i, v in enumerate(flat) if not isinstance(v, int)), 0)
+        problem = f"no label in row {row}" if flat[row] is None else f"{flat[row]!r} in row {row}"
+    raise UserError(
+        f"config key 'data.label_key': column {key!r} has {problem}; labels are class indices, integers 0 to "
+        "num_classes - 1 (datasets' class_encode_column makes them of a text column)"
+    )
 
 
 def _chunk_decoder(ds: Any, key: str, rows: int) -> ArrowImages | DatasetImages:
