@@ -420,6 +420,18 @@ def test_a_run_says_what_its_data_does_not_read_and_that_it_evaluates_on_its_tra
     ]
 
 
+def test_a_config_that_is_the_work_dirs_config_yaml_is_not_written_over(reference: Path, project: Path, tmp_path: Path):
+    """`nnx-train config.yaml --workdir .` wrote the run's resolved config over the user's file, comments and all;
+    a run's own config.yaml, given to resume it, still works."""
+    mine = RUN_CONFIG + "# my notes\n"
+    (tmp_path / "config.yaml").write_text(mine)
+    result = cli("nnx-train", "config.yaml", "--workdir", ".", cwd=tmp_path)
+    assert_user_error(result, "CONFIG 'config.yaml' is the config.yaml of the work dir '.', which nnx-train writes")
+    assert (tmp_path / "config.yaml").read_text() == mine and not (tmp_path / "checkpoints").exists()
+    again = cli("nnx-train", "ref/config.yaml", "--workdir", "ref", cwd=project)
+    assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr
+
+
 def test_a_run_with_nothing_left_to_do_changes_nothing_in_the_work_dir(reference: Path, project: Path):
     shutil.copytree(reference, project / "finished")
     before = files(project / "finished")

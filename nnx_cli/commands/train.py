@@ -76,8 +76,20 @@ def train(
         config = configs.find(config)  # a path that exists, else a shipped config's name
         cfg = load_config(config, overrides or [])
         workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
+        _check_config_outside(config, workdir)
         raise SystemExit(
             run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals)
+        )
+
+
+def _check_config_outside(config: Path, workdir: Path) -> None:
+    """A config file that is the work dir's `config.yaml` of no run yet is the user's own: the run would write its
+    resolved config over it (comments and all). A run's own `config.yaml`, given to resume it, is fine."""
+    own = workdir / "config.yaml"
+    if own.exists() and own.resolve() == config.resolve() and not (workdir / "checkpoints").is_dir():
+        raise UserError(
+            f"CONFIG {str(config)!r} is the config.yaml of the work dir {str(workdir)!r}, which nnx-train writes "
+            "the run's resolved config to: give your config another name, or train in another --workdir"
         )
 
 
