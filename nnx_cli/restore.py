@@ -58,7 +58,10 @@ def choose(
     """
     candidates = [step] if step is not None else list(reversed(integrity.steps(directory)))
     rejected: list[tuple[int, str]] = []
-    for candidate in candidates:
+    tried: set[int] = set()
+    while candidates:
+        candidate = candidates.pop(0)
+        tried.add(candidate)
         step_dir = directory / str(candidate)
         check = integrity.verify(step_dir)
         problem = check.problem if check.status is integrity.Status.DAMAGED else None
@@ -74,6 +77,9 @@ def choose(
                 return Found(candidate, value, rejected)
         if step is not None:
             raise UserError(f"checkpoint {step_dir} cannot be used: {problem}; pick another --step")
+        if not step_dir.exists():  # removed while read: a run still training pruned it, and may have written newer
+            candidates = [s for s in reversed(integrity.steps(directory)) if s not in tried]
+            continue
         say(f"checkpoint {step_dir} cannot be used: {problem}; trying the one before it")
         rejected.append((candidate, problem))
     return Found(None, None, rejected)

@@ -69,6 +69,29 @@ def test_open_run_leaves_the_choice_of_step_to_restore_unless_one_is_named(tmp_p
         open_run(tmp_path / "run" / "checkpoints" / "1", step=2)
 
 
+def test_a_reader_passes_over_steps_a_run_still_training_prunes_and_reads_the_newer_one(tmp_path: Path):
+    """nnx-eval on a work dir still training: the steps it listed went away as the run kept its newest ones (keep
+    N), and the reader called them damaged ("not a directory", "cannot be read") and gave up."""
+    import shutil
+
+    from nnx_cli import restore
+
+    cfg = load_config(None, [*TINY, "checkpoint.every_steps=1", "checkpoint.keep=5"])
+    assert train.run(cfg, tmp_path / "run") == 0
+    checkpoints, said = tmp_path / "run" / "checkpoints", []
+
+    def read(step: int) -> int:  # the trainer writes step 3 and prunes 1 and 2 while the reader reads step 2
+        if step == 2:
+            shutil.copytree(checkpoints / "2", checkpoints / "3")
+            shutil.rmtree(checkpoints / "1")
+            shutil.rmtree(checkpoints / "2")
+            raise restore.Unreadable(f"checkpoint {(checkpoints / '2').absolute()} cannot be read (FileNotFoundError)")
+        return step
+
+    found = restore.choose(checkpoints, read, say=said.append)
+    assert (found.step, found.value, found.rejected, said) == (3, 3, [], [])
+
+
 def test_a_run_without_its_config_names_the_file_for_every_command(tmp_path: Path):
     (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
     with pytest.raises(UserError, match=r"config.yaml' is missing: the commands that read a run rebuild its model"):
