@@ -194,6 +194,12 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         )
     if best:
         step = _best_step(checkpoints, step)
+        if step not in steps:
+            raise UserError(
+                f"--best: {str(checkpoints / BEST)!r} records step {step}, which is no longer there (pruned by a "
+                "later run without checkpoint.keep_best, or removed); pass --step, available steps: "
+                + ", ".join(map(str, steps))
+            )
     if step is not None and step not in steps:
         raise UserError(
             f"--step {step}: no such checkpoint in {str(checkpoints)!r}; available steps: {', '.join(map(str, steps))}"

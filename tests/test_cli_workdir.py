@@ -92,6 +92,16 @@ def test_a_reader_passes_over_steps_a_run_still_training_prunes_and_reads_the_ne
     assert (found.step, found.value, found.rejected, said) == (3, 3, [], [])
 
 
+def test_best_naming_a_step_that_is_gone_says_so_rather_than_blaming_a_step_not_passed(tmp_path: Path):
+    cfg = load_config(None, [*TINY, "checkpoint.every_steps=1", "checkpoint.keep=5"])
+    assert train.run(cfg, tmp_path / "run") == 0
+    (tmp_path / "run" / "checkpoints" / "best.json").write_text('{"step": 7, "metric": "loss", "mode": "min", '
+                                                                 '"value": 1.0}')  # fmt: skip
+    with pytest.raises(UserError, match=r"--best: .*best.json' records step 7, which is no longer there .*; pass "
+                                        r"--step, available steps: 1, 2$"):  # fmt: skip
+        open_run(tmp_path / "run", best=True)
+
+
 def test_a_run_without_its_config_names_the_file_for_every_command(tmp_path: Path):
     (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
     with pytest.raises(UserError, match=r"config.yaml' is missing: the commands that read a run rebuild its model"):
