@@ -151,3 +151,18 @@ def test_an_input_of_the_wrong_width_says_which_shape_the_update_expects(method)
     x = jnp.ones((5, 2, 4))
     with pytest.raises(ValueError, match=r"trailing axes have the shape in_features=\(2, 3\), got shape \(5, 2, 4\)"):
         lora(x) if method == "call" else lora.adapt(x, lambda w: w, jnp.ones((6, 4)))
+
+
+def test_dropout_follows_the_contexts_deterministic_flag_and_is_off_when_nothing_says_training():
+    """The argument defaulted to True, which hid the flag: a context saying training got no dropout."""
+    lora = nnx.LoRA(4, 3, rank=2, dropout=0.9, ctx=nnx.context(0))
+    lora.b = jnp.ones((2, 3))
+    x = jnp.ones((64, 4))
+    plain = x @ lora.a @ lora.b * lora.scale
+    training = nnx.context(dropout=0, flags={"deterministic": False})
+    assert not np.allclose(lora(x, ctx=training), plain)
+    assert not np.allclose(lora.adapt(x, lambda w: w, jnp.zeros((4, 3)), ctx=training), plain)
+    np.testing.assert_allclose(lora(x), plain, rtol=1e-6)
+    np.testing.assert_allclose(lora(x, deterministic=True, ctx=training), plain, rtol=1e-6)
+    evaluating = nnx.context(dropout=0, flags={"deterministic": True})
+    np.testing.assert_allclose(lora(x, ctx=evaluating), plain, rtol=1e-6)

@@ -152,6 +152,15 @@ def _check_input(x: Array, in_shape: tuple[int, ...]) -> None:
         )
 
 
+def _deterministic(argument: bool | None, ctx: Context | None) -> bool:
+    """LoRA's dropout switch: the argument, else the context's ``deterministic`` flag, else True. (A default of
+    True for the argument hid the flag: a context saying training trained without the dropout configured.)"""
+    if argument is not None:
+        return argument
+    flag = ctx.get_flag("deterministic") if ctx is not None else None
+    return True if flag is None else bool(flag)
+
+
 class LoRA(Module):
     """The low-rank update ``dropout(x) @ a @ b * (alpha / rank)`` of a linear map ``in_features -> out_features``.
 
@@ -217,10 +226,12 @@ class LoRA(Module):
         self.dtype = dtype
         self.dropout = Dropout(dropout)
 
-    def __call__(self, x: Array, *, deterministic: bool | None = True, ctx: Context | None = None) -> Array:
+    def __call__(self, x: Array, *, deterministic: bool | None = None, ctx: Context | None = None) -> Array:
+        """``x``'s update, ``dropout(x) @ a @ b * alpha / rank``. Dropout applies unless ``deterministic`` (the
+        argument, else the context's ``deterministic`` flag, else True: no dropout when nothing says training)."""
         # x's dtype; an integer x in float32, as Linear promotes it (it truncated the update to integers)
         dtype = self.dtype or (x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
-        x = self.dropout(x, deterministic=deterministic, ctx=ctx)
+        x = self.dropout(x, deterministic=_deterministic(deterministic, ctx), ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")  # not constrained: a scan would stack them again
         _check_input(x, a.shape[:-1])
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
@@ -236,7 +247,7 @@ class LoRA(Module):
         *,
         trainable: bool = False,
         out_dtype: Any = None,
-        deterministic: bool | None = True,
+        deterministic: bool | None = None,
         ctx: Context | None = None,
     ) -> Array:
         """The adapted map ``x @ W + self(x)``, for ``W = weight(source)`` ``[in, out]`` (flattened), as one
@@ -255,7 +266,7 @@ class LoRA(Module):
             x = x.astype(jnp.bfloat16)                                # computes in x's dtype
             y = lora.adapt(x, lambda w: w.astype(jnp.bfloat16), kernel)   # a frozen float32 kernel [in, out]
         """
-        xl = self.dropout(x, deterministic=deterministic, ctx=ctx)
+        xl = self.dropout(x, deterministic=_deterministic(deterministic, ctx), ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")
         _check_input(x, a.shape[:-1])
         tokens, out_shape = x.shape[: x.ndim - self.in_rank], b.shape[1:]
