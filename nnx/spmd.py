@@ -275,12 +275,25 @@ def platform() -> str:
 def current_mesh() -> tp.Any:
     """The active mesh: ``jax.set_mesh``'s, else ``with mesh:``'s, else None.
 
-    Inside ``jax.jit`` under ``jax.set_mesh`` this is the abstract mesh.
+    Inside ``jax.jit`` under ``jax.set_mesh`` this is the abstract mesh; outside it, the concrete one (eager
+    arrays cannot be constrained to an abstract mesh's sharding).
     """
     abstract = jax.sharding.get_abstract_mesh()
     if not abstract.empty:
-        return abstract
+        return _concrete_mesh(abstract) or abstract
     return _legacy_mesh()
+
+
+def _concrete_mesh(abstract: tp.Any) -> tp.Any:
+    """``jax.set_mesh``'s concrete mesh outside ``jax.jit`` (None inside one, or where JAX has no ``get_mesh``)."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    if get_mesh is None:
+        return None
+    try:
+        mesh = get_mesh()
+    except ValueError:  # inside jax.jit: only the abstract mesh is known there
+        return None
+    return mesh if mesh is not None and not mesh.empty and mesh.axis_names == abstract.axis_names else None
 
 
 def _constrain(x: tp.Any, spec: PartitionSpec, mesh: tp.Any) -> tp.Any:

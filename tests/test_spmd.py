@@ -213,6 +213,13 @@ _MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     with jax.set_mesh(explicit), nnx.logical_axis_rules(RULES):
       results['constraint_set_mesh'] = shard_shape(constrain(jnp.ones((8, 8))))
 
+    # eagerly under jax.set_mesh: a partitioned parameter read, a call, a constraint (each a TypeError before:
+    # an eager array constrained to the abstract mesh's sharding)
+    eager = Model(ctx=nnx.context(0))
+    with jax.set_mesh(auto), nnx.logical_axis_rules(RULES):
+      results['eager_set_mesh'] = [shard_shape(eager.linear.kernel), list(eager(jnp.ones((4, 8))).shape),
+                                   shard_shape(nnx.with_logical_constraint(jnp.ones((8, 8)), ('batch', None)))]
+
     # scanned layers: the 'layers' axis is named and left unsharded
     class Layer(nnx.Module):
       def __init__(self, *, ctx):
@@ -276,6 +283,11 @@ def test_nnx_jit_takes_in_and_out_shardings_for_the_module_state(multi_device):
 def test_with_logical_constraint_shards_inside_jit_in_both_mesh_contexts(multi_device):
     assert multi_device["constraint_with_mesh"] == [4, 8]
     assert multi_device["constraint_set_mesh"] == [4, 8]
+
+
+def test_eager_reads_calls_and_constraints_under_set_mesh_use_its_devices(multi_device):
+    """spec section 12: `with jax.set_mesh(mesh):` works as `with mesh:` does, outside jit too."""
+    assert multi_device["eager_set_mesh"] == [[2, 2], [4, 4], [4, 8]]
 
 
 def test_scanned_layers_are_sharded_with_the_layers_axis_name(multi_device):
