@@ -256,3 +256,9 @@ def test_a_4bit_kernel_promotes_an_integer_input_to_float32_as_linear_does():
     y = kernel(x)
     assert y.dtype == jnp.float32
     np.testing.assert_array_equal(y, kernel(x.astype(jnp.float32)))
+
+
+def test_an_input_of_the_wrong_width_is_a_value_error_naming_in_features():
+    kernel = nnx.QuantizedKernel(128, 16, value=jnp.ones((128, 16)))
+    with pytest.raises(ValueError, match=r"in_features=\(128,\), got shape \(2, 64\)"):  # a dot_general error before
+        kernel(jnp.ones((2, 64)))

@@ -562,6 +562,11 @@ class QuantizedKernel(Module):
         (:func:`_row_product`)."""
         if self.batch:
             raise ValueError("a stack of kernels (batch axes) is applied with dequantized_product")
+        if x.ndim < len(self.in_shape) or x.shape[x.ndim - len(self.in_shape) :] != self.in_shape:
+            raise ValueError(
+                f"QuantizedKernel expects inputs whose trailing axes have the shape in_features={self.in_shape}, "
+                f"got shape {x.shape}."
+            )
         dtype = dtype or (x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
         tokens = x.shape[: x.ndim - len(self.in_shape)]
         x2 = x.astype(dtype).reshape(math.prod(tokens), -1)
