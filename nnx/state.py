@@ -104,23 +104,42 @@ class State(tp.Mapping[Path, Node], reprlib.Representable):
 
     @staticmethod
     def merge(state: "State", /, *states: "State") -> "State":
-        """Combines states into one; on a shared path the later state wins."""
-        if not states:
+        """Combines states (or mappings of paths) into one; on a shared path the later state wins."""
+        state, *rest = (_as_state(s) for s in (state, *states))
+        if not rest:
             return state
         mapping = dict(state._mapping)
-        for other in states:
+        for other in rest:
             mapping.update(other._mapping)
         return State(mapping)
 
-    def __or__(self, other: "State") -> "State":
+    def __or__(self, other: tp.Any) -> "State":
+        if not isinstance(other, tp.Mapping):
+            return NotImplemented
         if not other:
             return self
         return State.merge(self, other)
 
-    def __sub__(self, other: "State") -> "State":
+    def __ror__(self, other: tp.Any) -> "State":
+        if not isinstance(other, tp.Mapping):
+            return NotImplemented
+        return State.merge(other, self)
+
+    def __sub__(self, other: tp.Any) -> "State":
+        if not isinstance(other, tp.Mapping):
+            return NotImplemented
         if not other:
             return self
         return State._from_sorted({k: v for k, v in self._mapping.items() if k not in other})
+
+
+def _as_state(value: tp.Any) -> State:
+    """A State, or a mapping of paths as one; anything else is a TypeError naming it."""
+    if isinstance(value, State):
+        return value
+    if isinstance(value, tp.Mapping):
+        return State(value)
+    raise TypeError(f"State.merge takes States (or mappings of paths to values), got {type(value).__name__}")
 
 
 def _split(

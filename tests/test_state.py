@@ -162,3 +162,14 @@ def test_restoring_a_state_from_a_state_dict_without_one_of_its_paths_raises():
     state = nnx.State({"a": nnx.Param(1.0), "b": nnx.Param(2.0)})
     with pytest.raises(ValueError, match="Missing field 'b' in state dict while restoring a State"):
         serialization.from_state_dict(state, {"a": 3.0})
+
+
+def test_merge_and_the_operators_take_mappings_and_refuse_other_values_with_a_type_error():
+    """A dict beside a State was an AttributeError about `_mapping`; a tuple given to merge came back as itself."""
+    state = nnx.State({"a": 1})
+    assert dict(state | {"b": 2}) == dict({"b": 2} | state) == {"a": 1, "b": 2}
+    assert dict(nnx.State.merge(state, {"a": 3})) == {"a": 3} and dict(state - {"a": 0}) == {}
+    with pytest.raises(TypeError, match="State.merge takes States .*got tuple"):
+        nnx.State.merge((state,))
+    with pytest.raises(TypeError, match="unsupported operand"):
+        state | 3
