@@ -371,7 +371,12 @@ def _check_labels(labels: Any, num_classes: int) -> None:
     """Class labels in [0, num_classes): one outside made the loss NaN at step 1, or trained on nothing."""
     labels = np.asarray(labels)
     low, high = (int(labels.min()), int(labels.max())) if labels.size else (0, 0)
-    if low < 0 or high >= num_classes:
+    if low < 0:
+        raise UserError(
+            f"config key 'data.label_key': the training split has the label {low}; labels are class indices, 0 to "
+            "num_classes - 1: renumber them from 0"
+        )
+    if high >= num_classes:
         raise UserError(
             f"config key 'model.num_classes' is {num_classes}, but the training split's labels run from {low} to "
             f"{high}; labels are class indices 0 to {num_classes - 1}: fix the labels, or set "

@@ -397,7 +397,7 @@ import numpy as np
 
 def load(split):
     size = {{"train": 4, "test": 5}}[split] if "{shapes}" == "differ" else 4
-    labels = np.arange(40) % {classes}
+    labels = np.arange(40) % {classes} - ("{shapes}" == "negative")
     return {{"image": np.zeros((40, size, 4), np.uint8), "label": labels}}
 """
 
@@ -408,6 +408,8 @@ def load(split):
         ("differ", 2, [], r"'data.eval_split': its examples are \[5, 4, 1\], the training split's \[4, 4, 1\]"),
         ("same", 3, ["model.num_classes=2"], r"'model.num_classes' is 2, but the training split's labels run from 0 "
                                              r"to 2; .*set model.num_classes=3"),
+        ("negative", 3, [], r"^config key 'data.label_key': the training split has the label -1; labels are class "
+                            r"indices, 0 to num_classes - 1: renumber them from 0$"),
     ],
 )  # fmt: skip
 def test_data_a_classifier_cannot_train_on_is_refused_before_it_starts(tmp_path, monkeypatch, shapes, classes,
