@@ -310,9 +310,14 @@ class Checkpointer:
             what = f"it has no {missing[0]}"
         else:
             what = f"it has {extra[0]}, which the config's model and optimizer do not"
+        fix = (
+            "the run's own config.yaml describes its checkpoints: drop the overrides of its model or optimizer"
+            if self._read_only  # nnx-eval, -generate, -export, -inspect: nothing to train over
+            else "train in a new --workdir, or pass --no-resume to start over"
+        )
         raise UserError(
             f"checkpoint {self.directory / str(step)} does not match the model and optimizer of the config: {what}; "
-            f"train in a new --workdir, or pass --no-resume to start over"
+            + fix
         )
 
     def metadata(self, step: int) -> dict[str, Any]:

@@ -540,6 +540,9 @@ def test_resuming_with_a_different_model_is_a_user_error(project: Path):
     result = cli("nnx-train", "run.yaml", "train.steps=40", "model.latent_size=4", "--workdir", "changed", cwd=project)
     assert_user_error(result, "does not match", "--no-resume")
     assert Checkpointer(project / "changed" / "checkpoints", read_only=True).all_steps() == [20]
+    evaluated = cli("nnx-eval", "changed", "model.latent_size=4", cwd=project)  # nnx-train's advice before
+    assert_user_error(evaluated, "does not match", "drop the overrides of its model or optimizer")
+    assert "--no-resume" not in evaluated.stderr
 
 
 def test_eval_on_a_dir_without_checkpoints(project: Path):
