@@ -79,6 +79,8 @@ class Checkpointer:
         async_: bool = True,
         read_only: bool = False,
         checksums: bool = True,
+        mismatch_fix: str = "the run's own config.yaml describes its checkpoints: drop the overrides of its model or "
+        "optimizer",
     ):
         _quiet_absl()
         _hush_closed_event_loops()
@@ -86,6 +88,7 @@ class Checkpointer:
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._read_only = read_only
+        self.mismatch_fix = mismatch_fix  # what to do when a checkpoint does not match the config (nnx-train's own)
         self._manager: Any = None
         self._async = async_
         self._checksums = checksums and not read_only
@@ -310,14 +313,9 @@ class Checkpointer:
             what = f"it has no {missing[0]}"
         else:
             what = f"it has {extra[0]}, which the config's model and optimizer do not"
-        fix = (
-            "the run's own config.yaml describes its checkpoints: drop the overrides of its model or optimizer"
-            if self._read_only  # nnx-eval, -generate, -export, -inspect: nothing to train over
-            else "train in a new --workdir, or pass --no-resume to start over"
-        )
         raise UserError(
             f"checkpoint {self.directory / str(step)} does not match the model and optimizer of the config: {what}; "
-            + fix
+            + self.mismatch_fix
         )
 
     def metadata(self, step: int) -> dict[str, Any]:

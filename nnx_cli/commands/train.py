@@ -294,7 +294,9 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
     from nnx_cli import integrity, restore, steps
     from nnx_cli.checkpoint import LOOP, Checkpointer
 
-    reader = Checkpointer(ckpt_dir, read_only=True)
+    reader = Checkpointer(
+        ckpt_dir, read_only=True, mismatch_fix="train in a new --workdir, or pass --no-resume to start over"
+    )
     empty = _replicated(exp, steps.empty_sums(exp.metric_names))
 
     def read(step: int) -> tuple[Any, Any]:
