@@ -46,7 +46,7 @@ def test_options_are_checked_against_the_constructors_annotations():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"latent_size": 0}, "latent_size must hold positive sizes"),
+        ({"latent_size": 0}, "latent_size must be positive, got 0"),
         ({"hidden_sizes": [16, 0]}, "hidden_sizes must hold positive sizes"),
     ],
 )

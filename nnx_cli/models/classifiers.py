@@ -101,7 +101,7 @@ class CNNClassifier(_Classifier):
                 f"model 'cnn_classifier' needs images [height, width, channels], got input shape {list(input_shape)}"
             )
         height, width, channels = input_shape
-        check_sizes("hidden_size", [hidden_size])
+        check_sizes("hidden_size", [hidden_size], one=True)
         check_rate("dropout", dropout)
         convs, norms = [], []
         for f in check_sizes("features", features):

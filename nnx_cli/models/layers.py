@@ -31,12 +31,16 @@ def mlp(sizes: Sequence[int], axes: Sequence[str], ctx: nnx.Context) -> nnx.Sequ
     )
 
 
-def check_sizes(option: str, sizes: Sequence[int]) -> list[int]:
-    """Layer sizes must be positive (a zero-width layer has nothing to learn) and below 2**31 (no array is wider)."""
+def check_sizes(option: str, sizes: Sequence[int], one: bool = False) -> list[int]:
+    """Layer sizes must be positive (a zero-width layer has nothing to learn) and below 2**31 (no array is wider).
+    `one`: the option is a single size (its message names the number, not a list)."""
+    got = sizes[0] if one else list(sizes)
     if any(size < 1 for size in sizes):
-        raise ValueError(f"model.{option} must hold positive sizes, got {list(sizes)}")
+        raise ValueError(f"model.{option} must {'be positive' if one else 'hold positive sizes'}, got {got}")
     if any(size >= 2**31 for size in sizes):
-        raise ValueError(f"model.{option} must hold sizes below 2**31 (no array is that wide), got {list(sizes)}")
+        raise ValueError(
+            f"model.{option} must {'be' if one else 'hold sizes'} below 2**31 (no array is that wide), got {got}"
+        )
     return list(sizes)
 
 

@@ -45,7 +45,7 @@ class VAE(nnx.Module):
         self.latent_size = latent_size
         pixels = math.prod(input_shape)
         hidden = check_sizes("hidden_sizes", hidden_sizes)
-        check_sizes("latent_size", [latent_size])
+        check_sizes("latent_size", [latent_size], one=True)
         sizes, axes = [pixels, *hidden], ["embed", *hidden_axes(len(hidden))]
         self.encoder = mlp(sizes, axes, ctx)
         self.mean = linear(sizes[-1], latent_size, (axes[-1], "latent"), ctx)

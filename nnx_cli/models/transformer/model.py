@@ -669,13 +669,13 @@ def _window_and_vocabulary(
     if vocab is None:
         raise ValueError("model.vocab_size is unknown: the data has no tokenizer; set model.vocab_size")
     (seq_len,) = check_sizes("input_shape", input_shape)
-    check_sizes("vocab_size", [vocab])
+    check_sizes("vocab_size", [vocab], one=True)
     return seq_len, vocab
 
 
 def _max_positions(seq_len: int, max_positions: int | None, positions: str) -> int:
     """The size of the learned position table (null: `seq_len`), which must hold a window."""
-    max_positions = seq_len if max_positions is None else check_sizes("max_positions", [max_positions])[0]
+    max_positions = seq_len if max_positions is None else check_sizes("max_positions", [max_positions], one=True)[0]
     if positions == "learned" and seq_len > max_positions:
         raise ValueError(
             f"data.seq_len ({seq_len}) exceeds the model's {max_positions} learned positions "

@@ -386,10 +386,10 @@ def architecture(
     Blocks are scanned when `scan_layers` asks and they are alike: a mixture of experts with `dense_layers`
     mixes two kinds of block, which are then unrolled.
     """
-    check_sizes("num_layers", [num_layers])
-    check_sizes("num_heads", [num_heads])
-    check_sizes("embed_dim", [embed_dim])
-    mlp_dim = check_sizes("mlp_dim", [mlp_dim])[0] if mlp_dim is not None else 4 * embed_dim
+    check_sizes("num_layers", [num_layers], one=True)
+    check_sizes("num_heads", [num_heads], one=True)
+    check_sizes("embed_dim", [embed_dim], one=True)
+    mlp_dim = check_sizes("mlp_dim", [mlp_dim], one=True)[0] if mlp_dim is not None else 4 * embed_dim
     check_rate("dropout", dropout)
     check_rate("attention_dropout", attention_dropout)
     _choice("positions", positions, POSITIONS)
@@ -482,8 +482,8 @@ def _heads(embed_dim: int, num_heads: int, head_dim: int | None, num_kv_heads: i
                 "or set model.head_dim"
             )
         head_dim = embed_dim // num_heads
-    check_sizes("head_dim", [head_dim])
-    kv_heads = num_heads if num_kv_heads is None else check_sizes("num_kv_heads", [num_kv_heads])[0]
+    check_sizes("head_dim", [head_dim], one=True)
+    kv_heads = num_heads if num_kv_heads is None else check_sizes("num_kv_heads", [num_kv_heads], one=True)[0]
     if num_heads % kv_heads:
         raise ValueError(
             f"model.num_heads ({num_heads}) must be a multiple of model.num_kv_heads ({kv_heads}): each key-value "
@@ -518,7 +518,7 @@ def _positive_or_null(option: str, value: Any) -> None:
 def _sliding_layers(num_layers: int, window: int | None, layer_types: Sequence[str] | None) -> tuple[bool, ...]:
     """Per layer, whether it attends within `sliding_window`: every layer, or those `layer_types` marks."""
     if window is not None:
-        check_sizes("sliding_window", [window])
+        check_sizes("sliding_window", [window], one=True)
     if layer_types is None:
         return (window is not None,) * num_layers
     if isinstance(layer_types, str) or not isinstance(layer_types, Sequence) or len(layer_types) != num_layers:
@@ -542,7 +542,7 @@ def _check_rotary(positions: str, head_dim: int, local_theta: float | None, rota
             raise ValueError(f"model.{option} applies to rotary positions: set model.positions=rope or drop it")
     _positive_or_null("rope_local_theta", local_theta)
     if rotary_dim is not None:
-        check_sizes("rotary_dim", [rotary_dim])
+        check_sizes("rotary_dim", [rotary_dim], one=True)
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(
                 f"model.rotary_dim rotates pairs of a head's leading features: it must be even and at most the "
