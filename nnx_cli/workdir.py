@@ -188,6 +188,8 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
                      f"the work dir its run wrote (the config's workdir, else runs/{path.stem}, or the --workdir it "
                      "was trained with)")  # fmt: skip
             raise UserError(f"{str(path)!r} is a config file; pass {where}")
+        if path.is_file():
+            raise UserError(f"{str(path)!r} is a file; pass a work dir of nnx-train (it holds checkpoints/)")
         raise UserError(
             f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has "
             "checkpoints/"

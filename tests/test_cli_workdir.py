@@ -111,6 +111,11 @@ def test_a_run_without_its_config_names_the_file_for_every_command(tmp_path: Pat
 def test_a_dir_without_checkpoints_is_a_user_error(tmp_path: Path):
     with pytest.raises(UserError, match="no checkpoint found"):
         open_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(
+        UserError, match=r"notes.txt' is a file; pass a work dir of nnx-train \(it holds checkpoints/\)"
+    ):
+        open_run(tmp_path / "notes.txt")
 
 
 def test_a_work_dir_whose_earlier_run_was_set_aside_says_how_to_put_it_back(tmp_path: Path):
