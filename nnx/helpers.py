@@ -85,7 +85,8 @@ class Sequence(Module, tp.Generic[A]):
 
     Each element's output feeds the next: a tuple is splatted as positional
     arguments, a dict as keyword arguments. ``ctx=`` is forwarded to the
-    elements that accept it::
+    elements that accept it. An empty Sequence is the identity of its one
+    argument::
 
         mlp = nnx.Sequence([nnx.Linear(2, 8, ctx=ctx), nnx.relu, nnx.Linear(8, 1, ctx=ctx)])
         y = mlp(x)
@@ -113,6 +114,10 @@ class Sequence(Module, tp.Generic[A]):
         return (getattr(self, str(i)) for i in range(len(self)))
 
     def __call__(self, *args: tp.Any, ctx: Context | None = None, **kwargs: tp.Any) -> tp.Any:
+        if not len(self):  # a chain of nothing: what it is given (it returned None)
+            if len(args) != 1 or kwargs:
+                raise TypeError("an empty Sequence returns its input: call it with one positional argument")
+            return args[0]
         output: tp.Any = None
         for i, f in enumerate(self):
             if not callable(f):

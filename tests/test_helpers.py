@@ -98,3 +98,12 @@ def test_train_state_round_trips_through_flax_msgpack_bytes():
     assert int(restored.step) == 1
     assert jnp.array_equal(restored.params["kernel"].value, state.params["kernel"].value)
     assert jnp.array_equal(restored.opt_state[0].mu["kernel"].value, state.opt_state[0].mu["kernel"].value)
+
+
+def test_an_empty_sequence_is_the_identity_of_its_one_argument():
+    """It returned None: a model whose layer list came out empty computed nothing, silently."""
+    empty = nnx.Sequence([])
+    x = jnp.ones((2, 3))
+    assert empty(x) is x
+    with pytest.raises(TypeError, match="empty Sequence returns its input"):
+        empty(x, x)
