@@ -262,3 +262,12 @@ def test_a_model_that_cannot_be_built_names_the_keys_at_fault_without_every_opti
         "config section 'model': 'transformer_lm' cannot be built: data.seq_len (16) exceeds the model's 4 learned "
         "positions (model.max_positions); lower data.seq_len"
     )
+
+
+def test_a_mapping_override_without_spaces_after_its_colons_says_how_to_write_it():
+    """YAML reads `{metric:accuracy,mode:max}` as two keys without values: the error named a key
+    'checkpoint.keep_best.metric:accuracy' that had to be a string."""
+    fixed = r"put a space after each ':', e\.g\. checkpoint\.keep_best='\{metric: accuracy, mode: max\}'$"
+    with pytest.raises(UserError, match=fixed):
+        load_config(None, ["checkpoint.keep_best={metric:accuracy,mode:max}"])
+    assert load_config(None, ["checkpoint.keep_best={metric: accuracy, mode: max}"]).checkpoint.keep_best

@@ -22,6 +22,7 @@ field of :class:`Config`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,8 +113,22 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
                 # e.g. learning_rate=1e-3 then learning_rate.name=...: start a fresh mapping
                 child = node[part] = {}
             node = child
-        node[parts[-1]] = parse_value(text)
+        value = parse_value(text)
+        if _unspaced_mapping(value):
+            fixed = re.sub(r"([:,])(?=\S)", r"\1 ", text.strip())
+            raise UserError(
+                f"override {item!r}: YAML reads 'a:b' in a mapping as one key without a value; put a space after "
+                f"each ':', e.g. {key}={fixed!r}"
+            )
+        node[parts[-1]] = value
     return raw
+
+
+def _unspaced_mapping(value: Any) -> bool:
+    """Whether `value` is a mapping YAML made of `{a:b,c:d}` (keys holding ':', without values)."""
+    if isinstance(value, dict):
+        return any((isinstance(k, str) and ":" in k and v is None) or _unspaced_mapping(v) for k, v in value.items())
+    return False
 
 
 def _check_override_path(parts: list[str], item: str) -> None:
