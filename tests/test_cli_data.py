@@ -45,6 +45,16 @@ def test_save_to_disk_directory_with_splits(tmp_path):
     np.testing.assert_array_equal(load_images(cfg, "train").image[..., 0], pixels)
 
 
+def test_a_saved_split_without_rows_is_named_rather_than_an_index_error(tmp_path):
+    """`datasets` cannot load a save_to_disk split of no rows: "IndexError: list index out of range" was all."""
+    import datasets
+
+    train, _ = image_dataset(seed=1)
+    datasets.DatasetDict({"train": train, "test": train.select([])}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(UserError, match=r"the split 'test' of '.*saved' holds no rows, and `datasets` cannot load"):
+        load_images(local(tmp_path, tmp_path / "saved"), "train")
+
+
 def test_save_to_disk_of_one_dataset_is_a_train_split_only(tmp_path):
     ds, _ = image_dataset(n=6)
     ds.save_to_disk(str(tmp_path / "one"))

@@ -243,9 +243,30 @@ def _load_error(source: str, path: Path, error: Exception) -> UserError:
     if undecodable is not None:
         return UserError(_not_utf8(source, path, undecodable))
     cause = next((link for link in chain if not isinstance(link, DatasetGenerationError)), error)
+    empty = _empty_saved_splits(path)
+    if empty:  # datasets cannot load a saved split of no rows (an IndexError deep in its tables)
+        return UserError(
+            f"config key 'data.source': the split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} of "
+            f"{source!r} hold{'' if len(empty) > 1 else 's'} no rows, and `datasets` cannot load a saved split "
+            "without any: save it without that split, or give it rows"
+        )
     return UserError(
         f"config key 'data.source': cannot load dataset {source!r}: {type(cause).__name__}: {first_line(cause)}"
     )
+
+
+def _empty_saved_splits(path: Path) -> list[str]:
+    """The splits of a `save_to_disk` directory that were saved with no data file (no rows)."""
+    import json
+
+    found = []
+    for state in sorted(path.glob("*/state.json")) if path.is_dir() else []:
+        try:
+            if not json.loads(state.read_text()).get("_data_files", [None]):
+                found.append(state.parent.name)
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _chain(error: BaseException) -> list[BaseException]:
