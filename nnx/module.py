@@ -192,6 +192,12 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
             for path, value in state.items():
                 owner, name = _owner(self, path)
                 _check_trace(owner)
+                current = _dict(owner).get(name)
+                if isinstance(current, Module) and not isinstance(value, Module):
+                    raise ValueError(
+                        f"Cannot update path {path!r}: it is a submodule ({type(current).__name__}), and a State "
+                        f"writes the values of variables at their paths; got {type(value).__name__}"
+                    )
                 containers.assign(_dict(owner), name, value, copy=False)
 
     def clone(self: M) -> M:

@@ -473,3 +473,16 @@ def test_worked_example_from_the_spec():
     params, counts = train_step(params, counts, x, y)
     model = moduledef.merge(params, counts)
     assert model.count == 1
+
+
+def test_update_state_refuses_a_value_at_the_path_of_a_submodule():
+    """It put the array in the submodule's place: the model lost its layer without a word."""
+
+    class Wrapper(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(2, 3, ctx=nnx.context(0))
+
+    model = Wrapper()
+    with pytest.raises(ValueError, match=r"Cannot update path 'lin': it is a submodule \(Linear\)"):
+        model.update_state(nnx.State({"lin": jnp.zeros(3)}))
+    assert isinstance(model.lin, nnx.Linear)
