@@ -69,7 +69,7 @@ class FlatState:
         self.signature = Signature(treedef, moduledef)
         self.leaves = leaves
         self.nodes: list = []  # the containers holding leaves, in the leaves' order
-        self.held: list = []  # the leaf each of them holds
+        self.held: list = []  # the index in `leaves` of the leaf each of them holds
         self.slots = self._slots(module, state, leaves)
 
     def _slots(self, module: Module, state: State, leaves: list) -> list | None:
@@ -82,7 +82,7 @@ class FlatState:
             return None
         copy_of = {id(d): c for d, c in zip(self.dicts, self.copies)}
         slots = []
-        for (path, node), leaf in zip(state.items(), leaves):
+        for i, ((path, node), leaf) in enumerate(zip(state.items(), leaves)):
             if isinstance(node, containers.NodeBase):
                 if node.value is not leaf:
                     return None
@@ -97,7 +97,7 @@ class FlatState:
             slots.append((attributes, copy_of[id(attributes)], name, kind, metadata))
             if kind is not None:
                 self.nodes.append(node)
-                self.held.append(leaf)
+                self.held.append(i)
         return slots
 
     def is_current(self) -> bool:
@@ -108,11 +108,12 @@ class FlatState:
             return False
         if self.slots is None:  # where each leaf lives is not known: nor whether a container was given another
             return False
-        return all(map(operator.is_, map(_VALUE, self.nodes), self.held))  # at C speed: a call's fixed cost
+        held = map(self.leaves.__getitem__, self.held)
+        return all(map(operator.is_, map(_VALUE, self.nodes), held))  # at C speed: a call's fixed cost
 
     def write_back(self, leaves: list) -> None:
         new_object = object.__new__
-        nodes, held = self.nodes, self.held
+        nodes = self.nodes
         j = 0
         for (attributes, copy, name, kind, metadata), leaf in zip(self.slots, leaves):
             if kind is None:
@@ -120,7 +121,6 @@ class FlatState:
             else:  # what Container._with_value does, inlined: this loop is hot
                 value = nodes[j] = new_object(kind)
                 value.__dict__ = {"value": leaf, **metadata}
-                held[j] = leaf
                 j += 1
             attributes[name] = copy[name] = value
         self.leaves = leaves
