@@ -224,7 +224,8 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
         name = entry
     if name in BUILT_IN:
         factory = BUILT_IN[name]
-        known = list(inspect.signature(factory).parameters)
+        parameters = inspect.signature(factory).parameters
+        known = list(parameters)
         for key in options:
             if key not in known:
                 raise UserError(
@@ -235,7 +236,7 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
             fn = factory(**options)
         except TypeError as e:
             raise UserError(f"config key {where!r}: built-in reward {name}: {e}") from None
-        column = options.get("column", "answer") if name != "regex" else None
+        column = options.get("column", parameters["column"].default) if "column" in parameters else None
         return Reward(label or name, name, fn, reads=(column,) if isinstance(column, str) else ())
     if options:
         raise UserError(
