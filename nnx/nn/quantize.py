@@ -358,15 +358,6 @@ def _quantize_4bit_xla(type: str, block: int) -> Callable[[Array], tuple[Array, 
     return jax.jit(lambda w: quantize_4bit(jnp.swapaxes(jnp.asarray(w), -1, -2), type, block, jnp))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize_traced(w: Array, type: str, block: int, double_quant: bool) -> dict[str, Array]:
-    """:func:`quantize_kernel` with JAX, as a jitted function: a model's kernels of one shape are traced once,
-    however many layers and traces (the abstract model, its initialisation) quantise them: a QLoRA run's set-up
-    traced its random kernels' quantisation (dropped once the base loads) for every projection, 0.2-0.3 s of a
-    3.7 s two-step run on the tests' tiny Llama."""
-    return quantize_kernel(w, type, block, double_quant, xp=jnp)
-
-
 def _double_quantize_rows(absmax: Array, xp: Any) -> tuple[Array, Array, Array]:
     """:func:`double_quantize` of each row of `absmax` `[*batch, m]` (one weight's block scales a row) at once:
     each row's nested blocks start at its own first scale (a short last block padded with zeros, which change no
@@ -518,7 +509,7 @@ class QuantizedKernel(Module):
         self.type, self.block, self.double_quant = type, block, double_quant
         if value is not None:
             value = jnp.asarray(value, jnp.float32).reshape(*self.batch, fan_in, fan_out)
-            parts = _quantize_traced(value, type, block, double_quant)
+            parts = quantize_kernel(value, type, block, double_quant, xp=jnp)
         else:
             parts = _zeros(self.batch, fan_in, fan_out, block, double_quant)
         axes = None
