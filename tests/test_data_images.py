@@ -258,6 +258,27 @@ def test_labels_that_are_not_class_indices_are_a_user_error_naming_a_row(tmp_pat
         load_images(cfg, "train")
 
 
+def test_an_entry_an_earlier_decoder_wrote_is_decoded_again(tmp_path: Path, monkeypatch):
+    """Entries written before fractional labels were refused hold them cut to integers: read as they were, the
+    refusal would never be seen by a user who had trained on that source before."""
+    import datasets
+
+    from nnx_cli.data import images
+
+    ds, _ = png_dataset(3)
+    datasets.Dataset.from_dict({"img": list(ds["img"]), "label": [0.0, 1.5, 2.0]}).cast_column(
+        "img", datasets.Image()
+    ).to_parquet(str(tmp_path / "labels.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "labels.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    with monkeypatch.context() as earlier:  # the decoder before: revision 1, fractions cut to integers
+        earlier.setattr(images, "_DECODER", 1)
+        earlier.setattr(images, "_class_indices", lambda values, key: np.asarray(values).astype(np.int32))
+        assert load_images(cfg, "train").label.tolist() == [0, 1, 2]
+        assert load_images(cfg, "train").label.tolist() == [0, 1, 2]  # through the alias too
+    with pytest.raises(UserError, match=r"column 'label' has 1.5 in row 1"):
+        load_images(cfg, "train")
+
+
 def test_whole_float_labels_are_class_indices(tmp_path: Path):
     import datasets
 

@@ -59,6 +59,10 @@ _SCALES = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0, np.dtype(np.
 _CHUNK_BYTES = 4 << 20  # decoded pixels per worker task: big enough to amortize the hand-over, small to stay bounded
 _PAGE = 4096  # bytes: training rows at least this long are read with pread, not through the memory map
 _PROGRESS_FROM = 10_000  # images: decodes this long show a progress bar on a terminal
+# The revision of what `_build` writes for the same rows, part of every cache key: bumped when it changes, so that
+# an entry written by earlier code is decoded again instead of read. 2: labels that are not class indices are
+# refused (1 cut fractional labels to integers and kept them in its entries).
+_DECODER = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +313,7 @@ def _local_alias(cfg: DataConfig, split: str) -> dict[str, Any] | None:
         "split": split,
         "image_key": cfg.image_key,
         "label_key": cfg.label_key,
+        "decoder": _DECODER,
     }
 
 
@@ -438,6 +443,7 @@ def _cached(ds: Any, cfg: DataConfig, split: str, source_id: str) -> ImageArrays
         "image_key": cfg.image_key,
         "label_key": label_key,
         "fingerprint": getattr(ds, "_fingerprint", None),
+        "decoder": _DECODER,
     }
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"images-{Path(source_id.rstrip('/')).name}-{split}")[:80]
     workers = worker_count(cfg.workers)
