@@ -422,12 +422,16 @@ def test_a_run_says_what_its_data_does_not_read_and_that_it_evaluates_on_its_tra
 
 def test_a_config_that_is_the_work_dirs_config_yaml_is_not_written_over(reference: Path, project: Path, tmp_path: Path):
     """`nnx-train config.yaml --workdir .` wrote the run's resolved config over the user's file, comments and all;
-    a run's own config.yaml, given to resume it, still works."""
+    a run's own config.yaml, given to resume it, still works. An empty --workdir is no `.`."""
     mine = RUN_CONFIG + "# my notes\n"
     (tmp_path / "config.yaml").write_text(mine)
     result = cli("nnx-train", "config.yaml", "--workdir", ".", cwd=tmp_path)
     assert_user_error(result, "CONFIG 'config.yaml' is the config.yaml of the work dir '.', which nnx-train writes")
     assert (tmp_path / "config.yaml").read_text() == mine and not (tmp_path / "checkpoints").exists()
+    (tmp_path / "run.yaml").write_text(RUN_CONFIG)  # `--workdir "$DIR"` with DIR unset trained in "."
+    empty = cli("nnx-train", "run.yaml", "--workdir", "", cwd=tmp_path)
+    assert_user_error(empty, "--workdir is empty: give it a directory, or leave it out for the config's own")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "run.yaml"]
     again = cli("nnx-train", "ref/config.yaml", "--workdir", "ref", cwd=project)
     assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr
 

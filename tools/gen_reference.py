@@ -281,6 +281,8 @@ _CLICK_TYPE_NAMES = {"integer range": "integer", "float": "number", "float range
 
 
 def _param_type(param: Any) -> str:
+    if getattr(param, "metavar", None) == "<path>":  # a path taken as text (nnx-train's --workdir: "" is not ".")
+        return "path"
     descriptor = getattr(param, "type_descriptor", None)
     annotation = getattr(descriptor, "annotation", None)
     if annotation is None:  # a Typer on click (before 0.20 or so), one with click's types of its own, or plain click

@@ -49,8 +49,10 @@ def train(
         help="Config overrides, e.g. train.steps=200 optimizer.learning_rate=3e-4.",
         show_default=False,
     ),
-    workdir: Path | None = typer.Option(
-        None, help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>)."
+    workdir: str | None = typer.Option(  # a string: an empty one (an unset shell variable) is not "."
+        None,
+        metavar="<path>",
+        help="Where checkpoints and logs go (default: the config's workdir, else runs/<config stem>).",
     ),
     resume: bool = typer.Option(
         True,
@@ -75,10 +77,12 @@ def train(
     with Signals() as signals:
         config = configs.find(config)  # a path that exists, else a shipped config's name
         cfg = load_config(config, overrides or [])
-        workdir = workdir or Path(cfg.workdir or Path("runs") / config.stem)
-        _check_config_outside(config, workdir)
+        if workdir is not None and not workdir.strip():
+            raise UserError("--workdir is empty: give it a directory, or leave it out for the config's own")
+        where = Path(workdir) if workdir is not None else Path(cfg.workdir or Path("runs") / config.stem)
+        _check_config_outside(config, where)
         raise SystemExit(
-            run(cfg, workdir, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals)
+            run(cfg, where, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals)
         )
 
 
