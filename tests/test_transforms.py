@@ -181,6 +181,21 @@ def test_jit_merges_a_context_passed_as_ctx():
     assert not np.array_equal(a, b)  # the stream advances between calls
 
 
+@pytest.mark.parametrize("transform", ["jit", "grad", "remat"])
+def test_a_context_passed_positionally_is_a_type_error_saying_to_pass_it_as_ctx(transform: str):
+    """It reached JAX, whose error said only that a Context is no array and to mark the argument static."""
+
+    def loss(model, x, ctx):
+        return jnp.sum(model(x))
+
+    lifted = getattr(nnx, transform)(loss)
+    with pytest.raises(TypeError, match=rf"^nnx.{transform}: argument 2 after the Module is a Context; pass it as "):
+        lifted(_counter(), X, nnx.context(0))
+    if transform == "jit":
+        with pytest.raises(TypeError, match="argument 2 after the Module is a Context"):
+            lifted.lower(_counter(), X, nnx.context(0))
+
+
 def test_jit_static_argnums_count_the_module_as_argument_zero():
 
     @functools.partial(nnx.jit, static_argnums=2)

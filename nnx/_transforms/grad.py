@@ -6,7 +6,7 @@ import typing as tp
 import jax
 
 from nnx import containers, partitioning, tracers
-from nnx._transforms.lifting import check_module, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_module, check_positional_ctx, merge_ctx, partition_ctx
 from nnx.module import Module
 from nnx.state import State
 
@@ -53,6 +53,7 @@ def grad(
     @functools.wraps(fun)
     def grad_fn(module: Module, *args, **kwargs):
         check_module("nnx.grad", module)
+        check_positional_ctx("nnx.grad", args)
         kwargs = partition_ctx(kwargs)
         state, moduledef = module.partition()
         diff, rest = state.partition(wrt, ...)

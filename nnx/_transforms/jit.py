@@ -12,7 +12,7 @@ import typing as tp
 import jax
 
 from nnx import tracers
-from nnx._transforms.lifting import check_module, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_module, check_positional_ctx, merge_ctx, partition_ctx
 from nnx._transforms.state_cache import FlatState, Signature, StateCache
 from nnx.module import _MODULE_STATE, Module, _check_trace, _dict
 
@@ -110,6 +110,8 @@ class _Jitted:
             check_module("nnx.jit", module)
         if "ctx" in kwargs:
             kwargs = partition_ctx(kwargs)
+        if args:
+            check_positional_ctx("nnx.jit", args)
         flat = self._cache.get(module)
         if not self._stateful:
             return self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
@@ -138,6 +140,7 @@ class _Jitted:
 
     def lower(self, module: Module, *args, **kwargs):
         """``jax.jit(...).lower`` for the given Module and arguments."""
+        check_positional_ctx("nnx.jit", args)
         flat = FlatState(module)
         return self._jitted.lower(self._state_argument(flat), flat.signature, *args, **partition_ctx(kwargs))
 

@@ -17,6 +17,17 @@ def check_module(transform: str, module: tp.Any) -> None:
         )
 
 
+def check_positional_ctx(transform: str, args: tuple) -> None:
+    """Raises ``TypeError`` for a Context among the positional ``args``: only ``ctx=`` crosses ``transform`` (it
+    would otherwise reach JAX as an argument it cannot read)."""
+    for i, arg in enumerate(args):
+        if isinstance(arg, contextlib.Context):
+            raise TypeError(
+                f"{transform}: argument {i + 1} after the Module is a Context; pass it as the keyword argument ctx= "
+                f"(def f(module, ..., *, ctx)), which {transform} splits on the way in and rebuilds inside"
+            )
+
+
 def partition_ctx(kwargs: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """Replaces a ``ctx=`` Context by its pure ``(keys, contextdef)`` form."""
     ctx = kwargs.get("ctx")
