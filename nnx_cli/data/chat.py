@@ -126,17 +126,22 @@ def assistant_spans(
     end-of-turn token, without the whitespace the template puts after it).
 
     A turn's span starts where the template's generation prompt ends (the conversation up to that turn,
-    rendered with `add_generation_prompt`) and ends where the conversation through that turn ends. A template
-    whose renderings do not extend one another (some drop earlier turns' reasoning) cannot mark turns this
-    way: a TemplateFailed.
+    rendered with `add_generation_prompt`) and ends where the conversation through that turn ends (without the
+    eos a template may put after a conversation's last turn only, as Phi-3's does). A template whose renderings
+    do not extend one another otherwise (some drop earlier turns' reasoning) cannot mark turns this way: a
+    TemplateFailed.
     """
     full = render(template, messages, add_generation_prompt=False, special_tokens=special_tokens)
+    eos = (special_tokens or {}).get("eos_token")
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
         before = render(template, messages[:i], add_generation_prompt=True, special_tokens=special_tokens)
         through = render(template, messages[: i + 1], add_generation_prompt=False, special_tokens=special_tokens)
+        ended = through.rstrip()
+        if eos and ended.endswith(eos) and not full.startswith(through) and full.startswith(ended[: -len(eos)]):
+            through = ended[: -len(eos)]  # the conversation's end, not the turn's (Phi-3: eos after the last <|end|>)
         if not (through.startswith(before) and full.startswith(through)):
             raise TemplateFailed(
                 f"the chat template renders message {i} (assistant) differently inside the conversation than "
