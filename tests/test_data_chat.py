@@ -83,6 +83,35 @@ def test_chat_targets_are_exactly_the_assistant_turns_through_their_end_token(tm
         assert [tokenizer.decode(run) for run in runs] == [a + end for a in answers[:-1]] + [answers[-1] + last]
 
 
+# Qwen3's way with reasoning, written small: a reply after the last question gets a <think> block, one before it
+# does not, so a turn renders differently as the conversation's last than inside it.
+THINKING = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{ m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_dropping_earlier_turns_reasoning_marks_them_as_the_conversation_renders_them(tmp_path):
+    """Such templates (Qwen3's) were refused for conversations of more than one exchange; the earlier turns train
+    as the whole conversation shows them (the text and <|im_end|>), the last with its <think> block."""
+    source = write_jsonl(tmp_path / "chats.jsonl", chats(4))
+    split = load(config(tmp_path, source, packing=False, chat_template=THINKING)).train
+    tokenizer = hf.pretrained_tokenizer(str(fixture("qwen2")))
+    for (tokens, targets), row in zip(segments_of(split.stored()), chats(4)):
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        text = tokenizer.decode(tokens.tolist())
+        assert text == chat.render(THINKING, row["messages"], add_generation_prompt=False)
+        marked = tokenizer.decode([t for t, target in zip(tokens.tolist(), targets.tolist()) if target])
+        assert (
+            marked
+            == "".join(a + "<|im_end|>" for a in answers[:-1]) + f"<think>\n\n</think>\n\n{answers[-1]}<|im_end|>"
+        )
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_chat_rows_tokenize_as_transformers_renders_and_tokenizes_the_conversation(family):
     record, gold = json.loads((FIXTURES / f"{family}.json").read_text()), goldens(family)

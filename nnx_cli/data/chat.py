@@ -127,9 +127,10 @@ def assistant_spans(
 
     A turn's span starts where the template's generation prompt ends (the conversation up to that turn,
     rendered with `add_generation_prompt`) and ends where the conversation through that turn ends (without the
-    eos a template may put after a conversation's last turn only, as Phi-3's does). A template whose renderings
-    do not extend one another otherwise (some drop earlier turns' reasoning) cannot mark turns this way: a
-    TemplateFailed.
+    eos a template may put after a conversation's last turn only, as Phi-3's does). A template that renders an
+    earlier turn otherwise inside the conversation (Qwen3's drops the reasoning block of turns before the last
+    question) has that turn marked as the conversation renders it: its text, then the end the template gives a
+    turn (see `_end_inside`). Any other difference is a TemplateFailed.
     """
     full = render(template, messages, add_generation_prompt=False, special_tokens=special_tokens)
     eos = (special_tokens or {}).get("eos_token")
@@ -142,16 +143,36 @@ def assistant_spans(
         ended = through.rstrip()
         if eos and ended.endswith(eos) and not full.startswith(through) and full.startswith(ended[: -len(eos)]):
             through = ended[: -len(eos)]  # the conversation's end, not the turn's (Phi-3: eos after the last <|end|>)
-        if not (through.startswith(before) and full.startswith(through)):
+        if through.startswith(before) and full.startswith(through):
+            end = len(through.rstrip())
+        elif (end := _end_inside(full, before, through, message["content"])) is None:
             raise TemplateFailed(
                 f"the chat template renders message {i} (assistant) differently inside the conversation than "
                 "after its prompt, so its tokens cannot be told apart; use a template whose renderings extend one "
                 "another (data.chat_template)"
             )
-        end = len(through.rstrip())
         if end > len(before):
             spans.append((len(before), end))
     return full, spans
+
+
+def _end_inside(full: str, before: str, through: str, content: str) -> int | None:
+    """Where an assistant turn ends inside the whole conversation `full`, for a template that renders the turn
+    differently there than as the conversation's last (`through`): the conversation up to the turn's prompt
+    (`before`) starts both, the turn's text follows in `full` after what the template put before it in `through`
+    (or nothing: Qwen3's earlier turns lose their `<think>` block), then the turn's end as `through` writes it
+    (`<|im_end|>`). None where the two differ in any other way."""
+    content = content.strip()
+    said = through.rfind(content)
+    if not content or not full.startswith(before) or said < len(before):
+        return None
+    lead = through[len(before) : said]
+    start = len(before) + (len(lead) if full.startswith(lead, len(before)) else 0)
+    if not full.startswith(content, start):
+        return None
+    tail = through[said + len(content) :].rstrip()
+    end = start + len(content)
+    return end + len(tail) if full.startswith(tail, end) else None
 
 
 def check_messages(messages: Any, key: str) -> list[dict[str, Any]]:

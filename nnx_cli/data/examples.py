@@ -72,8 +72,8 @@ def chat_template(cfg: DataConfig, tokenizer: Any) -> str | None:
     given = cfg.chat_template
     if given is None:
         return getattr(tokenizer, "chat_template", None)
-    path = Path(given).expanduser()
-    if "\n" not in given and len(given) < 1024 and path.is_file():
+    if "\n" not in given and _is_file(Path(given).expanduser()):
+        path = Path(given).expanduser()
         try:
             return path.read_text()
         except (OSError, UnicodeDecodeError) as e:
@@ -84,6 +84,15 @@ def chat_template(cfg: DataConfig, tokenizer: Any) -> str | None:
         f"config key 'data.chat_template': {given!r} is neither a file nor a Jinja template; give the path of a "
         "template file (.jinja) or the template's text"
     )
+
+
+def _is_file(path: Path) -> bool:
+    """Whether `path` is a file; False for text no file can be named (a one-line template longer than a file name
+    may be: the operating system's error)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _pieces(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
