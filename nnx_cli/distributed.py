@@ -130,9 +130,15 @@ class Signals:
                 signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.in_loop or self.signal is not None:
+        name = signal.Signals(signum).name
+        if not self.in_loop:
             exit_now(signum)
+        if self.signal is not None:
+            exit_now(signum, "again: stopped without a checkpoint of the steps since the last one")
         self.signal = signum
+        # Said at once: the dispatch under way (many steps, or a compile) can take seconds to finish.
+        print(f"{name}: stopping after the steps under way to write a checkpoint ({name} again stops at once, "
+              "without one)", file=sys.stderr, flush=True)  # fmt: skip
 
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self._previous.items():
@@ -162,14 +168,15 @@ def at_signal_exit(undo: Callable[[], None]) -> Callable[[], None]:
     return lambda: _AT_SIGNAL_EXIT.remove(undo) if undo in _AT_SIGNAL_EXIT else None
 
 
-def exit_now(signum: int) -> None:
-    """Leave without unwinding: raising into JAX's compiler or Orbax's threads can crash the interpreter."""
+def exit_now(signum: int, why: str = "") -> None:
+    """Leave without unwinding: raising into JAX's compiler or Orbax's threads can crash the interpreter. `why`
+    follows the signal's name in the message."""
     from nnx_cli import watchdog
 
     sys.stdout.flush()
     for undo in reversed(_AT_SIGNAL_EXIT):
         with contextlib.suppress(Exception):  # nothing may stop the exit
             undo()
-    print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    print(f"interrupted by {signal.Signals(signum).name}{' ' + why if why else ''}", file=sys.stderr, flush=True)
     watchdog.fail(f"interrupted by {signal.Signals(signum).name}", EXIT_INTERRUPTED, probe=False)
     os._exit(EXIT_INTERRUPTED)

@@ -295,9 +295,36 @@ def test_ctrl_c_writes_a_checkpoint_exits_130_and_resumes_exactly(reference: Pat
     stopped_at = Checkpointer(project / "interrupted" / "checkpoints", read_only=True).latest_step()
     assert 80 <= stopped_at <= STEPS
     assert f"checkpoint written at {Path('interrupted', 'checkpoints', str(stopped_at))}" in stderr
+    said = "SIGINT: stopping after the steps under way to write a checkpoint (SIGINT again stops at once, without one)"
+    assert stderr.index(said) < stderr.index("checkpoint written at"), (
+        stderr
+    )  # said at once: nothing showed for seconds
     result = cli("nnx-train", "run.yaml", "--workdir", "interrupted", cwd=project)
     assert result.returncode == 0, result.stderr
     assert_same_state(final_state(project / "interrupted"), final_state(reference))
+
+
+def test_a_second_signal_in_the_loop_exits_at_once_saying_no_checkpoint_was_written():
+    """It said only "interrupted by SIGINT", after a first Ctrl-C that had said nothing."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, signal
+        from nnx_cli.distributed import Signals
+        with Signals() as signals:
+            signals.in_loop = True
+            os.kill(os.getpid(), signal.SIGINT)
+            print("still running", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            print("not reached", flush=True)
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130 and result.stdout == "still running\n", result
+    assert result.stderr.splitlines() == [
+        "SIGINT: stopping after the steps under way to write a checkpoint (SIGINT again stops at once, without one)",
+        "interrupted by SIGINT again: stopped without a checkpoint of the steps since the last one",
+    ]
 
 
 def test_training_to_n_then_resuming_to_2n_matches_training_to_2n(reference: Path, project: Path):
