@@ -247,23 +247,17 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Sch
     try:
         return fn(**kwargs)
     except (TypeError, ValueError) as e:
-        note = _decay_note(kwargs, total_steps, filled)
+        warmup, decay = kwargs.get("warmup_steps"), kwargs.get("decay_steps")
+        if isinstance(warmup, int) and isinstance(decay, int) and warmup >= decay:  # optax names decay - warmup
+            what = f"the run length, {total_steps} steps, as the config leaves it out" if filled else "its own"
+            fix = "raise train.steps" if filled else "raise optimizer.learning_rate.decay_steps"
+            raise UserError(
+                f"config key 'optimizer.learning_rate': warmup_steps ({warmup}) must be below decay_steps ({decay}: "
+                f"{what}), which counts the warmup too; lower optimizer.learning_rate.warmup_steps or {fix}"
+            ) from None
         raise UserError(
-            f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}{note}"
+            f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}"
         ) from None
-
-
-def _decay_note(kwargs: dict[str, Any], total_steps: int, filled: bool) -> str:
-    """What to change when a schedule's decay is not positive: decay_steps counts warmup_steps too."""
-    note = f" (decay_steps is the run length, {total_steps} steps, when the config leaves it out)" if filled else ""
-    warmup, decay = kwargs.get("warmup_steps"), kwargs.get("decay_steps")
-    if isinstance(warmup, int) and isinstance(decay, int) and warmup >= decay:
-        fix = "or raise train.steps" if filled else "or raise optimizer.learning_rate.decay_steps"
-        note += (
-            f"; decay_steps includes the warmup, so lower optimizer.learning_rate.warmup_steps ({warmup}) below "
-            f"{decay} {fix}"
-        )
-    return note
 
 
 def learning_rate_at(schedule: Schedule, step: int) -> float:

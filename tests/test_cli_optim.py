@@ -38,13 +38,20 @@ def test_a_schedule_optax_names_without_the_suffix_is_found_with_or_without_it()
 
 
 def test_a_warmup_longer_than_the_run_names_warmup_steps_and_train_steps():
+    """The message quoted optax's "got decay_steps=-196" (its decay after the warmup) beside "decay_steps is the
+    run length, 4 steps": two numbers for one name."""
     spec = {"name": "warmup_cosine_decay", "init_value": 0.0, "peak_value": 2e-3, "warmup_steps": 200}
-    with pytest.raises(
-        UserError,
-        match=r"decay_steps is the run length, 4 steps.*lower optimizer\.learning_rate\.warmup_steps \(200\) below 4 "
-        r"or raise train\.steps",
-    ):
+    with pytest.raises(UserError) as raised:
         build_schedule(spec, 4)
+    assert str(raised.value) == (
+        "config key 'optimizer.learning_rate': warmup_steps (200) must be below decay_steps (4: the run length, 4 "
+        "steps, as the config leaves it out), which counts the warmup too; lower "
+        "optimizer.learning_rate.warmup_steps or raise train.steps"
+    )
+    with pytest.raises(UserError, match=r"warmup_steps \(4\) must be below decay_steps \(4: its own\), which counts "
+                       r"the warmup too; lower optimizer.learning_rate.warmup_steps or raise "
+                       r"optimizer.learning_rate.decay_steps$"):  # fmt: skip
+        build_schedule({**spec, "warmup_steps": 4, "decay_steps": 4}, 100)
 
 
 def test_missing_decay_steps_default_to_the_run_length():

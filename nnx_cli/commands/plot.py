@@ -263,7 +263,9 @@ def _matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UserError("nnx-plot needs matplotlib: pip install matplotlib") from None
+        raise UserError(
+            "nnx-plot needs matplotlib, which is not installed: pip install 'matplotlib>=3.7' (the plot extra of nnx)"
+        ) from None
 
 
 if __name__ == "__main__":
