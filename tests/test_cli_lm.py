@@ -206,6 +206,11 @@ def test_greedy_generation_that_fills_the_context_stops_there_truncated(referenc
     report = json.loads(result.stdout)
     assert report["truncated"] is True and report["stop_reasons"] == ["context"]
     assert len(report["prompt"]) + len(report["samples"][0].encode()) == 64 + 1  # seq_len, plus the last drawn
+    assert "notice:" not in result.stderr  # --json says it in its own fields
+    shown = cli("nnx-generate", "ref", "--prompt", "1. my lord", "--temperature", "0", "--max-tokens", "500",
+                cwd=project)  # fmt: skip
+    assert shown.returncode == 0 and shown.stdout.rstrip("\n") == report["prompt"] + report["samples"][0]
+    assert "notice: the sample stopped at the model's context of 64 tokens, before --max-tokens 500" in shown.stderr
 
 
 @pytest.mark.parametrize(

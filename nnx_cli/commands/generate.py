@@ -100,6 +100,11 @@ def generate(
     if stream:
         _stream(drawn, shown, tokenizer)
     drawn.finish()
+    cut = sum(drawn.truncated)
+    if cut and not as_json:  # --json says it in "truncated" and "stop_reasons"
+        which = "the sample" if num_samples == 1 else f"{cut} of {num_samples} samples"
+        print(f"notice: {which} stopped at the model's context of {decoder.context_limit} tokens, before "
+              f"--max-tokens {max_tokens}", file=sys.stderr, flush=True)  # fmt: skip
     from nnx_cli.decoding import text_of
 
     texts = [text_of(tokenizer, sample) for sample in drawn.samples]
