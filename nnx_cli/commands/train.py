@@ -443,7 +443,8 @@ def prepare(
     )
     # a step's checkpoint comes after everything else it writes (its eval, keep_best's record, images,
     # samples): a run killed before the checkpoint is committed does the step again, one killed after it has them
-    chosen, best = [log], None
+    # "compiled and running" as soon as the first dispatch is sent: before the first log line, which waits for it
+    chosen, best = [hooks.FirstStep(k, session.say), log], None
     if exp.eval is not None:
         evaluate = hooks.Evaluate(t.eval_every, hooks.evaluator(exp, eval_layout, scalar), session.loggers, guard)
         chosen.append(evaluate)
@@ -467,7 +468,6 @@ def prepare(
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)
-    chosen.append(hooks.FirstStep(k, session.say))
     chosen.append(hooks.Tick(k, session.loggers))
     chosen.append(hooks.StopVote(vote, signals))
     loop = loops.Loop(exp, session.state, session.sums, step=session.start, total=exp.total_steps)
