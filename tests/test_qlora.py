@@ -309,6 +309,26 @@ def test_experts_in_4bits_compute_what_their_dequantised_weights_compute_and_the
         np.testing.assert_allclose(ours[path].value, theirs[path].value, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
+def test_an_export_reads_4bit_experts_whole_by_layer_and_by_expert_as_their_dequantised_kernels():
+    """An export of a run with 4-bit experts was a traceback: an experts' kernel's shape leads with the experts,
+    which the export took for one kernel's shape (every nnx-export of such a run, merged or GGUF)."""
+    from nnx_cli.hf.export import dequantized
+
+    moe = {"num_experts": 4, "top_k": 2, "mlp_dim": 64}
+    model = TransformerLM((16,), 300, quantize={"type": "nf4"}, moe=moe, ctx=nnx.context(0), **TINY)
+    kernels = {path: (m.type, m.shape) for path, m in model.modules() if isinstance(m, nnx.QuantizedKernel)}
+    params = {path: v.value for path, v in model.filter(nnx.Param).items()}
+    read = dequantized(params, kernels)
+    for path, m in model.modules():
+        if isinstance(m, nnx.QuantizedKernel):
+            whole = np.asarray(m.dequantize(jnp.float32))  # (layers, [experts,] in, out...)
+            np.testing.assert_array_equal(np.asarray(read[path]), whole, err_msg=path)
+            np.testing.assert_array_equal(read[path][1], whole[1], err_msg=path)
+            if "/moe/" in f"/{path}":
+                assert read[path].shape == whole.shape == (2, 4, *whole.shape[2:]), path
+                np.testing.assert_array_equal(read[path][1, 3], whole[1, 3], err_msg=path)
+
+
 def test_4bit_experts_are_dequantised_for_their_own_blocks_only():
     """On a CPU (the block dispatch) each block dequantises its own expert inside the block's step: a decoding
     step's temporaries grow with the experts by less than one projection's stack of dequantised kernels (the

@@ -66,7 +66,12 @@ class _Dequantized:
     """A 4-bit kernel's float32 values, made when read: whole, or by an index into its stacked leading axes."""
 
     def __init__(self, parts: dict[str, Any], kind: str, shape: tuple[int, ...]):
-        self.parts, self.kind, self.kernel_shape = parts, kind, shape
+        # One kernel's shape: an experts' kernel's own shape leads with the experts, which the codes stack as they
+        # stack layers (each kernel's codes are a matrix of bytes, two 4-bit codes each).
+        per_kernel = 2 * math.prod(np.shape(parts["codes"])[-2:])
+        while len(shape) > 1 and math.prod(shape) > per_kernel:
+            shape = shape[1:]
+        self.parts, self.kind, self.kernel_shape = parts, kind, tuple(shape)
         self.lead = np.ndim(parts["codes"]) - 2
         self.shape = (*np.shape(parts["codes"])[: self.lead], *shape)
 
