@@ -225,6 +225,28 @@ def test_a_missing_nested_absmax_is_refused_naming_the_tensor(tmp_path):
         hf.open_pretrained.__wrapped__(str(directory))
 
 
+@pytest.mark.parametrize(
+    "tensor, change, said",
+    [(".weight", lambda a: a[:2000], "is U8 [2000, 1]; the quant state of a nf4 weight [128, 64] in blocks of 64 "
+      "needs 4,096 U8 values there"),
+     (".weight", lambda a: np.zeros(a.size * 2, np.float16), "is F16 [8192]; "),
+     (".weight.absmax", lambda a: a[:64], "is U8 [64]; the quant state .* needs 128 U8 values there")],
+    ids=["codes-cut", "codes-float16", "absmax-of-another-block-size"],
+)  # fmt: skip
+def test_codes_or_scales_of_another_size_or_type_are_refused_naming_the_tensor(tmp_path, tensor, change, said):
+    """They were a reshape traceback from the model's loader (nnx-generate, nnx-train on such a directory)."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "broken"
+    shutil.copytree(fixture("llama_bnb4bit"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj" + tensor
+    tensors[name] = change(tensors[name])
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"tensor '{name}' " + said.replace("[", r"\[").replace("]", r"\]")):
+        hf.open_pretrained.__wrapped__(str(directory))
+
+
 # The model: 4-bit kernels under the scan, in experts, in bfloat16
 # ------------------------------------------------------------------------------
 

@@ -114,6 +114,19 @@ class Tensors:
                         f"{names[weight + STATE + state.type]}: tensor {tensor!r} is missing: a bitsandbytes "
                         "4-bit weight needs its codes, absmax and (double-quantised) nested_absmax"
                     )
+            size = math.prod(state.shape)
+            blocks = -(-size // state.block)
+            expected = {weight: ("U8", size // 2), weight + ".absmax": ("U8" if state.double else "F32", blocks)}
+            if state.double:
+                expected[weight + ".nested_absmax"] = ("F32", -(-blocks // q.NESTED_BLOCK))
+            for tensor, (dtype, count) in expected.items():
+                found, shape = info(tensor)
+                if found != dtype or math.prod(shape) != count:
+                    raise UserError(
+                        f"{names[tensor]}: tensor {tensor!r} is {found} {list(shape)}; the quant state of a "
+                        f"{state.type} weight {list(state.shape)} in blocks of {state.block} needs {count:,} "
+                        f"{dtype} values there"
+                    )
         for name in names:
             if name.endswith(".SCB") or name.endswith(".weight_format"):
                 raise UserError(f"{names[name]}: tensor {name!r} is a bitsandbytes 8-bit weight's; nnx reads 4-bit")
