@@ -222,7 +222,7 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     text.fill_text_key(cfg.data)  # a .txt / .md file or directory of them: documents in `text`
     model_cls, pretrained = _setup_model(cfg)
     if data == "train":
-        _check_frozen_base(cfg)
+        _check_frozen_base(cfg, pretrained is not None)
     optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
     with PHASES("data"):
         train, evals, spec = _setup_data(cfg, data)
@@ -284,9 +284,17 @@ def _setup_model(cfg: Config) -> tuple[type, Any]:
     return model_cls, pretrained
 
 
-def _check_frozen_base(cfg: Config) -> None:
-    """A quantised base (`model.quantize`) trains adapters only: without `model.lora` a UserError."""
+def _check_frozen_base(cfg: Config, pretrained: bool) -> None:
+    """A quantised base (`model.quantize`) is a pretrained one whose adapters train: without `model.pretrained` or
+    `model.lora`, a UserError."""
     quantize = cfg.model.options.get("quantize")
+    if quantize is not None and not pretrained:
+        kind = quantize.get("type") if isinstance(quantize, dict) else quantize
+        raise UserError(
+            f"config key 'model.quantize' stores a pretrained base frozen ({kind}), and model.pretrained is not set: "
+            "a base drawn at random would stay random; set model.pretrained, or model.quantize=null to train from "
+            "scratch"
+        )
     if quantize is not None and cfg.model.options.get("lora") is None:
         kind = quantize.get("type") if isinstance(quantize, dict) else quantize
         raise UserError(

@@ -186,6 +186,17 @@ def test_quantize_mistakes_name_the_key(tmp_path, quantize, message):
         setup(qlora_config(tmp_path, f"model.quantize={quantize}", "model.lora={rank: 4}"), data=None)
 
 
+def test_a_quantised_base_drawn_at_random_does_not_train(tmp_path):
+    """It trained adapters on a random base, frozen in 4 bits, without a word."""
+    (tmp_path / "book.txt").write_text("the bridge keeper speaks. " * 200)
+    cfg = load_config(None, ["model.name=transformer_lm", f"data.source={tmp_path / 'book.txt'}", "data.seq_len=32",
+                             "data.eval_split=null", f"data.cache_dir={tmp_path / 'cache'}",
+                             "model.quantize={type: nf4}", "model.lora={rank: 4}"])  # fmt: skip
+    with pytest.raises(UserError, match=r"^config key 'model.quantize' stores a pretrained base frozen \(nf4\), and "
+                       r"model.pretrained is not set: a base drawn at random would stay random; set "):  # fmt: skip
+        setup(cfg)
+
+
 def test_a_quantised_base_without_adapters_does_not_train(tmp_path):
     with pytest.raises(UserError, match="a quantised base cannot be fully fine-tuned; add adapters"):
         setup(qlora_config(tmp_path, "train.batch_size=1"))
