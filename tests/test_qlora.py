@@ -179,11 +179,23 @@ CHAT = [{"role": "user", "content": "Who keeps the bridge?"}, {"role": "assistan
         ("{type: nf4, block: 128}", "the q projection's input size (64) is not a multiple of model.quantize.block"),
         ("{type: nf4, skip: [lm_head]}", "model.quantize.skip: 'lm_head' is not a projection"),
         ("{type: nf4, blocks: 64}", "model.quantize has unknown keys blocks"),
+        (
+            "{type: nf4, skip: [expert_up]}",
+            "model.quantize.skip: this model has no projection 'expert_up'; it has q, k, v, o, gate, up, down",
+        ),  # it was taken and changed nothing
     ],
 )
 def test_quantize_mistakes_name_the_key(tmp_path, quantize, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         setup(qlora_config(tmp_path, f"model.quantize={quantize}", "model.lora={rank: 4}"), data=None)
+
+
+def test_a_block_is_checked_against_the_projections_a_mixture_has(tmp_path):
+    """Mixtral has no dense MLP: its block was refused for the input size of a down projection it does not have,
+    and skipping that name was the way through."""
+    cfg = qlora_config(tmp_path, "model.quantize={type: nf4, block: 32, skip: [expert_down]}",
+                       "model.lora={rank: 4, targets: [q, experts]}", pretrained="mixtral")  # fmt: skip
+    assert setup(cfg, data=None).cfg.model.options["quantize"]["skip"] == ["expert_down"]
 
 
 def test_a_quantised_base_drawn_at_random_does_not_train(tmp_path):

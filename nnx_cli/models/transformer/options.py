@@ -410,8 +410,25 @@ def architecture(
         inputs = {"q": embed_dim, "k": embed_dim, "v": embed_dim, "o": num_heads * head_dim, "gate": embed_dim,
                   "up": embed_dim, "down": mlp_dim, "expert_gate": embed_dim, "expert_up": embed_dim,
                   "expert_down": (experts.mlp_dim or mlp_dim) if experts is not None else mlp_dim}  # fmt: skip
+        dense_mlp = experts is None or bool(experts.dense_layers)  # a mixture's dense MLP: only in its dense layers
+
+        def built(projection: str) -> bool:
+            if projection.removeprefix("expert_") == "gate" and mlp not in GATED:
+                return False
+            if projection.startswith("expert_"):
+                return experts is not None
+            return projection in ("q", "k", "v", "o") or dense_mlp
+
+        has = [p for p in inputs if built(p)]
+        # an expert's projection named for a model without experts; a dense one a mixture lacks passes (a Hub
+        # checkpoint's llm_int8_skip_modules name Mixtral's router "gate", read as the dense gate's name)
+        absent = [p for p in stored.skip if p.startswith("expert_") and p not in has]
+        if absent:
+            raise ValueError(
+                f"model.quantize.skip: this model has no projection {absent[0]!r}; it has {', '.join(has)}"
+            )
         for projection, size in inputs.items():
-            if size % stored.block and projection not in stored.skip:
+            if projection in has and size % stored.block and projection not in stored.skip:
                 raise ValueError(
                     f"model.quantize: the {projection} projection's input size ({size}) is not a multiple of "
                     f"model.quantize.block ({stored.block}); pick a block that divides it, or keep it as it is "
