@@ -154,15 +154,61 @@ def out_of_memory_message(error: BaseException) -> str:
     )
 
 
-def run_app(app: Any) -> None:
+class _Reader:
+    """`sys.stdout` or `sys.stderr`, once whoever reads it may go away (`nnx-train cfg 2>&1 | head`).
+
+    A command whose product is files (a run, an export, a figure) goes on with its output sent to the null
+    device: the reader leaving loses no checkpoint. One whose product is what it prints (a table, samples) ends
+    there, with status 0: the reader has what it wanted.
+    """
+
+    def __init__(self, stream: Any, keep_going: bool):
+        self._stream = stream
+        self._keep_going = keep_going
+
+    def _gone(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # later writes (and the interpreter's last flush) go nowhere
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        if not self._keep_going:
+            os._exit(0)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            with contextlib.suppress(OSError):
+                self._stream.write(text)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+            with contextlib.suppress(OSError):
+                self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def run_app(app: Any, *, makes_files: bool = False) -> None:
     """Run a Typer app; a usage error (unknown option, bad option value, missing
     argument) is one `error:` line and exit 2 like every other bad input.
+
+    `makes_files`: whether the command's product is files (nnx-train, nnx-eval's records, nnx-export,
+    nnx-plot) rather than what it prints; it decides what a closed standard output does (:class:`_Reader`).
 
     The command has closed everything it opened (checkpoints, loggers, input
     workers) by the time it returns, so the process then ends at once
     (:func:`exit_now`) rather than through the interpreter's slow teardown,
     where background threads of a failed write can still print tracebacks.
     """
+    sys.stdout = _Reader(sys.stdout, makes_files)
+    sys.stderr = _Reader(sys.stderr, makes_files)
     from typer import Abort
 
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_support import assert_user_error, cli, final_state
+from cli_support import assert_user_error, cli, final_state, start
 
 from nnx_cli import integrity
 
@@ -75,6 +75,23 @@ def jax_leaves(tree) -> list:
     import jax
 
     return jax.tree.leaves(tree)
+
+
+def test_a_reader_that_leaves_early_costs_a_run_nothing(reference: Path, project: Path):
+    """`nnx-train run.yaml 2>&1 | head -1`: the run goes on to its last step with its output discarded and ends
+    0 with the parameters of a run read to the end. A command whose product is what it prints (nnx-inspect)
+    ends when its reader does, 0, without a traceback."""
+    train = start("nnx-train", "run.yaml", "--workdir", "piped", cwd=project)
+    assert train.stderr.readline()
+    train.stderr.close()
+    train.stdout.close()
+    assert train.wait(timeout=300) == 0
+    assert_same_params(project / "piped", reference)
+
+    inspect = start("nnx-inspect", str(reference), cwd=project)
+    inspect.stdout.close()  # before the table is written: the command is still importing
+    assert inspect.wait(timeout=120) == 0
+    assert "Traceback" not in inspect.stderr.read()
 
 
 def test_every_checkpoint_is_sealed_with_checksums(reference: Path):

@@ -231,7 +231,7 @@ def _whole_source_without_its_split(cfg: Any, overrides: list[str]) -> None:
 
 
 def main() -> None:
-    run_app(app)
+    run_app(app, makes_files=True)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def _host(params: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    run_app(app)
+    run_app(app, makes_files=True)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def plot(
 
 
 def main() -> None:
-    run_app(app)
+    run_app(app, makes_files=True)
 
 
 def run_dir(path: Path) -> Path:

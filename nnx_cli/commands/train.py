@@ -98,7 +98,7 @@ def _check_config_outside(config: Path, workdir: Path) -> None:
 
 
 def main() -> None:
-    run_app(app)
+    run_app(app, makes_files=True)
 
 
 def run(
