@@ -73,8 +73,8 @@ class LogMetrics:
         self.guard = guard
         self.batch_size = batch_size
         self.tokens_per_example = tokens_per_example
-        self._last: tuple[int, float] | None = None  # (step, time) of the last log
-        self._created = time.perf_counter()  # the first interval (compiling included) starts here
+        self._last: tuple[int, float, float] | None = None  # (step, time, seconds compiled) of the last log
+        self._created = time.perf_counter(), _compiled()  # the first interval starts here
 
     def __call__(self, loop: Loop) -> None:
         if self._report(loop):
@@ -94,18 +94,26 @@ class LogMetrics:
         metrics = {k: float(v) / count for k, v in host["metrics"].items()}
         metrics["learning_rate"] = optim.learning_rate_at(loop.exp.schedule, loop.step - 1)
         metrics["grad_norm"] = float(host["grad_norm"]) / count
-        now = time.perf_counter()
-        last_step, last_time = self._last or (loop.start, self._created)
-        if loop.step > last_step and now > last_time:
-            rate = (loop.step - last_step) / (now - last_time)
+        now, compiled = time.perf_counter(), _compiled()
+        last_step, last_time, last_compiled = self._last or (loop.start, *self._created)
+        running = (now - last_time) - (compiled - last_compiled)  # the speed of running steps, not of compiling
+        if loop.step > last_step and running > 0:
+            rate = (loop.step - last_step) / running
             metrics["steps_per_s"] = rate
             metrics["examples_per_s"] = rate * self.batch_size
             if self.tokens_per_example:
                 metrics["tokens_per_s"] = rate * self.batch_size * self.tokens_per_example
-        self._last = (loop.step, now)
+        self._last = (loop.step, now, compiled)
         metrics.update(_device_memory())
         self.loggers.log(loop.step, "train", metrics)
         return True
+
+
+def _compiled() -> float:
+    """Seconds this process has spent compiling so far (JAX's monitoring events, :data:`runtime.PHASES`)."""
+    from nnx_cli.runtime import PHASES
+
+    return PHASES.seconds.get("compile", 0.0)
 
 
 class Checkpoint:
