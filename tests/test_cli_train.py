@@ -565,6 +565,19 @@ def test_unreachable_uncached_hub_dataset_says_how_to_use_a_local_copy(project: 
                       "data.source=/path/to/not-cached", f"is no file or directory under {project}")  # fmt: skip
 
 
+def test_a_hub_dataset_slow_to_load_says_why_while_it_waits(capsys):
+    """Online, `datasets` asks the Hub even for a cached dataset, and without a network its retries take about
+    25 s: past a few seconds a line says what is waiting; a quick load says nothing."""
+    from nnx_cli.data import sources
+
+    with sources._said_if_slow("notice: slow", seconds=0.05):
+        time.sleep(0.5)
+    with sources._said_if_slow("notice: quick", seconds=0.5):
+        pass
+    time.sleep(0.7)
+    assert capsys.readouterr().err == "notice: slow\n"
+
+
 def test_resuming_with_a_different_model_is_a_user_error(project: Path):
     first = cli("nnx-train", "run.yaml", "train.steps=20", "--workdir", "changed", cwd=project)
     assert first.returncode == 0, first.stderr

@@ -7,6 +7,7 @@ every tensor lands where the family's table says, sharded or not, and every brok
 
 from __future__ import annotations
 
+import http.server
 import json
 import resource
 import shutil
@@ -555,6 +556,41 @@ def test_a_hub_id_offline_and_not_cached_says_so(tmp_path):
     result = cli("nnx-inspect", "nnx-test/not-cached", cwd=tmp_path)
     assert_user_error(result, "'nnx-test/not-cached'", "cannot be reached", "hf download",
                       f"is no directory under {tmp_path}")  # fmt: skip
+
+
+class _NoSuchFile(http.server.BaseHTTPRequestHandler):
+    """A Hugging Face Hub whose repositories hold no file."""
+
+    def _answer(self) -> None:
+        self.send_response(404)
+        self.send_header("X-Error-Code", "EntryNotFound")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_hub_id_not_cached_says_the_hub_is_asked_before_the_wait(tmp_path):
+    """Online, an uncached id is looked up on the Hub: a line says so first (without a network the Hub client's
+    retries take about 25 s); offline (the test above) the lookup fails at once and nothing is announced."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchFile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        hub = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}"}
+        result = cli("nnx-inspect", "nnx-test/not-there", cwd=tmp_path, extra_env=hub)
+    finally:
+        server.shutdown()
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    notice, error = result.stderr.strip().splitlines()
+    assert (
+        notice == "notice: Hub model 'nnx-test/not-there' is not in the local Hugging Face cache: asking the Hub for it"
+    )
+    assert error == "error: config key 'model.pretrained': Hub model 'nnx-test/not-there' has no config.json"
+    offline = cli("nnx-inspect", "nnx-test/not-there", cwd=tmp_path)
+    assert "notice" not in offline.stderr
 
 
 def test_a_cached_hub_model_is_read_offline(tmp_path, llama_dir):

@@ -20,11 +20,14 @@ here::
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import logging
 import os
 import shlex
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +133,11 @@ def open_dataset(source: str) -> Any:
         elif _looks_like_path(source):
             raise UserError(f"config key 'data.source': local dataset {source!r} does not exist")
         else:
-            ds = datasets.load_dataset(source)
+            with _said_if_slow(
+                f"notice: loading Hub dataset {source!r} is taking a while: without a network it waits for the "
+                "Hub's time-outs (HF_DATASETS_OFFLINE=1 reads the local cache alone)"
+            ):
+                ds = datasets.load_dataset(source)
     except UserError:
         raise
     except (ConnectionError, OSError) as e:
@@ -148,6 +155,18 @@ def open_dataset(source: str) -> Any:
         raise _load_error(source, path, e) from None
     _cache[source] = (signature, ds)
     return ds
+
+
+@contextlib.contextmanager
+def _said_if_slow(message: str, seconds: float = 5.0) -> Iterator[None]:
+    """Print `message` to stderr if the block is still running after `seconds`."""
+    timer = threading.Timer(seconds, lambda: print(message, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _suffix(path: Path) -> str:
