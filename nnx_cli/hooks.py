@@ -73,8 +73,8 @@ class LogMetrics:
         self.guard = guard
         self.batch_size = batch_size
         self.tokens_per_example = tokens_per_example
-        self._last: tuple[int, float, float] | None = None  # (step, time, seconds compiled) of the last log
-        self._created = time.perf_counter(), _compiled()  # the first interval starts here
+        self._last: tuple[int, float, float] | None = None  # (step, time, seconds not training) of the last log
+        self._created = time.perf_counter(), _not_training()  # the first interval starts here
 
     def __call__(self, loop: Loop) -> None:
         if self._report(loop):
@@ -94,26 +94,27 @@ class LogMetrics:
         metrics = {k: float(v) / count for k, v in host["metrics"].items()}
         metrics["learning_rate"] = optim.learning_rate_at(loop.exp.schedule, loop.step - 1)
         metrics["grad_norm"] = float(host["grad_norm"]) / count
-        now, compiled = time.perf_counter(), _compiled()
-        last_step, last_time, last_compiled = self._last or (loop.start, *self._created)
-        running = (now - last_time) - (compiled - last_compiled)  # the speed of running steps, not of compiling
+        now, aside = time.perf_counter(), _not_training()
+        last_step, last_time, last_aside = self._last or (loop.start, *self._created)
+        running = (now - last_time) - (aside - last_aside)  # the speed of the steps, not of compiling or evals
         if loop.step > last_step and running > 0:
             rate = (loop.step - last_step) / running
             metrics["steps_per_s"] = rate
             metrics["examples_per_s"] = rate * self.batch_size
             if self.tokens_per_example:
                 metrics["tokens_per_s"] = rate * self.batch_size * self.tokens_per_example
-        self._last = (loop.step, now, compiled)
+        self._last = (loop.step, now, aside)
         metrics.update(_device_memory())
         self.loggers.log(loop.step, "train", metrics)
         return True
 
 
-def _compiled() -> float:
-    """Seconds this process has spent compiling so far (JAX's monitoring events, :data:`runtime.PHASES`)."""
+def _not_training() -> float:
+    """Seconds this process has spent so far compiling (JAX's monitoring events), evaluating and writing
+    checkpoints (the hooks' phases): :data:`runtime.PHASES`."""
     from nnx_cli.runtime import PHASES
 
-    return PHASES.seconds.get("compile", 0.0)
+    return sum(PHASES.seconds.get(phase, 0.0) for phase in ("compile", "eval", "checkpoint"))
 
 
 class Checkpoint:
