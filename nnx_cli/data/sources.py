@@ -252,6 +252,16 @@ def notice(key: tuple[str, ...], message: str) -> None:
             print(message, file=sys.stderr, flush=True)
 
 
+def announce_download(what: str) -> None:
+    """Say (once per process, on process 0) that `what` is not in the local Hugging Face cache and the Hub is
+    being asked for it: without a network that waits about 25 s for the Hub's time-outs, which would otherwise
+    pass without a word. Offline (HF_HUB_OFFLINE) the lookup fails at once and nothing is said."""
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        notice(("hub", what), f"notice: {what} is not in the local Hugging Face cache: asking the Hub for it")
+
+
 def _load_error(source: str, path: Path, error: Exception) -> UserError:
     """Why `source` cannot be loaded, in words: the cause `datasets` wraps (a DatasetGenerationError says only
     that something failed) and, for text that is not UTF-8, which file, where, and how to convert it."""

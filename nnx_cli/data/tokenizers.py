@@ -287,7 +287,7 @@ def _download(repo_id: str) -> Path:
         return Path(huggingface_hub.hf_hub_download(repo_id, "tokenizer.json", local_files_only=True))
     except (errors.LocalEntryNotFoundError, errors.HFValidationError, OSError, ValueError):
         pass  # not cached yet: fetch it
-    from nnx_cli.hf.hub import announce_download
+    from nnx_cli.data.sources import announce_download
 
     announce_download(f"Hub tokenizer {repo_id!r}")
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 
 from nnx_cli.errors import UserError
@@ -27,20 +26,6 @@ _OPTIONAL = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-
-
-_ANNOUNCED: set[str] = set()
-
-
-def announce_download(what: str) -> None:
-    """Say (once per process) that `what` is not cached and the Hub is being asked for it: without a network
-    that waits about 25 s for the Hub's time-outs, which would otherwise pass without a word."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or what in _ANNOUNCED:
-        return  # offline, the lookup fails at once
-    _ANNOUNCED.add(what)
-    print(f"notice: {what} is not in the local Hugging Face cache: asking the Hub for it", file=sys.stderr, flush=True)
 
 
 def looks_local(source: str) -> bool:
@@ -130,6 +115,8 @@ def _fetch(repo_id: str, filename: str, *, required: bool) -> Path | None:
         return Path(huggingface_hub.hf_hub_download(repo_id, filename, local_files_only=True))
     except (errors.LocalEntryNotFoundError, errors.EntryNotFoundError, OSError, ValueError):
         pass  # not cached yet (or cached as missing): ask the Hub
+    from nnx_cli.data.sources import announce_download
+
     announce_download(f"Hub model {repo_id!r}")
     try:
         return Path(huggingface_hub.hf_hub_download(repo_id, filename))
