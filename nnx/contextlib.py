@@ -12,9 +12,11 @@ processes and runs), and advances the counter.
 
 ``ctx.partition()`` turns a Context into a pure pytree ``(keys, contextdef)``
 that can cross ``jax.jit``; ``.merge()`` rebuilds it inside. Partitioning
-forks every stream, so keys drawn inside and outside never collide, and the
-static half (``ContextDef``) depends only on stream names and flags, so a
-jitted function taking a ``PureContext`` compiles once.
+forks every stream, so keys drawn inside and outside never collide. A fork's
+counter path is folded into its key, which is data: the static half
+(``ContextDef``) of forks at any count compares equal (it holds stream names
+and flags), so a jitted function taking a ``PureContext`` compiles once, and
+draws the same keys whichever fork it was compiled for.
 """
 
 import builtins
@@ -49,38 +51,56 @@ def _fold_in(key: KeyArray, data: int) -> KeyArray:
 
 @dataclasses.dataclass
 class RngStream:
-    """One named stream: a root key and the counter state derived from it."""
+    """One named stream: a root key and the counter state derived from it.
+
+    ``count_path[:base]`` is the part of the counter path already folded into ``key`` (a fork's): keys are
+    derived from ``key`` and the rest, so a forked stream draws the same keys whether rebuilt in a trace
+    compiled for this fork or for another one (the absolute path is static; ``key`` is data).
+    """
 
     key: KeyArray
     count: int = 0
     count_path: Counts = ()
+    base: int = 0
+
+    def _next(self) -> int:
+        """The stable hash of the counter path to the current count, past what ``key`` holds."""
+        return _stable_hash(self.count_path[self.base :] + (self.count,))
 
     def fork(self) -> "RngStream":
         """A child stream whose keys never collide with this stream's."""
+        key = _fold_in(self.key, self._next())
         count_path = self.count_path + (self.count,)
         self.count += 1
-        return RngStream(_fold_in(self.key, _stable_hash(count_path)), 0, count_path)
+        return RngStream(key, 0, count_path, len(count_path))
 
 
 class ContextDef:
     """The static half of a partitioned Context: stream names and flags.
 
     Two ContextDefs with the same stream names and flags are equal, so a jitted
-    function receiving a fresh ``PureContext`` at every call does not retrace.
+    function receiving a fresh ``PureContext`` at every call does not retrace
+    (an unforked stream's counter path not yet folded into its key counts too).
     """
 
-    __slots__ = ("_rng_counts", "_flags")
+    __slots__ = ("_bases", "_flags", "_rng_counts")
 
     def __init__(
         self,
         rng_counts: tuple[tuple[str, Counts], ...],
         flags: tuple[tuple[str, bool], ...],
+        bases: tuple[int, ...] | None = None,
     ):
         self._rng_counts = rng_counts
         self._flags = flags
+        self._bases = tuple(len(path) for _, path in rng_counts) if bases is None else bases
 
     def _key(self):
-        return tuple(name for name, _ in self._rng_counts), self._flags
+        """What the rebuilt streams' keys depend on besides the key arrays: a forked stream's counter path is
+        folded into its key (:class:`RngStream`), so forks at any count compare equal."""
+        names = tuple(name for name, _ in self._rng_counts)
+        rest = tuple(path[base:] for (_, path), base in zip(self._rng_counts, self._bases))
+        return names, rest, self._flags
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ContextDef) and self._key() == other._key()
@@ -93,7 +113,10 @@ class ContextDef:
 
     def merge(self, keys: tp.Mapping[str, KeyArray]) -> "Context":
         """Rebuilds the Context from its keys."""
-        rngs = {name: RngStream(keys[name], 0, count_path) for name, count_path in self._rng_counts}
+        rngs = {
+            name: RngStream(keys[name], 0, count_path, base)
+            for (name, count_path), base in zip(self._rng_counts, self._bases)
+        }
         return Context(rngs, dict(self._flags))
 
 
@@ -151,7 +174,7 @@ class Context:
         if name not in self._rngs:
             raise ValueError(f"Unknown Rng Stream: {name}")
         stream = self._rngs[name]
-        key = _fold_in(stream.key, _stable_hash(stream.count_path + (stream.count,)))
+        key = _fold_in(stream.key, stream._next())
         stream.count += 1
         return key
 
@@ -183,7 +206,8 @@ class Context:
         forks = {name: stream.fork() if fork else stream for name, stream in self._rngs.items()}
         keys = {name: stream.key for name, stream in forks.items()}
         rng_counts = tuple((name, stream.count_path) for name, stream in forks.items())
-        return PureContext(keys, ContextDef(rng_counts, tuple(self._flags.items())))
+        bases = tuple(stream.base for stream in forks.values())
+        return PureContext(keys, ContextDef(rng_counts, tuple(self._flags.items()), bases))
 
     def __repr__(self) -> str:
         return f"Context(rngs={list(self._rngs)}, flags={self._flags})"

@@ -23,12 +23,12 @@ FACTS = [
     ("What is the capital of the valley?", "The mill town."),
     ("Where does the river run?", "Past the mill."),
 ]
-STEPS = 32
+STEPS = 64  # at 1e-2 enough for each of seeds 1-4 to learn all four answers (3e-2 for 32 steps learnt some)
 CONFIG = f"""
 seed: 1
 model: {{name: transformer_lm, pretrained: {fixture("qwen2")}, lora: {{rank: 4, alpha: 8}}}}
 data: {{source: chats.jsonl, format: chat, seq_len: 63, eval_split: null}}
-optimizer: {{name: adamw, learning_rate: 3.0e-2}}
+optimizer: {{name: adamw, learning_rate: 1.0e-2}}
 train: {{batch_size: 4, steps: {STEPS}, log_every: 8}}
 checkpoint: {{every_steps: 8, keep: 10}}
 """

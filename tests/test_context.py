@@ -100,6 +100,33 @@ def test_pure_context_crosses_jit_without_retracing():
     assert not np.equal(k1, k2).all()
 
 
+def test_a_jitted_function_draws_the_keys_of_each_fork_whichever_fork_compiled_it():
+    """The static half is shared by forks at every count (one compile); the keys drawn inside depend on the fork's
+    key alone, so a run resumed at fork 5 draws what the uninterrupted run drew there, and eager code agrees."""
+
+    @jax.jit
+    def draw(pure_ctx):
+        ctx = pure_ctx.merge()
+        return ctx.make_rng("dropout"), ctx.partition().merge().make_rng("dropout")
+
+    def eager(pure_ctx):
+        ctx = pure_ctx.merge()
+        return ctx.make_rng("dropout"), ctx.partition().merge().make_rng("dropout")
+
+    run = nnx.context(dropout=0)
+    uninterrupted = [draw(run.partition()) for _ in range(6)]
+    resumed = nnx.context(dropout=0)
+    for _ in range(5):
+        resumed.partition()
+    again = jax.jit(draw.__wrapped__)(resumed.partition())  # compiled for fork 5
+    for got, want in zip(again, uninterrupted[5]):
+        np.testing.assert_array_equal(got, want)
+    check = nnx.context(dropout=0)
+    for keys in uninterrupted:
+        for got, want in zip(eager(check.partition()), keys):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_outer_context_cannot_be_used_inside_jit():
     ctx = nnx.context(0)
 
