@@ -64,10 +64,10 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
 
 @contextlib.contextmanager
 def _signals_end_the_wait() -> Iterator[None]:
-    """SIGINT and SIGTERM at their default action while `jax.distributed.initialize` waits for every process to
+    """SIGINT, SIGTERM and SIGHUP at their default action while `jax.distributed.initialize` waits for every process to
     join: it waits in C++ (up to five minutes), where no Python handler runs, so Ctrl-C or a scheduler's SIGTERM
     would not stop a process whose peers never came."""
-    previous = {s: signal.signal(s, signal.SIG_DFL) for s in _SIGNALS}
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in _handled()}
     try:
         yield
     finally:
@@ -102,7 +102,7 @@ def is_main() -> bool:
 
 
 class Signals:
-    """What SIGINT and SIGTERM do during a run.
+    """What SIGINT, SIGTERM and SIGHUP (unless `nohup` ignores it) do during a run.
 
     Until the training loop starts nothing would be lost, so a signal ends the
     process at once (exit 130). In the loop the first signal asks to stop
@@ -119,14 +119,14 @@ class Signals:
         self.in_loop = False
 
     def __enter__(self) -> Signals:
-        self._previous = {s: signal.signal(s, self._handle) for s in _SIGNALS}
+        self._previous = {s: signal.signal(s, self._handle) for s in _handled()}
         return self
 
     def reclaim(self) -> None:
         """Take the signals back after `jax.distributed.initialize`: JAX's preemption notifier installs itself
         on SIGTERM there, and only logs it, so a SIGTERM (SLURM's, Kubernetes') would not stop the run."""
         if hasattr(self, "_previous"):
-            for s in _SIGNALS:
+            for s in self._previous:
                 signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -157,7 +157,16 @@ class Signals:
         return self.signal is not None
 
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _handled() -> list[signal.Signals]:
+    """The signals a run stops on: Ctrl-C, SIGTERM (schedulers), and SIGHUP (the terminal or SSH session closed,
+    which would otherwise kill the run without a checkpoint), unless SIGHUP is ignored (`nohup`): then it stays
+    ignored."""
+    return [s for s in _SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+
+
 _AT_SIGNAL_EXIT: list[Callable[[], None]] = []
 
 

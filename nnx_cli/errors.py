@@ -16,6 +16,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,6 +73,21 @@ def cannot_write(path: Any, error: BaseException) -> str:
     cause, code = write_cause(error)
     fix = f"; {WRITE_FIXES[code]}, then run again" if code in WRITE_FIXES else ""
     return f"cannot write {path} ({cause}){fix}"
+
+
+def check_can_create(path: Path, flag: str) -> None:
+    """`flag`'s `path`, not written yet, can be made where it is to go: the nearest folder above it that exists
+    is a folder this process may write in (the file, or the folder made beside it and renamed into place, and any
+    missing folders between). Checked before the work, so a long export does not fail at its first write."""
+    parent = path.absolute().parent
+    above = next(p for p in (parent, *parent.parents) if p.exists())
+    if not above.is_dir():
+        raise UserError(f"{flag} {str(path)!r}: {above} is a file, not a directory; give a path under a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{flag} {str(path)!r}: cannot write in {above} (permission denied, or a read-only file system); give a "
+            "path under a directory you can write to"
+        )
 
 
 def write_cause(error: BaseException) -> tuple[str, int | None]:
@@ -154,8 +170,12 @@ def out_of_memory_message(error: BaseException) -> str:
     )
 
 
+_READER_GONE = (errno.EPIPE, errno.EIO)  # a pipe whose reader left; a terminal that closed (SSH dropped)
+
+
 class _Reader:
-    """`sys.stdout` or `sys.stderr`, once whoever reads it may go away (`nnx-train cfg 2>&1 | head`).
+    """`sys.stdout` or `sys.stderr`, once whoever reads it may go away (`nnx-train cfg 2>&1 | head`, or the
+    terminal of a closed SSH session, whose writes fail with EIO).
 
     A command whose product is files (a run, an export, a figure) goes on with its output sent to the null
     device: the reader leaving loses no checkpoint. One whose product is what it prints (a table, samples) ends
@@ -177,7 +197,9 @@ class _Reader:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as e:
+            if e.errno not in _READER_GONE:
+                raise
             self._gone()
             with contextlib.suppress(OSError):
                 self._stream.write(text)
@@ -186,7 +208,9 @@ class _Reader:
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as e:
+            if e.errno not in _READER_GONE:
+                raise
             self._gone()
             with contextlib.suppress(OSError):
                 self._stream.flush()

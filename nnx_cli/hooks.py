@@ -427,7 +427,7 @@ class Tick:
 
 
 class StopVote:
-    """Ends the run after the current dispatch once Ctrl-C or SIGTERM arrived (agreed by every process)."""
+    """Ends the run after the current dispatch once Ctrl-C, SIGTERM or SIGHUP arrived (agreed by every process)."""
 
     def __init__(self, every: int, signals: Any):
         self.every = every

@@ -77,6 +77,27 @@ def jax_leaves(tree) -> list:
     return jax.tree.leaves(tree)
 
 
+def test_output_to_a_terminal_that_closed_is_dropped_and_the_command_goes_on():
+    """Writes to the terminal of a dropped SSH session fail with EIO; a run (whose product is files) must not end
+    on the first log line after it, as it did on a BrokenPipeError before a reader that left was handled."""
+    code = """if True:
+        import os
+        from nnx_cli.errors import _Reader
+        master, slave = os.openpty()
+        tty = _Reader(open(slave, "w"), keep_going=True)
+        tty.write("step 1\\n"); tty.flush()
+        os.close(master)  # the terminal goes away
+        for step in range(2, 50):
+            tty.write(f"step {step}\\n" * 100); tty.flush()
+        print("went on to step", step, flush=True)
+    """
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "went on to step 49\n", result
+    assert "Traceback" not in result.stderr
+
+
 def test_a_reader_that_leaves_early_costs_a_run_nothing(reference: Path, project: Path):
     """`nnx-train run.yaml 2>&1 | head -1`: the run goes on to its last step with its output discarded and ends
     0 with the parameters of a run read to the end. A command whose product is what it prints (nnx-inspect)

@@ -327,6 +327,31 @@ def test_a_second_signal_in_the_loop_exits_at_once_saying_no_checkpoint_was_writ
     ]
 
 
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint_unless_nohup_ignores_it():
+    """SIGHUP (the SSH session dropped) killed the run at its default action, without a checkpoint of the steps
+    since the last one; under `nohup`, which ignores it, the run must go on."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, signal, sys
+        from nnx_cli.distributed import Signals
+        if sys.argv[1] == "nohup":
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with Signals() as signals:
+            signals.in_loop = True
+            os.kill(os.getpid(), signal.SIGHUP)
+            print("stop asked by", signals.signal and signal.Signals(signals.signal).name, flush=True)
+        print("after:", signal.getsignal(signal.SIGHUP).name, flush=True)
+    """
+    hung = subprocess.run([sys.executable, "-c", code, "tty"], capture_output=True, text=True, timeout=60)
+    assert hung.returncode == 0 and hung.stdout.splitlines() == ["stop asked by SIGHUP", "after: SIG_DFL"]
+    assert hung.stderr.startswith("SIGHUP: stopping after the steps under way to write a checkpoint"), hung.stderr
+    kept = subprocess.run([sys.executable, "-c", code, "nohup"], capture_output=True, text=True, timeout=60)
+    assert kept.returncode == 0 and kept.stdout.splitlines() == ["stop asked by None", "after: SIG_IGN"]
+    assert kept.stderr == ""
+
+
 def test_training_to_n_then_resuming_to_2n_matches_training_to_2n(reference: Path, project: Path):
     first = cli("nnx-train", "run.yaml", f"train.steps={STEPS // 2}", "--workdir", "twice", cwd=project)
     assert first.returncode == 0, first.stderr
