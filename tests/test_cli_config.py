@@ -250,6 +250,20 @@ def test_nan_and_infinity_are_refused_wherever_a_number_goes(override, key):
         setup(load_config(None, options), data=None)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.learning_rate=-1e-3", "'optimizer.learning_rate' must be zero or more (a negative rate climbs"),
+        ("optimizer.clip_grad_norm=0", "'optimizer.clip_grad_norm' must be a positive number, or null for no"),
+    ],
+)
+def test_a_learning_rate_below_zero_or_a_clip_norm_of_zero_is_refused(override, message):
+    """A negative rate trained uphill without a word (the loss rose to the end, exit 0); a clip norm of 0 scaled
+    every update to nothing."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(None, [override])
+
+
 def test_a_model_that_cannot_be_built_names_the_keys_at_fault_without_every_option():
     """The message was one line holding all 40 of the model's resolved options before the reason."""
     from nnx_cli.experiment import setup

@@ -37,6 +37,18 @@ class OptimizerConfig:
     open_section = True
 
     def check(self) -> None:
+        rate = self.learning_rate
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate < 0:
+            raise UserError(
+                "config key 'optimizer.learning_rate' must be zero or more (a negative rate climbs the loss), got "
+                f"{show(rate)}"
+            )
+        clip = self.clip_grad_norm
+        if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip <= 0:
+            raise UserError(
+                f"config key 'optimizer.clip_grad_norm' must be a positive number, or null for no clipping, got "
+                f"{show(clip)}"
+            )
         if self.weight_decay_mask not in ("all", "kernels"):
             raise UserError(
                 f"config key 'optimizer.weight_decay_mask' must be all or kernels, got {show(self.weight_decay_mask)}"
