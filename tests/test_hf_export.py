@@ -636,3 +636,14 @@ def test_out_that_is_a_file_or_a_directory_holding_files_is_refused_saying_which
     with pytest.raises(UserError, match=r"--out '.*full' exists and is not empty"):
         exporting.check_out(tmp_path / "full")
     exporting.check_out(tmp_path / "empty")  # an empty directory is written into
+
+
+def test_out_under_a_file_is_refused_before_anything_is_read(tmp_path):
+    """It failed at the first write, after the checkpoint was read and converted (exit 1, not 2)."""
+    from nnx_cli.gguf import export as gguf_export
+
+    (tmp_path / "afile").write_text("")
+    for check in (exporting.check_out, lambda out: gguf_export.check_out(out, False)):
+        with pytest.raises(UserError, match=r"--out '.*afile/sub/out': .*afile is a file, not a directory"):
+            check(tmp_path / "afile" / "sub" / "out")
+    exporting.check_out(tmp_path / "new" / "deeper" / "out")  # folders that do not exist yet are made

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_cli.errors import RunError, UserError, cannot_write
+from nnx_cli.errors import RunError, UserError, cannot_write, check_can_create
 from nnx_cli.gguf import families, require
 from nnx_cli.gguf.vocab import Vocab
 from nnx_cli.tensorfiles import usual_mode
@@ -65,6 +65,7 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {str(out)!r} is a directory; give the path of the .gguf file to write")
     if out.exists() and not overwrite:
         raise UserError(f"--out {str(out)!r} exists; pass --overwrite to replace it (nothing was written)")
+    check_can_create(out, "--out")
 
 
 def check_dtype(dtype: str | None) -> None:

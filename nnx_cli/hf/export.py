@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, check_can_create
 from nnx_cli.hf import bnb, families, peft
 from nnx_cli.hf.weights import progress, tensors_of
 from nnx_cli.tensorfiles import SHARD_BYTES, numpy_dtype, usual_mode, write_safetensors  # noqa: F401 (re-exported)
@@ -41,6 +41,7 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {str(out)!r} is a file; an export is a directory: give a new one (nothing was written)")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {str(out)!r} exists and is not empty; give a new directory (nothing was written)")
+    check_can_create(out, "--out")
 
 
 def quantized_kernels(exp: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
