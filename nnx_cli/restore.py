@@ -122,5 +122,10 @@ def from_run(run: Any, read: Callable[[Any, int], T], say: Callable[[str], None]
     finally:
         reader.close()
     if found.step is None:
-        raise no_usable_step(run.checkpoints, found.rejected, "resume training with nnx-train to write a new one")
+        raise no_usable_step(
+            run.checkpoints,
+            found.rejected,
+            "train again with nnx-train --no-resume in that work dir (it sets them aside, and deletes them once the "
+            "new run has a checkpoint), or in a new --workdir",
+        )
     return found.step, found.value

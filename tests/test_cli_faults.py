@@ -193,6 +193,10 @@ def test_when_no_step_is_usable_train_stops_with_exit_2_listing_them(reference: 
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["20", "40", "60", "80"]  # nothing moved
     again = cli("nnx-train", "run.yaml", "train.steps=100", "--workdir", "all_bad", cwd=project)
     assert again.returncode == 2 and "error: no usable checkpoint" in again.stderr  # nor does the second run
+    # the read-only commands give the advice nnx-train takes (they said "resume training", which it refuses)
+    evaluated = cli("nnx-eval", "all_bad", cwd=project)
+    assert evaluated.returncode == 2 and "error: no usable checkpoint in all_bad/checkpoints" in evaluated.stderr
+    assert "nnx-train --no-resume" in evaluated.stderr and "resume training" not in evaluated.stderr
 
 
 def test_a_resume_with_a_changed_config_says_what_changed_and_keeps_the_earlier_one(reference: Path, project: Path):

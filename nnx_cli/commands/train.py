@@ -328,7 +328,10 @@ def _resume(exp: Any, ckpt_dir: Path, console: Any) -> Any:
         say(f"sealed checkpoint {ckpt_dir / str(found.step)} with the checksums of the files it restored from")
     if found.step is None and found.rejected:
         raise restore.no_usable_step(
-            ckpt_dir, found.rejected, "train in a new --workdir, or pass --no-resume to start over (it deletes them)"
+            ckpt_dir,
+            found.rejected,
+            "train in a new --workdir, or pass --no-resume to start over (it sets them aside, and deletes them once "
+            "the new run has a checkpoint)",
         )
     return found if found.step is not None else None
 
