@@ -110,6 +110,9 @@ def test_a_resume_against_changed_base_weights_names_the_file(reference, project
     (base / "model.safetensors").write_bytes(bytes(data))
     result = cli("nnx-train", "moved.yaml", "--workdir", "moved", "train.steps=30", cwd=project)
     assert_user_error(result, f"{base / 'model.safetensors'}: the base model's weights changed")
+    # model.pretrained names another directory than the run's: both are named (it said only "is missing" or
+    # "changed", as if the run's own base had been altered)
+    assert f"were trained on {str(fixture('qwen2'))!r}, and model.pretrained now names {str(base)!r}" in result.stderr
 
 
 def test_adapters_shard_with_the_weights_they_adapt(project):

@@ -128,18 +128,26 @@ class Pretrained:
 
     def check_record(self, record: dict[str, Any], where: Path) -> None:
         """A UserError naming the file when the base weights differ from those `record` (of the checkpoint
-        `where`) was trained on."""
+        `where`) was trained on, and the base named then when model.pretrained names another one now."""
         for name, value in sorted(record.get("files", {}).items()):
             now = self.file_checksums.get(name)
-            if now != value:
-                state = "is missing" if now is None else f"changed (checksum {value} when trained, {now} now)"
-                what, fix = self.directory / name, "files, or point model.pretrained at the directory they came from"
-                if self.source.endswith(".gguf"):  # the directory is its conversion, named after its bytes
-                    what, state, fix = self.source, "changed", "file"
+            if now == value:
+                continue
+            what, fix = self.directory / name, "files, or point model.pretrained at the directory they came from"
+            if now is None:
+                problem = f"{what}: the base model's weights file is missing"
+            else:
+                problem = f"{what}: the base model's weights changed (checksum {value} when trained, {now} now)"
+            if self.source.endswith(".gguf"):  # the directory is its conversion, named after its bytes
+                what, fix = self.source, "file"
+                problem = f"{what}: the base model's weights changed"
+            trained_on = record.get("source") or record.get("pretrained")
+            if trained_on not in (None, self.source, str(self.directory)):  # model.pretrained names another base
                 raise UserError(
-                    f"{what}: the base model's weights {state} since the adapters in {where} were trained on them; "
-                    f"restore the original {fix}"
+                    f"{problem}: the adapters in {where} were trained on {trained_on!r}, and model.pretrained now "
+                    f"names {self.source!r}; set it back to {trained_on!r}, or train on this base in a new --workdir"
                 )
+            raise UserError(f"{problem} since the adapters in {where} were trained on them; restore the original {fix}")
 
 
 def read_config(directory: Path) -> dict[str, Any]:
