@@ -109,6 +109,9 @@ class Checkpointer:
                 enable_async_checkpointing=self._async,
                 create=not self._read_only,
                 read_only=self._read_only,
+                # what a killed run left of a step it was writing (`<step>.orbax-checkpoint-tmp-*`): never a
+                # checkpoint, removed when the run that resumes (which holds the work dir) opens it
+                cleanup_tmp_directories=not self._read_only,
             )
             handlers = {
                 _ITEM: ocp.StandardCheckpointHandler(),

@@ -60,3 +60,24 @@ def test_raw_restore_needs_no_target(tmp_path):
     ckpt.save(2, state)
     raw = ckpt.restore_raw(2)
     np.testing.assert_array_equal(raw["params"]["kernel"], state["params"]["kernel"].value)
+
+
+def test_what_a_killed_save_left_is_removed_by_the_next_writer_and_kept_by_readers(tmp_path):
+    """`<step>.orbax-checkpoint-tmp-*` directories (a save cut off by kill -9 or a crash) stayed in the work dir for
+    good, a copy of the state each."""
+    ckpt = Checkpointer(tmp_path / "ckpt", async_=False)
+    ckpt.save(1, train_state(1))
+    ckpt.wait()
+    ckpt.close()
+    leftover = tmp_path / "ckpt" / "2.orbax-checkpoint-tmp-1764000000"
+    (leftover / "state").mkdir(parents=True)
+    (leftover / "state" / "part").write_bytes(b"half a save")
+    reader = Checkpointer(tmp_path / "ckpt", read_only=True)
+    assert reader.all_steps() == [1] and leftover.exists()  # nnx-eval and nnx-inspect change nothing
+    reader.close()
+    writer = Checkpointer(tmp_path / "ckpt", async_=False)
+    assert writer.all_steps() == [1]
+    writer.save(3, train_state(3))
+    writer.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1", "3"]
+    writer.close()
