@@ -138,6 +138,8 @@ def verify(step_dir: str | Path, *, process: int | None = None) -> Verification:
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
         return Verification(step_dir, Status.DAMAGED, "not a directory")
+    if not any(step_dir.iterdir()):
+        return Verification(step_dir, Status.DAMAGED, "empty: nothing was saved in it")
     expected = _recorded(step_dir, process)
     if isinstance(expected, Verification):
         return expected

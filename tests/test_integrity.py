@@ -95,6 +95,14 @@ def test_a_truncated_file_is_reported_with_both_sizes(step_dir: Path):
     )
 
 
+def test_an_empty_step_directory_is_damaged_saying_it_is_empty(tmp_path: Path):
+    """It counted as a step without checksums, and restoring it failed with Orbax's KeyError ('Unknown key:
+    state. Available keys: dict_keys([])') as the reason."""
+    (tmp_path / "60").mkdir()
+    check = integrity.verify(tmp_path / "60")
+    assert check.status is Status.DAMAGED and check.problem == "empty: nothing was saved in it"
+
+
 def test_a_missing_file_is_reported(step_dir: Path):
     (step_dir / "state" / "manifest.ocdbt").unlink()
     assert integrity.verify(step_dir).problem == "state/manifest.ocdbt: missing"
