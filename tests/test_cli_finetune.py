@@ -115,6 +115,15 @@ def test_a_resume_against_changed_base_weights_names_the_file(reference, project
     assert f"were trained on {str(fixture('qwen2'))!r}, and model.pretrained now names {str(base)!r}" in result.stderr
 
 
+def test_inspect_counts_the_adapters_beside_the_base_parameters(project):
+    """The footnote gave the base's count alone ("28,960 parameters"), as if the adapters were not there."""
+    summary = json.loads(cli("nnx-inspect", "lora.yaml", "--json", cwd=project).stdout)
+    adapters = summary["by_type"]["LoRAParam"]["size"]
+    result = cli("nnx-inspect", "lora.yaml", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert f"{summary['total_params']:,} parameters and {adapters:,} in adapters, not counting" in result.stdout
+
+
 def test_adapters_shard_with_the_weights_they_adapt(project):
     result = cli("nnx-inspect", "lora.yaml", "sharding.mesh.data=1", "sharding.mesh.model=1", "--filter", "LoRAParam",
                  "--json", cwd=project)  # fmt: skip

@@ -224,9 +224,10 @@ def _print_tables(
     totals.add_row("all", str(len(entries)), f"{summary['total_size']:,}", _bytes(summary["total_bytes"]))
     console.print(totals)
     if summary["vocab_padding"]:
+        adapters = summary["by_type"].get("LoRAParam", {}).get("size", 0)
         console.print(
-            f"{summary['total_params']:,} parameters, not counting {summary['vocab_padding']:,} that pad the "
-            "vocabulary to a multiple of 128",
+            f"{summary['total_params']:,} parameters{f' and {adapters:,} in adapters' if adapters else ''}, not "
+            f"counting {summary['vocab_padding']:,} that pad the vocabulary to a multiple of 128",
             highlight=False,
         )
     if "base" in summary:
