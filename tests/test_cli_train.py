@@ -123,6 +123,12 @@ def test_eval_of_an_earlier_step_dir(reference: Path, project: Path):
 def test_eval_prints_a_table(reference: Path, project: Path):
     result = cli("nnx-eval", reference, cwd=project)
     assert result.returncode == 0 and "nelbo" in result.stdout and "eval at step 240" in result.stdout
+    total = int(re.search(r"\], (\d+) examples$", result.stderr, re.M).group(1))
+    # a capped eval says how much of the split it read (it gave the whole split's size)
+    capped = cli("nnx-eval", reference, "train.eval_max_batches=1", cwd=project)
+    assert capped.returncode == 0, capped.stderr
+    counted = int(re.search(rf"the first (\d+) of {total} examples \(train.eval_max_batches=1\)", capped.stderr)[1])
+    assert 0 < counted < total
 
 
 def test_inspect_work_dir_counts_every_parameter(reference: Path, project: Path):

@@ -146,7 +146,12 @@ def evaluate(
     else:
         from rich.console import Console
 
-        say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {len(exp.eval)} examples")
+        total, limit = len(exp.eval), exp.cfg.train.eval_max_batches
+        counted = total if layout is None or limit is None else min(total, limit * layout.size)
+        examples = f"{total} examples"
+        if counted < total:
+            examples = f"the first {counted} of {total} examples (train.eval_max_batches={limit})"
+        say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {examples}")
         title = "eval of the pretrained model" if step is None else f"eval at step {step}"
         Console(markup=False).print(report.metrics_table(title, metrics))
 
