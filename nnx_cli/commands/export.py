@@ -36,7 +36,11 @@ def export(
     out: Path = typer.Option(..., "--out", help="The directory to write (new, or empty).", show_default=False),
     step: int | None = typer.Option(None, help="Checkpoint step (default: the newest usable one)."),
     best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
-    merge: bool = typer.Option(False, "--merge", help="Merged weights (the default)."),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="Adapters merged into the weights: what is written without --adapter, so the flag only says it.",
+    ),
     adapter: bool = typer.Option(False, "--adapter", help="The LoRA adapters alone, as a PEFT adapter."),
     dtype: str | None = typer.Option(
         None,
