@@ -23,6 +23,19 @@ def test_empty_config_gets_every_default(tmp_path):
     assert cfg.sharding.mesh == {"data": -1, "model": 1}
 
 
+def test_nnx_train_on_a_config_that_sets_nothing_says_so(tmp_path):
+    """An empty file (a truncated copy, the wrong file) trained the defaults without a word."""
+    from cli_support import cli
+
+    (tmp_path / "empty.yaml").write_text("# nothing set yet\n")
+    result = cli("nnx-train", "empty.yaml", "train.steps=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "notice: config file 'empty.yaml' sets no keys: every key takes its default" in result.stderr
+    (tmp_path / "set.yaml").write_text("train: {steps: 1}\n")
+    result = cli("nnx-train", "set.yaml", cwd=tmp_path)
+    assert result.returncode == 0 and "sets no keys" not in result.stderr, result.stderr
+
+
 def test_file_values_override_defaults_and_keep_the_rest(tmp_path):
     cfg = load_config(write(tmp_path, "train:\n  batch_size: 32\nsharding:\n  mesh: {data: 2}\n"))
     assert cfg.train.batch_size == 32

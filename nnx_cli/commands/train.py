@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import signal
+import sys
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,7 +28,7 @@ import typer
 from nnx_cli import distributed as _distributed
 from nnx_cli import loggers, runtime, watchdog
 from nnx_cli.commands import configs
-from nnx_cli.config import Config, load_config, to_dict
+from nnx_cli.config import Config, load_config, read_yaml, to_dict
 from nnx_cli.distributed import Signals
 from nnx_cli.errors import EXIT_INTERRUPTED, UserError, report_errors, run_app
 from nnx_cli.runtime import PHASES
@@ -77,6 +78,9 @@ def train(
     with Signals() as signals:
         config = configs.find(config)  # a path that exists, else a shipped config's name
         cfg = load_config(config, overrides or [])
+        if not read_yaml(config):  # an empty file (or comments only): a truncated copy, or the wrong file
+            print(f"notice: config file {str(config)!r} sets no keys: every key takes its default (nnx-configs ls "
+                  "lists configs to start from)", file=sys.stderr, flush=True)  # fmt: skip
         if workdir is not None and not workdir.strip():
             raise UserError("--workdir is empty: give it a directory, or leave it out for the config's own")
         where = Path(workdir) if workdir is not None else Path(cfg.workdir or Path("runs") / config.stem)
