@@ -106,6 +106,24 @@ def test_lines_and_a_config_that_are_not_utf8_are_passed_over_like_torn_ones(tmp
     assert default_metric(workdir, whole) == "kl"  # no model named: the first metric logged
 
 
+def test_lines_that_hold_no_record_before_the_last_are_left_out_saying_which(tmp_path: Path, capsys):
+    """They were dropped without a word (a torn last line is a killed run's, and nnx-train's resume removes it;
+    others are damage or hand edits)."""
+    workdir = _write_metrics(tmp_path / "run")
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    (workdir / "metrics.jsonl").write_text("\n".join([lines[0], "{not json", *lines[1:], '{"step": 110, "spl']))
+    assert read_metrics(workdir) == read_metrics(_write_metrics(tmp_path / "whole"))
+    said = capsys.readouterr().err
+    assert said.count("notice:") == 1
+    assert (
+        f"left out 2 of its {len(lines) + 2} lines, which hold no metrics record (line numbers 2, {len(lines) + 2})"
+        in said
+    )
+    (workdir / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 110, "spl']))  # torn last line alone
+    read_metrics(workdir)
+    assert capsys.readouterr().err == ""
+
+
 def test_default_metric_without_a_config_is_the_first_metric_logged(tmp_path: Path):
     workdir = _write_metrics(tmp_path / "run", model=None)
     assert default_metric(workdir, read_metrics(workdir)) == "kl"

@@ -110,7 +110,13 @@ def read_metrics(workdir: Path) -> list[dict[str, Any]]:
         )
     # a line with bytes that are not UTF-8 (a damaged disk block) is not JSON: passed over like a torn one
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    records = [record for line in lines if (record := _record(line)) is not None] + harness
+    parsed = [_record(line) for line in lines]
+    damaged = [n for n, (line, record) in enumerate(zip(lines, parsed), 1) if record is None and line.strip()]
+    if damaged and damaged != [len(lines)]:  # a torn last line is a killed run's; others are damage or edits
+        where = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        print(f"notice: {path}: left out {len(damaged)} of its {len(lines)} lines, which hold no metrics record "
+              f"(line numbers {where})", file=sys.stderr, flush=True)  # fmt: skip
+    records = [record for record in parsed if record is not None] + harness
     if not records:
         raise UserError(
             f"{str(path)!r} holds no metrics yet: its run has not reached its first log (train.log_every steps)"
