@@ -46,8 +46,8 @@ def test_options_are_checked_against_the_constructors_annotations():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"latent_size": 0}, "latent_size must be positive, got 0"),
-        ({"hidden_sizes": [16, 0]}, "hidden_sizes must hold positive sizes"),
+        ({"latent_size": 0}, r"^config key 'model\.latent_size' must be positive, got 0"),
+        ({"hidden_sizes": [16, 0]}, r"^config key 'model\.hidden_sizes' must hold positive sizes"),
     ],
 )
 def test_zero_sized_layers_are_a_user_error(options, message):
@@ -58,7 +58,7 @@ def test_zero_sized_layers_are_a_user_error(options, message):
 
 def test_dropout_must_be_a_probability():
     build = model_factory(ModelConfig(name="mlp_classifier", options={"dropout": 1.5}), DIGITS)
-    with pytest.raises(UserError, match=r"model\.dropout is a drop probability in \[0, 1\)"):
+    with pytest.raises(UserError, match=r"^config key 'model\.dropout' is a drop probability in \[0, 1\)"):
         jax.eval_shape(lambda: build(nnx.context(0)).get_state())
 
 

@@ -142,8 +142,9 @@ def model_factory(cfg: ModelConfig, spec: Any) -> Callable[[nnx.Context], nnx.Mo
         except UserError:
             raise
         except ValueError as e:
-            if str(e).startswith("model."):  # the constructor's own checks name the option: that says it all
-                raise UserError(f"config key {e}") from None
+            key = re.match(r"model\.[\w.]+", str(e))
+            if key:  # the constructor's own checks name the option: that says it all, quoted as every key is
+                raise UserError(f"config key {key[0]!r}{str(e)[key.end() :]}") from None
             if re.search(r"\b(model|data|train)\.[a-z_]+", str(e)):  # it names the keys at fault
                 raise UserError(f"config section 'model': {cfg.name!r} cannot be built: {e}") from None
             raise UserError(f"config section 'model': {cfg.name!r} cannot be built from {given}: {e}") from None
