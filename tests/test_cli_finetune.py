@@ -137,9 +137,9 @@ def test_adapters_shard_with_the_weights_they_adapt(project):
 @pytest.mark.parametrize(
     "lora, message",
     [
-        ("{rank: 0}", r"model.lora.rank must be a positive integer, got 0"),
+        ("{rank: 0}", r"config key 'model.lora.rank' must be a positive integer, got 0"),
         ("{rank: 4, targets: [q_proj, w_proj]}", r"no projection 'w_proj'; it has q, k, v, o, gate, up, down"),
-        ("{rank: 4, scale: 2}", r"model.lora has unknown keys scale"),
+        ("{rank: 4, scale: 2}", r"config key 'model.lora' has unknown keys scale"),
     ],
     ids=["rank", "target", "key"],
 )

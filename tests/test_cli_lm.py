@@ -281,7 +281,7 @@ def test_inspect_says_which_attention_runs(project: Path):
 
 def test_cudnn_attention_where_it_cannot_run_is_a_user_error(project: Path):
     result = cli("nnx-inspect", "lm.yaml", "data.source=/nowhere.txt", "model.attention=cudnn", cwd=project)
-    assert_user_error(result, "model.attention cudnn cannot run here", "use auto, core or xla")
+    assert_user_error(result, "config key 'model.attention': cudnn cannot run here", "use auto, core or xla")
 
 
 def test_run_json_says_which_attention_ran(reference: Path):

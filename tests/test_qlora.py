@@ -174,14 +174,15 @@ CHAT = [{"role": "user", "content": "Who keeps the bridge?"}, {"role": "assistan
 @pytest.mark.parametrize(
     "quantize,message",
     [
-        ("{type: int4}", "model.quantize.type must be one of nf4, fp4, bfloat16"),
-        ("{type: nf4, block: 48}", "model.quantize.block must be one of 32, 64"),
+        ("{type: int4}", "config key 'model.quantize.type' must be one of nf4, fp4, bfloat16"),
+        ("{type: nf4, block: 48}", "config key 'model.quantize.block' must be one of 32, 64"),
         ("{type: nf4, block: 128}", "the q projection's input size (64) is not a multiple of model.quantize.block"),
-        ("{type: nf4, skip: [lm_head]}", "model.quantize.skip: 'lm_head' is not a projection"),
-        ("{type: nf4, blocks: 64}", "model.quantize has unknown keys blocks"),
+        ("{type: nf4, skip: [lm_head]}", "config key 'model.quantize.skip': 'lm_head' is not a projection"),
+        ("{type: nf4, blocks: 64}", "config key 'model.quantize' has unknown keys blocks"),
         (
             "{type: nf4, skip: [expert_up]}",
-            "model.quantize.skip: this model has no projection 'expert_up'; it has q, k, v, o, gate, up, down",
+            "config key 'model.quantize.skip': this model has no projection 'expert_up'; it has q, k, v, o, gate, up, "
+            "down",
         ),  # it was taken and changed nothing
     ],
 )

@@ -76,7 +76,7 @@ def choose_attention(arch: Architecture, platform: str | None = None) -> tuple[s
     if arch.attention == "auto":
         return ("core", f"auto on {platform}: {refusal}") if refusal else ("cudnn", f"auto on {platform}")
     if arch.attention == "cudnn" and refusal:
-        raise ValueError(f"model.attention cudnn cannot run here: {refusal}; use auto, core or xla")
+        raise ValueError(f"model.attention: cudnn cannot run here: {refusal}; use auto, core or xla")
     return arch.attention, "model.attention"
 
 
