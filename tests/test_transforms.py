@@ -314,6 +314,21 @@ def test_grad_wrt_selects_what_is_differentiated():
     assert grads["b"].value == 2.0
 
 
+def test_grad_wrt_everything_differentiates_every_node():
+    """`wrt=...` raised that `...` can only be the last filter (it was put before the rest's `...`)."""
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.asarray(2.0))
+            self.b = nnx.BatchStat(jnp.asarray(3.0))
+
+        def __call__(self):
+            return self.a * self.b
+
+    grads = nnx.grad(lambda m: m(), wrt=...)(Model())
+    assert {path: float(g.value) for path, g in grads.items()} == {"a": 3.0, "b": 2.0}
+
+
 def test_grad_wrt_a_predicate_freezes_part_of_the_model():
 
     class Model(nnx.Module):
@@ -433,6 +448,30 @@ def test_scan_call_applies_the_layers_in_sequence():
         expected = nnx.gelu(expected @ layer.kernel[i] + layer.bias[i])
     assert out is None
     np.testing.assert_allclose(y, expected, rtol=1e-5)
+
+
+def test_a_scanned_layer_that_sows_is_called_again_adding_one_stacked_entry_per_call():
+    """The first call stacks what each layer sowed; the second one carried it instead, and lax.scan refused the
+    carry that the sow lengthened."""
+
+    class Sower(Block):
+        def __call__(self, x, _):
+            y, _ = super().__call__(x, _)
+            self.sow(nnx.Intermediate, "h", y)
+            return y, None
+
+    mlp = nnx.Scan(Sower, variable_axes={nnx.Param: 0}, split_rngs="params", length=4)(ctx=nnx.context(0))
+    x = jnp.ones((2, 3))
+    mlp(x, None)
+    y, _ = mlp(2 * x, None)
+    first, second = mlp.scan_module.h
+    assert first.shape == second.shape == (4, 2, 3)  # one entry per call, each stacked over the layers
+    expected = 2 * x
+    for i in range(4):
+        expected = nnx.gelu(expected @ mlp.scan_module.linear.kernel[i] + mlp.scan_module.linear.bias[i])
+        np.testing.assert_allclose(second[i], expected, rtol=1e-5)
+    np.testing.assert_allclose(second[-1], y, rtol=1e-5)
+    assert not np.allclose(first, second)
 
 
 def test_scan_slices_xs_and_stacks_outputs():

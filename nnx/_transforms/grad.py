@@ -56,7 +56,7 @@ def grad(
         check_positional_ctx("nnx.grad", args)
         kwargs = partition_ctx(kwargs)
         state, moduledef = module.partition()
-        diff, rest = state.partition(wrt, ...)
+        diff, rest = state.partition(partitioning.Everything() if wrt is ... else wrt, ...)  # `...` goes last
         if not allow_int:
             _check_differentiable(diff)
         boxed = frozenset(path for path, value in diff.items() if not isinstance(value, containers.Container))

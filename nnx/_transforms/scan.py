@@ -14,7 +14,7 @@ from types import MappingProxyType
 import jax
 import jax.numpy as jnp
 
-from nnx import contextlib, partitioning, spmd, tracers
+from nnx import containers, contextlib, partitioning, spmd, tracers
 from nnx._transforms.wrapper import LiftedModule, adopt, decorates_init
 from nnx.module import Module, ModuleDef, _construct
 from nnx.state import State
@@ -173,11 +173,17 @@ def _scan_apply(
     kwargs: dict[str, tp.Any],
 ) -> tuple[C, tp.Any]:
     """Runs ``fun(layer, carry, x, *args, **kwargs)`` over the stacked layers."""
-    filters = options.filters
+    filters, axes = options.filters, options.axes
     (*axes_states, broadcast_state, carry_state), moduledef = module.partition(*filters)
+    sown = frozenset(path for path, value in carry_state.items() if isinstance(value, containers.Intermediate))
+    if sown and options.variable_carry is ...:
+        # Intermediates an earlier call sowed came out stacked, one entry per layer (see `body`), and are scanned
+        # so again: in the carry a sow would lengthen them at each layer, which lax.scan refuses
+        filters, axes = (lambda path, _: path in sown, *filters), (0, *axes)
+        (*axes_states, broadcast_state, carry_state), moduledef = module.partition(*filters)
     axes_states = [
         _move_axes(spmd.remove_axis(state, axis, options.metadata_params), axis, destination=False)
-        for state, axis in zip(axes_states, options.axes)
+        for state, axis in zip(axes_states, axes)
     ]
     xs = _move_axes(xs, options.in_axes, destination=False)
 
@@ -227,7 +233,7 @@ def _scan_apply(
     )
     axes_states = [
         spmd.add_axis(_move_axes(state, axis, destination=True), axis, options.metadata_params)
-        for state, axis in zip(axes_states, options.axes)
+        for state, axis in zip(axes_states, axes)
     ]
     ys = _move_axes(ys, options.out_axes, destination=True)
     module.update_state((*axes_states, carry_state, new_state))
