@@ -115,6 +115,16 @@ def test_an_unknown_task_is_exit_2_naming_it_and_the_closest_name(project):
     assert_user_error(result, "unknown task 'local_choicez'", "local_choices")
 
 
+def test_lm_evals_command_line_with_a_step_the_run_lacks_is_one_line_and_exit_2(project, lora_run):
+    """`python -m nnx_cli.harness` ended in a traceback, exit 1, where nnx-eval says one line (evaluation guide)."""
+    args = ["--model", "nnx", "--model_args", "pretrained=lora,step=7", "--tasks", "local_choices",
+            "--include_path", "tasks"]  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "nnx_cli.harness", *args], cwd=project, env=env(project),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "error: --step 7: no such checkpoint in 'lora/checkpoints'; available steps: 1" in result.stderr
+
+
 def test_a_name_no_task_yaml_contains_is_unknown_without_indexing_lm_evals_tasks(monkeypatch):
     """A misspelt name is reported from a read of the YAMLs' text, closest name included, and lm-eval's own index
     (seconds of parsing) is never built; a name they contain is looked up in the index as before."""

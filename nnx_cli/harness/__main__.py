@@ -20,7 +20,7 @@ from typing import Any
 
 
 def main() -> None:
-    from nnx_cli.errors import UserError
+    from nnx_cli.errors import UserError, report_errors
     from nnx_cli.harness import require_lm_eval
 
     try:
@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     if _include_path_defines_all(args):
         _index_include_path_only()
-    parser.execute(args)
+    report_errors(parser.execute)(args)  # a bad target (no such run or step) is one line and exit 2, as in nnx-eval
 
 
 def _include_path_defines_all(args: Any) -> bool:
