@@ -449,3 +449,8 @@ def test_a_text_key_beside_chat_data_is_said_to_be_unread(capsys, monkeypatch):
     cfg.data = DataConfig(source="chats.jsonl", format="chat")
     experiment._notice_unread(cfg, "train")
     assert capsys.readouterr().err == ""
+    # a model directory evaluated on chats (the GGUF guide): it sets data.text_key for text, never for chats
+    monkeypatch.setattr(sources, "_noticed", set())
+    experiment._notice_unread(hf.model_dir_config(fixture("qwen2"), ["data.format=chat"]), "eval")
+    assert capsys.readouterr().err == ""
+    assert hf.model_dir_config(fixture("qwen2"), []).data.text_key == "text"

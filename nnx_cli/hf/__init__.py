@@ -307,5 +307,7 @@ def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: b
         "data": {"text_key": "text", "tokenizer": "pretrained", "seq_len": seq_len},
         "optimizer": {"name": "sgd"},
     }
-    raw = merge(merge(to_dict(Config()), base), sections)
-    return from_dict(apply_overrides(raw, overrides))
+    raw = apply_overrides(merge(merge(to_dict(Config()), base), sections), overrides)
+    if raw["data"].get("format") not in (None, "text") and raw["data"].get("text_key") == "text":
+        raw["data"]["text_key"] = None  # filled in above for text: chats and completions do not read it
+    return from_dict(raw)
