@@ -485,7 +485,11 @@ def test_the_command_line_refuses_bad_types_existing_files_and_unrunnable_famili
     assert_user_error(result, "--dtype 'q4_0' is not a GGUF type nnx writes")
     result = cli("nnx-export", fixture("qwen3_moe"), "--format", "gguf", "--out", "x.gguf", cwd=exported)
     assert_user_error(result, "has experts in every layer")
+    # a model dir without --format gguf: it said there was no checkpoint in it, and to train first
+    result = cli("nnx-export", fixture("llama"), "--out", "copy", cwd=exported)
+    assert_user_error(result, "is a Hugging Face model (a model dir or Hub id), not a run", "with --format gguf")
     assert (exported / "llama.gguf").read_bytes() == before and not (exported / "x.gguf").exists()
+    assert not (exported / "copy").exists()
 
 
 def test_nnx_generate_samples_from_a_gguf_file_and_refuses_a_foreign_one(exported):

@@ -31,7 +31,10 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__d
 @report_errors
 def export(
     target: Path = typer.Argument(
-        ..., metavar="TARGET", help="Work dir, its checkpoints/ dir, or one step dir.", show_default=False
+        ...,
+        metavar="TARGET",
+        help="Work dir, its checkpoints/ dir, or one step dir; with --format gguf also a Hugging Face model dir.",
+        show_default=False,
     ),
     out: Path = typer.Option(..., "--out", help="The directory to write (new, or empty).", show_default=False),
     step: int | None = typer.Option(None, help="Checkpoint step (default: the newest usable one)."),
@@ -75,6 +78,14 @@ def export(
         raise UserError(
             f"--dtype {dtype!r} is a GGUF type: add --format gguf to write a GGUF file, or give one of "
             f"{', '.join((*exporting.DTYPES, *exporting.FOUR_BIT))} for a Hugging Face directory"
+        )
+    from nnx_cli import hf
+
+    if hf.is_model_dir(target):  # it said there was no checkpoint in it, and to train first
+        what = "a GGUF file" if target.suffix == ".gguf" else "a Hugging Face model (a model dir or Hub id)"
+        raise UserError(
+            f"{str(target)!r} is {what}, not a run: nnx-export writes a run's checkpoint as a Hugging Face model "
+            "dir, and a model dir as a GGUF file with --format gguf"
         )
     exporting.check_out(out)  # before anything is read
     runtime.configure()
