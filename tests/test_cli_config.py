@@ -71,6 +71,18 @@ def test_unknown_key_in_file_names_path_and_suggests_closest(tmp_path):
         load_config(write(tmp_path, "train:\n  bacth_size: 3\n"))
 
 
+@pytest.mark.parametrize("where", ["override", "file"])
+def test_a_key_put_in_the_wrong_section_names_the_section_that_has_it(tmp_path, where):
+    """train.loggers suggested train.log_every, and loggers at the top level listed the sections."""
+    said = r"\(did you mean 'logging\.loggers'\? 'loggers' is a key of the 'logging' section\)"
+    for wrong, text in [("train.loggers", "train:\n  loggers: [jsonl]\n"), ("loggers", "loggers: [jsonl]\n")]:
+        with pytest.raises(UserError, match=rf"unknown config key '{re.escape(wrong)}' {said}"):
+            if where == "override":
+                load_config(None, [f"{wrong}=[jsonl]"])
+            else:
+                load_config(write(tmp_path, text))
+
+
 def test_unknown_override_key_suggests_closest():
     with pytest.raises(
         UserError,
