@@ -403,9 +403,8 @@ class FirstStep:
         from nnx_cli.runtime import PHASES
 
         if not self.done:
-            self.say(
-                f"steps {loop.start + 1}-{loop.step} compiled and running, {PHASES.since_start():.1f} s after start"
-            )
+            steps = f"step {loop.step}" if loop.step == loop.start + 1 else f"steps {loop.start + 1}-{loop.step}"
+            self.say(f"{steps} compiled and running, {PHASES.since_start():.1f} s after start")
             self.done = True
 
     def end(self, loop: Loop) -> None:

@@ -278,3 +278,13 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path):
     for x, y in zip(jax.tree.leaves(big), jax.tree.leaves(micro)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
     assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(big), jax.tree.leaves(micro)))  # really split
+
+
+def test_the_first_dispatch_of_one_step_is_named_as_one_step():
+    """A run that dispatches one step at a time said "steps 70-70 compiled and running"."""
+    import types
+
+    said = []
+    for start, step in [(69, 70), (0, 10)]:
+        hooks.FirstStep(1, said.append)(types.SimpleNamespace(start=start, step=step))
+    assert said[0].startswith("step 70 compiled and running, ") and said[1].startswith("steps 1-10 compiled")

@@ -148,7 +148,7 @@ def evaluate(
 
         total, limit = len(exp.eval), exp.cfg.train.eval_max_batches
         counted = total if layout is None or limit is None else min(total, limit * layout.size)
-        examples = f"{total} examples"
+        examples = f"{total} example{'s' if total != 1 else ''}"
         if counted < total:
             examples = f"the first {counted} of {total} examples (train.eval_max_batches={limit})"
         say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {examples}")
