@@ -747,6 +747,7 @@ def test_a_qlora_run_exports_its_merged_weights_in_4_bits_as_bitsandbytes_quanti
     for out, dtype in (("merged", "bfloat16"), ("bnb", "nf4")):
         result = cli("nnx-export", project / "run", "--out", tmp_path / out, "--dtype", dtype, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
+    assert "ForCausalLM, nf4 projections, bfloat16 elsewhere, " in result.stderr  # it said bfloat16 alone
     config = json.loads((tmp_path / "bnb" / "config.json").read_text())["quantization_config"]
     assert config["load_in_4bit"] and config["bnb_4bit_quant_type"] == "nf4" and config["bnb_4bit_use_double_quant"]
     merged, written = (

@@ -386,7 +386,11 @@ def describe(out: Path) -> str:
         config = json.loads((out / peft.CONFIG).read_text())
         return f"PEFT LoRA adapter, rank {config['r']}, on {config['base_model_name_or_path']}"
     config = json.loads((out / "config.json").read_text())
-    return f"{config['architectures'][0]}, {config.get('dtype') or config.get('torch_dtype')}"
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    quantized = config.get("quantization_config") or {}
+    if quantized.get("load_in_4bit"):  # the projections in 4 bits, the rest (norms, embeddings) in `dtype`
+        dtype = f"{quantized.get('bnb_4bit_quant_type', '4-bit')} projections, {dtype} elsewhere"
+    return f"{config['architectures'][0]}, {dtype}"
 
 
 def listing(files: list[str]) -> str:
