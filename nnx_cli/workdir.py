@@ -161,9 +161,7 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
 
     path = Path(target)
     if not path.exists():
-        siblings = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
-        hint = did_you_mean(path.name, siblings, prefix=f"{path.parent}/" if str(path.parent) != "." else "")
-        raise UserError(f"{str(path)!r} does not exist{hint}; expected a work dir written by nnx-train")
+        raise UserError(f"{str(path)!r} does not exist{closest_dir(path)}; expected a work dir written by nnx-train")
     if (path / "checkpoints").is_dir():
         checkpoints = path / "checkpoints"
     elif path.name.isdigit() and (path / "state").is_dir():
@@ -221,6 +219,12 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     if not any(o.strip().startswith("data.source=") for o in overrides):
         cfg.data.source = _source_where_trained(cfg.data.source, info.get("cwd"))
     return Run(workdir, checkpoints, step, cfg)
+
+
+def closest_dir(path: Path) -> str:
+    """` (did you mean 'runs/digits_vae'?)` for a directory beside the missing `path` with a close name, else ""."""
+    siblings = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
+    return did_you_mean(path.name, siblings, prefix=f"{path.parent}/" if str(path.parent) != "." else "")
 
 
 def _source_where_trained(source: str, cwd: str | None) -> str:

@@ -164,6 +164,9 @@ def test_an_empty_metrics_jsonl_is_a_user_error(tmp_path: Path):
 def test_a_missing_work_dir_is_a_user_error(tmp_path: Path):
     with pytest.raises(UserError, match=r"work dir '.*nowhere' does not exist"):
         read_metrics(tmp_path / "nowhere")
+    _write_metrics(tmp_path / "digits_vae")  # a typo of a run beside it is named, as nnx-eval names it
+    with pytest.raises(UserError, match=r"work dir '.*digits_vea' does not exist \(did you mean '.*/digits_vae'\?\)"):
+        read_metrics(tmp_path / "digits_vea")
 
 
 def _write_classifier_metrics(workdir: Path) -> Path:

@@ -101,7 +101,11 @@ def read_metrics(workdir: Path) -> list[dict[str, Any]]:
     workdir = run_dir(workdir)
     path = workdir / "metrics.jsonl"
     if not workdir.is_dir():
-        raise UserError(f"work dir {str(workdir)!r} does not exist; pass the work dir of an nnx-train run")
+        from nnx_cli.workdir import closest_dir
+
+        raise UserError(
+            f"work dir {str(workdir)!r} does not exist{closest_dir(workdir)}; pass the work dir of an nnx-train run"
+        )
     harness = read_records(workdir)  # nnx-eval RUN --tasks: evals/harness.jsonl
     if not path.is_file() and not harness:
         raise UserError(
