@@ -97,7 +97,7 @@ def test_an_explicit_choice_is_taken_as_given():
 
 
 def test_cudnn_where_it_cannot_run_is_an_error_naming_the_option():
-    with pytest.raises(ValueError, match=r"^model\.attention cudnn cannot run here: .* use auto, core or xla$"):
+    with pytest.raises(ValueError, match=r"^model\.attention: cudnn cannot run here: .* use auto, core or xla$"):
         choose_attention(arch_of(attention="cudnn", dtype="bfloat16"), "cpu")
     with pytest.raises(ValueError, match="16-bit floats"):
         choose_attention(arch_of(attention="cudnn"), "gpu")

@@ -37,7 +37,16 @@ from nnx_cli.config.logging import LoggingConfig
 from nnx_cli.config.model import ModelConfig
 from nnx_cli.config.objective import ObjectiveConfig
 from nnx_cli.config.optimizer import OptimizerConfig
-from nnx_cli.config.schema import allows_mapping, build, check_type, fields, hints, setting, unknown_key_hint
+from nnx_cli.config.schema import (
+    SECTIONS,
+    allows_mapping,
+    build,
+    check_type,
+    fields,
+    hints,
+    setting,
+    unknown_key_hint,
+)
 from nnx_cli.config.sharding import ShardingConfig
 from nnx_cli.config.train import TrainConfig
 from nnx_cli.config.yaml_io import dump_yaml, parse_value, read_yaml
@@ -83,6 +92,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+SECTIONS.update({name: hint for name, hint in hints(Config).items() if dataclasses.is_dataclass(hint)})
 
 
 # --------------------------------------------------------------------------- overrides

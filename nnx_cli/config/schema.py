@@ -68,24 +68,20 @@ def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+SECTIONS: dict[str, type] = {}  # the config's top-level sections (`logging`: LoggingConfig, ...): nnx_cli.config
+
+
 def unknown_key_hint(key: str, names: Iterable[str], section: str) -> str:
     """The key of that name in another section (`train.loggers`: 'logging.loggers'), else the closest valid key
     of `section` ("" at the top level), or all of them when none is close."""
     names = list(names)
-    elsewhere = [f"{name}.{key}" for name, cls in _sections().items() if name != section and key in fields(cls)]
+    elsewhere = [f"{name}.{key}" for name, cls in SECTIONS.items() if name != section and key in fields(cls)]
     if len(elsewhere) == 1:
         return f" (did you mean {elsewhere[0]!r}? {key!r} is a key of the {elsewhere[0].split('.')[0]!r} section)"
     return (
         did_you_mean(key, names, section + "." if section else "")
         or f"; valid keys{' in ' + repr(section) if section else ''}: {', '.join(names)}"
     )
-
-
-def _sections() -> dict[str, type]:
-    """The top-level sections of the config and their dataclasses (`logging`: LoggingConfig, ...)."""
-    from nnx_cli.config import Config
-
-    return {name: hint for name, hint in hints(Config).items() if dataclasses.is_dataclass(hint)}
 
 
 def build(cls: type, raw: Any, path: str) -> Any:
