@@ -298,17 +298,17 @@ def test_grad_stateless_leaves_the_module_untouched():
     assert model.count == 0
 
 
+class ParamTimesStat(nnx.Module):
+    def __init__(self):
+        self.a = nnx.Param(jnp.asarray(2.0))
+        self.b = nnx.BatchStat(jnp.asarray(3.0))
+
+    def __call__(self):
+        return self.a * self.b
+
+
 def test_grad_wrt_selects_what_is_differentiated():
-
-    class Model(nnx.Module):
-        def __init__(self):
-            self.a = nnx.Param(jnp.asarray(2.0))
-            self.b = nnx.BatchStat(jnp.asarray(3.0))
-
-        def __call__(self):
-            return self.a * self.b
-
-    grads = nnx.grad(lambda m: m(), wrt=nnx.BatchStat)(Model())
+    grads = nnx.grad(lambda m: m(), wrt=nnx.BatchStat)(ParamTimesStat())
     assert list(grads) == ["b"]
     assert isinstance(grads["b"], nnx.BatchStat)
     assert grads["b"].value == 2.0
@@ -316,16 +316,7 @@ def test_grad_wrt_selects_what_is_differentiated():
 
 def test_grad_wrt_everything_differentiates_every_node():
     """`wrt=...` raised that `...` can only be the last filter (it was put before the rest's `...`)."""
-
-    class Model(nnx.Module):
-        def __init__(self):
-            self.a = nnx.Param(jnp.asarray(2.0))
-            self.b = nnx.BatchStat(jnp.asarray(3.0))
-
-        def __call__(self):
-            return self.a * self.b
-
-    grads = nnx.grad(lambda m: m(), wrt=...)(Model())
+    grads = nnx.grad(lambda m: m(), wrt=...)(ParamTimesStat())
     assert {path: float(g.value) for path, g in grads.items()} == {"a": 3.0, "b": 2.0}
 
 
