@@ -238,15 +238,40 @@ def evaluate(
     if num_fewshot is not None and num_fewshot < 0:
         raise UserError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
     try:
-        results = simple_evaluate(
-            model=lm, model_args=model_args, tasks=list(tasks.objects), task_manager=tasks.manager,
-            num_fewshot=num_fewshot, limit=limit, log_samples=log_samples, apply_chat_template=apply_chat_template,
-            fewshot_as_multiturn=apply_chat_template, bootstrap_iters=bootstrap_iters, evaluation_tracker=tracker,
-        )  # fmt: skip
+        with _git_hash_quietly():
+            results = simple_evaluate(
+                model=lm, model_args=model_args, tasks=list(tasks.objects), task_manager=tasks.manager,
+                num_fewshot=num_fewshot, limit=limit, log_samples=log_samples, apply_chat_template=apply_chat_template,
+                fewshot_as_multiturn=apply_chat_template, bootstrap_iters=bootstrap_iters, evaluation_tracker=tracker,
+            )  # fmt: skip
     except TemplateError as e:
         raise UserError(f"--tasks: a task's prompt template failed on a document: {e}") from None
     assert results is not None  # one process: rank 0
     return results
+
+
+@contextlib.contextmanager
+def _git_hash_quietly() -> Iterator[None]:
+    """lm-eval records the git commit of the directory it runs in by running `git describe`, whose error outside a
+    repository ("fatal: not a git repository") reached the terminal as though the evaluation had failed. The same
+    lookup, its error output discarded, while `simple_evaluate` runs."""
+    import subprocess
+
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def commit() -> str | None:
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    loud = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = commit
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = loud
 
 
 def tracker(output_path: str | Path | None) -> Any:
