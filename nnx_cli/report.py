@@ -33,7 +33,7 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
 
 
 def metrics_table(title: str, metrics: Mapping[str, float]) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", min_width=len(title))  # as wide as its title: no wrapped title
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in metrics.items():

@@ -456,3 +456,17 @@ def test_closing_closes_every_logger_even_when_one_fails(plugin_dir: Path):
     with pytest.raises(OSError, match="disk full"):
         loggers.close()
     assert (plugin_dir / "run" / "recorded.jsonl").read_text() == "closed\n"
+
+
+def test_a_metrics_table_is_as_wide_as_its_title():
+    """nnx-eval of a model dir printed 'eval of the pretrained' and 'model' on two lines: the title wrapped at
+    the width of a table of one short metric."""
+    import io
+
+    from rich.console import Console
+
+    from nnx_cli.report import metrics_table
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(metrics_table("eval of the pretrained model", {"loss": 1.0}))
+    assert out.getvalue().splitlines()[0].rstrip() == "eval of the pretrained model"
