@@ -512,8 +512,13 @@ def test_harness_tasks_on_an_image_run_say_it_is_no_language_model_before_fetchi
 def test_usage_errors_are_one_line_too(project: Path):
     assert_user_error(cli("nnx-inspect", "run.yaml", "--depth", "abc", cwd=project), "'--depth'", "nnx-inspect --help")
     assert_user_error(cli("nnx-train", cwd=project), "Missing argument 'CONFIG'")
-    # --depth shapes the table only: with --json it was ignored without a word
-    assert_user_error(cli("nnx-inspect", "run.yaml", "--depth", "1", "--json", cwd=project), "--depth groups the")
+
+
+def test_inspect_depth_with_json_says_the_json_lists_every_entry(project: Path):
+    """--depth shapes the table only: with --json it was ignored without a word."""
+    both = cli("nnx-inspect", "run.yaml", "--depth", "1", "--json", cwd=project)
+    assert both.returncode == 0 and json.loads(both.stdout)["entries"], both.stderr
+    assert "notice: --depth groups the table's rows; --json lists every entry" in both.stderr
 
 
 def test_evaluating_a_damaged_step_by_number_is_a_user_error(reference: Path, project: Path):

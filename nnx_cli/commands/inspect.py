@@ -59,8 +59,8 @@ def inspect_state(
     from nnx_cli.experiment import setup
     from nnx_cli.report import stderr_console
 
-    if depth is not None and as_json:  # it was ignored: the JSON lists every entry
-        raise UserError("--depth groups the table's rows, and --json lists every entry: pass one of them")
+    if depth is not None and as_json:  # it was ignored without a word
+        stderr_console().print("notice: --depth groups the table's rows; --json lists every entry", highlight=False)
     if hf.is_model_dir(target):  # a Hugging Face model directory or Hub id: config.json and headers, no tensor
         exp = setup(hf.model_dir_config(target, overrides or []), data=None, place=False)
         title = str(exp.pretrained.directory)
