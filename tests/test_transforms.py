@@ -441,9 +441,10 @@ def test_scan_call_applies_the_layers_in_sequence():
     np.testing.assert_allclose(y, expected, rtol=1e-5)
 
 
-def test_a_scanned_layer_that_sows_is_called_again_adding_one_stacked_entry_per_call():
+@pytest.mark.parametrize("carry", [..., nnx.Not(nnx.Intermediate)], ids=["carry-rest", "carry-named"])
+def test_a_scanned_layer_that_sows_is_called_again_adding_one_stacked_entry_per_call(carry):
     """The first call stacks what each layer sowed; the second one carried it instead, and lax.scan refused the
-    carry that the sow lengthened."""
+    carry that the sow lengthened (or, with variable_carry naming what is carried, no filter covered it)."""
 
     class Sower(Block):
         def __call__(self, x, _):
@@ -451,7 +452,8 @@ def test_a_scanned_layer_that_sows_is_called_again_adding_one_stacked_entry_per_
             self.sow(nnx.Intermediate, "h", y)
             return y, None
 
-    mlp = nnx.Scan(Sower, variable_axes={nnx.Param: 0}, split_rngs="params", length=4)(ctx=nnx.context(0))
+    scanned = nnx.Scan(Sower, variable_axes={nnx.Param: 0}, variable_carry=carry, split_rngs="params", length=4)
+    mlp = scanned(ctx=nnx.context(0))
     x = jnp.ones((2, 3))
     mlp(x, None)
     y, _ = mlp(2 * x, None)
