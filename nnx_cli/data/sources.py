@@ -105,7 +105,7 @@ def open_dataset(source: str) -> Any:
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # "Repo card metadata block was not found"
     if not sys.stderr.isatty():
         datasets.disable_progress_bars()
-    if path.is_file() and path.stat().st_size == 0:  # datasets' json builder ends in a bare StopIteration
+    if path.is_file() and _blank(path):  # datasets' json builder ends in a bare StopIteration, or "no data"
         raise UserError(f"config key 'data.source': {source!r} is an empty file; it holds no rows to read")
     try:
         if path.exists():
@@ -279,9 +279,41 @@ def _load_error(source: str, path: Path, error: Exception) -> UserError:
             f"{source!r} hold{'' if len(empty) > 1 else 's'} no rows, and `datasets` cannot load a saved split "
             "without any: save it without that split, or give it rows"
         )
+    if path.is_file() and FILE_BUILDERS.get(_suffix(path)) == "json":  # Arrow's row counts start at its blocks
+        bad = _first_line_not_json(path)
+        if bad is not None:
+            line, why = bad
+            return UserError(
+                f"config key 'data.source': line {line:,} of {source!r} is not JSON ({why}); a JSON Lines file "
+                "holds one JSON object a line: fix or remove that line"
+            )
     return UserError(
         f"config key 'data.source': cannot load dataset {source!r}: {type(cause).__name__}: {first_line(cause)}"
     )
+
+
+def _blank(path: Path, most: int = 1 << 20) -> bool:
+    """Whether file `path` holds nothing but whitespace (read only when under `most` bytes)."""
+    size = path.stat().st_size
+    return size == 0 or (size < most and not path.read_bytes().strip())
+
+
+def _first_line_not_json(path: Path) -> tuple[int, str] | None:
+    """The 1-based number of the first non-blank line of JSON Lines file `path` that is not JSON, and why; None
+    when each is, or when a `.json` file is no JSON Lines file (one document over many lines: its first line is
+    no JSON of its own)."""
+    import json
+
+    first = _suffix(path) != ".jsonl"
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    return None if first else (number, str(e).split(":")[0])
+                first = False
+    return None
 
 
 def _empty_saved_splits(path: Path) -> list[str]:
