@@ -115,6 +115,26 @@ def test_a_resume_against_changed_base_weights_names_the_file(reference, project
     assert f"were trained on {str(fixture('qwen2'))!r}, and model.pretrained now names {str(base)!r}" in result.stderr
 
 
+def test_a_base_whose_files_have_other_names_is_named_whole_not_by_a_file_it_lacks(tmp_path):
+    """Adapters trained on a base of three shards, resumed on one of a single file, named
+    '<new base>/model-00001-of-00003.safetensors', a file that never belonged to the new base."""
+    from nnx_cli import hf
+
+    base = hf.open_pretrained(str(fixture("qwen2")))
+    record = {
+        "source": "org/sharded",
+        "pretrained": "/hub/org/sharded",
+        "files": {"model-00001-of-00003.safetensors": "x"},
+    }
+    with pytest.raises(UserError) as raised:
+        base.check_record(record, tmp_path / "checkpoints" / "8")
+    assert str(raised.value).startswith(
+        f"{fixture('qwen2')}: the base model's weight files are not those trained on: the adapters in "
+        f"{tmp_path / 'checkpoints' / '8'} were trained on 'org/sharded', and model.pretrained now names"
+    )
+    assert "00003" not in str(raised.value)
+
+
 def test_inspect_counts_the_adapters_beside_the_base_parameters(project):
     """The footnote gave the base's count alone ("28,960 parameters"), as if the adapters were not there."""
     summary = json.loads(cli("nnx-inspect", "lora.yaml", "--json", cwd=project).stdout)

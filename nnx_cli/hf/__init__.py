@@ -143,6 +143,8 @@ class Pretrained:
                 problem = f"{what}: the base model's weights changed"
             trained_on = record.get("source") or record.get("pretrained")
             if trained_on not in (None, self.source, str(self.directory)):  # model.pretrained names another base
+                if now is None:  # a file of the base trained on, not of this one: no file of this base to name
+                    problem = f"{self.source}: the base model's weight files are not those trained on"
                 raise UserError(
                     f"{problem}: the adapters in {where} were trained on {trained_on!r}, and model.pretrained now "
                     f"names {self.source!r}; set it back to {trained_on!r}, or train on this base in a new --workdir"
