@@ -267,6 +267,8 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
     again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     assert again.returncode == 0, again.stderr
     assert "resumed" not in again.stderr
+    # it says what it sets aside (the earlier steps went without a word)
+    assert "--no-resume: the earlier run (its checkpoints at step 40) is set aside in fresh/.replaced" in again.stderr
     steps = [
         json.loads(line)["step"]
         for line in (project / "fresh" / "metrics.jsonl").read_text().splitlines()

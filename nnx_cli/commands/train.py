@@ -230,6 +230,13 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     aside = set_aside(workdir) if is_main and not resume else None  # until this run commits a checkpoint
     # a signal before the loop (or a second one in it) ends the process at once: the earlier run goes back first
     forget = _distributed.at_signal_exit(functools.partial(settle_aside, aside, delete=False))
+    if aside is not None:  # the earlier run's steps were deleted without a word
+        from nnx_cli.integrity import steps as saved_steps
+
+        held = saved_steps(aside / "checkpoints") if (aside / "checkpoints").is_dir() else []
+        what = f"its checkpoints at step{'s' * (len(held) > 1)} {', '.join(map(str, held))}" if held else "its files"
+        said = f"--no-resume: the earlier run ({what}) is set aside in {aside}, and deleted once this run writes "
+        console.print(said + "its first checkpoint (put back if it stops before)", highlight=False, soft_wrap=True)
     try:
         session = _open(exp, workdir, resume, lock, console)
     except BaseException:
