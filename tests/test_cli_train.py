@@ -502,7 +502,7 @@ def test_a_run_with_nothing_left_to_do_changes_nothing_in_the_work_dir(reference
     result = cli("nnx-train", "run.yaml", "train.steps=120", "optimizer.learning_rate=5e-4", "--workdir", "finished",
                  cwd=project)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert f"nothing to do: the work dir is already at step {STEPS} of 120" in result.stderr
+    assert f"nothing to do: the work dir is already at step {STEPS}, and the run is 120 steps long" in result.stderr
     assert files(project / "finished") == before  # config.yaml still says the steps it was trained with
 
 

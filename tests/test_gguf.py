@@ -492,6 +492,14 @@ def test_the_command_line_refuses_bad_types_existing_files_and_unrunnable_famili
     assert not (exported / "copy").exists()
 
 
+def test_a_dtype_named_as_for_a_hugging_face_export_is_taken_for_gguf(exported):
+    """--dtype bfloat16 --format gguf was refused, naming bf16: the same type under the name the hf export takes."""
+    result = cli("nnx-export", fixture("llama"), "--format", "gguf", "--dtype", "bfloat16", "--out", "bf.gguf",
+                 cwd=exported)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "wrote bf.gguf (llama, bf16, " in result.stderr
+
+
 def test_nnx_generate_samples_from_a_gguf_file_and_refuses_a_foreign_one(exported):
     result = cli("nnx-generate", "llama.gguf", "--prompt", "The river ran past", "--temperature", "0",
                  "--max-tokens", "8", "--json", cwd=exported)  # fmt: skip

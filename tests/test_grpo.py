@@ -352,7 +352,7 @@ def test_a_reward_function_gets_prompts_completions_and_columns_by_name_and_none
         ),
         (
             lambda prompts, completions, **_: [1.0],
-            r"'m\.bad' returned 1 values for 2 completions at step 7; it must "
+            r"'m\.bad' returned 1 value for 2 completions at step 7; it must "
             r"return a list of one number \(or None\) per completion",
         ),
         (lambda prompts, completions, **_: 0.5, r"'m\.bad' returned 0\.5 for 2 completions at step 7"),

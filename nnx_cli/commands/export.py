@@ -129,6 +129,7 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
     require()
     if adapter:
         raise UserError("--adapter with --format gguf: a GGUF file holds merged weights; drop --adapter")
+    dtype = gguf_export.SAME_TYPES.get(dtype, dtype)  # --dtype bfloat16 --format gguf: bf16, not a refusal
     gguf_export.check_dtype(dtype)
     gguf_export.check_out(out, overwrite)
     if ollama:

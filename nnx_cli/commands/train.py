@@ -155,7 +155,8 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     chosen: list[Any] = []  # the hooks, once prepared
     try:
         if session.start >= exp.total_steps:
-            session.say(f"nothing to do: the work dir is already at step {session.start} of {exp.total_steps}")
+            session.say(f"nothing to do: the work dir is already at step {session.start}, and the run is "
+                        f"{exp.total_steps} steps long (raise train.steps or train.epochs to train on)")  # fmt: skip
             return 0
         loop, feed, dispatch, chosen = prepare(exp, session, signals, factories, planned, harness_tasks, sample_prompts)
         attention = exp.attention()

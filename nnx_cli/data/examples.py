@@ -456,7 +456,7 @@ def load_example_splits(
         _notice(
             (cfg.source, cfg.eval_split, "examples"),
             f"notice: {cfg.source!r} has no split {cfg.eval_split!r}; its last {len(rows) - cut:,} of {len(rows):,} "
-            f"examples are held out as {cfg.eval_split!r}",
+            f"examples {'is' if len(rows) - cut == 1 else 'are'} held out as {cfg.eval_split!r}",
         )
         if want_train:
             train = _rows(cfg, tokenizer, source, cfg.train_split, "data.train_split", (0, cut), f"{cfg.train_split!r}")

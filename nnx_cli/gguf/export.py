@@ -37,6 +37,7 @@ from nnx_cli.gguf.vocab import Vocab
 from nnx_cli.tensorfiles import usual_mode
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
+SAME_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # the names --dtype takes without --format gguf
 _FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LlamaFileType
 _KEEP_F32 = ("ffn_gate_inp.weight", "position_embd.weight", "token_types.weight")
 """Tensors llama.cpp's converter keeps in float32 at every file type (the router, learned positions)."""

@@ -325,7 +325,8 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
         except TypeError:
             count = None
         if count != len(completions) or isinstance(values, (str, bytes, dict)):
-            got = f"{count} values" if count is not None and not isinstance(values, (str, bytes)) else repr(values)[:60]
+            counted = count is not None and not isinstance(values, (str, bytes))
+            got = f"{count} value{'s' * (count != 1)}" if counted else repr(values)[:60]
             raise UserError(
                 f"reward function {reward.source!r} returned {got} for {len(completions)} completions {when}; it "
                 "must return a list of one number (or None) per completion"
