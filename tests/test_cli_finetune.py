@@ -4,6 +4,7 @@ kill -9 and resume, sampling with the chat template, and the mistakes a config c
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -113,6 +114,13 @@ def test_a_resume_against_changed_base_weights_names_the_file(reference, project
     # model.pretrained names another directory than the run's: both are named (it said only "is missing" or
     # "changed", as if the run's own base had been altered)
     assert f"were trained on {str(fixture('qwen2'))!r}, and model.pretrained now names {str(base)!r}" in result.stderr
+
+
+def test_eval_of_text_counts_rows_of_tokens_not_examples(reference, project):
+    """Rows of packed text hold several examples (or part of one): '2 examples' was said of 2 rows holding 4."""
+    result = cli("nnx-eval", "ref", "data.eval_split=train", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"on chats\.jsonl \[train\], \d+ rows of 63 tokens$", result.stderr, re.M), result.stderr
 
 
 def test_a_base_whose_files_have_other_names_is_named_whole_not_by_a_file_it_lacks(tmp_path):
