@@ -346,6 +346,8 @@ def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path, 
         (chats(2), {"chat_template": "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"},
          r"row 0 of .*renders message 2 \(assistant\) differently inside the conversation"),
         ([{"messages": ["hello"]}], {}, r"row 0 of .*'messages'\[0\] is not a \{role, content\} message"),
+        ([{"messages": [{"from": "human", "value": "hi"}]}], {}, r"'messages'\[0\] is not a \{role, content\} "
+         r"message \(ShareGPT's \{from, value\}: rename from to role and value to content\)"),
         ([{"prompt": "hi", "completion": ""}], {"format": "completion"}, r"row 0 of .*the completion not empty"),
         ([{"prompt": "a", "completion": "b"}, {"prompt": "c"}], {"format": "completion"},
          r"'data.completion_key': row 1 of .* has no 'completion'"),
@@ -353,7 +355,7 @@ def test_a_source_with_one_split_holds_out_its_last_tenth_of_examples(tmp_path, 
          "neither a file nor a Jinja template"),
     ],
     ids=["missing-key", "no-content", "not-a-list", "template-raises", "not-prefix-consistent", "not-a-message",
-         "empty-completion", "missing-completion", "no-template-file"],
+         "sharegpt", "empty-completion", "missing-completion", "no-template-file"],
 )  # fmt: skip
 def test_bad_rows_and_templates_name_the_row(tmp_path, rows, options, message):
     source = write_jsonl(tmp_path / "rows.jsonl", rows)

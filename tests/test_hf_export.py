@@ -514,6 +514,8 @@ def test_adapter_export_of_a_run_without_lora_and_bad_dtypes_are_user_errors(pro
     assert_user_error(cli("nnx-export", "llama", "--out", "b", "--dtype", "int8", cwd=project), "--dtype must be")
     assert_user_error(cli("nnx-export", "llama", "--out", "c", "--dtype", "q8_0", cwd=project),
                       "--dtype 'q8_0' is a GGUF type: add --format gguf")  # fmt: skip
+    assert_user_error(cli("nnx-export", "llama", "--out", "d", "--overwrite", cwd=project),
+                      "--overwrite goes with --format gguf: add it, or drop --overwrite")  # fmt: skip
     assert not (project / "a").exists() and not (project / "b").exists() and not (project / "c").exists()
 
 

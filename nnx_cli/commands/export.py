@@ -73,7 +73,10 @@ def export(
         return _gguf(target, out, step=step, best=best, adapter=adapter, dtype=dtype, ollama=ollama,
                      overwrite=overwrite)  # fmt: skip
     if ollama or overwrite:
-        raise UserError(f"{'--ollama' if ollama else '--overwrite'} goes with --format gguf")
+        raise UserError(
+            f"{'--ollama' if ollama else '--overwrite'} goes with --format gguf: add it, or drop "
+            f"{'--ollama' if ollama else '--overwrite'} (a Hugging Face export never overwrites: give a new --out)"
+        )
     if dtype in GGUF_DTYPES and dtype not in (*exporting.DTYPES, *exporting.FOUR_BIT):
         raise UserError(
             f"--dtype {dtype!r} is a GGUF type: add --format gguf to write a GGUF file, or give one of "

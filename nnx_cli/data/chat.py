@@ -183,7 +183,9 @@ def check_messages(messages: Any, key: str) -> list[dict[str, Any]]:
     out = []
     for j, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise ValueError(f"{key!r}[{j}] is not a {{role, content}} message")
+            sharegpt = isinstance(message, Mapping) and {"from", "value"} <= set(message)
+            hint = " (ShareGPT's {from, value}: rename from to role and value to content)" if sharegpt else ""
+            raise ValueError(f"{key!r}[{j}] is not a {{role, content}} message{hint}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"{key!r}[{j}] has no text 'content'")
         out.append({k: v for k, v in message.items() if v is not None})

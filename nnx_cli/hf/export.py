@@ -203,7 +203,11 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
     elif pretrained is None:
         families.architecture_of(options)  # options no family has
     if dtype in FOUR_BIT and (adapter or options.get("positions") == "learned"):
-        what = "--adapter writes the adapters alone" if adapter else "GPT-2's projections are Conv1D, not Linear"
+        what = (
+            "--adapter writes the adapters alone: drop --dtype, or --adapter to write the merged model in 4 bits"
+            if adapter
+            else "GPT-2's projections are Conv1D, not Linear"
+        )
         raise UserError(f"--dtype {dtype} writes merged Linear weights in 4 bits, as bitsandbytes stores them; {what}")
     if dtype in FOUR_BIT:
         _check_blocks(options, dtype)
