@@ -161,15 +161,34 @@ def test_log_hook_reports_means_learning_rate_gradient_norm_and_speed():
 
 
 def test_guard_names_the_step_and_the_last_good_checkpoint(tmp_path: Path):
-    exp = setup(tiny("train.steps=2"))
+    """The loss of step 3 is computed from the parameters of step 2: a checkpoint of step 2 is finite but gave it,
+    and resuming from it failed again (it was named the last good one)."""
+    exp = setup(tiny("train.steps=3"))
     ckpt = Checkpointer(tmp_path / "checkpoints", async_=False)
     state = exp.init_state()
     ckpt.save(1, state)
-    sums = dict(steps.empty_sums(exp.metric_names), bad_step=jnp.int32(1))
     guard = hooks.Guard(ckpt, Path("run", "checkpoints"))
-    message = r"non-finite at step 2 \(training stopped at step 2\); the last good checkpoint is run/checkpoints/1"
-    with pytest.raises(RunError, match=message):
-        guard.check(loop.Loop(exp, state, sums, step=2, total=2))
+
+    def stopped(bad_step: int, step: int) -> str:
+        sums = dict(steps.empty_sums(exp.metric_names), bad_step=jnp.int32(bad_step))
+        with pytest.raises(RunError) as raised:
+            guard.check(loop.Loop(exp, state, sums, step=step, total=3))
+        guard._checked = None
+        return str(raised.value)
+
+    assert stopped(2, 3) == (
+        "the loss became non-finite at step 3 (training stopped at step 3); the last good checkpoint is "
+        "run/checkpoints/1"
+    )  # step 2's parameters were not saved: step 1's are good
+    assert stopped(0, 1).endswith("; the last good checkpoint is run/checkpoints/1")  # the data, or lr, of step 1
+    ckpt.save(2, state)
+    ckpt.wait()
+    assert stopped(2, 3) == (
+        "the loss became non-finite at step 3 (training stopped at step 3); the checkpoint run/checkpoints/2 holds "
+        "the parameters that gave that loss, and the last good checkpoint is run/checkpoints/1 (move "
+        "run/checkpoints/2 out of run/checkpoints to resume from it, with a lower optimizer.learning_rate or an "
+        "optimizer.clip_grad_norm)"
+    )
     nan_params = jax.tree.map(lambda x: x * jnp.nan, state["params"])
     with pytest.raises(RunError, match="the parameters are non-finite at step 2"):
         guard.check(loop.Loop(exp, dict(state, params=nan_params), steps.empty_sums(exp.metric_names), step=2, total=2))

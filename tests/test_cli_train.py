@@ -391,9 +391,12 @@ def test_non_finite_loss_exits_1_naming_the_step_and_keeps_the_last_good_checkpo
     assert "Traceback" not in result.stderr
     assert "non-finite at step" in result.stderr
     ckpt = Checkpointer(project / "diverged" / "checkpoints", read_only=True)
-    last = ckpt.latest_step()
-    assert f"last good checkpoint is {Path('diverged', 'checkpoints', str(last))}" in result.stderr
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(ckpt.restore_raw(last)["params"]))
+    last = ckpt.latest_step()  # finite, but the parameters that gave the loss (checkpoints every step)
+    assert f"non-finite at step {last + 1} " in result.stderr
+    assert f"the checkpoint {Path('diverged', 'checkpoints', str(last))} holds the parameters that gave that" in (
+        result.stderr
+    )
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(ckpt.restore_raw(last)["params"]))  # kept, as it was
 
 
 def test_no_eval_runs_on_parameters_that_went_non_finite(project: Path):
