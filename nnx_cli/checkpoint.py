@@ -316,6 +316,11 @@ class Checkpointer:
             what = f"it has no {missing[0]}"
         else:
             what = f"it has {extra[0]}, which the config's model and optimizer do not"
+        adapters = [any("/lora/" in k for k in tree if k.startswith("params/")) for tree in (saved, wanted)]
+        if adapters == [True, False]:  # the path above says little of the change that made it
+            what += " (the run trained LoRA adapters, and the config has no model.lora)"
+        elif adapters == [False, True]:
+            what += " (the run trained every weight, and the config adds model.lora)"
         raise UserError(
             f"checkpoint {self.directory / str(step)} does not match the model and optimizer of the config: {what}; "
             + self.mismatch_fix

@@ -123,6 +123,15 @@ def test_eval_of_text_counts_rows_of_tokens_not_examples(reference, project):
     assert re.search(r"on chats\.jsonl \[train\], \d+ rows of 63 tokens$", result.stderr, re.M), result.stderr
 
 
+def test_resuming_a_lora_run_without_lora_says_so(reference, project):
+    """It said only 'it has no params/embedding/embedding', a path that does not name the change."""
+    import shutil
+
+    shutil.copytree(reference, project / "unlora")
+    result = cli("nnx-train", "lora.yaml", "model.lora=null", "--workdir", "unlora", cwd=project)
+    assert_user_error(result, "(the run trained LoRA adapters, and the config has no model.lora)", "--no-resume")
+
+
 def test_a_base_whose_files_have_other_names_is_named_whole_not_by_a_file_it_lacks(tmp_path):
     """Adapters trained on a base of three shards, resumed on one of a single file, named
     '<new base>/model-00001-of-00003.safetensors', a file that never belonged to the new base."""
