@@ -89,6 +89,14 @@ def test_a_pair_is_two_segments_of_one_row_chosen_first_and_rows_pack_whole_pair
         assert int(row.max()) % 2 == 0
 
 
+def test_pairs_whose_responses_are_the_same_are_said_to_teach_nothing(tmp_path, capsys):
+    """They trained at a loss of log 2 with a reward accuracy of rounding noise, without a word."""
+    same = {"prompt": "Who keeps the bridge?", "chosen": " The old guard.", "rejected": " The old guard."}
+    rows_of(data_config(tmp_path, [*RECORD["llama_standard"], same, same]))
+    said = capsys.readouterr().err
+    assert f"2 of {len(RECORD['llama_standard']) + 2} pairs have the same chosen and rejected response" in said
+
+
 def test_each_sequence_is_cut_at_half_a_row_and_a_pair_with_no_response_left_is_left_out(tmp_path, capsys):
     long = {"prompt": "Who keeps the bridge? " * 4, "chosen": " The old guard.", "rejected": " No one."}
     cfg = data_config(tmp_path, [*RECORD["llama_standard"], long], seq_len=63)

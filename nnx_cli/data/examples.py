@@ -299,11 +299,13 @@ def build_rows(cfg: DataConfig, tokenizer: Any, rows: Any, directory: Path, firs
     if template is not None:
         chat.compile_template(template)  # a template that does not parse is the template's fault, not a row's
     counts = {"examples": 0, "rows": 0, "truncated": 0, "without_targets": 0, "tokens": 0, "target_tokens": 0}
+    counts["same"] = 0  # preference pairs whose chosen and rejected sequences are the same: they teach nothing
 
     def examples() -> Iterator[list[tuple[list[int], list[int]]]]:
         for offset, example in enumerate(_progress(rows, len(rows))):
             parts = encode_parts(cfg, tokenizer, template, example, first_row + offset)
             counts["examples"] += 1
+            counts["same"] += cfg.format == PREFERENCE and parts[0] == parts[1]
             counts["truncated"] += any(len(ids) > limit for ids, _ in parts)
             parts = [(ids[:limit], targets[:limit]) for ids, targets in parts]
             empty = [not any(targets[1:]) for _, targets in parts]
@@ -545,7 +547,7 @@ def _rows(cfg: DataConfig, tokenizer: Any, source: Any, split: str, key: str, pa
         return build_rows(cfg, tokenizer, rows, directory, first_row=part[0] if part else 0)
 
     entry = get_or_build(source.cache, f"examples-{source.slug()}-{split}", parts, build)
-    if entry.meta.get("truncated") or entry.meta.get("without_targets"):
+    if entry.meta.get("truncated") or entry.meta.get("without_targets") or entry.meta.get("same"):
         _notice_truncation(cfg, name, entry.meta)
     return {column: entry.array(column).reshape(-1, width) for column in _COLUMNS}
 
@@ -563,6 +565,9 @@ def _notice_truncation(cfg: DataConfig, name: str, counts: dict[str, Any]) -> No
         if counts["without_targets"]:
             said.append(f"{counts['without_targets']:,} of {counts['examples']:,} pairs have a response with no "
                         "token left after the cut and were left out")  # fmt: skip
+        if counts.get("same"):
+            said.append(f"{counts['same']:,} of {counts['examples']:,} pairs have the same chosen and rejected "
+                        "response: their loss stays at log 2, and they teach nothing")  # fmt: skip
         _notice((cfg.source, name, "truncated"), f"notice: {name}: " + "; ".join(said))
         return
     if counts["truncated"]:
