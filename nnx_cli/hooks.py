@@ -46,13 +46,16 @@ class Guard:
     def check(self, loop: Loop, *, params: bool = True) -> None:
         if self._checked is not None and self._checked[0] == loop.step and (self._checked[1] or not params):
             return  # already checked at this step (a checkpoint and an eval at the same step)
-        bad = int(jax.device_get(loop.sums["bad_step"]))
-        if bad >= 0:  # the loss of step bad + 1 is computed from the parameters of step `bad`
-            self.fail(f"the loss became non-finite at step {bad + 1}", loop.step, gave_it=bad)
+        self.check_loss(int(jax.device_get(loop.sums["bad_step"])), loop.step)
         finite = loop.finite if loop.finite is not None else self._params_finite(loop.state["params"])
         if params and not bool(finite):
             self.fail(f"the parameters are non-finite at step {loop.step}", loop.step)
         self._checked = (loop.step, params)
+
+    def check_loss(self, bad: int, step: int) -> None:
+        """Stop the run if the loop's sums name a step whose loss was non-finite (`bad` >= 0, 0-based)."""
+        if bad >= 0:  # the loss of step bad + 1 is computed from the parameters of step `bad`
+            self.fail(f"the loss became non-finite at step {bad + 1}", step, gave_it=bad)
 
     def fail(self, what: str, step: int, gave_it: int | None = None) -> None:
         """Stop the run saying `what` and the last good checkpoint. `gave_it`: the step whose parameters gave a
@@ -65,9 +68,7 @@ class Guard:
         where = self.directory
         kept = f"the last good checkpoint is {where / str(last)}" if last is not None else "no checkpoint was written"
         if last is not None and last == gave_it:
-            directory = Path(self.checkpointer.directory)
-            earlier = [s for s in integrity.steps(directory) if s < last]
-            intact = next((s for s in reversed(earlier) if _intact(directory / str(s))), None)
+            intact, _ = integrity.newest_intact(self.checkpointer.directory, below=last)
             kept = f"the checkpoint {where / str(last)} holds the parameters that gave that loss, and " + (
                 f"the last good checkpoint is {where / str(intact)} (move {where / str(last)} out of {where} to "
                 "resume from it, with a lower optimizer.learning_rate or an optimizer.clip_grad_norm)"
@@ -75,14 +76,6 @@ class Guard:
                 else "there is no checkpoint before it"
             )
         raise RunError(f"{what} (training stopped at step {step}); {kept}")
-
-
-def _intact(step_dir: Path) -> bool:
-    """Whether a step verifies (or has no checksums to verify, as :func:`integrity.newest_intact` trusts)."""
-    from nnx_cli import integrity
-
-    check = integrity.verify(step_dir)
-    return check.ok or check.status is integrity.Status.NO_CHECKSUMS
 
 
 class LogMetrics:
@@ -110,9 +103,7 @@ class LogMetrics:
         count = int(host["count"])
         if count == 0:
             return False
-        bad = int(host["bad_step"])
-        if bad >= 0:
-            self.guard.fail(f"the loss became non-finite at step {bad + 1}", loop.step, gave_it=bad)
+        self.guard.check_loss(int(host["bad_step"]), loop.step)
         metrics = {k: float(v) / count for k, v in host["metrics"].items()}
         metrics["learning_rate"] = optim.learning_rate_at(loop.exp.schedule, loop.step - 1)
         metrics["grad_norm"] = float(host["grad_norm"]) / count

@@ -218,8 +218,11 @@ def steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if _STEP.fullmatch(p.name) and p.is_dir())
 
 
-def newest_intact(directory: str | Path, *, trust_unsealed: bool = True) -> tuple[int | None, list[Verification]]:
-    """The newest step that verifies, and the verifications of the newer steps that did not.
+def newest_intact(
+    directory: str | Path, *, trust_unsealed: bool = True, below: int | None = None
+) -> tuple[int | None, list[Verification]]:
+    """The newest step (below step `below` when given) that verifies, and the verifications of the newer steps
+    that did not.
 
     A step without checksums (written before they existed, or by a run that
     stopped between Orbax's commit and the seal) counts as intact with
@@ -229,7 +232,7 @@ def newest_intact(directory: str | Path, *, trust_unsealed: bool = True) -> tupl
         # 400, [Verification(600: "state/_sharding: content differs from its checksum (xxh3_128)")]
     """
     rejected = []
-    for step in reversed(steps(directory)):
+    for step in reversed([s for s in steps(directory) if below is None or s < below]):
         result = verify(Path(directory) / str(step))
         if result.ok or (trust_unsealed and result.status is Status.NO_CHECKSUMS):
             return step, rejected
