@@ -498,7 +498,7 @@ def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
     fn = functools.partial(steps.eval_step, exp.moduledef, exp.cfg.seed, exp.eval.prepare, objective=exp.objective)
     eval_step = jax.jit(fn, in_shardings=(exp.shardings, layout.sharding, scalar, scalar), out_shardings=scalar)
     limit = exp.cfg.train.eval_max_batches
-    count = len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
+    count = eval_count(exp, layout)
 
     def run(state: steps.TrainState) -> dict[str, float]:
         batches = pipeline.eval_feed(exp.eval, layout, limit)
@@ -508,6 +508,12 @@ def evaluator(exp: Any, layout: Any, scalar: Any) -> Any:
         return metrics
 
     return run
+
+
+def eval_count(exp: Any, layout: Any) -> int:
+    """The rows an eval reads: the eval split, or its first `train.eval_max_batches` batches of `layout.size`."""
+    limit = exp.cfg.train.eval_max_batches
+    return len(exp.eval) if limit is None else min(len(exp.eval), limit * layout.size)
 
 
 def image_maker(exp: Any, layout: Any, scalar: Any) -> Any:

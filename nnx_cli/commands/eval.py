@@ -148,14 +148,16 @@ def evaluate(
 
         from nnx_cli.data.text import is_text
 
-        total, limit = len(exp.eval), exp.cfg.train.eval_max_batches
-        counted = total if layout is None or limit is None else min(total, limit * layout.size)
+        total = len(exp.eval)
+        counted = total if layout is None else hooks.eval_count(exp, layout)
         # text is read in rows of data.seq_len tokens, which hold several examples when packed, or part of one
         tokens = f" of {exp.cfg.data.seq_len} tokens" if is_text(exp.cfg.data) else ""
-        unit = f"rows{tokens}" if tokens else "examples"
-        examples = f"{total} {unit}" if total != 1 else (f"1 row{tokens}" if tokens else "1 example")
+        units, unit = (f"rows{tokens}", f"row{tokens}") if tokens else ("examples", "example")
+        examples = f"{total} {units if total != 1 else unit}"
         if counted < total:
-            examples = f"the first {counted} of {total} {unit} (train.eval_max_batches={limit})"
+            examples = (
+                f"the first {counted} of {total} {units} (train.eval_max_batches={exp.cfg.train.eval_max_batches})"
+            )
         say(f"{what} on {exp.cfg.data.source} [{exp.cfg.data.eval_split}], {examples}")
         title = "eval of the pretrained model" if step is None else f"eval at step {step}"
         Console(markup=False).print(report.metrics_table(title, metrics))
