@@ -177,12 +177,15 @@ def _scan_apply(
     # Intermediates an earlier call sowed came out stacked, one entry per layer (see `body`), and are scanned so
     # again: in the carry a sow would lengthen them at each layer (which lax.scan refuses), and filters that name
     # what is carried do not cover them. Unless variable_carry names them.
-    default_carry = options.variable_carry is ...
-    *_, unnamed = module.partition(*filters, *(() if default_carry else (...,)))[0]
+    rest = () if options.variable_carry is ... else (...,)  # what no filter names, when the carry is named
+    states, moduledef = module.partition(*filters, *rest)
+    unnamed = states[-1]  # the carry, or the rest
     sown = frozenset(path for path, value in unnamed.items() if isinstance(value, containers.Intermediate))
     if sown:
         filters, axes = (lambda path, _: path in sown, *filters), (0, *axes)
-    (*axes_states, broadcast_state, carry_state), moduledef = module.partition(*filters)
+    if sown or (rest and len(unnamed)):  # partitioned again: with the sown ones scanned, or to refuse the rest
+        states, moduledef = module.partition(*filters)
+    (*axes_states, broadcast_state, carry_state) = states[: len(filters)]
     axes_states = [
         _move_axes(spmd.remove_axis(state, axis, options.metadata_params), axis, destination=False)
         for state, axis in zip(axes_states, axes)

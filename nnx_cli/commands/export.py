@@ -73,9 +73,10 @@ def export(
         return _gguf(target, out, step=step, best=best, adapter=adapter, dtype=dtype, ollama=ollama,
                      overwrite=overwrite)  # fmt: skip
     if ollama or overwrite:
+        flag = "--ollama" if ollama else "--overwrite"
         raise UserError(
-            f"{'--ollama' if ollama else '--overwrite'} goes with --format gguf: add it, or drop "
-            f"{'--ollama' if ollama else '--overwrite'} (a Hugging Face export never overwrites: give a new --out)"
+            f"{flag} goes with --format gguf: add it, or drop {flag} (a Hugging Face export never overwrites: give a "
+            "new --out)"
         )
     if dtype in GGUF_DTYPES and dtype not in (*exporting.DTYPES, *exporting.FOUR_BIT):
         raise UserError(
