@@ -25,6 +25,13 @@ def test_the_site_builds_with_no_warning(tmp_path: Path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
+    # The API pages show the docstrings' examples as code (docs/rst_docstrings.py): Markdown alone read each
+    # `>>>` session as three nested block quotes and printed roles such as :class:`Module` as they are.
+    for page in (tmp_path / "site" / "reference" / "api").glob("*/index.html"):
+        html = page.read_text()
+        assert "<blockquote>" not in html and not re.search(r":(class|func|meth):", html), page
+    sessions = (tmp_path / "site" / "reference" / "api" / "nnx" / "index.html").read_text()
+    assert sessions.count('<span class="gp">&gt;&gt;&gt; </span>') > 50
 
 
 def test_the_site_uses_no_plugin_that_fetches_from_the_network():
