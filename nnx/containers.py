@@ -2,9 +2,15 @@
 
 A container wraps one ``value`` and any number of named metadata attributes::
 
-    p = nnx.Param(jnp.ones(3), sharding=('embed',))
-    p.value      # the array
-    p.sharding   # ('embed',)
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> p = nnx.Param(jnp.ones(3), sharding=('embed',))
+    >>> p.value
+    Array([1., 1., 1.], dtype=float32)
+    >>> p.sharding
+    ('embed',)
+    >>> jax.tree.map(lambda x: x * 2, p).sharding  # the metadata rides along
+    ('embed',)
 
 ``Node`` and its subclasses are pytrees with exactly one child (``value``);
 their metadata travels as static aux data, so ``jax.tree.map`` over a
@@ -73,7 +79,7 @@ def _metadata(container: "Container") -> dict[str, tp.Any]:
 class _ContainerMeta(ABCMeta):
     """Makes construction idempotent: ``Node(Node(1))`` is a ``Node`` of 1."""
 
-    def __call__(cls, value=None, *args, **metadata):
+    def __call__(cls, /, value=None, *args, **metadata):
         if not isinstance(value, Container):
             return super().__call__(value, *args, **metadata)
         source = value
@@ -270,8 +276,17 @@ class Variable(Node[A]):
 
     Subclass it to make a new kind of state that filters can select::
 
-        class Count(nnx.Variable): pass
-        counts = model.filter(Count)
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> class Count(nnx.Variable):
+        ...   pass
+        >>> class Counter(nnx.Module):
+        ...   def __init__(self, *, ctx):
+        ...     self.linear = nnx.Linear(2, 2, ctx=ctx)
+        ...     self.calls = Count(jnp.array(0))
+        >>> model = Counter(ctx=nnx.context(0))
+        >>> list(model.filter(Count)), list(model.filter(nnx.Param))
+        (['calls'], ['linear/bias', 'linear/kernel'])
     """
 
     sharding: Sharding | None
@@ -351,9 +366,11 @@ def with_metadata(initializer: F, **metadata: tp.Any) -> F:
 
     Example::
 
-        init = nnx.with_metadata(nnx.initializers.lecun_normal(), sharding=('din', 'dout'))
-        layer = nnx.Linear(2, 3, kernel_init=init, ctx=nnx.context(0))
-        layer.partition(nnx.Param)[0]['kernel'].sharding  # ('din', 'dout')
+        >>> import nnx
+        >>> init = nnx.with_metadata(nnx.initializers.lecun_normal(), sharding=('din', 'dout'))
+        >>> layer = nnx.Linear(2, 3, kernel_init=init, ctx=nnx.context(0))
+        >>> layer.partition(nnx.Param)[0]['kernel'].sharding
+        ('din', 'dout')
     """
 
     @functools.wraps(initializer)

@@ -3,8 +3,16 @@
 ``nnx.context(0)`` makes a Context with one stream, ``params``, seeded with 0;
 name more streams with keywords and add boolean flags::
 
-    ctx = nnx.context(0, dropout=1, flags={'deterministic': False})
-    key = ctx.make_rng('dropout')
+    >>> import jax.numpy as jnp
+    >>> import nnx
+    >>> ctx = nnx.context(0, dropout=1, flags={'deterministic': False})
+    >>> ctx
+    Context(rngs=['params', 'dropout'], flags={'deterministic': False})
+    >>> key = ctx.make_rng('dropout')
+    >>> bool(jnp.all(key == ctx.make_rng('dropout')))  # each call a new key
+    False
+    >>> ctx.get_flag('deterministic')
+    False
 
 Every ``make_rng`` call returns a new key, derived deterministically from the
 stream's key and a counter path with a stable hash (identical across
@@ -147,7 +155,20 @@ jtu.register_pytree_with_keys(
 
 
 class Context:
-    """RNG streams and flags, passed to layers as ``ctx=``. See ``nnx.context``."""
+    """RNG streams and flags, passed to layers as ``ctx=``; made by :func:`context`.
+
+    A layer draws its initial parameters from the ``params`` stream and its
+    noise (dropout) from a stream named after it::
+
+      >>> import jax.numpy as jnp
+      >>> import nnx
+      >>> ctx = nnx.context(0, dropout=1)
+      >>> layer = nnx.Linear(4, 4, ctx=ctx)  # draws from 'params'
+      >>> drop = nnx.Dropout(0.5)
+      >>> y = drop(jnp.ones((2, 4)), deterministic=False, ctx=ctx)  # draws from 'dropout'
+      >>> sorted({float(v) for v in y.ravel()})  # each value kept (doubled) or dropped
+      [0.0, 2.0]
+    """
 
     __slots__ = ("_rngs", "_flags", "_trace_state")
 
@@ -242,8 +263,11 @@ def context(
 
     Example::
 
-        ctx = nnx.context(0, dropout=1)
-        model = MLP(..., ctx=ctx)
+        >>> import nnx
+        >>> ctx = nnx.context(0, dropout=1)
+        >>> ctx.has_rng('dropout'), ctx.has_rng('noise')
+        (True, False)
+        >>> model = nnx.Linear(2, 3, ctx=ctx)
     """
     if params is not None:
         rngs = {"params": params, **rngs}

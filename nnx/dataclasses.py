@@ -1,17 +1,25 @@
 """Dataclass Modules and Pytrees whose fields declare their container.
 
-::
-
-    @nnx.dataclass
-    class Affine(nnx.Module):
-      features: int = nnx.static_field()
-      scale: jax.Array = nnx.param_field()
-      count: int = nnx.var_field(Count)
-
 After ``__init__`` each declared field is wrapped into its container
 (``scale`` becomes a ``Param``, ``count`` a ``Count``, ``features`` a
 ``Static``), so the fields show up in ``partition`` exactly like hand-written
-``nnx.Param(...)`` attributes, and static fields never do. A
+``nnx.Param(...)`` attributes, and static fields never do::
+
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> class Count(nnx.Variable):
+    ...   pass
+    >>> @nnx.dataclass
+    ... class Affine(nnx.Module):
+    ...   features: int = nnx.static_field()
+    ...   scale: jax.Array = nnx.param_field()
+    ...   count: int = nnx.var_field(Count)
+    >>> affine = Affine(3, jnp.ones(3), 0)
+    >>> state = affine.get_state()
+    >>> list(state), type(state['count']).__name__
+    (['count', 'scale'], 'Count')
+
+A
 field that is given a container must be compatible with the declared one:
 ``nnx.Node(1)`` is accepted by a ``node_field``, ``nnx.Param(1)`` is not.
 """

@@ -27,11 +27,18 @@ class Dict(Module, tp.Mapping[str, A]):
 
     Example::
 
-        heads = nnx.Dict(cls=nnx.Linear(8, 10, ctx=ctx), reg=nnx.Linear(8, 1, ctx=ctx))
-        heads.cls(x), heads['reg'](x)
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> ctx = nnx.context(0)
+        >>> heads = nnx.Dict(cls=nnx.Linear(8, 10, ctx=ctx), reg=nnx.Linear(8, 1, ctx=ctx))
+        >>> x = jnp.ones((2, 8))
+        >>> heads.cls(x).shape, heads['reg'](x).shape
+        ((2, 10), (2, 1))
+        >>> list(heads.filter(nnx.Param))
+        ['cls/bias', 'cls/kernel', 'reg/bias', 'reg/kernel']
     """
 
-    def __init__(self, *args: tp.Any, **kwargs: A):
+    def __init__(self, /, *args: tp.Any, **kwargs: A):
         for name, value in dict(*args, **kwargs).items():
             setattr(self, name, value)
 
@@ -88,8 +95,14 @@ class Sequence(Module, tp.Generic[A]):
     elements that accept it. An empty Sequence is the identity of its one
     argument::
 
-        mlp = nnx.Sequence([nnx.Linear(2, 8, ctx=ctx), nnx.relu, nnx.Linear(8, 1, ctx=ctx)])
-        y = mlp(x)
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> ctx = nnx.context(0)
+        >>> mlp = nnx.Sequence([nnx.Linear(2, 8, ctx=ctx), nnx.relu, nnx.Linear(8, 1, ctx=ctx)])
+        >>> mlp(jnp.ones((4, 2))).shape
+        (4, 1)
+        >>> len(mlp), list(mlp.filter(nnx.Param))[:2]
+        (3, ['0/bias', '0/kernel'])
     """
 
     def __init__(self, iterable: tp.Iterable[A]):
@@ -140,13 +153,26 @@ class TrainState(pytreelib.Pytree, tp.Generic[M]):
 
     ``params``, ``opt_state = tx.init(params)`` and ``step`` are children;
     ``tx`` and ``moduledef`` are static. Extra keyword arguments that are nodes
-    (a ``State`` of batch stats, ``nnx.Node(...)``) are children, others static::
+    (a ``State`` of batch stats, ``nnx.Node(...)``) are children, others static,
+    and ``state.apply('params', 'batch_stats')(x)`` runs the model on the named
+    ones. A whole training step::
 
-        (params, batch_stats), moduledef = model.partition(nnx.Param, nnx.BatchStat)
-        state = nnx.TrainState(moduledef, params=params, tx=optax.adam(1e-3),
-                               batch_stats=batch_stats)
-        y, updates = state.apply('params', 'batch_stats')(x)
-        state = state.apply_gradients(grads, batch_stats=updates.filter(nnx.BatchStat))
+        >>> import jax, jax.numpy as jnp, optax
+        >>> import nnx
+        >>> model = nnx.Linear(2, 1, ctx=nnx.context(0))
+        >>> params, moduledef = model.partition(nnx.Param)
+        >>> state = nnx.TrainState(moduledef, params=params, tx=optax.sgd(0.1))
+        >>> x, y = jnp.ones((8, 2)), jnp.zeros((8, 1))
+        >>> def loss_fn(params):
+        ...   pred, _ = state.moduledef.apply(params)(x)
+        ...   return jnp.mean((pred - y) ** 2)
+        >>> @jax.jit
+        ... def train_step(state):
+        ...   return state.apply_gradients(jax.grad(loss_fn)(state.params))
+        >>> before = loss_fn(state.params)
+        >>> state = train_step(state)
+        >>> int(state.step), bool(loss_fn(state.params) < before)
+        (1, True)
     """
 
     def __init__(

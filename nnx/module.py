@@ -2,20 +2,29 @@
 
 Subclass :class:`Module` and write an ordinary ``__init__``::
 
-    class Linear(nnx.Module):
-      def __init__(self, din, dout, *, ctx: nnx.Context):
-        self.w = nnx.Param(jax.random.uniform(ctx.make_rng('params'), (din, dout)))
-        self.b = nnx.Param(jnp.zeros((dout,)))
-
-      def __call__(self, x):
-        return x @ self.w + self.b
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> class Linear(nnx.Module):
+    ...   def __init__(self, din, dout, *, ctx: nnx.Context):
+    ...     self.w = nnx.Param(jax.random.uniform(ctx.make_rng('params'), (din, dout)))
+    ...     self.b = nnx.Param(jnp.zeros((dout,)))
+    ...
+    ...   def __call__(self, x):
+    ...     return x @ self.w + self.b
+    >>> model = Linear(2, 3, ctx=nnx.context(0))
+    >>> model(jnp.ones((4, 2))).shape
+    (4, 3)
 
 Modules are mutable, may share submodules and may contain cycles.
 ``partition`` walks the object graph once and returns a pure
 ``(State, ModuleDef)`` pair; ``ModuleDef.merge`` builds new Modules from it::
 
-    state, moduledef = model.partition()
-    model2 = moduledef.merge(state)
+    >>> state, moduledef = model.partition()
+    >>> list(state)
+    ['b', 'w']
+    >>> model2 = moduledef.merge(state)
+    >>> bool((model2(jnp.ones((1, 2))) == model(jnp.ones((1, 2)))).all())
+    True
 
 The walk is the hot path of every functional call, so it reads instance
 dicts directly, keeps the static structure as nested tuples that compare at C
@@ -102,12 +111,31 @@ def _construct(cls: type[M], args: tuple, kwargs: dict[str, tp.Any], init: tp.Ca
 
 
 class ModuleMeta(ABCMeta):
-    def __call__(cls, *args, **kwargs):
+    def __call__(cls, /, *args, **kwargs):
         return _construct(cls, args, kwargs)
 
 
 class Module(reprlib.Representable, metaclass=ModuleMeta):
-    """Base class of every nnx Module. See the module docstring."""
+    """Base class of every nnx Module; the module docstring shows one written from scratch.
+
+    Attributes that hold containers (``nnx.Param``, ``nnx.BatchStat``, ...) are
+    the Module's state, Modules are submodules, anything else is static. A
+    submodule reached twice is one submodule: its state appears once, under the
+    first of its paths in sorted order, and merging rebuilds the sharing::
+
+      >>> import nnx
+      >>> class Tied(nnx.Module):
+      ...   def __init__(self, layer):
+      ...     self.encoder = layer
+      ...     self.decoder = layer
+      >>> tied = Tied(nnx.Linear(2, 2, ctx=nnx.context(0)))
+      >>> state, moduledef = tied.partition()
+      >>> list(state)
+      ['decoder/bias', 'decoder/kernel']
+      >>> rebuilt = moduledef.merge(state)
+      >>> rebuilt.encoder is rebuilt.decoder
+      True
+    """
 
     _identity_equality: tp.ClassVar[bool] = True  # nnx.dataclass leaves Modules equal only to themselves
 
@@ -145,8 +173,12 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
         a tuple of ``State``s, one per filter, which together must match every
         node (put ``...`` last to catch the rest)::
 
-            (params, rest), moduledef = model.partition(nnx.Param, ...)
-            model = moduledef.merge(params, rest)
+            >>> import nnx
+            >>> model = nnx.BatchNorm(3, ctx=nnx.context(0))
+            >>> (params, rest), moduledef = model.partition(nnx.Param, ...)
+            >>> list(params), list(rest)
+            (['bias', 'scale'], ['mean', 'var'])
+            >>> model = moduledef.merge(params, rest)
         """
         state, moduledef = _graph_flatten(self)
         if filters:
@@ -379,12 +411,18 @@ class ModuleDef(tp.Generic[M], reprlib.Representable):
         return _graph_unflatten(self, mapping)
 
     def apply(self, state: State | tp.Sequence[State], *states: State) -> "CallProxy[tuple[tp.Any, Pure[State, M]]]":
-        """Calls a Module built from ``states`` and returns ``(out, Pure)``.
+        """Calls a Module built from ``states`` and returns ``(out, Pure)``: the output and the Module's
+        state after the call. Reach a method or a submodule's method through attributes
+        (``moduledef.apply(state).encoder(x)``)::
 
-        Example::
-
-            y, (state, moduledef) = moduledef.apply(params, counts)(x)
-            z, updates = moduledef.apply(state).encoder(x)
+            >>> import jax.numpy as jnp
+            >>> import nnx
+            >>> norm = nnx.BatchNorm(2, momentum=0.5, ctx=nnx.context(0))
+            >>> (params, stats), moduledef = norm.partition(nnx.Param, nnx.BatchStat)
+            >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+            >>> y, (state, _) = moduledef.apply(params, stats)(x, use_running_average=False)
+            >>> state['mean'].value  # the running mean moved halfway to the batch's
+            Array([1. , 1.5], dtype=float32)
         """
         return CallProxy(_run_on(lambda: self.merge(state, *states), lambda out, module: (out, module.partition())))
 

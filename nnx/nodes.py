@@ -5,9 +5,10 @@ Partitioning a Module collects every attribute whose value is a node into a
 structure and lives in the ``ModuleDef``. Arrays, ``Node`` containers,
 ``State``, ``Pure`` and ``Pytree`` instances are nodes out of the box::
 
-    nnx.is_node(jnp.ones(3))     # True
-    nnx.is_node(nnx.Param(1))    # True
-    nnx.is_node([1, 2])          # False
+    >>> import jax.numpy as jnp
+    >>> import nnx
+    >>> nnx.is_node(jnp.ones(3)), nnx.is_node(nnx.Param(1)), nnx.is_node([1, 2])
+    (True, True, False)
 
 Register your own types with :func:`register_node_type`.
 """

@@ -9,9 +9,16 @@ A filter is one of:
 * a tuple or list of filters: matches what any of them matches.
 
 Combine them with :class:`Not`, :class:`All` and :class:`Any`. For example,
-every parameter outside the backbone::
+every parameter outside the first layer::
 
-    nnx.All(nnx.Param, lambda path, node: not path.startswith('backbone'))
+    >>> import nnx
+    >>> ctx = nnx.context(0)
+    >>> model = nnx.Sequence([nnx.Linear(2, 3, ctx=ctx), nnx.BatchNorm(3, ctx=ctx)])
+    >>> outside = nnx.All(nnx.Param, lambda path, node: not path.startswith('0/'))
+    >>> list(model.filter(outside))
+    ['1/bias', '1/scale']
+    >>> list(model.filter(nnx.Not(nnx.Param)))
+    ['1/mean', '1/var']
 
 A string is not a filter: variable kinds are types (``nnx.Param``), not
 collection names.

@@ -4,13 +4,17 @@ Attributes that are nodes (arrays, containers, nested Pytrees, States) are
 children; everything else is static aux data. Field order is sorted, so two
 instances built in a different order have the same structure::
 
-    class Point(nnx.Pytree):
-      def __init__(self, x, y, name):
-        self.x, self.y = x, y      # arrays: children
-        self.name = name           # a str: static
-
-    p = jax.tree.map(lambda a: a * 2, Point(jnp.ones(2), jnp.ones(2), 'p'))
-    p = p.replace(name='q')
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> class Point(nnx.Pytree):
+    ...   def __init__(self, x, y, name):
+    ...     self.x, self.y = x, y  # arrays: children
+    ...     self.name = name  # a str: static
+    >>> p = jax.tree.map(lambda a: a * 2, Point(jnp.ones(2), jnp.ones(2), 'p'))
+    >>> p.x, p.name
+    (Array([2., 2.], dtype=float32), 'p')
+    >>> p.replace(name='q').name
+    'q'
 
 After ``__init__`` a Pytree is immutable (``class P(nnx.Pytree, mutable=True)``
 allows assignment, never new fields). Wrap a non-node value in
@@ -43,7 +47,7 @@ class TreeNode(containers.NodeBase[A]):
 
 
 class PytreeMeta(ABCMeta):
-    def __call__(cls, *args: tp.Any, **kwargs: tp.Any):
+    def __call__(cls, /, *args: tp.Any, **kwargs: tp.Any):
         if cls.__new__ is object.__new__:
             obj = object.__new__(cls)
         else:

@@ -4,13 +4,20 @@ A class opts in by subclassing :class:`Representable` and implementing
 ``__nnx_repr__``, a generator that yields one :class:`Object` header and then
 one :class:`Attr` per line::
 
-    class Point(reprlib.Representable):
-      def __nnx_repr__(self):
-        yield reprlib.Object(type(self))
-        yield reprlib.Attr('x', self.x)
-        yield reprlib.Attr('y', self.y)
-
-    repr(Point(1, 2))  # "Point(\n  x=1,\n  y=2\n)"
+    >>> from nnx import reprlib
+    >>> class Point(reprlib.Representable):
+    ...   def __init__(self, x, y):
+    ...     self.x, self.y = x, y
+    ...
+    ...   def __nnx_repr__(self):
+    ...     yield reprlib.Object(type(self))
+    ...     yield reprlib.Attr('x', self.x)
+    ...     yield reprlib.Attr('y', self.y)
+    >>> Point(1, 2)
+    Point(
+      x=1,
+      y=2
+    )
 
 Nested Representables are indented, and an object that is already being
 printed higher up the stack (a cycle) prints as ``...``.

@@ -2,19 +2,22 @@
 
 Parameters are annotated with *logical* axis names (``('embed', 'mlp')``)
 that say what each axis means; a separate, swappable list of *rules* says
-which mesh axis each logical name is sharded over::
+which mesh axis each logical name is sharded over (here over every device
+there is, one or many)::
 
-    init = nnx.with_logical_partitioning(nnx.initializers.lecun_normal(),
-                                         ('embed', 'mlp'))
-    rules = [('batch', 'data'), ('embed', None), ('mlp', 'model')]
-    mesh = jax.make_mesh((2, 4), ('data', 'model'))
-
-    @jax.jit
-    def create():
-      return nnx.Linear(16, 32, kernel_init=init, ctx=nnx.context(0)).partition()
-
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      state, moduledef = create()   # kernel sharded P(None, 'model')
+    >>> import jax
+    >>> import nnx
+    >>> init = nnx.with_logical_partitioning(nnx.initializers.lecun_normal(),
+    ...                                      ('embed', 'mlp'))
+    >>> rules = [('batch', 'data'), ('embed', None), ('mlp', 'model')]
+    >>> mesh = jax.make_mesh((1, jax.device_count()), ('data', 'model'))
+    >>> @jax.jit
+    ... def create():
+    ...   return nnx.Linear(16, 32, kernel_init=init, ctx=nnx.context(0)).partition()
+    >>> with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    ...   state, moduledef = create()
+    >>> state['kernel'].value.sharding.spec
+    P(None, 'model')
 
 Both of JAX's mesh contexts are understood: ``with jax.set_mesh(mesh):`` and
 the legacy ``with mesh:``. With no mesh or no rules active every constraint
@@ -23,8 +26,11 @@ here is a no-op, so annotated models run unchanged on one device.
 To lay out a whole training state (``jax.jit``'s ``in_shardings`` /
 ``out_shardings``)::
 
-    logical = nnx.get_partition_spec(train_state)   # P('embed', 'mlp'), ...
-    shardings = nnx.logical_to_mesh_sharding(logical, mesh, rules)
+    >>> logical = nnx.get_partition_spec(state)
+    >>> logical['kernel']
+    P('embed', 'mlp')
+    >>> nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)['kernel'].spec
+    P(None, 'model')
 """
 
 import contextlib
@@ -93,8 +99,10 @@ def logical_axis_rules(rules: LogicalRules) -> tp.Iterator[None]:
     order; ``mesh_axes`` is a mesh axis name, a tuple of them, or ``None``
     (replicated)::
 
-        with nnx.logical_axis_rules([('batch', 'data'), ('mlp', 'model')]):
-          ...
+        >>> import nnx
+        >>> with nnx.logical_axis_rules([('batch', 'data'), ('mlp', 'model')]):
+        ...   nnx.spmd.logical_to_mesh_axes(('batch', 'embed', 'mlp'))
+        P('data', None, 'model')
     """
     previous = _rules_state.rules
     _rules_state.rules = _freeze_rules(rules)
@@ -165,8 +173,11 @@ def logical_to_mesh_axes(names: LogicalNames | None, rules: LogicalRules | None 
     ``names`` and its mesh axes are not used yet by this array. Names that no
     rule maps become ``None`` (not sharded)::
 
-        nnx.logical_to_mesh_axes(('batch', 'embed'), [('batch', 'data')])
-        # PartitionSpec('data', None)
+        >>> import nnx
+        >>> nnx.spmd.logical_to_mesh_axes(('batch', 'embed'), [('batch', 'data')])
+        P('data', None)
+        >>> nnx.spmd.logical_to_mesh_axes(('rows', 'cols'), [('rows', 'data'), ('cols', 'data')])
+        P('data', None)
 
     ``rules`` defaults to the ones set with :func:`logical_axis_rules`.
     """
@@ -185,8 +196,13 @@ def logical_to_mesh(tree: A, rules: LogicalRules | None = None) -> A:
 
     Usually applied to the result of :func:`get_partition_spec`::
 
-        with nnx.logical_axis_rules([('row', 'model'), ('col', 'data')]):
-          mesh_spec = nnx.logical_to_mesh(nnx.get_partition_spec(state))
+        >>> import nnx
+        >>> init = nnx.with_metadata(nnx.initializers.lecun_normal(), sharding=('row', 'col'))
+        >>> state = nnx.Linear(2, 3, kernel_init=init, ctx=nnx.context(0)).get_state()
+        >>> with nnx.logical_axis_rules([('row', 'model'), ('col', 'data')]):
+        ...   mesh_spec = nnx.logical_to_mesh(nnx.get_partition_spec(state))
+        >>> mesh_spec['kernel'], mesh_spec['bias']
+        (P('model', 'data'), P())
     """
     frozen = _resolve_rules(rules)
     return jax.tree.map(
@@ -215,9 +231,14 @@ def get_partition_spec(tree: A) -> A:
     Works on any pytree holding nodes: a ``State``, a ``Pure``, a
     ``TrainState``, optimizer states::
 
-        spec = nnx.get_partition_spec(train_state)
-        spec.params['w']            # PartitionSpec('row', 'col')
-        spec.opt_state[0].mu['w']   # PartitionSpec('row', 'col')
+        >>> import optax
+        >>> import nnx
+        >>> init = nnx.with_metadata(nnx.initializers.lecun_normal(), sharding=('row', 'col'))
+        >>> params, moduledef = nnx.Linear(2, 3, kernel_init=init, ctx=nnx.context(0)).partition(nnx.Param)
+        >>> train_state = nnx.TrainState(moduledef, params=params, tx=optax.adam(1e-3))
+        >>> spec = nnx.get_partition_spec(train_state)
+        >>> spec.params['kernel'], spec.opt_state[0].mu['kernel']
+        (P('row', 'col'), P('row', 'col'))
     """
 
     def spec_of(x: tp.Any) -> PartitionSpec:
@@ -263,8 +284,11 @@ def platform() -> str:
     differently). ``jax.default_backend()`` ignores ``jax.default_device``: on a GPU machine it names the GPU
     inside ``with jax.default_device(jax.devices("cpu")[0]):`` too, where the programs compile for the CPU::
 
-      with jax.default_device(jax.devices("cpu")[0]):
-        nnx.spmd.platform()   # 'cpu', wherever it runs
+      >>> import jax
+      >>> import nnx
+      >>> with jax.default_device(jax.devices("cpu")[0]):
+      ...   nnx.spmd.platform()  # wherever it runs
+      'cpu'
     """
     device = jax.config.jax_default_device
     if device is None:
@@ -337,7 +361,18 @@ def with_logical_constraint(
     when no rules or no mesh are active, so layers can call it
     unconditionally::
 
-        h = nnx.with_logical_constraint(h, ('batch', 'length', 'embed'))
+        >>> import jax, jax.numpy as jnp
+        >>> import nnx
+        >>> h = jnp.ones((8, 4, 16))  # (batch, length, embed)
+        >>> nnx.with_logical_constraint(h, ('batch', 'length', 'embed')) is h  # no rules: a no-op
+        True
+        >>> mesh = jax.make_mesh((jax.device_count(),), ('data',))
+        >>> @jax.jit
+        ... def layer(h):
+        ...   return nnx.with_logical_constraint(h * 2, ('batch', 'length', 'embed'))
+        >>> with jax.set_mesh(mesh), nnx.logical_axis_rules([('batch', 'data')]):
+        ...   layer(h).sharding.spec
+        P('data', None, None)
 
     ``fallback`` decides what a logical name with no rule means: not sharded
     (default), an error, or no constraint at all for that array. Axes of an
@@ -406,9 +441,12 @@ def with_logical_partitioning(
     constrained to its mesh sharding as it is created, and again each time a
     Module attribute holding it is read::
 
-        kernel_init = nnx.with_logical_partitioning(
-            nnx.initializers.lecun_normal(), ('embed', 'mlp'))
-        layer = nnx.Linear(16, 32, kernel_init=kernel_init, ctx=nnx.context(0))
+        >>> import nnx
+        >>> kernel_init = nnx.with_logical_partitioning(
+        ...     nnx.initializers.lecun_normal(), ('embed', 'mlp'))
+        >>> layer = nnx.Linear(16, 32, kernel_init=kernel_init, ctx=nnx.context(0))
+        >>> layer.get_state()['kernel'].sharding
+        ('embed', 'mlp')
 
     ``mesh`` and ``rules`` override the active mesh and rules.
     """

@@ -5,10 +5,19 @@ A ``State`` maps path strings (attribute names joined with ``/``, such as
 path for each entry is its path, so it goes through ``jax.jit``,
 ``jax.grad`` and ``jax.tree.map`` unchanged in structure::
 
-    state = model.get_state()
-    state = jax.tree.map(lambda x: x * 2, state)
-    params, rest = state.partition(nnx.Param, ...)
-    state = params | rest
+    >>> import jax
+    >>> import nnx
+    >>> ctx = nnx.context(0)
+    >>> model = nnx.Sequence([nnx.Linear(2, 3, ctx=ctx), nnx.BatchNorm(3, ctx=ctx)])
+    >>> state = model.get_state()
+    >>> list(state)
+    ['0/bias', '0/kernel', '1/bias', '1/mean', '1/scale', '1/var']
+    >>> doubled = jax.tree.map(lambda x: x * 2, state)  # still Params and BatchStats
+    >>> params, rest = state.partition(nnx.Param, ...)
+    >>> list(rest)
+    ['1/mean', '1/var']
+    >>> (params | rest) == state
+    True
 """
 
 import typing as tp

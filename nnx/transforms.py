@@ -5,15 +5,21 @@ here take a Module directly, run the function on a copy rebuilt inside the
 transform (``partition`` outside, ``merge`` inside) and write every state
 change made inside back to the Module you passed::
 
-    @nnx.jit
-    def train_step(model, x, y):
-      def loss_fn(model):
-        return jnp.mean((model(x) - y) ** 2)
-      grads = nnx.grad(loss_fn)(model)         # State keyed like the model
-      params = model.filter(nnx.Param)
-      model.update_state(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
-
-    train_step(model, x, y)                    # model now holds new params
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> def loss_fn(model, x, y):
+    ...   return jnp.mean((model(x) - y) ** 2)
+    >>> @nnx.jit
+    ... def train_step(model, x, y):
+    ...   grads = nnx.grad(loss_fn)(model, x, y)  # a State keyed like the model
+    ...   params = model.filter(nnx.Param)
+    ...   model.update_state(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+    >>> model = nnx.Linear(2, 1, ctx=nnx.context(0))
+    >>> x, y = jnp.ones((8, 2)), jnp.zeros((8, 1))
+    >>> before = loss_fn(model, x, y)
+    >>> train_step(model, x, y)  # the model now holds the new parameters
+    >>> bool(loss_fn(model, x, y) < before)
+    True
 
 * :func:`jit`: ``jax.jit``; compiled once per Module structure.
 * :func:`grad`: ``jax.grad`` with respect to the nodes a filter selects.

@@ -11,6 +11,11 @@ def test_node_of_a_node_is_a_node_of_the_value():
     assert x.value == 1
 
 
+def test_a_container_takes_its_value_by_keyword_and_metadata_named_cls():
+    p = nnx.Param(value=np.ones(2), cls="label")
+    assert p.cls == "label" and p.value.shape == (2,)
+
+
 def test_variable_of_a_variable_keeps_value_and_metadata():
     x = nnx.Param(nnx.Param(1, sharding=("a",)))
     assert x.value == 1

@@ -18,6 +18,11 @@ def test_dict_is_a_mapping_module():
     assert nnx.Dict({"x": 1}).x == 1
 
 
+def test_dict_takes_any_name_as_a_keyword_cls_and_self_included():
+    heads = nnx.Dict(cls=nnx.Param(1), self=nnx.Param(2), reg=3)
+    assert heads.cls == 1 and heads["self"] == 2 and list(heads) == ["cls", "self", "reg"]
+
+
 def test_sequence_indexing_and_iteration():
     s = nnx.Sequence([nnx.Param(1), 2, 3])
     assert len(s) == 3 and s[0] == 1 and s[-1] == 3 and list(s) == [1, 2, 3]

@@ -19,6 +19,14 @@ class Foo(nnx.Module):
         return self.w * x + jax.random.normal(ctx.make_rng("e"), ()) + self.c
 
 
+def test_a_module_argument_may_be_named_cls():
+    class Head(nnx.Module):
+        def __init__(self, cls: int):
+            self.classes = cls
+
+    assert Head(cls=10).classes == 10
+
+
 def test_module_state_is_attached_before_init():
     seen = []
 

@@ -25,6 +25,16 @@ def test_nodes_are_children_and_the_rest_is_static():
     assert float(q.x) == 2.0 and q.name == "p"
 
 
+def test_a_pytree_argument_may_be_named_cls():
+    class Labelled(nnx.Pytree):
+        def __init__(self, x, cls):
+            self.x = x
+            self.cls = cls
+
+    p = jax.tree.map(lambda v: v + 1, Labelled(jnp.array(1.0), cls="cat"))
+    assert float(p.x) == 2.0 and p.cls == "cat"
+
+
 def test_tree_node_marks_a_child():
     class P(nnx.Pytree):
         def __init__(self):

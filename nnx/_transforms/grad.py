@@ -29,8 +29,14 @@ def grad(
     gradients as a ``State`` keyed like the module's state, each gradient in
     the same container type as its node (a plain array node gives a ``Node``)::
 
-        grads = nnx.grad(loss_fn)(model, x, y)
-        grads['linear/kernel']          # Param holding d loss / d kernel
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> def loss_fn(model, x):
+        ...   return jnp.mean(model(x) ** 2)
+        >>> model = nnx.Linear(2, 1, ctx=nnx.context(0))
+        >>> grads = nnx.grad(loss_fn)(model, jnp.ones((4, 2)))
+        >>> list(grads), type(grads['kernel']).__name__  # d loss / d kernel, as a Param
+        (['bias', 'kernel'], 'Param')
 
     ``wrt`` is any filter: ``nnx.All(nnx.Param, lambda path, _: not
     path.startswith('backbone'))`` freezes the backbone. With ``stateful=True``

@@ -192,13 +192,19 @@ def jit(
     inside (new parameter values, updated batch statistics, new attributes
     such as sown intermediates) is written back to ``module`` after the call;
     with ``stateful=False`` the module is left untouched. A ``Context``
-    passed as ``ctx=`` is forked on the way in and rebuilt inside::
+    passed as ``ctx=`` is forked on the way in and rebuilt inside, so each call
+    draws new keys::
 
-        @nnx.jit
-        def forward(model, x, *, ctx):
-          return model(x, ctx=ctx)
-
-        y = forward(model, x, ctx=nnx.context(dropout=0))
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> @nnx.jit
+        ... def forward(model, x, *, ctx):
+        ...   return model(x, deterministic=False, ctx=ctx)
+        >>> dropout, ctx = nnx.Dropout(0.5), nnx.context(dropout=0)
+        >>> first = forward(dropout, jnp.ones((4, 4)), ctx=ctx)
+        >>> second = forward(dropout, jnp.ones((4, 4)), ctx=ctx)  # compiled once, new mask
+        >>> bool((first == second).all())
+        False
 
     Calls with the same Module structure (same submodules, attributes and
     static fields) reuse the compiled function. Argument indices

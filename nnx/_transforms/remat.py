@@ -79,7 +79,19 @@ class Remat(LiftedModule[M]):
     ``nnx.Scan(nnx.Remat(Block), variable_axes={nnx.Param: 0}, length=8)``.
 
     Options: ``prevent_cse``, ``static_argnums`` (indices into the call's
-    positional arguments) and ``policy``, as in ``jax.checkpoint``.
+    positional arguments) and ``policy``, as in ``jax.checkpoint``::
+
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> class Block(nnx.Module):
+        ...   def __init__(self, d, *, ctx):
+        ...     self.linear = nnx.Linear(d, d, ctx=ctx)
+        ...   def __call__(self, x):
+        ...     return nnx.relu(self.linear(x))
+        >>> block = nnx.Remat(Block)(3, ctx=nnx.context(0))
+        >>> grads = nnx.grad(lambda m: m(jnp.ones((2, 3))).sum())(block)
+        >>> list(grads)
+        ['remat_module/linear/bias', 'remat_module/linear/kernel']
     """
 
     def __init__(

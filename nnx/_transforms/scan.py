@@ -254,17 +254,21 @@ class Scan(LiftedModule[M]):
     ``Block.__call__(carry, x, *broadcast)`` once per layer, threading
     ``carry`` and slicing ``xs`` (``None`` when there is nothing to slice)::
 
-        class Block(nnx.Module):
-          def __init__(self, d, *, ctx):
-            self.linear = nnx.Linear(d, d, ctx=ctx)
-          def __call__(self, x, _):
-            return nnx.relu(self.linear(x)), None
-
-        MLP = nnx.Scan(Block, variable_axes={nnx.Param: 0},
-                       split_rngs='params', length=5)
-        mlp = MLP(3, ctx=nnx.context(0))
-        mlp.scan_module.linear.kernel.shape   # (5, 3, 3)
-        y, _ = mlp(x, None)
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> class Block(nnx.Module):
+        ...   def __init__(self, d, *, ctx):
+        ...     self.linear = nnx.Linear(d, d, ctx=ctx)
+        ...   def __call__(self, x, _):
+        ...     return nnx.relu(self.linear(x)), None
+        >>> MLP = nnx.Scan(Block, variable_axes={nnx.Param: 0},
+        ...                split_rngs='params', length=5)
+        >>> mlp = MLP(3, ctx=nnx.context(0))
+        >>> mlp.scan_module.linear.kernel.shape  # five layers' kernels, stacked
+        (5, 3, 3)
+        >>> y, _ = mlp(jnp.ones((2, 3)), None)
+        >>> y.shape
+        (2, 3)
 
     Options:
       variable_axes: ``{filter: axis}``; matching state is stacked along
@@ -356,15 +360,21 @@ def scan(
     On ``__init__`` it builds ``length`` stacked layers in place; on any other
     method ``(self, carry, xs, *args)`` it scans that method over them::
 
-        class Block(nnx.Module):
-          @functools.partial(nnx.scan, variable_axes={nnx.Param: 0},
-                             split_rngs='params', length=5)
-          def __init__(self, *, ctx):
-            self.linear = nnx.Linear(3, 3, ctx=ctx)
-
-          @functools.partial(nnx.scan, variable_axes={nnx.Param: 0}, length=5)
-          def __call__(self, x, _):
-            return self.linear(x), None
+        >>> import functools
+        >>> import jax.numpy as jnp
+        >>> import nnx
+        >>> class Block(nnx.Module):
+        ...   @functools.partial(nnx.scan, variable_axes={nnx.Param: 0},
+        ...                      split_rngs='params', length=5)
+        ...   def __init__(self, *, ctx):
+        ...     self.linear = nnx.Linear(3, 3, ctx=ctx)
+        ...
+        ...   @functools.partial(nnx.scan, variable_axes={nnx.Param: 0}, length=5)
+        ...   def __call__(self, x, _):
+        ...     return self.linear(x), None
+        >>> block = Block(ctx=nnx.context(0))
+        >>> block.linear.kernel.shape, block(jnp.ones((2, 3)), None)[0].shape
+        ((5, 3, 3), (2, 3))
 
     Options are those of :class:`Scan`; ``is_init`` overrides the detection of
     ``__init__`` by name.

@@ -6,16 +6,24 @@ low-rank update: ``y = x @ W + dropout(x) @ A @ B * (alpha / rank)``, with
 model exactly. ``A`` and ``B`` are :class:`LoRAParam`, a ``Param`` of their
 own kind, so one ``partition`` separates what trains from what stays::
 
-    class Adapted(nnx.Module):
-        def __init__(self, ctx):
-            self.linear = nnx.Linear(64, 64, ctx=ctx)
-            self.lora = nnx.LoRA(64, 64, rank=8, alpha=16, ctx=ctx)
-
-        def __call__(self, x):
-            return self.linear(x) + self.lora(x)
-
-    (adapters, frozen, rest), moduledef = model.partition(nnx.LoRAParam, nnx.Param, ...)
-    grads = jax.grad(lambda a: loss(moduledef.apply(a, frozen, rest)(x)[0]))(adapters)   # adapters only
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> class Adapted(nnx.Module):
+    ...   def __init__(self, ctx):
+    ...     self.linear = nnx.Linear(64, 64, ctx=ctx)
+    ...     self.lora = nnx.LoRA(64, 64, rank=8, alpha=16, ctx=ctx)
+    ...
+    ...   def __call__(self, x):
+    ...     return self.linear(x) + self.lora(x)
+    >>> model, x = Adapted(nnx.context(0)), jnp.ones((4, 64))
+    >>> bool((model(x) == model.linear(x)).all())  # B starts at zero
+    True
+    >>> (adapters, frozen), moduledef = model.partition(nnx.LoRAParam, nnx.Param)
+    >>> def loss(adapters):
+    ...   y, _ = moduledef.apply(adapters, frozen)(x)
+    ...   return jnp.mean(y ** 2)
+    >>> list(jax.grad(loss)(adapters))  # the adapters' gradients only
+    ['lora/a', 'lora/b']
 
 A ``LoRAParam`` is also a ``Param``: filters and code that ask for every
 parameter (counting them, decoding with them) still see the adapters.
@@ -263,8 +271,14 @@ class LoRA(Module):
         for the update widen or write ``[tokens, out]`` activations in float32 (Qwen2.5-0.5B's MLP at 1,024
         tokens: 0.7-0.8x the time of the base and update computed apart)::
 
-            x = x.astype(jnp.bfloat16)                                # computes in x's dtype
-            y = lora.adapt(x, lambda w: w.astype(jnp.bfloat16), kernel)   # a frozen float32 kernel [in, out]
+            >>> import jax.numpy as jnp
+            >>> import nnx
+            >>> lora = nnx.LoRA(64, 32, rank=4, ctx=nnx.context(0))
+            >>> kernel = jnp.ones((64, 32))  # a frozen float32 kernel [in, out]
+            >>> x = jnp.ones((4, 64), jnp.bfloat16)  # computes in x's dtype
+            >>> y = lora.adapt(x, lambda w: w.astype(jnp.bfloat16), kernel)
+            >>> y.shape, y.dtype
+            ((4, 32), dtype(bfloat16))
         """
         xl = self.dropout(x, deterministic=_deterministic(deterministic, ctx), ctx=ctx)
         a, b = stored_value(self, "a"), stored_value(self, "b")

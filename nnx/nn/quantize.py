@@ -33,10 +33,15 @@ matmul, and the codes get no gradient. A single row on a CPU (a batch-1
 decoding step) is multiplied from the codes, through a table of the row's
 products with each byte's two values, by the float32 weights::
 
-    w = jax.random.normal(jax.random.key(0), (128, 64))
-    kernel = nnx.QuantizedKernel(128, 64, value=w)       # nf4, blocks of 64, double-quantised
-    kernel(jnp.ones((8, 128)), dtype=jnp.bfloat16).shape  # (8, 64)
-    kernel.dequantize(jnp.float32)                        # what bitsandbytes' dequantize_4bit gives
+    >>> import jax, jax.numpy as jnp
+    >>> import nnx
+    >>> w = jax.random.normal(jax.random.key(0), (128, 64))
+    >>> kernel = nnx.QuantizedKernel(128, 64, value=w)  # nf4, blocks of 64, double-quantised
+    >>> kernel(jnp.ones((8, 128)), dtype=jnp.bfloat16).shape
+    (8, 64)
+    >>> w_4bit = kernel.dequantize(jnp.float32)  # what bitsandbytes' dequantize_4bit gives
+    >>> w_4bit.shape, float(jnp.abs(w_4bit - w).mean()) < 0.1  # 16 levels: close, not equal
+    ((128, 64), True)
 
 The functions over flat arrays (:func:`quantize_4bit`, :func:`dequantize_4bit`,
 :func:`quantize_blockwise`, :func:`double_quantize`, ...) take NumPy or JAX
@@ -226,6 +231,8 @@ def quantize_4bit(w: Array, type: str = "nf4", block: int = 64, xp: Any = np) ->
 
     Example::
 
+      >>> import numpy as np
+      >>> from nnx.nn.quantize import quantize_4bit
       >>> packed, absmax = quantize_4bit(np.linspace(-1, 1, 128, dtype=np.float32))
       >>> packed.shape, absmax.shape
       ((64,), (2,))
@@ -621,7 +628,17 @@ def dequantized_product(
     the passes, only the codes that are in memory anyway. ``kernel`` gets no gradient (it is frozen), nor do
     ``operands`` (integer routing tables, for a mixture's grouped product)::
 
-        y = dequantized_product(grouped, grouped_transpose, rows, experts, jnp.bfloat16, sizes)
+        >>> import jax, jax.numpy as jnp
+        >>> import nnx
+        >>> kernel = nnx.QuantizedKernel(64, 32, value=jnp.ones((64, 32)))
+        >>> def product(x, w, out_dtype):
+        ...   return (x @ w).astype(out_dtype or x.dtype)
+        >>> def transpose(g, w, out_dtype):
+        ...   return (g @ w.T).astype(out_dtype or g.dtype)
+        >>> def f(x):
+        ...   return nnx.dequantized_product(product, transpose, x, kernel, jnp.float32).sum()
+        >>> jax.grad(f)(jnp.ones((4, 64)))[0, :3]  # ones stay exact in nf4
+        Array([32., 32., 32.], dtype=float32)
     """
     return _product(product, transpose, _spec(kernel, dtype, out_dtype), x, kernel.parts(), operands)
 
