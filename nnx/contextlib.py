@@ -193,7 +193,11 @@ class Context:
         """Returns a fresh key from stream ``name`` and advances its counter."""
         self._check_trace()
         if name not in self._rngs:
-            raise ValueError(f"Unknown Rng Stream: {name}")
+            have = ", ".join(self._rngs) or "none"
+            raise ValueError(
+                f"Unknown Rng Stream: {name} (this Context has streams: {have}; "
+                f"add it with nnx.context(..., {name}=SEED))"
+            )
         stream = self._rngs[name]
         key = _fold_in(stream.key, stream._next())
         stream.count += 1

@@ -42,9 +42,11 @@ def test_integer_scalar_array_is_a_seed():
     np.testing.assert_array_equal(from_array.make_rng("dropout"), from_int.make_rng("dropout"))
 
 
-def test_unknown_stream_raises():
-    with pytest.raises(ValueError, match="Unknown Rng Stream: dropout"):
-        nnx.context(0).make_rng("dropout")
+def test_unknown_stream_raises_naming_the_streams_there_are_and_how_to_add_it():
+    with pytest.raises(ValueError, match=r"Unknown Rng Stream: dropout \(this Context has streams: params, noise; "):
+        nnx.context(0, noise=1).make_rng("dropout")
+    with pytest.raises(ValueError, match=r"streams: none; add it with nnx.context\(..., dropout=SEED\)"):
+        nnx.context().make_rng("dropout")
 
 
 def test_flags():

@@ -196,6 +196,27 @@ def test_a_context_passed_positionally_is_a_type_error_saying_to_pass_it_as_ctx(
             lifted.lower(_counter(), X, nnx.context(0))
 
 
+@pytest.mark.parametrize("transform", ["jit", "grad"])
+def test_a_second_module_is_a_type_error_saying_only_the_first_is_lifted(transform: str):
+    """It reached JAX, whose error said only that it could not read the argument as an array."""
+
+    def loss(model, other=None, *, extra=None):
+        return jnp.sum(model(X))
+
+    lifted = getattr(nnx, transform)(loss)
+    with pytest.raises(
+        TypeError, match=rf"^nnx.{transform}: argument 1 after the first Module is a Module \(Counter\)"
+    ):
+        lifted(_counter(), _counter())
+    with pytest.raises(TypeError, match=r"keyword argument extra= is a Module \(Counter\); only the first argument"):
+        lifted(_counter(), extra=_counter())
+
+
+def test_jit_returning_a_module_is_a_type_error_saying_what_to_return():
+    with pytest.raises(TypeError, match=r"^nnx.jit: the function returned a Module \(Counter\); return arrays or"):
+        nnx.jit(lambda model: (model(X), model))(_counter())
+
+
 def test_jit_static_argnums_count_the_module_as_argument_zero():
 
     @functools.partial(nnx.jit, static_argnums=2)
@@ -353,6 +374,11 @@ def test_grad_has_aux_returns_grads_and_aux():
     grads, aux = nnx.grad(lambda m, x: (_loss(m, x), "aux"), has_aux=True)(_counter(), X)
     assert aux == "aux"
     assert set(grads) == {"linear/bias", "linear/kernel"}
+
+
+def test_grad_has_aux_with_a_function_returning_only_the_loss_says_it_must_return_a_pair():
+    with pytest.raises(TypeError, match=r"nnx.grad\(has_aux=True\): _loss must return a pair \(loss, aux\), got"):
+        nnx.grad(_loss, has_aux=True)(_counter(), X)
 
 
 def test_grad_merges_a_context_passed_as_ctx():
@@ -645,6 +671,17 @@ def test_scan_variable_axes_without_length_raise():
 def test_scan_variable_axes_without_length_raise_where_the_scan_is_declared():
     with pytest.raises(ValueError, match="length"):
         nnx.Scan(Block, variable_axes={nnx.Param: 0})
+
+
+@pytest.mark.parametrize(
+    "declare", [lambda: nnx.Scan(Block, variable_axis={nnx.Param: 0}, length=2), lambda: nnx.Remat(Block, polcy=None)]
+)
+def test_a_misspelt_option_fails_where_the_wrapper_is_declared_naming_the_options(declare):
+    with pytest.raises(
+        TypeError,
+        match=r"unexpected keyword argument '(variable_axis|polcy)'; its options are (variable_axes|prevent_cse), ",
+    ):
+        declare()
 
 
 def test_scan_decorator_builds_stacked_layers_in_place_and_scans_the_call():

@@ -6,7 +6,7 @@ import typing as tp
 import jax
 
 from nnx import containers, partitioning, tracers
-from nnx._transforms.lifting import check_module, check_positional_ctx, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx
 from nnx.module import Module
 from nnx.state import State
 
@@ -59,7 +59,7 @@ def grad(
     @functools.wraps(fun)
     def grad_fn(module: Module, *args, **kwargs):
         check_module("nnx.grad", module)
-        check_positional_ctx("nnx.grad", args)
+        check_arguments("nnx.grad", args, kwargs)
         kwargs = partition_ctx(kwargs)
         state, moduledef = module.partition()
         diff, rest = state.partition(partitioning.Everything() if wrt is ... else wrt, ...)  # `...` goes last
@@ -75,6 +75,11 @@ def grad(
             with tracers.nnx_trace():
                 inner = moduledef.merge(diff, rest)
                 out = fun(inner, *args, **merge_ctx(kwargs))
+                if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                    raise TypeError(
+                        f"nnx.grad(has_aux=True): {getattr(fun, '__name__', 'the function')} must return a pair "
+                        f"(loss, aux), got {type(out).__name__}"
+                    )
                 loss, aux = out if has_aux else (out, None)
                 updates = (inner.get_state() - diff) if stateful else None
             return loss, (aux, updates)

@@ -12,7 +12,7 @@ import typing as tp
 import jax
 
 from nnx import tracers
-from nnx._transforms.lifting import check_module, check_positional_ctx, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx
 from nnx._transforms.state_cache import FlatState, Signature, StateCache
 from nnx.module import _MODULE_STATE, Module, _check_trace, _dict
 
@@ -62,6 +62,16 @@ def _reconcile(target: Module, fresh: Module) -> None:
     update(target, fresh)
 
 
+def _check_output(out: tp.Any) -> None:
+    """Raises ``TypeError`` for a Module among the outputs of a jitted function (once, as it is traced)."""
+    for leaf in jax.tree.leaves(out):
+        if isinstance(leaf, Module):
+            raise TypeError(
+                f"nnx.jit: the function returned a Module ({type(leaf).__name__}); return arrays or a State "
+                "(module.get_state()). Changes made inside to the Module passed in are written back to it already"
+            )
+
+
 class _Jitted:
     """``f(module, *args, **kwargs)`` compiled by ``jax.jit``, state written back.
 
@@ -89,6 +99,7 @@ class _Jitted:
         with tracers.nnx_trace():
             module = signature.moduledef.merge(state)
             out = self._fun(module, *args, **merge_ctx(kwargs))
+            _check_output(out)
             if not self._stateful:
                 return out
             state, moduledef = module.partition()
@@ -110,8 +121,8 @@ class _Jitted:
             check_module("nnx.jit", module)
         if "ctx" in kwargs:
             kwargs = partition_ctx(kwargs)
-        if args:
-            check_positional_ctx("nnx.jit", args)
+        if args or kwargs:
+            check_arguments("nnx.jit", args, kwargs)
         flat = self._cache.get(module)
         if not self._stateful:
             return self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
@@ -140,7 +151,7 @@ class _Jitted:
 
     def lower(self, module: Module, *args, **kwargs):
         """``jax.jit(...).lower`` for the given Module and arguments."""
-        check_positional_ctx("nnx.jit", args)
+        check_arguments("nnx.jit", args, kwargs)
         flat = FlatState(module)
         return self._jitted.lower(self._state_argument(flat), flat.signature, *args, **partition_ctx(kwargs))
 

@@ -17,15 +17,28 @@ def check_module(transform: str, module: tp.Any) -> None:
         )
 
 
-def check_positional_ctx(transform: str, args: tuple) -> None:
-    """Raises ``TypeError`` for a Context among the positional ``args``: only ``ctx=`` crosses ``transform`` (it
-    would otherwise reach JAX as an argument it cannot read)."""
+def check_arguments(transform: str, args: tuple, kwargs: dict[str, tp.Any] | None = None) -> None:
+    """Raises ``TypeError`` for a Context among the positional ``args`` (only ``ctx=`` crosses ``transform``) and
+    for a Module among ``args`` or ``kwargs`` (only the first argument is lifted): either would otherwise reach
+    JAX as an argument it cannot read."""
     for i, arg in enumerate(args):
         if isinstance(arg, contextlib.Context):
             raise TypeError(
                 f"{transform}: argument {i + 1} after the Module is a Context; pass it as the keyword argument ctx= "
                 f"(def f(module, ..., *, ctx)), which {transform} splits on the way in and rebuilds inside"
             )
+        if isinstance(arg, Module):
+            _second_module(transform, f"argument {i + 1} after the first Module", arg)
+    for name, arg in (kwargs or {}).items():
+        if isinstance(arg, Module):
+            _second_module(transform, f"keyword argument {name}=", arg)
+
+
+def _second_module(transform: str, where: str, module: Module) -> tp.NoReturn:
+    raise TypeError(
+        f"{transform}: {where} is a Module ({type(module).__name__}); only the first argument is lifted. Hold the "
+        f"Modules in one (nnx.Dict(a=..., b=...)) and pass that, or pass this one's state (module.get_state())"
+    )
 
 
 def partition_ctx(kwargs: dict[str, tp.Any]) -> dict[str, tp.Any]:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from nnx import tracers
-from nnx._transforms.lifting import check_positional_ctx, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_arguments, merge_ctx, partition_ctx
 from nnx._transforms.wrapper import LiftedModule, decorates_init
 from nnx.module import Module
 from nnx.state import State
@@ -43,7 +43,7 @@ def _remat_apply(
     kwargs: dict[str, tp.Any],
 ) -> tp.Any:
     """Runs ``fun(module, *args, **kwargs)`` under ``jax.checkpoint``."""
-    check_positional_ctx("nnx.remat", args)
+    check_arguments("nnx.remat", args, kwargs)
     state, moduledef = module.partition()
     kwargs = partition_ctx(kwargs)
     # Keyword arguments holding arrays (a Context's keys) are traced; others

@@ -8,6 +8,7 @@ the wrapper's transform.
 """
 
 import functools
+import inspect
 import typing as tp
 
 from nnx._call_proxy import CallProxy
@@ -19,11 +20,13 @@ M = tp.TypeVar("M", bound=Module)
 class LiftedMeta(ModuleMeta):
     """``Wrapper(module_constructor, **options)`` returns a constructor.
 
-    The options are checked right away (``cls._check_options``), so a wrong
-    one fails where the wrapper is declared, not where it is first built.
+    The options are checked right away (their names against ``__init__``'s,
+    then ``cls._check_options``), so a wrong one fails where the wrapper is
+    declared, not where it is first built.
     """
 
-    def __call__(cls, module_constructor, *args, **options):
+    def __call__(cls, module_constructor, /, *args, **options):
+        _check_option_names(cls, args, options)
         cls._check_options(*args, **options)
         create = super().__call__
 
@@ -32,6 +35,16 @@ class LiftedMeta(ModuleMeta):
 
         functools.update_wrapper(constructor, module_constructor, updated=())
         return constructor
+
+
+def _check_option_names(cls: type, args: tuple, options: dict[str, tp.Any]) -> None:
+    """A TypeError naming the options ``cls`` takes when ``args`` / ``options`` do not fit its ``__init__``."""
+    signature = inspect.signature(cls.__init__)
+    try:
+        signature.bind(None, None, (), {}, *args, **options)
+    except TypeError as e:
+        names = list(signature.parameters)[4:]  # after self, module_constructor, module_init_args/kwargs
+        raise TypeError(f"nnx.{cls.__name__}: {e}; its options are {', '.join(names)}") from None
 
 
 class LiftedModule(Module, tp.Generic[M], metaclass=LiftedMeta):
