@@ -33,6 +33,7 @@ does no string work.
 """
 
 import typing as tp
+import warnings
 from abc import ABCMeta
 
 import jax.tree_util as jtu
@@ -110,6 +111,26 @@ def _construct(cls: type[M], args: tuple, kwargs: dict[str, tp.Any], init: tp.Ca
     return module
 
 
+_COLLECTIONS = (list, tuple, dict)
+
+
+def _warn_if_holding_state(module: "Module", name: str, value: tp.Any) -> None:
+    """Warns when a plain list, tuple or dict (static, by the rules of ``partition``) holds Modules or arrays:
+    their state would silently not train, and a jitted call would bake it in as constants. A value assigned over a
+    container becomes the container's value (``sow``'s tuples): that one is state."""
+    if isinstance(_dict(module).get(name), containers.Container):
+        return
+    items = value.values() if isinstance(value, dict) else value
+    if any(isinstance(item, Module) or nodes.is_node(item) for item in items):
+        kind = type(value).__name__
+        holder = "nnx.Dict({...})" if kind == "dict" else "nnx.Sequence([...])"
+        warnings.warn(
+            f"{type(module).__name__}.{name}: a plain {kind} holding Modules or arrays is static, so what it holds "
+            f"is not state: it does not train, and nnx.jit compiles it in as constants. Hold them in {holder}",
+            stacklevel=3,
+        )
+
+
 class ModuleMeta(ABCMeta):
     def __call__(cls, /, *args, **kwargs):
         return _construct(cls, args, kwargs)
@@ -144,6 +165,13 @@ class Module(reprlib.Representable, metaclass=ModuleMeta):
 
         def __setattr__(self, name: str, value: tp.Any) -> None:
             _check_trace(self)
+            if "/" in name:
+                raise ValueError(
+                    f"{type(self).__name__}: the attribute name {name!r} holds '/', which joins the names of a "
+                    "State path ('encoder/kernel'); name it without one (e.g. with '_')"
+                )
+            if type(value) in _COLLECTIONS:
+                _warn_if_holding_state(self, name, value)
             descriptor = getattr(type(self), name, None)
             if hasattr(descriptor, "__set__"):
                 object.__setattr__(self, name, value)

@@ -23,6 +23,14 @@ def test_dict_takes_any_name_as_a_keyword_cls_and_self_included():
     assert heads.cls == 1 and heads["self"] == 2 and list(heads) == ["cls", "self", "reg"]
 
 
+def test_a_name_with_a_slash_is_refused_as_it_would_not_round_trip_through_a_state_path():
+    with pytest.raises(ValueError, match=r"Dict: the attribute name 'a/b' holds '/', which joins the names of a State"):
+        nnx.Dict({"a/b": nnx.Linear(1, 1, ctx=nnx.context(0))})
+    layer = nnx.Linear(1, 1, ctx=nnx.context(0))
+    with pytest.raises(ValueError, match="name it without one"):
+        setattr(layer, "x/y", nnx.Param(1.0))
+
+
 def test_sequence_indexing_and_iteration():
     s = nnx.Sequence([nnx.Param(1), 2, 3])
     assert len(s) == 3 and s[0] == 1 and s[-1] == 3 and list(s) == [1, 2, 3]

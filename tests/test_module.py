@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,33 @@ def test_a_module_argument_may_be_named_cls():
             self.classes = cls
 
     assert Head(cls=10).classes == 10
+
+
+def test_a_plain_list_or_dict_holding_modules_or_arrays_warns_that_it_is_static():
+    """Its contents are no state: they did not train, and nnx.jit baked them in, with no word of it."""
+    ctx = nnx.context(0)
+
+    class Layers(nnx.Module):
+        def __init__(self):
+            self.sizes = [2, 3]  # static, as meant: no warning
+            self.layers = [nnx.Linear(2, 2, ctx=ctx)]
+            self.tables = {"a": jnp.ones(2)}
+
+    with pytest.warns(UserWarning) as caught:
+        model = Layers()
+    assert [str(w.message).split(":")[0] for w in caught] == ["Layers.layers", "Layers.tables"]
+    assert "Hold them in nnx.Sequence([...])" in str(caught[0].message)
+    assert "Hold them in nnx.Dict({...})" in str(caught[1].message)
+    assert list(model.get_state()) == []
+
+
+def test_sowing_a_value_assigns_a_tuple_into_its_variable_without_a_warning():
+    model = nnx.Linear(2, 2, ctx=nnx.context(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.sow(nnx.Intermediate, "y", jnp.ones(2))
+        model.sow(nnx.Intermediate, "y", jnp.ones(2))
+    assert len(model.y) == 2
 
 
 def test_module_state_is_attached_before_init():
