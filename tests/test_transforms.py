@@ -684,6 +684,42 @@ def test_a_misspelt_option_fails_where_the_wrapper_is_declared_naming_the_option
         declare()
 
 
+class _Shared(nnx.Module):
+    """A layer with a stacked weight and a statistic every layer reads: variable_broadcast."""
+
+    def __init__(self, *, ctx):
+        self.w = nnx.Param(jnp.ones(2))
+        self.shared = nnx.BatchStat(jnp.full(2, 2.0))
+
+    def __call__(self, carry, _):
+        return carry + self.shared * self.w, None
+
+    def bump(self, carry, _):
+        self.shared = self.shared + 1
+        return carry, None
+
+
+def test_scan_layers_read_broadcast_state_and_assigning_to_it_is_refused():
+    """An assignment to broadcast state was dropped without a word: the layers share it read-only."""
+    scan = nnx.Scan(_Shared, variable_axes={nnx.Param: 0}, variable_broadcast=nnx.BatchStat, length=3)
+    model = scan(ctx=nnx.context(0))
+    carry, _ = nnx.jit(lambda m: m(jnp.zeros(2), None))(model)
+    np.testing.assert_array_equal(carry, [6.0, 6.0])
+    with pytest.raises(ValueError, match=r"^nnx.Scan: \['shared'\] is variable_broadcast state"):
+        model.call.bump(jnp.zeros(2), None)
+
+
+def test_scan_state_no_option_names_says_so_in_the_scans_terms():
+    class Count(nnx.Variable):
+        pass
+
+    scan = nnx.Scan(_Shared, variable_axes={nnx.Param: 0}, variable_carry=Count, length=2)
+    with pytest.raises(
+        ValueError, match=r"^Non-exhaustive filters, got a non-empty remainder: \['shared'\]. nnx.Scan's"
+    ):
+        scan(ctx=nnx.context(0))
+
+
 def test_scan_decorator_builds_stacked_layers_in_place_and_scans_the_call():
 
     class MLP(nnx.Module):

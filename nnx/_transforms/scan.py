@@ -119,7 +119,7 @@ def _scan_init(
         nonlocal moduledef
         with tracers.nnx_trace():
             module = constructor(*args, **_with_ctx(kwargs, keys.contextdef, {**split_keys, **broadcast_keys}))
-            states, moduledef = module.partition(*options.filters)
+            states, moduledef = _partition(module, options.filters)
         return states
 
     if options.length is not None and (options.variable_axes or keys.split):
@@ -163,6 +163,36 @@ def _carry_and_xs(args: tuple) -> tuple[tp.Any, tp.Any, tuple]:
     return args[0], args[1], args[2:]
 
 
+def _partition(module: Module, filters: tuple) -> tuple[tuple[State, ...], ModuleDef]:
+    """``module.partition(*filters)``, where a remainder is said in the Scan's terms (its three options)."""
+    try:
+        return module.partition(*filters)
+    except ValueError as e:
+        if not str(e).startswith("Non-exhaustive filters"):
+            raise
+        remainder = str(e).split(": ", 1)[1].split(".\n", 1)[0]
+        raise ValueError(
+            f"Non-exhaustive filters, got a non-empty remainder: {remainder}. nnx.Scan's variable_axes, "
+            "variable_broadcast and variable_carry match none of it: name it in one of them (variable_carry=..., "
+            "the default, carries everything the others do not name)"
+        ) from None
+
+
+def _stored(node: tp.Any) -> tp.Any:
+    return vars(node)["value"] if isinstance(node, containers.Container) else node
+
+
+def _check_unchanged(before: State, after: State) -> None:
+    """Raises ``ValueError`` when a scanned call assigned new values to ``variable_broadcast`` state."""
+    changed = [path for path, node in after.items() if _stored(node) is not _stored(before[path])]
+    if changed:
+        raise ValueError(
+            f"nnx.Scan: {changed} is variable_broadcast state, which every layer reads and none may change, and the "
+            "scanned call assigned to it. Name it in variable_carry to thread it from layer to layer, or in "
+            "variable_axes to give each layer its own"
+        )
+
+
 def _scan_apply(
     options: _ScanOptions,
     fun: tp.Callable[..., tuple[C, tp.Any]],
@@ -184,7 +214,7 @@ def _scan_apply(
     if sown:
         filters, axes = (lambda path, _: path in sown, *filters), (0, *axes)
     if sown or (rest and len(unnamed)):  # partitioned again: with the sown ones scanned, or to refuse the rest
-        states, moduledef = module.partition(*filters)
+        states, moduledef = _partition(module, filters)
     (*axes_states, broadcast_state, carry_state) = states[: len(filters)]
     axes_states = [
         _move_axes(spmd.remove_axis(state, axis, options.metadata_params), axis, destination=False)
@@ -225,7 +255,8 @@ def _scan_apply(
         # State created inside the body (e.g. sown intermediates, a new cache)
         # is not part of the carry: it comes out stacked, one entry per layer.
         new = State({p: v for p, v in state.items() if p not in known_paths})
-        (*axes_out, _, carry_state_out) = (state - new).partition(*filters)
+        (*axes_out, broadcast_out, carry_state_out) = (state - new).partition(*filters)
+        _check_unchanged(broadcast_state, broadcast_out)
         return (carry_state_out, carry_out), (axes_out, new, y)
 
     (carry_state, carry_out), (axes_states, new_state, ys) = jax.lax.scan(
