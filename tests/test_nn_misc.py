@@ -1,5 +1,7 @@
 """Activations, initializers and dtype helpers."""
 
+import re
+
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,32 @@ def test_initializers_accept_raw_uint32_keys():
 )
 def test_jax_initializers_are_reexported(name):
     assert getattr(initializers, name) is getattr(jax.nn.initializers, name)
+
+
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (
+            lambda: nnx.Linear(2, 3, bias_init=initializers.zeros, ctx=nnx.context(0)),
+            "bias_init=nnx.initializers.zeros()",
+        ),
+        (lambda: nnx.Conv(2, 3, 3, kernel_init=initializers.lecun_normal, ctx=nnx.context(0)), "lecun_normal()"),
+        (lambda: nnx.Embed(4, 3, embedding_init=initializers.normal, ctx=nnx.context(0)), "normal()"),
+        (
+            lambda: nnx.LayerNorm(3, scale_init=initializers.ones_init, ctx=nnx.context(0)),
+            "scale_init=nnx.initializers.ones()",
+        ),
+    ],
+)
+def test_a_layer_given_an_uncalled_initializer_factory_says_to_call_it(make, said):
+    """zeros failed with 'takes 0 positional arguments'; lecun_normal made a Param holding a function."""
+    with pytest.raises(TypeError, match=rf"is the function that makes an initializer: pass .*{re.escape(said)}"):
+        make()
+
+
+def test_a_layer_without_a_context_says_ctx_must_be_one():
+    with pytest.raises(TypeError, match=r"draws its kernel from ctx=, which must be an nnx.Context .* got NoneType"):
+        nnx.Linear(2, 3, ctx=None)
 
 
 def test_initializer_type_alias_is_exported():

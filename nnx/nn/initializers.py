@@ -86,6 +86,26 @@ def ones() -> Initializer:
 zeros_init = zeros
 ones_init = ones
 
+
+def draw(init: Initializer, argument: str, ctx: tp.Any, shape: Shape, dtype: Dtype) -> jax.Array:
+    """``init(ctx.make_rng('params'), shape, dtype)``: a layer's initial parameter ``argument`` (``kernel_init``
+    ...), where the two easy mistakes get a TypeError saying what to pass: a factory such as ``zeros`` or
+    ``lecun_normal`` given uncalled (``zeros`` failed with "takes 0 positional arguments"; ``lecun_normal`` made
+    a Param holding a function, which failed only when used), and a missing ``ctx``."""
+    name = _FACTORY_NAMES.get(init) if isinstance(init, tp.Hashable) else None
+    if name is not None:
+        raise TypeError(
+            f"{argument}=nnx.initializers.{name} is the function that makes an initializer: "
+            f"pass {argument}=nnx.initializers.{name}() (with its options, if any)"
+        )
+    if not hasattr(ctx, "make_rng"):
+        raise TypeError(
+            f"the layer draws its {argument.removesuffix('_init')} from ctx=, which must be an nnx.Context "
+            f"(ctx=nnx.context(0)), got {type(ctx).__name__}"
+        )
+    return init(ctx.make_rng("params"), tuple(shape), dtype)
+
+
 __all__ = [
     "Initializer",
     "constant",
@@ -110,3 +130,6 @@ __all__ = [
     "zeros",
     "zeros_init",
 ]
+
+# What draw refuses uncalled, by the name to call (not its flax.linen alias).
+_FACTORY_NAMES = {globals()[name]: name for name in __all__ if name not in ("Initializer", "zeros_init", "ones_init")}

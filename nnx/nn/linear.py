@@ -40,10 +40,10 @@ def _kernel_and_bias(
     ctx: Context,
 ) -> tuple[containers.Param, containers.Param]:
     """``Param(kernel)`` and ``Param(bias)`` of shape ``kernel_shape[-1:]``, or ``Param(None)`` without bias."""
-    kernel = containers.Param(kernel_init(ctx.make_rng("params"), tuple(kernel_shape), param_dtype))
+    kernel = containers.Param(initializers.draw(kernel_init, "kernel_init", ctx, kernel_shape, param_dtype))
     if not use_bias:
         return kernel, containers.Param(None)
-    return kernel, containers.Param(bias_init(ctx.make_rng("params"), tuple(kernel_shape[-1:]), param_dtype))
+    return kernel, containers.Param(initializers.draw(bias_init, "bias_init", ctx, kernel_shape[-1:], param_dtype))
 
 
 def _add_bias(y: Array, bias: Array | None) -> Array:
@@ -395,7 +395,7 @@ class Embed(Module):
         self.param_dtype = param_dtype
         self.embedding_init = embedding_init
         self.embedding = containers.Param(
-            embedding_init(ctx.make_rng("params"), (num_embeddings, features), param_dtype)
+            initializers.draw(embedding_init, "embedding_init", ctx, (num_embeddings, features), param_dtype)
         )
 
     def __call__(self, inputs: Array) -> Array:

@@ -112,8 +112,10 @@ def _feature_params(
     ctx: Context,
 ) -> tuple[containers.Param, containers.Param]:
     shape = (num_features,)
-    scale = containers.Param(scale_init(ctx.make_rng("params"), shape, param_dtype) if use_scale else None)
-    bias = containers.Param(bias_init(ctx.make_rng("params"), shape, param_dtype) if use_bias else None)
+    scale = containers.Param(
+        initializers.draw(scale_init, "scale_init", ctx, shape, param_dtype) if use_scale else None
+    )
+    bias = containers.Param(initializers.draw(bias_init, "bias_init", ctx, shape, param_dtype) if use_bias else None)
     return scale, bias
 
 
