@@ -91,11 +91,15 @@ def var_field(
     metadata: tp.Mapping[str, tp.Any] | None = None,
     **kwargs,
 ) -> tp.Any:
-    """A field wrapped into ``variable_type`` (with ``sharding``) after ``__init__``."""
+    """A field wrapped into ``variable_type`` (with ``sharding``) after ``__init__``. A container given for it
+    keeps its own sharding, or takes the declared one when it has none."""
 
     def wrap(value):
         if isinstance(value, containers.Container):
-            return variable_type(value)
+            container = variable_type(value)
+            if sharding is not None and container.sharding is None:
+                container = container.replace(sharding=sharding)
+            return container
         return variable_type(value, sharding=sharding)
 
     return _container_field(wrap, metadata, **kwargs)

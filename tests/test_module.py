@@ -472,6 +472,17 @@ def test_dataclass_module_static_field_holding_an_array_is_not_state():
     assert (m.clone().table == jnp.arange(3)).all()
 
 
+def test_dataclass_param_field_gives_its_sharding_to_a_param_given_without_one():
+    @nnx.dataclass
+    class DC(nnx.Module):
+        w: jax.Array = nnx.param_field(sharding=("embed",))
+        v: jax.Array = nnx.param_field(sharding=("embed",))
+
+    state = DC(w=nnx.Param(jnp.ones(2)), v=nnx.Param(jnp.ones(2), sharding=("mlp",))).get_state()
+    assert state["w"].sharding == ("embed",)  # it was dropped: None
+    assert state["v"].sharding == ("mlp",)  # the Param's own stays
+
+
 def test_dataclass_field_rejects_incompatible_container():
     @nnx.dataclass
     class DC(nnx.Module):
