@@ -198,8 +198,17 @@ class TrainState(pytreelib.Pytree, tp.Generic[M]):
 
     def apply(self, state: State | str, *states: State | str) -> CallProxy[tuple[tp.Any, Pure[State, M]]]:
         """Runs the model functionally on the named (or given) states."""
-        resolved = [getattr(self, s) if isinstance(s, str) else s for s in (state, *states)]
+        resolved = [self._state_named(s) if isinstance(s, str) else s for s in (state, *states)]
         return self.moduledef.apply(*resolved)
+
+    def _state_named(self, name: str) -> State:
+        value = getattr(self, name)
+        if not isinstance(value, State):
+            raise TypeError(
+                f"TrainState.apply({name!r}): {name!r} holds a {type(value).__name__}, not a State; name the "
+                "States the model runs on (params, and extra keyword arguments given as States)"
+            )
+        return value
 
     def apply_gradients(self, grads: State, **updates: tp.Any) -> "TrainState[M]":
         """A new TrainState with the optimizer step applied and ``step + 1``."""

@@ -31,6 +31,13 @@ def test_a_name_with_a_slash_is_refused_as_it_would_not_round_trip_through_a_sta
         setattr(layer, "x/y", nnx.Param(1.0))
 
 
+def test_train_state_apply_on_a_name_that_holds_no_state_says_so():
+    params, moduledef = nnx.Linear(2, 1, ctx=nnx.context(0)).partition(nnx.Param)
+    state = nnx.TrainState(moduledef, params=params, tx=optax.sgd(0.1), note="run 1")
+    with pytest.raises(TypeError, match=r"TrainState.apply\('note'\): 'note' holds a str, not a State"):
+        state.apply("params", "note")
+
+
 def test_sequence_indexing_and_iteration():
     s = nnx.Sequence([nnx.Param(1), 2, 3])
     assert len(s) == 3 and s[0] == 1 and s[-1] == 3 and list(s) == [1, 2, 3]
