@@ -35,6 +35,21 @@ def _stacked(images: list[np.ndarray]) -> Chunk:
     return (np.stack(images) if len(shapes) == 1 else None), shapes
 
 
+# Modes whose pixel values are not colour levels: a palette's indices (pngquant's output, GIFs, masks), 1-bit
+# booleans, print and other colour spaces. Each becomes the mode that holds what it shows.
+_INDIRECT = {"P": "RGB", "PA": "RGBA", "1": "L", "CMYK": "RGB", "YCbCr": "RGB", "LAB": "RGB", "HSV": "RGB"}
+
+
+def _direct(img: Any) -> Any:
+    """`img` in a mode whose values are its colours (a palette with transparency keeps it, as RGBA)."""
+    mode = _INDIRECT.get(img.mode)
+    if mode is None:
+        return img
+    if img.mode == "P" and "transparency" in img.info:
+        mode = "RGBA"
+    return img.convert(mode)
+
+
 def decode_image(data: bytes | None, path: str | None, key: str = "image", row: int = 0) -> np.ndarray:
     """One encoded image (PNG, JPEG, ... as PIL reads them), from its bytes or else its file, as an array; a
     missing or undecodable one is a UserError naming row `row` of column `key` (and its file)."""
@@ -46,7 +61,7 @@ def decode_image(data: bytes | None, path: str | None, key: str = "image", row: 
         )
     try:
         with Image.open(io.BytesIO(data) if data is not None else path) as img:
-            return np.asarray(img)
+            return np.asarray(_direct(img))
     except (OSError, SyntaxError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
         where = f"row {row} of column {key!r}" + (f" ({path})" if path else "")
         raise UserError(

@@ -150,6 +150,28 @@ def test_16_bit_images_are_stored_as_uint16_and_scaled_by_65535(tmp_path: Path):
     )
 
 
+def test_palette_and_one_bit_pngs_are_stored_as_the_colours_and_levels_they_show(tmp_path: Path):
+    """A palette PNG (pngquant's output, a converted GIF) was stored as its colour numbers, one grey channel."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    colours = np.array([[200, 30, 30], [20, 40, 220], [240, 240, 240]], np.uint8)
+    rgb = colours[rng.integers(0, 3, size=(8, 4, 4))]
+    palette = [Image.fromarray(p).quantize(colors=3, method=Image.Quantize.MEDIANCUT) for p in rgb]
+    assert palette[0].mode == "P"
+    bits = rng.integers(0, 2, size=(8, 4, 4)).astype(bool)
+    for name, images, want in (
+        ("palette", palette, rgb),
+        ("bits", [Image.fromarray(b) for b in bits], bits[..., None] * np.uint8(255)),
+    ):
+        ds = datasets.Dataset.from_dict({"img": images}).cast_column("img", datasets.Image())
+        ds.to_parquet(str(tmp_path / f"{name}.parquet"))
+        cfg = DataConfig(source=str(tmp_path / f"{name}.parquet"), image_key="img", label_key=None,
+                         cache_dir=str(tmp_path / "c"), workers=0)  # fmt: skip
+        np.testing.assert_array_equal(load_images(cfg, "train").image, want)
+
+
 def test_float_columns_are_stored_as_float32(tmp_path: Path):
     import datasets
 
@@ -299,6 +321,7 @@ def test_todays_source_errors_are_kept(tmp_path: Path):
         load_images(DataConfig(**{**vars(cfg), "image_key": "imgs"}), "train")
     with pytest.raises(UserError, match="data.source.*does not exist"):
         load_images(DataConfig(source=str(tmp_path / "missing")), "train")
+
 
 
 def test_digits_is_a_registered_source_kept_in_memory_in_levels_0_to_16():

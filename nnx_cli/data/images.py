@@ -61,8 +61,9 @@ _PAGE = 4096  # bytes: training rows at least this long are read with pread, not
 _PROGRESS_FROM = 10_000  # images: decodes this long show a progress bar on a terminal
 # The revision of what `_build` writes for the same rows, part of every cache key: bumped when it changes, so that
 # an entry written by earlier code is decoded again instead of read. 2: labels that are not class indices are
-# refused (1 cut fractional labels to integers and kept them in its entries).
-_DECODER = 2
+# refused (1 cut fractional labels to integers and kept them in its entries). 3: palette and other indirect modes
+# are decoded to their colours (2 kept a palette PNG's colour numbers as one grey channel).
+_DECODER = 3
 
 
 @dataclasses.dataclass(frozen=True)
