@@ -323,6 +323,14 @@ def test_todays_source_errors_are_kept(tmp_path: Path):
         load_images(DataConfig(source=str(tmp_path / "missing")), "train")
 
 
+def test_a_relative_directory_with_a_trailing_slash_that_does_not_exist_is_not_looked_up_on_the_hub(
+    tmp_path: Path, monkeypatch
+):
+    """`source: my_imags/` (the images guide's form, mistyped) was tried as a Hub id: HFValidationError."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^config key 'data.source': local dataset 'my_imags/' does not exist$"):
+        load_images(DataConfig(source="my_imags/"), "train")
+
 
 def test_digits_is_a_registered_source_kept_in_memory_in_levels_0_to_16():
     arrays = load_images(DataConfig(), "train")

@@ -73,8 +73,10 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _looks_like_path(source: str) -> bool:
+    """Whether `source` is meant as a local path, not a Hub dataset id (`user/name`, which ends in no slash)."""
     return (
         source.startswith(("/", "./", "../", "~", ".\\"))
+        or source.endswith(("/", "\\"))
         or _suffix(Path(source)) in FILE_BUILDERS
         or source.count("/") > 1
     )
