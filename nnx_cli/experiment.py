@@ -226,7 +226,7 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     optim.build(cfg.optimizer, None)  # a bad optimizer section fails before any data is read or downloaded
     with PHASES("data"):
         train, evals, spec = _setup_data(cfg, data)
-    _fill_model_shapes(cfg, model_cls, spec, train)
+    _fill_model_shapes(cfg, model_cls, spec, train, evals)
     objective = objectives.build(cfg, model_cls)
     if (train or evals) is not None and hasattr(objective, "check_split"):  # GRPO: its rewards can read the rows
         objective.check_split(cfg, train or evals)
@@ -353,15 +353,21 @@ def _notice_unread(cfg: Config, which: str) -> None:
         notice(("eval_split",), said + "trains on, not held-out ones")
 
 
-def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: TrainSplit | None) -> None:
+def _fill_model_shapes(
+    cfg: Config, model_cls: type, spec: DataSpec, train: TrainSplit | None, evals: EvalSplit | None
+) -> None:
     """Check the data fits the model, then record its input shape and class count in the config."""
     if train is not None:
         models.check_data(cfg.model, model_cls, spec, "label" in train.stored(), cfg.data.label_key)
     cfg.model.input_shape = cfg.model.input_shape or list(spec.input_shape)
     if cfg.model.num_classes is None:
         cfg.model.num_classes = spec.num_classes
-    if getattr(model_cls, "needs_labels", False) and train is not None and cfg.model.num_classes:
-        _check_labels(train.stored()["label"], cfg.model.num_classes)
+    if getattr(model_cls, "needs_labels", False) and cfg.model.num_classes:
+        if train is not None:
+            _check_labels(train.stored()["label"], cfg.model.num_classes, "the training split")
+        eval_labels = getattr(getattr(evals, "arrays", None), "label", None)  # an image split's
+        if eval_labels is not None:
+            _check_labels(eval_labels, cfg.model.num_classes, f"the eval split {cfg.data.eval_split!r}")
     vocab = cfg.model.options.get("vocab_size") or cfg.model.num_classes
     if spec.tokenizer is not None and spec.num_classes and vocab and vocab < spec.num_classes:
         key = "model.vocab_size" if cfg.model.options.get("vocab_size") else "model.num_classes"
@@ -375,18 +381,19 @@ def _fill_model_shapes(cfg: Config, model_cls: type, spec: DataSpec, train: Trai
         cfg.sharding.rules = sharding.default_rules(rules, cfg.sharding.mesh)
 
 
-def _check_labels(labels: Any, num_classes: int) -> None:
-    """Class labels in [0, num_classes): one outside made the loss NaN at step 1, or trained on nothing."""
+def _check_labels(labels: Any, num_classes: int, split: str) -> None:
+    """Class labels in [0, num_classes): one outside made the loss NaN at step 1 (in an eval split: the eval loss,
+    which a run then kept as its best), or trained on nothing."""
     labels = np.asarray(labels)
     low, high = (int(labels.min()), int(labels.max())) if labels.size else (0, 0)
     if low < 0:
         raise UserError(
-            f"config key 'data.label_key': the training split has the label {low}; labels are class indices, 0 to "
+            f"config key 'data.label_key': {split} has the label {low}; labels are class indices, 0 to "
             "num_classes - 1: renumber them from 0"
         )
     if high >= num_classes:
         raise UserError(
-            f"config key 'model.num_classes' is {num_classes}, but the training split's labels run from {low} to "
+            f"config key 'model.num_classes' is {num_classes}, but {split}'s labels run from {low} to "
             f"{high}; labels are class indices 0 to {num_classes - 1}: fix the labels, or set "
             f"model.num_classes={high + 1}"
         )

@@ -449,7 +449,8 @@ import numpy as np
 
 def load(split):
     size = {{"train": 4, "test": 5}}[split] if "{shapes}" == "differ" else 4
-    labels = np.arange(40) % {classes} - ("{shapes}" == "negative")
+    classes = 7 if split == "test" and "{shapes}" == "eval_wider" else {classes}
+    labels = np.arange(40) % classes - ("{shapes}" == "negative")
     return {{"image": np.zeros((40, size, 4), np.uint8), "label": labels}}
 """
 
@@ -462,6 +463,8 @@ def load(split):
                                              r"to 2; .*set model.num_classes=3"),
         ("negative", 3, [], r"^config key 'data.label_key': the training split has the label -1; labels are class "
                             r"indices, 0 to num_classes - 1: renumber them from 0$"),
+        ("eval_wider", 3, [], r"'model.num_classes' is 3, but the eval split 'test''s labels run from 0 to 6; .*"
+                              r"set model.num_classes=7"),
     ],
 )  # fmt: skip
 def test_data_a_classifier_cannot_train_on_is_refused_before_it_starts(tmp_path, monkeypatch, shapes, classes,
