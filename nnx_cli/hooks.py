@@ -205,7 +205,9 @@ class KeepBest:
         from nnx_cli.workdir import write_best
 
         value = self.evaluate.metrics.get(self.metric) if self.evaluate.done == loop.step else None
-        if value is None or (self.best is not None and not self._better(value, self.best["value"])):
+        if value is None or not math.isfinite(value):  # a NaN is no best: every later value compared false to it
+            return
+        if self.best is not None and not self._better(value, self.best["value"]):
             return
         self.checkpoint(loop)  # saves this step unless it is saved already
         self.best = {"step": loop.step, "metric": self.metric, "mode": self.mode, "value": value}

@@ -219,6 +219,25 @@ def test_hooks_run_at_their_intervals_and_evals_once_at_the_end(tmp_path: Path):
     assert [r[0] for r in recorder.records] == [6, 12]  # the eval at 12 is the final one, run once
 
 
+def test_keep_best_never_takes_a_non_finite_eval_value(tmp_path: Path):
+    """A NaN eval loss became the best (every later value compares false to it) and best.json held NaN."""
+    exp = setup(tiny("train.steps=12"))
+    ckpt = Checkpointer(tmp_path / "checkpoints", async_=False)
+    guard = hooks.Guard(ckpt, tmp_path / "checkpoints")
+    values = iter([float("nan"), 5.0, 6.0])
+    evaluate = hooks.Evaluate(4, lambda state: {"nelbo": next(values)}, Recorder(), guard)
+    save = hooks.Checkpoint(100, ckpt, guard)
+    best = hooks.KeepBest(evaluate, save, "nelbo", "min", start=0)
+    run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=12)
+    feed = ((4, None) for _ in range(3))
+    loop.run(run, feed, lambda state, sums, xs: (state, sums, jnp.ones((), bool)), [evaluate, best, save])
+    ckpt.wait()
+    assert json.loads((tmp_path / "checkpoints" / "best.json").read_text()) == {
+        "step": 8, "metric": "nelbo", "mode": "min", "value": 5.0
+    }  # fmt: skip
+    ckpt.close()
+
+
 @pytest.mark.parametrize("threshold, collected", [(0, True), (1 << 40, False)])
 def test_a_large_state_collects_the_garbage_its_first_dispatch_left(monkeypatch, threshold, collected):
     """Tracing a large step leaves reference cycles that held 1.9 GB of a 0.5B model's run until Python's
