@@ -32,7 +32,7 @@ run draws exactly the keys an uninterrupted one would.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -42,7 +42,7 @@ import optax
 
 import nnx
 from nnx_cli import sharding
-from nnx_cli.errors import UserError, first_line
+from nnx_cli.errors import UserError, did_you_mean, first_line
 from nnx_cli.models.transformer.residuals import packs
 from nnx_cli.objectives import Objective, resolve
 
@@ -355,6 +355,7 @@ def check_step(
         raise UserError(
             f"model {model_name!r} cannot run on batches of {shapes}: {type(e).__name__}: {first_line(e)}"
         ) from None
+    _check_metrics(metrics, objective.loss_metric, batch, model_name)
     try:
         jax.eval_shape(lambda s: tx.update(s["params"], s["opt_state"], s["params"]), abstract)
     except Exception as e:
@@ -363,6 +364,34 @@ def check_step(
             f"{first_line(e)}"
         ) from None
     return list(metrics)
+
+
+def _check_metrics(metrics: Any, loss_metric: str, batch: Any, model_name: str) -> None:
+    """A UserError for metrics a step cannot use: not a dict, without the loss, or not one value per example (the
+    loss was a KeyError at step 1, and a metric of the wrong length failed at the first eval, losing the steps
+    since the last checkpoint)."""
+    where = f"model {model_name!r}"
+    if not isinstance(metrics, Mapping):
+        raise UserError(
+            f"{where}: its metrics must be a dict of name -> per-example array, got {type(metrics).__name__}"
+        )
+    if loss_metric not in metrics:
+        names = ", ".join(map(str, metrics)) or "none"
+        raise UserError(
+            f"{where}: its loss_metric {loss_metric!r} is none of the metrics it gives ({names})"
+            f"{did_you_mean(loss_metric, [str(n) for n in metrics])}; return it from metrics(), or name another"
+        )
+    leading = {x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)}
+    if len(leading) != 1:
+        return
+    (rows,) = leading
+    for name, value in metrics.items():
+        shape = tuple(getattr(value, "shape", ()))
+        if shape not in ((), (rows,)):
+            raise UserError(
+                f"{where}: metric {name!r} has shape {list(shape)}; metrics are per example: [{rows}] for a "
+                f"batch of {rows} rows (the mean and the eval's sums are taken over them)"
+            )
 
 
 def eval_step(

@@ -125,6 +125,43 @@ def test_a_model_that_cannot_run_on_the_data_is_a_user_error_before_training():
         setup(tiny("model.name=test_cli_loop:FlatOnly", "train.steps=1"))
 
 
+class NoLoss(VAE):
+    """Metrics without the loss_metric (nelbo) it names."""
+
+    def metrics(self, batch, ctx):
+        return {"bound": -super().metrics(batch, ctx)["nelbo"]}
+
+
+class OneArray(VAE):
+    """metrics() returning the loss itself, not a dict."""
+
+    def metrics(self, batch, ctx):
+        return super().metrics(batch, ctx)["nelbo"]
+
+
+class ShortMetric(VAE):
+    """A metric over three rows of the batch."""
+
+    def metrics(self, batch, ctx):
+        found = super().metrics(batch, ctx)
+        return {**found, "kl": found["kl"][:3]}
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("NoLoss", r"its loss_metric 'nelbo' is none of the metrics it gives \(bound\); return it from metrics"),
+        ("OneArray", r"its metrics must be a dict of name -> per-example array, got ShapeDtypeStruct"),
+        ("ShortMetric", r"metric 'kl' has shape \[3\]; metrics are per example: \[32\] for a batch of 32 rows"),
+    ],
+)
+def test_metrics_a_step_cannot_use_are_a_user_error_before_training(model: str, message: str):
+    """They were a KeyError at step 1, a TypeError in set-up, or a failure at the first eval, which lost the steps
+    since the last checkpoint."""
+    with pytest.raises(UserError, match=rf"^model 'test_cli_loop:{model}': {message}"):
+        setup(tiny(f"model.name=test_cli_loop:{model}", "train.steps=1"))
+
+
 # --------------------------------------------------------------------------- hooks
 
 
