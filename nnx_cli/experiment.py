@@ -20,6 +20,7 @@ step on shapes alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ from nnx_cli import data, models, objectives, optim, sharding, steps
 from nnx_cli.config import Config
 from nnx_cli.data import text
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
-from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.errors import UserError, did_you_mean, first_line
 from nnx_cli.registry import signature
 from nnx_cli.runtime import PHASES
 
@@ -239,6 +240,8 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     metric_names = _check_step(cfg, moduledef, tx, abstract, train or evals, objective) if data is not None else []
     weighted = steps.WEIGHT in metric_names
     metric_names = [name for name in metric_names if name != steps.WEIGHT]
+    if data == "train" and evals is not None and hasattr(model_cls, "images") and len(spec.input_shape) == 3:
+        _check_images(cfg, moduledef, abstract, evals)
     if data == "train":
         _check_keep_best(cfg, getattr(objective, "eval_metric_names", metric_names), spec, evals)
     rules = sharding.axis_rules(cfg.sharding)
@@ -449,6 +452,29 @@ def _check_step(
     stored = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in rows.items()}
     batch = jax.eval_shape(split.prepare, stored)
     return steps.check_step(moduledef, tx, cfg.model.name, abstract, batch, objective)
+
+
+def _check_images(cfg: Config, moduledef: nnx.ModuleDef, abstract: Any, evals: EvalSplit) -> None:
+    """Trace the model's `images` on an eval batch's shapes: images that cannot be made, or not as `[N, H, W, C]`
+    (or `[N, H, W]`), are a UserError here; at the first eval they ended the run with a traceback, before the
+    checkpoint of its last steps."""
+    size = cfg.train.eval_batch_size or cfg.train.batch_size
+    first = next(evals.eval_batches(1), None)
+    if first is None:
+        return  # an empty eval split is refused where the step is checked
+    batch = {k: jax.ShapeDtypeStruct((size, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in first.items()}
+    where = f"model {cfg.model.name!r}: its images()"
+    try:
+        images = jax.eval_shape(functools.partial(steps.images_step, moduledef, cfg.seed, evals.prepare), abstract,
+                                {k: v for k, v in batch.items() if k != "mask"})  # fmt: skip
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{where} cannot run on an eval batch: {type(e).__name__}: {first_line(e)}") from None
+    shape = getattr(images, "shape", None)
+    if shape is None or len(shape) not in (3, 4):
+        got = f"shape {list(shape)}" if shape is not None else type(images).__name__
+        raise UserError(f"{where} must give one array of images, [N, H, W, C] or [N, H, W] in [0, 1]; got {got}")
 
 
 def _check_keep_best(cfg: Config, metric_names: list[str], spec: DataSpec, evals: EvalSplit | None) -> None:

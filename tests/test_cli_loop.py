@@ -147,16 +147,36 @@ class ShortMetric(VAE):
         return {**found, "kl": found["kl"][:3]}
 
 
+class BrokenImages(VAE):
+    """images() that raises."""
+
+    def images(self, batch, ctx):
+        raise RuntimeError("no grid today")
+
+
+class StackedImages(VAE):
+    """images() with a leading axis too many."""
+
+    def images(self, batch, ctx):
+        return super().images(batch, ctx)[None]
+
+
 @pytest.mark.parametrize(
     "model, message",
     [
+        ("BrokenImages", r"its images\(\) cannot run on an eval batch: RuntimeError: no grid today"),
+        (
+            "StackedImages",
+            r"its images\(\) must give one array of images, \[N, H, W, C\] or \[N, H, W\] in \[0, 1\]; "
+            r"got shape \[1, ",
+        ),
         ("NoLoss", r"its loss_metric 'nelbo' is none of the metrics it gives \(bound\); return it from metrics"),
         ("OneArray", r"its metrics must be a dict of name -> per-example array, got ShapeDtypeStruct"),
         ("ShortMetric", r"metric 'kl' has shape \[3\]; metrics are per example: \[32\] for a batch of 32 rows"),
     ],
 )
-def test_metrics_a_step_cannot_use_are_a_user_error_before_training(model: str, message: str):
-    """They were a KeyError at step 1, a TypeError in set-up, or a failure at the first eval, which lost the steps
+def test_metrics_or_images_a_run_cannot_use_are_a_user_error_before_training(model: str, message: str):
+    """They were a KeyError at step 1, a TypeError in set-up, or a traceback at the first eval, which lost the steps
     since the last checkpoint."""
     with pytest.raises(UserError, match=rf"^model 'test_cli_loop:{model}': {message}"):
         setup(tiny(f"model.name=test_cli_loop:{model}", "train.steps=1"))
