@@ -242,10 +242,15 @@ class Loggers:
         """Close every logger (even when one fails: the first failure is raised after); a second call does nothing."""
         loggers, self.loggers, self._ticks = self.loggers, [], []
         failure: BaseException | None = None
-        for logger in loggers:
+        for name, logger in zip(self.names, loggers):
             try:
                 logger.close()
             except BaseException as e:
+                if failure is None and isinstance(e, Exception) and is_reference(name):
+                    failure = RunError(
+                        f"logger {name!r} (config key {_KEY!r}) raised {type(e).__name__} in close(): "
+                        f"{first_line(e)}; the checkpoints written are kept"
+                    )
                 failure = failure or e
         if failure is not None:
             raise failure
