@@ -228,9 +228,34 @@ def test_images_of_several_shapes_are_a_user_error_and_leave_no_entry(tmp_path: 
         str(tmp_path / "mixed.parquet")
     )
     cfg = DataConfig(source=str(tmp_path / "mixed.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
-    with pytest.raises(UserError, match=r"come in 2 shapes \(\(8, 8\), \(9, 8\)"):
+    with pytest.raises(UserError, match=r"come in 2 shapes \(\(8, 8\), \(9, 8\), ...\); resize them to one shape"):
         load_images(cfg, "train")
     assert entries(tmp_path / "c") == []
+
+
+def test_grey_and_colour_images_of_one_size_are_a_user_error_saying_to_convert_them(tmp_path: Path):
+    """The error said to resize them: they have one size, and two modes."""
+    import datasets
+    from PIL import Image
+
+    images = [Image.fromarray(np.zeros((8, 8, 3) if i % 2 else (8, 8), np.uint8)) for i in range(4)]
+    ds = datasets.Dataset.from_dict({"img": images}).cast_column("img", datasets.Image())
+    ds.to_parquet(str(tmp_path / "modes.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "modes.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    with pytest.raises(UserError, match=r"\(8, 8\), \(8, 8, 3\), ...\); convert them to one mode \(all RGB, or all"):
+        load_images(cfg, "train")
+
+
+def test_a_column_of_image_paths_is_a_user_error_saying_how_to_make_it_an_image_column(tmp_path: Path):
+    """It said the column held '<U37 values of shape ()', not images."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"img": [f"pics/{i}.png" for i in range(4)], "label": [0, 1, 0, 1]})
+    ds.to_parquet(str(tmp_path / "paths.parquet"))
+    cfg = DataConfig(source=str(tmp_path / "paths.parquet"), image_key="img", cache_dir=str(tmp_path / "c"), workers=0)
+    with pytest.raises(UserError, match=r"column 'img' holds text \(file paths\?\), not decoded images; .*"
+                                        r"ds.cast_column\('img', datasets.Image\(\)\)"):  # fmt: skip
+        load_images(cfg, "train")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

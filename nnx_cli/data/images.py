@@ -508,7 +508,17 @@ def _chunk_decoder(ds: Any, key: str, rows: int) -> ArrowImages | DatasetImages:
     return DatasetImages(ds, key, rows)
 
 
+# What a column of encoded images or their files holds, by numpy dtype kind, in words.
+_NOT_DECODED = {"U": "text (file paths?)", "S": "bytes (encoded images?)", "O": "Python objects ({bytes, path}?)"}
+
+
 def _stored_dtype(pixels: np.ndarray, key: str) -> np.dtype:
+    if pixels.dtype.kind in _NOT_DECODED:
+        raise UserError(
+            f"config key 'data.image_key': column {key!r} holds {_NOT_DECODED[pixels.dtype.kind]}, not decoded "
+            f"images; make it an image column, and the paths or bytes are decoded: "
+            f"ds = ds.cast_column({key!r}, datasets.Image()) before saving the dataset (or use an image folder)"
+        )
     if pixels.ndim < 2 or not np.issubdtype(pixels.dtype, np.number):
         raise UserError(
             f"config key 'data.image_key': column {key!r} holds {pixels.dtype} values of shape {pixels.shape[1:]}, "
@@ -568,9 +578,11 @@ def _decode_into(path: Path, ds: Any, key: str, workers: int) -> tuple[np.dtype,
             del out
             advance(len(pixels))
     if len(shapes) > 1:
+        # the same height and width: grey and colour images (or with and without alpha) mixed, not sizes
+        fix = "convert them to one mode (all RGB, or all grey)" if len({s[:2] for s in shapes}) == 1 else "resize them"
         raise UserError(
             f"config key 'data.image_key': the images in column {key!r} come in {len(shapes)} shapes "
-            f"({', '.join(map(str, sorted(shapes)[:3]))}, ...); resize them to one shape first"
+            f"({', '.join(map(str, sorted(shapes)[:3]))}, ...); {fix} to one shape first"
         )
     return dtype, (count, *shape)
 
