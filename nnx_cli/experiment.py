@@ -482,7 +482,10 @@ def _check_keep_best(cfg: Config, metric_names: list[str], spec: DataSpec, evals
     if best is None:
         return
     if evals is None:
-        raise UserError("config key 'checkpoint.keep_best' needs evals, but data.eval_split is null")
+        raise UserError(
+            "config key 'checkpoint.keep_best' needs evals, but data.eval_split is null; name an eval split, or "
+            "set checkpoint.keep_best=null"
+        )
     known = [*metric_names, *(["perplexity"] if reports_perplexity(cfg, spec) else [])]
     if best["metric"] not in known:
         raise UserError(

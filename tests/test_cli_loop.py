@@ -276,6 +276,11 @@ def test_hooks_run_at_their_intervals_and_evals_once_at_the_end(tmp_path: Path):
     assert [r[0] for r in recorder.records] == [6, 12]  # the eval at 12 is the final one, run once
 
 
+def test_keep_best_without_an_eval_split_says_how_to_go_on():
+    with pytest.raises(UserError, match=r"needs evals, but data.eval_split is null; .* set checkpoint.keep_best=null$"):
+        setup(tiny("data.eval_split=null", "checkpoint.keep_best={metric: nelbo, mode: min}"))
+
+
 def test_keep_best_never_takes_a_non_finite_eval_value(tmp_path: Path):
     """A NaN eval loss became the best (every later value compares false to it) and best.json held NaN."""
     exp = setup(tiny("train.steps=12"))

@@ -75,6 +75,12 @@ def test_a_classifier_needs_labels():
     check_data(ModelConfig(name="vae"), REGISTRY["vae"], DIGITS, False, "digit")  # a VAE does not
 
 
+def test_a_classifier_with_label_key_null_says_the_key_is_null():
+    """It said the dataset had no column None."""
+    with pytest.raises(UserError, match=r"^config key 'data.label_key' is null, and model 'cnn_classifier' needs"):
+        check_data(ModelConfig(name="cnn_classifier"), REGISTRY["cnn_classifier"], DIGITS, False, None)
+
+
 # --------------------------------------------------------------------------- package.module:attr references
 
 

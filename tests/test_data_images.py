@@ -424,8 +424,11 @@ def test_a_user_source_with_floats_outside_0_1_is_a_user_error(tmp_path: Path, m
 def test_a_user_source_that_raises_is_a_user_error_naming_it_and_the_split(tmp_path: Path, monkeypatch):
     source = write_source(tmp_path, "broken", "def load(split):\n    raise ValueError('no such folder: imgs/')\n",
                           monkeypatch)  # fmt: skip
-    with pytest.raises(UserError, match=r"data source 'broken:load' raised ValueError: no such folder: imgs/ for "
-                       r"split 'train'"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"^config key 'data.source': data source 'broken:load' raised ValueError: no "
+        r"such folder: imgs/ for split 'train'",
+    ):  # fmt: skip (the key was data.train_split)
         load_images(DataConfig(source=source), "train")
 
 

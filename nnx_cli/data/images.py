@@ -335,9 +335,9 @@ def _call_source(fn: Callable[[str], Any], source: str, split: str, key: str) ->
     try:
         return fn(split)
     except KeyError as e:
-        if e.args != (split,):
+        if e.args != (split,):  # the function's own KeyError: the source, not the split, is at fault
             raise UserError(
-                f"config key {key!r}: data source {source!r} raised KeyError: {e} for split {split!r}"
+                f"config key 'data.source': data source {source!r} raised KeyError: {e} for split {split!r}"
             ) from None
         raise UserError(
             f"config key {key!r}: data source {source!r} has no split {split!r}"
@@ -347,7 +347,8 @@ def _call_source(fn: Callable[[str], Any], source: str, split: str, key: str) ->
         raise
     except Exception as e:  # the user's own function failed: say so, not a traceback through the trainer
         raise UserError(
-            f"config key {key!r}: data source {source!r} raised {type(e).__name__}: {first_line(e)} for split {split!r}"
+            f"config key 'data.source': data source {source!r} raised {type(e).__name__}: {first_line(e)} for split "
+            f"{split!r}"
         ) from None
 
 

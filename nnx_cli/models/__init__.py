@@ -161,6 +161,11 @@ def check_data(cfg: ModelConfig, cls: type, spec: Any, has_labels: bool, label_k
             f"config key 'model.input_shape' {list(cfg.input_shape)} does not match the data's inputs "
             f"{list(spec.input_shape)}; set it to null to take the data's"
         )
+    if getattr(cls, "needs_labels", False) and not has_labels and label_key is None:
+        raise UserError(
+            f"config key 'data.label_key' is null, and model {cfg.name!r} needs labels; set it to the dataset's "
+            "label column"
+        )
     if getattr(cls, "needs_labels", False) and not has_labels:
         raise UserError(
             f"model {cfg.name!r} needs labels, but the dataset has no column {label_key!r}; set data.label_key to "
