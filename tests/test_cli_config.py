@@ -31,9 +31,19 @@ def test_nnx_train_on_a_config_that_sets_nothing_says_so(tmp_path):
     result = cli("nnx-train", "empty.yaml", "train.steps=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "notice: config file 'empty.yaml' sets no keys: every key takes its default" in result.stderr
-    (tmp_path / "set.yaml").write_text("train: {steps: 1}\n")
+    (tmp_path / "set.yaml").write_text("train: {steps: 1}\ndata:\n  # source: my_images/\n")
     result = cli("nnx-train", "set.yaml", cwd=tmp_path)
     assert result.returncode == 0 and "sets no keys" not in result.stderr, result.stderr
+    # a data section left empty trained on the digits without a word
+    assert "notice: data.source is not set: training on the default, sklearn:digits" in result.stderr
+
+
+def test_a_config_or_override_naming_data_source_gets_no_notice_of_the_default():
+    from nnx_cli.commands.train import _sets_source
+
+    assert _sets_source({"data": {"source": "sklearn:digits"}}, [])
+    assert _sets_source({"train": {}}, ["data.source=x/"]) and _sets_source({}, ["data={source: x/}"])
+    assert not _sets_source({"data": None}, []) and not _sets_source({"data": {"binarize": 0.5}}, ["data=null"])
 
 
 def test_file_values_override_defaults_and_keep_the_rest(tmp_path):

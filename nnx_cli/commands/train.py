@@ -78,9 +78,13 @@ def train(
     with Signals() as signals:
         config = configs.find(config)  # a path that exists, else a shipped config's name
         cfg = load_config(config, overrides or [])
-        if not read_yaml(config):  # an empty file (or comments only): a truncated copy, or the wrong file
+        raw = read_yaml(config)
+        if not raw:  # an empty file (or comments only): a truncated copy, or the wrong file
             print(f"notice: config file {str(config)!r} sets no keys: every key takes its default (nnx-configs ls "
                   "lists configs to start from)", file=sys.stderr, flush=True)  # fmt: skip
+        elif not _sets_source(raw, overrides or []):  # a data section left empty, or data=null
+            print(f"notice: data.source is not set: training on the default, {cfg.data.source} (scikit-learn's 8x8 "
+                  "digits)", file=sys.stderr, flush=True)  # fmt: skip
         if workdir is not None and not workdir.strip():
             raise UserError("--workdir is empty: give it a directory, or leave it out for the config's own")
         where = Path(workdir) if workdir is not None else Path(cfg.workdir or Path("runs") / config.stem)
@@ -88,6 +92,13 @@ def train(
         raise SystemExit(
             run(cfg, where, resume=resume, distributed=(coordinator, num_processes, process_id), signals=signals)
         )
+
+
+def _sets_source(raw: dict, overrides: list[str]) -> bool:
+    """Whether the config file or an override names `data.source` (an override of the whole section may)."""
+    data = raw.get("data")
+    in_file = isinstance(data, dict) and "source" in data
+    return in_file or any(o.startswith("data.source=") or (o.startswith("data=") and "source" in o) for o in overrides)
 
 
 def _check_config_outside(config: Path, workdir: Path) -> None:
