@@ -414,6 +414,22 @@ def test_a_user_source_returning_something_else_is_a_user_error(tmp_path: Path, 
         load_images(DataConfig(source=source), "train")
 
 
+def test_a_user_source_mapping_is_read_by_data_image_key_and_label_key(tmp_path: Path, monkeypatch):
+    """The mapping's keys had to be 'image' and 'label' whatever the config said: label_key was silently unread."""
+    body = textwrap.dedent("""
+        import numpy as np
+
+        def load(split):
+            return {"pixels": np.zeros((4, 3, 3), np.uint8), "y": np.arange(4)}
+    """)
+    source = write_source(tmp_path, "keyed", body, monkeypatch)
+    arrays = load_images(DataConfig(source=source, image_key="pixels", label_key="y"), "train")
+    assert arrays.image.shape == (4, 3, 3, 1) and arrays.label.tolist() == [0, 1, 2, 3]
+    with pytest.raises(UserError, match=r"returned a dict with keys pixels, y; expected a datasets.Dataset, a "
+                                        r"mapping with an 'image' array \(data.image_key"):  # fmt: skip
+        load_images(DataConfig(source=source), "train")
+
+
 def test_a_user_source_with_floats_outside_0_1_is_a_user_error(tmp_path: Path, monkeypatch):
     body = "import numpy as np\ndef load(split):\n    return {'image': np.full((3, 2, 2), 255.0)}\n"
     source = write_source(tmp_path, "float_pixels", body, monkeypatch)

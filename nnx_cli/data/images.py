@@ -293,11 +293,13 @@ def load_images(cfg: DataConfig, split: str, key: str = "data.train_split") -> I
         return _cached(result, cfg, split, cfg.source)
     if isinstance(result, ImageArrays):
         return result
-    if isinstance(result, Mapping) and "image" in result:
-        return _from_mapping(result, cfg.source)
+    if isinstance(result, Mapping) and cfg.image_key in result:
+        return _from_mapping(result, cfg.source, cfg.image_key, cfg.label_key)
+    got = f" with keys {', '.join(map(str, result))}" if isinstance(result, Mapping) else ""
     raise UserError(
-        f"config key 'data.source': {cfg.source}({split!r}) returned a {type(result).__name__}; expected a "
-        "datasets.Dataset, a mapping with an 'image' array (and optionally 'label'), or an ImageArrays"
+        f"config key 'data.source': {cfg.source}({split!r}) returned a {type(result).__name__}{got}; expected a "
+        f"datasets.Dataset, a mapping with an {cfg.image_key!r} array (data.image_key; and optionally "
+        f"{cfg.label_key or 'label'!r}, data.label_key), or an ImageArrays"
     )
 
 
@@ -400,12 +402,13 @@ def _digits(split: str) -> ImageArrays:
 SOURCES.register("sklearn:digits", _digits)
 
 
-def _from_mapping(columns: Mapping[str, Any], source: str) -> ImageArrays:
-    """A user source's `{"image": ..., "label": ...}`, checked and put in stored form (in memory)."""
-    image = np.asarray(columns["image"])
+def _from_mapping(columns: Mapping[str, Any], source: str, image_key: str, label_key: str | None) -> ImageArrays:
+    """A user source's `{image_key: ..., label_key: ...}` (`image`, `label` by default), checked and put in stored
+    form (in memory)."""
+    image = np.asarray(columns[image_key])
     what = f"config key 'data.source': {source}"
     if image.ndim < 2:
-        raise UserError(f"{what} returned 'image' of shape {image.shape}; expected [N, H, W, C] (or [N, H, W])")
+        raise UserError(f"{what} returned {image_key!r} of shape {image.shape}; expected [N, H, W, C] (or [N, H, W])")
     if image.ndim == 3:
         image = image[..., None]
     if np.issubdtype(image.dtype, np.floating):
@@ -415,11 +418,11 @@ def _from_mapping(columns: Mapping[str, Any], source: str) -> ImageArrays:
     elif image.dtype not in (np.uint8, np.uint16):
         raise UserError(f"{what} returned {image.dtype} images; expected uint8 (0..255), uint16, or floats in [0, 1]")
     label, num_classes = None, None
-    if columns.get("label") is not None:
-        label = np.asarray(columns["label"])
+    if label_key is not None and columns.get(label_key) is not None:
+        label = np.asarray(columns[label_key])
         if label.shape != (len(image),) or not np.issubdtype(label.dtype, np.integer):
             raise UserError(
-                f"{what} returned 'label' {label.dtype} {label.shape}; expected integers of shape ({len(image)},)"
+                f"{what} returned {label_key!r} {label.dtype} {label.shape}; expected integers of shape ({len(image)},)"
             )
         label = label.astype(np.int32)
         num_classes = int(label.max()) + 1 if len(label) else None
