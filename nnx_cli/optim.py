@@ -147,9 +147,17 @@ def _call(
 ) -> optax.GradientTransformation:
     """Call an optimizer factory or chain piece with its config keywords, the learning rate and the decay mask."""
     params = signature(fn).parameters
-    kwargs = bind_options(fn, options, prefix=prefix, what=what, skip=("learning_rate",), fixed=_FIXED)
+    plugin = ":" in what  # a factory of the user's: its annotations are plain types (optax's are aliases)
+    kwargs = bind_options(
+        fn, options, prefix=prefix, what=what, skip=("learning_rate",), fixed=_FIXED, check_types=plugin
+    )
     if "learning_rate" in params:
         kwargs["learning_rate"] = learning_rate
+    elif plugin and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        from nnx_cli.data.sources import notice
+
+        notice(("learning_rate", what), f"notice: {what} takes no learning_rate: optimizer.learning_rate is not used "
+               "(the learning_rate logged is the config's)")  # fmt: skip
     if mask is not None:
         if "mask" not in params:
             raise UserError(

@@ -138,6 +138,26 @@ def test_an_optimizer_factory_from_the_current_directory(tmp_path, monkeypatch):
         build(OptimizerConfig(name="my_optim:make", options={"nesterov": True}), 10)
 
 
+def test_an_optimizer_factorys_annotated_options_are_type_checked_and_one_without_a_rate_says_so(
+    tmp_path, monkeypatch, capfd
+):
+    """momentum=x failed inside optax ('Only integer scalar arrays...'); a factory taking no learning_rate ran
+    without it while the log showed the config's."""
+    (tmp_path / "nnx_test_typed_optim.py").write_text(
+        "import optax\n\n"
+        "def make(learning_rate, momentum: float = 0.0):\n"
+        "    return optax.sgd(learning_rate, momentum=momentum)\n\n"
+        "def fixed(momentum: float = 0.9):\n"
+        "    return optax.sgd(0.01, momentum=momentum)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^config key 'optimizer\.momentum' must be"):
+        build(OptimizerConfig(name="nnx_test_typed_optim:make", options={"momentum": "x"}), 10)
+    build(OptimizerConfig(name="nnx_test_typed_optim:fixed", learning_rate=0.5), 10)
+    said = capfd.readouterr().err
+    assert "notice: nnx_test_typed_optim:fixed takes no learning_rate: optimizer.learning_rate is not used" in said
+
+
 def test_weight_decay_mask_kernels_decays_matrices_but_not_biases():
     import nnx
 
