@@ -1,15 +1,19 @@
-"""What a run shows: metric tables, metric formatting, PNG grids.
+"""What a run shows: metric tables, metric formatting, PNG grids, the progress of long set-up work.
 
 - `metrics_table` renders an eval; `format_metrics` one line of metrics;
-  `json_metrics` makes them strict JSON; `write_image_grid` tiles images.
+  `json_metrics` makes them strict JSON; `write_image_grid` tiles images;
+  `progress` shows how far decoding or tokenizing has got.
 - Where metrics go during training (metrics.jsonl, the progress bar,
   TensorBoard, W&B) is `nnx_cli.loggers`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +65,39 @@ def write_image_grid(images: np.ndarray, path: str | Path, columns: int = 8, sca
         pixels, mode = pixels[..., :1], "L"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode=mode).save(path)
+
+
+# Off a terminal (a log file, CI, nohup) a long piece of set-up work says how far it has got: first after this
+# many seconds, then as often; shorter work says nothing.
+PROGRESS_EVERY_S = 30.0
+
+
+@contextlib.contextmanager
+def progress(total: int, description: str, *, at_least: int = 0) -> Iterator[Callable[[int], None]]:
+    """Yields `advance(n)` for work of `total` units, shown on stderr: a rich progress bar on a terminal (gone
+    when done), else a plain line every :data:`PROGRESS_EVERY_S` seconds. Work of fewer than `at_least` units
+    shows nothing."""
+    if total < at_least:
+        yield lambda n: None
+        return
+    if sys.stderr.isatty():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda n: bar.advance(task, n)
+        return
+    start = time.monotonic()
+    state = {"done": 0, "said": start}
+
+    def advance(n: int) -> None:
+        state["done"] += n
+        now = time.monotonic()
+        if now - state["said"] >= PROGRESS_EVERY_S:
+            state["said"] = now
+            share = f" ({100 * state['done'] / total:.0f}%)" if total else ""
+            print(f"{description}: {state['done']:,} of {total:,}{share}, {now - start:.0f} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    yield advance

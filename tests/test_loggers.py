@@ -475,3 +475,21 @@ def test_a_metrics_table_is_as_wide_as_its_title():
     out = io.StringIO()
     Console(file=out, width=200).print(metrics_table("eval of the pretrained model", {"loss": 1.0}))
     assert out.getvalue().splitlines()[0].rstrip() == "eval of the pretrained model"
+
+
+def test_long_set_up_work_off_a_terminal_says_how_far_it_has_got(monkeypatch, capfd):
+    """Decoding 12,000 images into a log file said nothing for 24 s: only a terminal showed a bar."""
+    from nnx_cli import report
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0.0)
+    with report.progress(12_000, "decoding 12,000 images", at_least=2_000) as advance:
+        advance(3_000)
+        advance(9_000)
+    lines = capfd.readouterr().err.splitlines()
+    assert [line.rsplit(",", 1)[0] for line in lines] == [
+        "decoding 12,000 images: 3,000 of 12,000 (25%)",
+        "decoding 12,000 images: 12,000 of 12,000 (100%)",
+    ]
+    with report.progress(1_999, "decoding 1,999 images", at_least=2_000) as advance:
+        advance(1_999)
+    assert capfd.readouterr().err == ""

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import sys
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -337,18 +336,13 @@ def sequence_limit(cfg: DataConfig) -> int:
 
 
 def _progress(rows: Any, total: int) -> Iterator[dict[str, Any]]:
-    """The rows, with a rich progress bar on a terminal for more than a few thousand."""
-    if total < 5000 or not sys.stderr.isatty():
-        yield from rows
-        return
-    from rich.console import Console
-    from rich.progress import Progress
+    """The rows, their progress shown for more than a few thousand (:func:`nnx_cli.report.progress`)."""
+    from nnx_cli import report
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(f"tokenizing {total:,} examples", total=total)
+    with report.progress(total, f"tokenizing {total:,} examples", at_least=5000) as advance:
         for row in rows:
             yield row
-            bar.advance(task)
+            advance(1)
 
 
 # Splits

@@ -33,6 +33,7 @@ for a split it does not have::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -58,7 +59,7 @@ from nnx_cli.registry import Registry, is_reference
 _SCALES = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0, np.dtype(np.float32): 1.0}
 _CHUNK_BYTES = 4 << 20  # decoded pixels per worker task: big enough to amortize the hand-over, small to stay bounded
 _PAGE = 4096  # bytes: training rows at least this long are read with pread, not through the memory map
-_PROGRESS_FROM = 10_000  # images: decodes this long show a progress bar on a terminal
+_PROGRESS_FROM = 2_000  # images: decodes this long show their progress (some seconds on one core)
 # The revision of what `_build` writes for the same rows, part of every cache key: bumped when it changes, so that
 # an entry written by earlier code is decoded again instead of read. 2: labels that are not class indices are
 # refused (1 cut fractional labels to integers and kept them in its entries). 3: palette and other indirect modes
@@ -591,39 +592,7 @@ def _decode_into(path: Path, ds: Any, key: str, workers: int) -> tuple[np.dtype,
     return dtype, (count, *shape)
 
 
-class _NoProgress:
-    def __enter__(self) -> Callable[[int], None]:
-        return lambda _: None
+def _progress(total: int, description: str) -> contextlib.AbstractContextManager[Callable[[int], None]]:
+    from nnx_cli import report
 
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _Progress:
-    """A rich progress bar on stderr, removed when done."""
-
-    def __init__(self, total: int, description: str):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-        self.total, self.description = total, description
-        self.bar = Progress(
-            "{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-
-    def __enter__(self) -> Callable[[int], None]:
-        self.bar.start()
-        task = self.bar.add_task(self.description, total=self.total)
-        return lambda n: self.bar.advance(task, n)
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.stop()
-
-
-def _progress(total: int, description: str) -> _Progress | _NoProgress:
-    return _Progress(total, description) if total >= _PROGRESS_FROM and sys.stderr.isatty() else _NoProgress()
+    return report.progress(total, description, at_least=_PROGRESS_FROM)

@@ -51,7 +51,6 @@ import io
 import multiprocessing
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -555,16 +554,7 @@ class _NpyWriter:
         return buffer.getvalue()
 
 
-@contextlib.contextmanager
-def _progress(total: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A `rich` progress bar on a terminal (stderr), nothing elsewhere; yields `advance(n)`."""
-    if not sys.stderr.isatty():
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def _progress(total: int, description: str) -> contextlib.AbstractContextManager[Callable[[int], None]]:
+    from nnx_cli import report
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
+    return report.progress(total, description)
