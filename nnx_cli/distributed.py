@@ -8,6 +8,8 @@ every process must run exactly the same steps, or a collective waits forever.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -92,6 +94,29 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def check_same(parts: dict[str, Any], fix: str) -> None:
+    """Every process holds the same `parts` (JSON-able values by name): a UserError naming the parts that differ
+    from process 0's. Processes that disagree on what to run (another train.steps on one command line, another
+    copy of the data) compiled other programs, whose collectives then waited on each other for ever."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = sorted(parts)
+    digests = [hashlib.sha256(json.dumps(parts[n], sort_keys=True, default=str).encode()).digest()[:4] for n in names]
+    mine = np.frombuffer(b"".join(digests), np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(names))
+    differ = {names[i]: [p for p in range(len(every)) if every[p, i] != every[0, i]] for i in range(len(names))}
+    differ = {name: processes for name, processes in differ.items() if processes}
+    if differ:
+        said = "; ".join(
+            f"{name} on process{'es' * (len(p) > 1)} {', '.join(map(str, p))}" for name, p in differ.items()
+        )
+        raise UserError(f"the processes of this run disagree with process 0 on {said}: {fix}")
 
 
 def is_main() -> bool:

@@ -33,14 +33,18 @@ def train(workdir: str, *overrides: str, cwd: Path, devices: int = 1) -> Path:
     return cwd / workdir
 
 
-def start_processes(workdir: str, cwd: Path, processes: int = 2, devices: int = 2) -> list[subprocess.Popen]:
-    """One `nnx-train` per process, joined through a coordinator on the loopback address."""
+def start_processes(
+    workdir: str, cwd: Path, processes: int = 2, devices: int = 2, overrides: dict[int, tuple[str, ...]] | None = None
+) -> list[subprocess.Popen]:
+    """One `nnx-train` per process, joined through a coordinator on the loopback address (`overrides`: more
+    overrides for some processes, by process id)."""
     coordinator = f"127.0.0.1:{free_port()}"
     return [
         start(
             "nnx-train",
             CONFIG,
             *MULTI_PROCESS,
+            *(overrides or {}).get(i, ()),
             "--workdir",
             workdir,
             "--coordinator",
@@ -215,6 +219,18 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(two_proces
     outputs = finish(start_processes(workdir, cwd=project))
     assert [code for code, _, _ in outputs] == [0, 0], outputs[0][2] + outputs[1][2]
     assert_same_state(project / workdir, reference, rtol=0, atol=0)
+
+
+def test_processes_started_with_other_configs_are_refused_by_every_process(project: Path):
+    """Process 1 with another train.steps compiled another program: both processes waited for ever in a
+    collective (a first SIGTERM waited for the steps under way, which never ended)."""
+    outputs = finish(start_processes("disagree", cwd=project, overrides={1: ("train.steps=30",)}), timeout=120)
+    for code, _, stderr in outputs:
+        assert code == 2, stderr
+        assert "error: the processes of this run disagree with process 0 on config section 'train' on process 1; " in (
+            stderr
+        )
+        assert "the run's length (steps) on process 1: start every process with the same config" in stderr
 
 
 def test_multi_process_flags_must_describe_a_run(project: Path):

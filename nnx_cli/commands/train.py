@@ -157,6 +157,9 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         if sample_prompts is not None:
             hooks.check_sample_prompts(exp, sample_prompts)
         planned = plan(exp, harness_tasks)  # and steps per dispatch or batches the run cannot take
+        _distributed.check_same(  # and processes started with other configs or data, which would wait for ever
+            _agreed(exp), "start every process with the same config, overrides and data"
+        )
         if resume and cfg.checkpoint.keep_best is not None:
             best_record(workdir / "checkpoints")  # and a best.json that cannot be read (its step would be pruned)
         session = open_session(exp, workdir, resume)
@@ -199,6 +202,28 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     if session.lock is not None:
         update_run_info(workdir, {"timings": runtime.timings()})
     return 0
+
+
+# Keys each process of a run may set for itself: where it reads its data and cache from, how it loads it, where
+# it logs (process 0 alone writes logs), whether it profiles.
+_PER_PROCESS = ("workdir", "data.source", "data.workers", "data.cache_dir", "logging.loggers", "train.profile")
+
+
+def _agreed(exp: Any) -> dict[str, Any]:
+    """What every process of a run must hold alike, by what a message calls it: the config's sections (but for
+    `_PER_PROCESS`), the run's length, and the rows of its data."""
+    config = to_dict(exp.cfg)
+    for key in _PER_PROCESS:
+        section, _, name = key.partition(".")
+        if name and isinstance(config.get(section), dict):
+            config[section].pop(name, None)
+        elif not name:
+            config.pop(section, None)
+    parts: dict[str, Any] = {f"config section {name!r}": value for name, value in config.items()}
+    parts["the run's length (steps)"] = exp.total_steps
+    parts["the rows of the training split"] = len(exp.train) if exp.train is not None else None
+    parts["the rows of the eval split"] = len(exp.eval) if exp.eval is not None else None
+    return parts
 
 
 @dataclasses.dataclass
