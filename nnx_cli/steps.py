@@ -366,7 +366,7 @@ def check_step(
     return list(metrics)
 
 
-def _check_metrics(metrics: Any, loss_metric: str, batch: Any, model_name: str) -> None:
+def _check_metrics(metrics: Any, loss_metric: str | None, batch: Any, model_name: str) -> None:
     """A UserError for metrics a step cannot use: not a dict, without the loss, or not one value per example (the
     loss was a KeyError at step 1, and a metric of the wrong length failed at the first eval, losing the steps
     since the last checkpoint)."""
@@ -375,7 +375,7 @@ def _check_metrics(metrics: Any, loss_metric: str, batch: Any, model_name: str) 
         raise UserError(
             f"{where}: its metrics must be a dict of name -> per-example array, got {type(metrics).__name__}"
         )
-    if loss_metric not in metrics:
+    if loss_metric is not None and loss_metric not in metrics:  # None: the metrics of an eval
         names = ", ".join(map(str, metrics)) or "none"
         raise UserError(
             f"{where}: its loss_metric {loss_metric!r} is none of the metrics it gives ({names})"

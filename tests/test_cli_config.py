@@ -38,12 +38,12 @@ def test_nnx_train_on_a_config_that_sets_nothing_says_so(tmp_path):
     assert "notice: data.source is not set: training on the default, sklearn:digits" in result.stderr
 
 
-def test_a_config_or_override_naming_data_source_gets_no_notice_of_the_default():
-    from nnx_cli.commands.train import _sets_source
+def test_only_a_data_section_left_empty_gets_the_notice_of_the_default():
+    from nnx_cli.commands.train import _empty_data
 
-    assert _sets_source({"data": {"source": "sklearn:digits"}}, [])
-    assert _sets_source({"train": {}}, ["data.source=x/"]) and _sets_source({}, ["data={source: x/}"])
-    assert not _sets_source({"data": None}, []) and not _sets_source({"data": {"binarize": 0.5}}, ["data=null"])
+    assert _empty_data({"data": None}, []) and _empty_data({"data": {"binarize": 0.5}}, ["data=null"])
+    assert not _empty_data({"train": {}}, [])  # no data section: the default, meant
+    assert not _empty_data({"data": None}, ["data.source=x/"]) and not _empty_data({}, ["data={source: x/}"])
 
 
 def test_file_values_override_defaults_and_keep_the_rest(tmp_path):

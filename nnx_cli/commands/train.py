@@ -82,7 +82,7 @@ def train(
         if not raw:  # an empty file (or comments only): a truncated copy, or the wrong file
             print(f"notice: config file {str(config)!r} sets no keys: every key takes its default (nnx-configs ls "
                   "lists configs to start from)", file=sys.stderr, flush=True)  # fmt: skip
-        elif not _sets_source(raw, overrides or []):  # a data section left empty, or data=null
+        elif _empty_data(raw, overrides or []):  # a data section left empty (its keys commented out), or data=null
             print(f"notice: data.source is not set: training on the default, {cfg.data.source} (scikit-learn's 8x8 "
                   "digits)", file=sys.stderr, flush=True)  # fmt: skip
         if workdir is not None and not workdir.strip():
@@ -94,11 +94,16 @@ def train(
         )
 
 
-def _sets_source(raw: dict, overrides: list[str]) -> bool:
-    """Whether the config file or an override names `data.source` (an override of the whole section may)."""
-    data = raw.get("data")
-    in_file = isinstance(data, dict) and "source" in data
-    return in_file or any(o.startswith("data.source=") or (o.startswith("data=") and "source" in o) for o in overrides)
+def _empty_data(raw: dict, overrides: list[str]) -> bool:
+    """Whether the data section is there but sets nothing: in the file (`data:` with its keys commented out) or
+    as an override (`data=null`, `data={}`), unless another override names the source. A config without a data
+    section means the default, as the recipes' do not."""
+    if any(o.startswith("data.source=") for o in overrides):
+        return False
+    emptied = [o for o in overrides if o.startswith("data=")]
+    if emptied:
+        return emptied[-1].partition("=")[2].strip() in ("null", "~", "{}", "")
+    return "data" in raw and not raw["data"]
 
 
 def _check_config_outside(config: Path, workdir: Path) -> None:
