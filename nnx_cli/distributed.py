@@ -49,10 +49,15 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
             f"--process-id {process_id} is out of range: processes are numbered 0 to N-1 for --num-processes N "
             f"({num_processes})"
         )
+    if coordinator is not None and process_id == 0:
+        _check_port_free(coordinator)
     try:
-        with _signals_end_the_wait():
+        with _signals_end_the_wait(), _said_while_waiting(coordinator, num_processes):
             jax.distributed.initialize(
-                coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+                coordinator_address=coordinator,
+                num_processes=num_processes,
+                process_id=process_id,
+                initialization_timeout=JOIN_TIMEOUT_S,
             )
     except ValueError as e:  # JAX found no cluster manager to fill in what is missing
         raise UserError(
@@ -62,6 +67,60 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
     except Exception as e:  # the coordinator could not be reached, or not every process joined in time
         raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
     watchdog.start()  # a process that fails from here on stops the others within seconds
+
+
+JOIN_TIMEOUT_S = 300  # how long `jax.distributed.initialize` waits for every process (JAX's default)
+SAY_WAITING_AFTER_S = 10.0  # a join taking longer than this says what it waits for
+
+
+def _check_port_free(coordinator: str) -> None:
+    """A UserError when process 0 cannot serve the coordinator on the port of `coordinator`: JAX's server then
+    logged one gRPC line and the process crashed (a segmentation fault), while the others waited five minutes."""
+    import errno
+    import socket
+
+    port = int(coordinator.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a finished run left in TIME_WAIT is free
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not ours to judge (a privileged port, say): JAX says what it finds
+            raise UserError(
+                f"--coordinator {coordinator}: port {port} is in use on this machine (another run's coordinator?); "
+                "give every process of this run another port"
+            ) from None
+
+
+@contextlib.contextmanager
+def _said_while_waiting(coordinator: str | None, num_processes: int | None) -> Iterator[None]:
+    """Say what a join waits for once it has taken `SAY_WAITING_AFTER_S`, and end the process with one line just
+    before JAX's deadline: there JAX aborts the process with a C++ check failure and a stack trace (exit 134)."""
+    import threading
+
+    where = f" at --coordinator {coordinator}" if coordinator else ""
+    count = f"the {num_processes} processes" if num_processes else "every process"
+
+    def say_waiting() -> None:
+        print(f"waiting for {count} of this run to join{where} (up to {JOIN_TIMEOUT_S} s)", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    def give_up() -> None:
+        print(f"error: cannot join the multi-process run{where}: not every process joined within {JOIN_TIMEOUT_S} s; "
+              "start each process with the same --coordinator and --num-processes, and its own --process-id",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(2)
+
+    timers = [threading.Timer(SAY_WAITING_AFTER_S, say_waiting), threading.Timer(JOIN_TIMEOUT_S - 5, give_up)]
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        for timer in timers:
+            timer.cancel()
 
 
 @contextlib.contextmanager
@@ -113,6 +172,9 @@ def check_same(parts: dict[str, Any], fix: str) -> None:
     differ = {names[i]: [p for p in range(len(every)) if every[p, i] != every[0, i]] for i in range(len(names))}
     differ = {name: processes for name, processes in differ.items() if processes}
     if differ:
+        # every process raises the same error: met here first, so that none hears of another's before its own
+        # (the watchdog then stops it as a peer's failure, exit 1, where each should say its own, exit 2)
+        barrier("nnx-train: processes compared")
         said = "; ".join(
             f"{name} on process{'es' * (len(p) > 1)} {', '.join(map(str, p))}" for name, p in differ.items()
         )

@@ -152,8 +152,8 @@ class Watchdog:
         except KeyboardInterrupt:
             self.fail("interrupted", EXIT_INTERRUPTED, probe=False)
             raise
-        except (UserError, RunError) as e:
-            self.fail(first_line(e), EXIT_USER_ERROR if isinstance(e, UserError) else EXIT_RUN_FAILED, probe=False)
+        except (UserError, RunError) as e:  # often met by every process alike: each waits to say its own (probe)
+            self.fail(first_line(e), EXIT_USER_ERROR if isinstance(e, UserError) else EXIT_RUN_FAILED)
             raise
         except BaseException as e:
             self.fail(f"{type(e).__name__}: {first_line(e)}")

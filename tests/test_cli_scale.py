@@ -19,6 +19,7 @@ import pytest
 from cli_support import ROOT, assert_user_error, cli, final_state, free_port, start, wait_for_checkpoint
 
 from nnx_cli.checkpoint import Checkpointer
+from nnx_cli.distributed import SAY_WAITING_AFTER_S
 
 CONFIG = ROOT / "configs" / "digits_vae.yaml"
 STEPS = 100  # on meshes
@@ -281,6 +282,21 @@ def test_a_signal_ends_a_process_waiting_for_peers_that_never_come(project: Path
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         time.sleep(0.1)
+    time.sleep(SAY_WAITING_AFTER_S + 1)  # it said nothing while it waited (five minutes, then a C++ abort)
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)  # it waited five minutes for process 1, deaf to SIGTERM and Ctrl-C
+    _, stderr = proc.communicate(timeout=30)  # it waited five minutes for process 1, deaf to SIGTERM and Ctrl-C
     assert proc.returncode == -signal.SIGTERM
+    assert f"waiting for the 2 processes of this run to join at --coordinator 127.0.0.1:{port} (up to 300 s)" in stderr
+
+
+def test_process_zero_on_a_port_in_use_says_so(project: Path):
+    """JAX's coordinator logged one gRPC line and the process crashed (exit 139); its peers waited five minutes."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = cli("nnx-train", CONFIG, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                     "--process-id", "0", "--workdir", "busy", cwd=project)  # fmt: skip
+    assert_user_error(result, f"--coordinator 127.0.0.1:{port}: port {port} is in use on this machine")
