@@ -228,8 +228,9 @@ def test_processes_started_with_other_configs_are_refused_by_every_process(proje
     outputs = finish(start_processes("disagree", cwd=project, overrides={1: ("train.steps=30",)}), timeout=120)
     for code, _, stderr in outputs:
         assert code == 2, stderr
-        assert "error: the processes of this run disagree with process 0 on config section 'train' on process 1; " in (
-            stderr
+        assert (
+            "error: the processes of this run disagree with process 0 on config key 'train.steps' on process 1; "
+            in (stderr)
         )
         assert "the run's length (steps) on process 1: start every process with the same config" in stderr
 

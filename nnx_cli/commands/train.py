@@ -215,16 +215,26 @@ _PER_PROCESS = ("workdir", "data.source", "data.workers", "data.cache_dir", "log
 
 
 def _agreed(exp: Any) -> dict[str, Any]:
-    """What every process of a run must hold alike, by what a message calls it: the config's sections (but for
-    `_PER_PROCESS`), the run's length, and the rows of its data."""
-    config = to_dict(exp.cfg)
+    """What every process of a run must hold alike, by what a message calls it: the config's keys (but for
+    `_PER_PROCESS`; the keys no schema names, a model's options, as one part per section), the run's length,
+    and the rows of its data. The names are the same on every process, whatever its config holds."""
+    config, schema = to_dict(exp.cfg), to_dict(Config())
     for key in _PER_PROCESS:
         section, _, name = key.partition(".")
         if name and isinstance(config.get(section), dict):
             config[section].pop(name, None)
         elif not name:
             config.pop(section, None)
-    parts: dict[str, Any] = {f"config section {name!r}": value for name, value in config.items()}
+    parts: dict[str, Any] = {}
+    for section, known in schema.items():
+        value = config.get(section)
+        if not isinstance(known, dict) or not isinstance(value, dict):
+            parts[f"config key {section!r}"] = value
+            continue
+        for key in known:
+            if key in value:
+                parts[f"config key '{section}.{key}'"] = value[key]
+        parts[f"the other keys of config section {section!r}"] = {k: v for k, v in value.items() if k not in known}
     parts["the run's length (steps)"] = exp.total_steps
     parts["the rows of the training split"] = len(exp.train) if exp.train is not None else None
     parts["the rows of the eval split"] = len(exp.eval) if exp.eval is not None else None
