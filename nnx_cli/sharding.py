@@ -158,8 +158,10 @@ def check_rules(axes: list[str], mesh: Mesh, rules: list[tuple[str, Any]]) -> No
                 example = [*rules, (free, axis)]
             else:  # every axis has a rule: split the batch over this axis too
                 example = [(a, (*_as_tuple(t), axis) if a == "batch" else t) for a, t in rules]
+            named = sorted({a for _, targets in rules for a in _as_tuple(targets)} - {axis})  # a typo of one?
             raise UserError(
-                f"config key 'sharding.mesh': axis {axis!r} has {size} devices but sharding.rules "
+                f"config key 'sharding.mesh': axis {axis!r}{did_you_mean(axis, named)} has {size} devices but "
+                f"sharding.rules "
                 f"{_flow(rules)} map no logical axis of the model to it, so its devices would all compute the "
                 f"same; add a rule that does (for example sharding.rules={_flow(example)}), or leave {axis!r} out "
                 "of sharding.mesh"

@@ -113,6 +113,7 @@ _REPLICATING = textwrap.dedent(
         "typo": ({"data": 4, "model": 2}, [["batch", "data"], ["hiddn", "model"]]),
         "no_batch_rule": ({"batch": 8}, []),
         "unused_axis": ({"data": 4, "fsdp": 2}, [["batch", "data"]]),
+        "axis_typo": ({"data": 4, "model": 1, "modl": 2}, [["batch", "data"], ["hidden", "model"]]),
         "harmless": ({"data": 4, "model": 2}, [["batch", "data"], ["hidden", "model"], ["expert", "model"]]),
     }
     for name, (mesh, rules) in cases.items():
@@ -143,6 +144,9 @@ def test_a_mesh_axis_no_rule_maps_to_says_which_rule_would_use_it(replicating: d
     assert "for example sharding.rules=[[batch, batch]]" in replicating["no_batch_rule"]
     assert "axis 'fsdp' has 2 devices but sharding.rules [[batch, data]] map no" in replicating["unused_axis"]
     assert "for example sharding.rules=[[batch, data], [embed, fsdp]]" in replicating["unused_axis"]
+    assert replicating["axis_typo"].startswith(
+        "config key 'sharding.mesh': axis 'modl' (did you mean 'model'?) has 2 devices"
+    )  # it suggested only a rule for 'modl'
 
 
 def test_a_rule_for_an_axis_of_other_models_is_harmless(replicating: dict[str, str]):
