@@ -170,9 +170,9 @@ def _partition(module: Module, filters: tuple) -> tuple[tuple[State, ...], Modul
     except ValueError as e:
         if not str(e).startswith("Non-exhaustive filters"):
             raise
-        remainder = str(e).split(": ", 1)[1].split(".\n", 1)[0]
+        (*_, rest), _ = module.partition(*filters, ...)  # what no filter matched: the rest, not parsed from e
         raise ValueError(
-            f"Non-exhaustive filters, got a non-empty remainder: {remainder}. nnx.Scan's variable_axes, "
+            f"Non-exhaustive filters, got a non-empty remainder: {list(rest)}. nnx.Scan's variable_axes, "
             "variable_broadcast and variable_carry match none of it: name it in one of them (variable_carry=..., "
             "the default, carries everything the others do not name)"
         ) from None
