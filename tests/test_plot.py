@@ -81,6 +81,39 @@ def test_out_with_an_unknown_extension_is_a_user_error(tmp_path: Path):
         save_figure(figure, tmp_path / "curves.pnj")
 
 
+def test_a_write_that_fails_keeps_the_image_that_was_there_and_leaves_no_partial_file(tmp_path: Path):
+    workdir = _write_metrics(tmp_path / "run")
+    assert cli("nnx-plot", "run", cwd=tmp_path).returncode == 0
+    before = (workdir / "plot.png").read_bytes()
+    _write_metrics(workdir, scale=3.0)  # new curves, and a disk that takes 4 KB per file (EFBIG past it)
+    failed = cli("nnx-plot", "run", cwd=tmp_path, file_size_limit=4096)
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr.strip().startswith("error: cannot write run/plot.png (File too large)"), failed.stderr
+    assert (workdir / "plot.png").read_bytes() == before
+    assert sorted(p.name for p in workdir.iterdir()) == ["config.yaml", "metrics.jsonl", "plot.png"]
+
+
+def test_out_that_is_a_directory_or_under_a_file_is_a_user_error(tmp_path: Path):
+    figure = build_figure({"run": read_metrics(_write_metrics(tmp_path / "run"))}, "nelbo")
+    with pytest.raises(UserError, match=r"--out '.*run' is a directory; give the image's file name"):
+        save_figure(figure, tmp_path / "run")
+    with pytest.raises(UserError, match=r"metrics\.jsonl is a file, not a directory"):
+        save_figure(figure, tmp_path / "run" / "metrics.jsonl" / "plot.png")
+
+
+def test_a_run_with_no_finite_value_of_the_metric_is_named_in_a_warning(tmp_path: Path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    lines = [
+        '{"step": 10, "split": "train", "metrics": {"loss": NaN}}',
+        '{"step": 20, "split": "train", "metrics": {"loss": null}}',
+    ]
+    (workdir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    result = cli("nnx-plot", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warning: run 'run' logs no finite value of 'loss' (2 records, all NaN or infinite)" in result.stderr
+
+
 def test_runs_with_equal_names_are_told_apart_by_their_parent_dirs(tmp_path: Path):
     names = run_names([tmp_path / "sweep1" / "vae", tmp_path / "sweep2" / "vae", tmp_path / "cnn"])
     assert names == ["sweep1/vae", "sweep2/vae", "cnn"]

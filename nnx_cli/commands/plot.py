@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,7 +26,8 @@ from typing import Any
 import typer
 import yaml
 
-from nnx_cli.errors import UserError, did_you_mean, report_errors, run_app
+from nnx_cli.errors import RunError, UserError, cannot_write, check_can_create, did_you_mean, report_errors, run_app
+from nnx_cli.tensorfiles import usual_mode
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -64,6 +66,14 @@ def plot(
             f"{', '.join(metric_names(runs[name]))} (choose one with --metric)",
             file=sys.stderr,
         )
+    for name, records in drawn.items():
+        values = [record["metrics"][metric] for record in records if metric in record["metrics"]]
+        if not any(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            print(
+                f"warning: run {name!r} logs no finite value of {metric!r} ({len(values)} records, all NaN or "
+                "infinite): its curve is empty",
+                file=sys.stderr,
+            )
     out = out or (workdirs[0] / "plot.png" if len(workdirs) == 1 else Path("plot.png"))
     save_figure(build_figure(drawn, metric), out)
     print(out)
@@ -251,18 +261,32 @@ def _series(records: Records, split: str, metric: str) -> tuple[list[int], list[
 
 
 def save_figure(figure: Any, out: Path) -> None:
-    """Write `figure` to `out`, in the format its extension names (.png, .svg, .pdf, ...)."""
+    """Write `figure` to `out`, in the format its extension names (.png, .svg, .pdf, ...): drawn into a file
+    beside it and renamed into place, so a write that fails (a full disk) leaves the image that was there."""
+    if out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a directory; give the image's file name (e.g. {out / 'plot.png'})")
     formats = figure.canvas.get_supported_filetypes()
-    if out.suffix.lstrip(".").lower() not in formats:
+    kind = out.suffix.lstrip(".").lower()
+    if kind not in formats:
         raise UserError(
             f"--out {str(out)!r}: the extension names the image format; use one of "
             f"{', '.join('.' + f for f in sorted(formats))} (e.g. plot.png)"
         )
+    check_can_create(out, "--out")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(out)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".partial",
+                                         delete=False) as partial:  # fmt: skip
+            try:
+                figure.savefig(partial, format=kind)
+                partial.close()
+                usual_mode(Path(partial.name))
+                os.replace(partial.name, out)
+            except BaseException:
+                Path(partial.name).unlink(missing_ok=True)
+                raise
     except OSError as e:
-        raise UserError(f"cannot write --out {str(out)!r}: {e.strerror or e}") from None
+        raise RunError(cannot_write(out, e)) from None
 
 
 def _listing(runs: Mapping[str, Records]) -> str:
