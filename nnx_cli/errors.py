@@ -12,10 +12,13 @@ import contextlib
 import difflib
 import errno
 import functools
+import gc
 import os
 import re
+import signal
 import sys
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -143,6 +146,52 @@ def report_errors(fn: F) -> F:
             raise SystemExit(EXIT_RUN_FAILED) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def interrupts_after() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) while the block runs ends the process once the block is done: `interrupted`, exit 130.
+
+    For a command's imports: a KeyboardInterrupt part-way through JAX's leaves an extension half-initialised,
+    which raises an ImportError with a page of traceback, or crashes. A SIGINT that the shell ignores
+    (`cmd &` in a script, `nohup`) stays ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED)
+
+
+def interrupt_outside_collections() -> None:
+    """Make SIGINT raise KeyboardInterrupt as Python's own handler does, but never inside a garbage-collector
+    callback or a `__del__`, where Python prints the exception as ignored and goes on (JAX runs a callback at
+    every collection, and a command compiling collects often: a Ctrl-C then did nothing). There it is raised
+    again 50 ms later. Left alone where SIGINT is ignored or already has a handler of the command's."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
+        signal.default_int_handler
+    ):
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            import _thread
+
+            later = threading.Timer(0.05, _thread.interrupt_main, (signum,))
+            later.daemon = True
+            later.start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -7,10 +7,14 @@ damages a copy of its work dir and runs the commands on it.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ import pytest
 from cli_support import assert_user_error, cli, final_state, start
 
 from nnx_cli import integrity
+from nnx_cli.errors import interrupt_outside_collections
 
 STEPS = 80
 CONFIG = f"""
@@ -347,3 +352,45 @@ def test_running_out_of_host_memory_is_one_line_and_exit_1(capsys):
     assert stopped.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: out of host memory") and err.count("\n") == 1
+
+
+def test_a_ctrl_c_inside_a_garbage_collector_callback_is_raised_after_it_not_lost():
+    """JAX runs a callback at every collection; Python's own handler raised the KeyboardInterrupt inside it,
+    where it is printed as ignored, and a command that was compiling went on to the end (exit 0)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupt_outside_collections()
+    seen: list[str] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start" and not seen:
+            seen.append("in the callback")
+            signal.raise_signal(signal.SIGINT)  # the handler runs at the next bytecode: inside this callback
+            for _ in range(10_000):
+                pass
+            seen.append("callback done")
+
+    gc.callbacks.append(callback)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            seen.append("collected")
+            time.sleep(5)
+        assert seen == ["in the callback", "callback done", "collected"]
+    finally:
+        gc.callbacks.remove(callback)
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_the_imports_ends_the_process_after_them_with_one_line_and_130(tmp_path: Path):
+    """Stopped part-way, jaxlib's extension raised an ImportError with a page of traceback, or crashed."""
+    script = (
+        "import os, signal\n"
+        "from nnx_cli.errors import interrupts_after\n"
+        "with interrupts_after():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    import jax.numpy\n"
+        "    print('imported', flush=True)\n"
+        "print('not reached')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (130, "imported\n", "interrupted\n")

@@ -3,13 +3,17 @@
 `[project.scripts]` points `nnx-train`, `nnx-eval`, `nnx-generate` and `nnx-export` here. Each first starts its
 process again with glibc's malloc asking for transparent huge pages (:func:`nnx_cli.runtime.with_huge_pages`;
 `NNX_HUGE_PAGES=off` skips it), before the command's imports (JAX, Orbax, datasets) are paid, then runs the
-command module's `main`. The quick commands (`nnx-inspect`, `nnx-plot`, `nnx-configs`) start directly.
+command module's `main`. A Ctrl-C during those imports ends the command once they are done (`interrupted`,
+exit 130: stopped part-way, JAX's extensions fail with a page of traceback); one later, while the command
+compiles, is not lost in a garbage-collector callback. The quick commands (`nnx-inspect`, `nnx-plot`,
+`nnx-configs`) start directly.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from nnx_cli.errors import interrupt_outside_collections, interrupts_after
 from nnx_cli.runtime import with_huge_pages
 
 COMMANDS = {  # this module's functions -> the command module each runs (tools/gen_reference.py reads it too)
@@ -22,7 +26,10 @@ COMMANDS = {  # this module's functions -> the command module each runs (tools/g
 
 def _run(function: str) -> None:
     with_huge_pages()
-    importlib.import_module(COMMANDS[function]).main()
+    with interrupts_after():  # a Ctrl-C in the imports, which take seconds, ends the command after them
+        command = importlib.import_module(COMMANDS[function])
+    interrupt_outside_collections()
+    command.main()
 
 
 def train() -> None:
