@@ -554,8 +554,20 @@ def test_broken_directories_stop_nnx_train_before_the_work_dir_is_written_and_ru
 
 def test_a_hub_id_offline_and_not_cached_says_so(tmp_path):
     result = cli("nnx-inspect", "nnx-test/not-cached", cwd=tmp_path)
-    assert_user_error(result, "'nnx-test/not-cached'", "cannot be reached", "hf download",
-                      f"is no directory under {tmp_path}")  # fmt: skip
+    assert_user_error(result, "TARGET: 'nnx-test/not-cached'", "cannot be reached", "hf download", "give DIR",
+                      f"is no work dir, model dir or GGUF file under {tmp_path} (a relative")  # fmt: skip
+    assert "model.pretrained" not in result.stderr  # the user gave a TARGET, not that key
+
+
+def test_a_mistyped_work_dir_that_reads_as_a_hub_id_is_said_of_the_target_with_the_close_local_one(tmp_path):
+    (tmp_path / "runs" / "digits_vae" / "checkpoints").mkdir(parents=True)
+    for command in (
+        ["nnx-eval", "run/digits_vae"],
+        ["nnx-export", "run/digits_vae", "--format", "gguf", "--out", "x.gguf"],
+    ):
+        result = cli(*command, cwd=tmp_path)
+        assert_user_error(result, "TARGET: 'run/digits_vae' is no work dir, model dir or GGUF file under",
+                          "(did you mean 'runs/digits_vae'?)")  # fmt: skip
 
 
 class _NoSuchFile(http.server.BaseHTTPRequestHandler):
@@ -588,7 +600,7 @@ def test_a_hub_id_not_cached_says_the_hub_is_asked_before_the_wait(tmp_path):
     assert (
         notice == "notice: Hub model 'nnx-test/not-there' is not in the local Hugging Face cache: asking the Hub for it"
     )
-    assert error == "error: config key 'model.pretrained': Hub model 'nnx-test/not-there' has no config.json"
+    assert error == "error: TARGET: Hub model 'nnx-test/not-there' has no config.json"
     offline = cli("nnx-inspect", "nnx-test/not-there", cwd=tmp_path)
     assert "notice" not in offline.stderr
 

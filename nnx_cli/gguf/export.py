@@ -89,8 +89,9 @@ def from_model_dir(directory: Path) -> Source:
     as they are stored (a bfloat16 tensor is widened to float32, what llama.cpp's converter computes in, as it is
     converted)."""
     from nnx_cli.hf import families as hf_families
-    from nnx_cli.hf import open_pretrained, read_config
+    from nnx_cli.hf import open_pretrained, read_config, resolve_target
 
+    resolve_target(directory)  # a Hub id that cannot be had is said of the TARGET
     pretrained = open_pretrained(str(directory))
     config = read_config(pretrained.directory)
     shapes = hf_families.layout(pretrained.maps, pretrained.options["num_layers"])

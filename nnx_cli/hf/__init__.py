@@ -28,10 +28,18 @@ from nnx_cli.data import tokenizers
 from nnx_cli.data.sources import notice
 from nnx_cli.errors import UserError
 from nnx_cli.hf import bnb, families
-from nnx_cli.hf.hub import is_model_dir, resolve
+from nnx_cli.hf.hub import is_model_dir, resolve, resolve_target
 from nnx_cli.hf.weights import Weights
 
-__all__ = ["Pretrained", "apply_pretrained", "is_model_dir", "model_dir_config", "open_pretrained", "resolve"]
+__all__ = [
+    "Pretrained",
+    "apply_pretrained",
+    "is_model_dir",
+    "model_dir_config",
+    "open_pretrained",
+    "resolve",
+    "resolve_target",
+]
 
 _UNSET = object()
 # Options a config may set for a pretrained model: they change how it runs, not what it computes.
@@ -300,6 +308,7 @@ def model_dir_config(target: str | Path, overrides: list[str], *, scan_layers: b
     are laid under the overrides (`train={"batch_size": 8}`)."""
     from nnx_cli.config import Config, apply_overrides, from_dict, merge, to_dict
 
+    resolve_target(target)  # a Hub id that cannot be had is said of the TARGET, not of model.pretrained
     pretrained = open_pretrained(str(target))
     config = read_config(pretrained.directory)
     positions = pretrained.options.get("max_positions") or config.get("max_position_embeddings")

@@ -60,9 +60,10 @@ def _beside_work_dirs(path: Path) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def resolve(source: str) -> Path:
+def resolve(source: str, key: str = _KEY) -> Path:
     """The local directory of `model.pretrained`: the directory itself, a Hub model's cached snapshot
-    (downloaded the first time), or the directory a GGUF file stands for (made the first time)."""
+    (downloaded the first time), or the directory a GGUF file stands for (made the first time). `key` names
+    what gave `source` in the messages: a command's TARGET is :func:`resolve_target`'s."""
     path = Path(source).expanduser()
     if path.is_file():
         from nnx_cli.gguf.read import is_gguf, model_dir
@@ -72,39 +73,49 @@ def resolve(source: str) -> Path:
     if path.is_dir():
         if not (path / CONFIG).is_file():
             raise UserError(
-                f"{_KEY}: {str(path / CONFIG)!r} does not exist; point model.pretrained at a Hugging Face model "
+                f"{key}: {str(path / CONFIG)!r} does not exist; point {_name(key)} at a Hugging Face model "
                 "directory (one saved by save_pretrained, or downloaded with `hf download`)"
             )
         return path.absolute()
     if looks_local(source):
-        raise UserError(f"{_KEY}: model directory {source!r} does not exist")
-    return _download(source)
+        raise UserError(f"{key}: model directory {source!r} does not exist")
+    return _download(source, key)
 
 
-def _download(repo_id: str) -> Path:
+def resolve_target(target: str | Path) -> Path:
+    """:func:`resolve` for a command's TARGET, which the messages name (not `model.pretrained`, which the user
+    never set)."""
+    return resolve(str(target), "TARGET")
+
+
+def _name(key: str) -> str:
+    return "model.pretrained" if key == _KEY else key
+
+
+def _download(repo_id: str, key: str) -> Path:
     """Fetch `config.json`, the weights named by the index (or `model.safetensors`) and the tokenizer files of a
     Hub model into the Hugging Face cache, reading what is cached already; returns the snapshot directory."""
-    config = _fetch(repo_id, CONFIG, required=True)
+    config = _fetch(repo_id, CONFIG, key, required=True)
     directory = config.parent
-    index = _fetch(repo_id, "model.safetensors.index.json", required=False)
+    index = _fetch(repo_id, "model.safetensors.index.json", key, required=False)
     if index is not None:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             shards = []  # reported as an unreadable index when the weights are opened
         for shard in shards:
-            _fetch(repo_id, shard, required=True)
-    elif _fetch(repo_id, "model.safetensors", required=False) is None:
+            _fetch(repo_id, shard, key, required=True)
+    elif _fetch(repo_id, "model.safetensors", key, required=False) is None:
         raise UserError(
-            f"{_KEY}: Hub model {repo_id!r} has no model.safetensors or model.safetensors.index.json; nnx reads "
+            f"{key}: Hub model {repo_id!r} has no model.safetensors or model.safetensors.index.json; nnx reads "
             "safetensors weights only"
         )
     for name in _OPTIONAL:
-        _fetch(repo_id, name, required=False)
+        _fetch(repo_id, name, key, required=False)
     return directory
 
 
-def _fetch(repo_id: str, filename: str, *, required: bool) -> Path | None:
+def _fetch(repo_id: str, filename: str, key: str, *, required: bool) -> Path | None:
     """One file of a Hub model from the cache, else downloaded; None for an optional file the model lacks."""
     import huggingface_hub
     from huggingface_hub import errors
@@ -122,28 +133,44 @@ def _fetch(repo_id: str, filename: str, *, required: bool) -> Path | None:
         return Path(huggingface_hub.hf_hub_download(repo_id, filename))
     except errors.HFValidationError:
         raise UserError(
-            f"{_KEY}: {repo_id!r} is neither a local model directory nor a Hugging Face Hub id (org/name)"
+            f"{key}: {repo_id!r} is neither a local model directory nor a Hugging Face Hub id (org/name)"
         ) from None
     except errors.LocalEntryNotFoundError as e:  # offline, or the Hub cannot be reached (a kind of EntryNotFoundError)
         if not required:  # an optional file that is not cached: the model works without it
             return None
+        what = "no directory" if key == _KEY else "no work dir, model dir or GGUF file"
         raise UserError(
-            f"{_KEY}: {repo_id!r} is no directory under {os.getcwd()} (a relative path is read from where the "
-            f"command runs), and as a Hub model it cannot be loaded: the Hugging Face Hub cannot be reached (or "
-            f"HF_HUB_OFFLINE is set) and {filename} is not in the local cache ({type(e).__name__}). Run once "
-            f"with network access so it is cached, or download it (hf download {repo_id} --local-dir DIR) and "
-            "set model.pretrained=DIR"
+            f"{key}: {repo_id!r} is {what} under {os.getcwd()}{_closest(repo_id)} (a relative path is read from "
+            f"where the command runs), and as a Hub model it cannot be loaded: the Hugging Face Hub cannot be "
+            f"reached (or HF_HUB_OFFLINE is set) and {filename} is not in the local cache ({type(e).__name__}). "
+            f"Run once with network access so it is cached, or download it (hf download {repo_id} --local-dir "
+            f"DIR) and {'set model.pretrained=DIR' if key == _KEY else 'give DIR'}"
         ) from None
     except errors.EntryNotFoundError:  # the Hub answered: the file is not there
         if required:
-            raise UserError(f"{_KEY}: Hub model {repo_id!r} has no {filename}") from None
+            raise UserError(f"{key}: Hub model {repo_id!r} has no {filename}") from None
         return None
     except (errors.RepositoryNotFoundError, errors.GatedRepoError):
         raise UserError(
-            f"{_KEY}: no Hub model {repo_id!r} (or it is gated: log in with `hf auth login` after accepting its "
-            "license on the Hub)"
+            f"{key}: no Hub model {repo_id!r}{_closest(repo_id)} (or it is gated: log in with `hf auth login` "
+            "after accepting its license on the Hub)"
         ) from None
     except (OSError, errors.HfHubHTTPError) as e:
         raise UserError(
-            f"{_KEY}: cannot download {filename} of Hub model {repo_id!r}: {type(e).__name__}: {e}"
+            f"{key}: cannot download {filename} of Hub model {repo_id!r}: {type(e).__name__}: {e}"
         ) from None
+
+
+def _closest(repo_id: str) -> str:
+    """` (did you mean 'runs/digits_vae'?)` for a local directory close to `repo_id` (a mistyped work dir,
+    `run/digits_vae`, is an org/name too), else ""."""
+    import difflib
+
+    org, _, name = repo_id.partition("/")
+    folders = [p.name for p in Path(".").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    for near in difflib.get_close_matches(org, folders, n=3, cutoff=0.6):
+        inside = [p.name for p in Path(near).iterdir() if p.is_dir()]
+        match = difflib.get_close_matches(name, inside, n=1, cutoff=0.6)
+        if match:
+            return f" (did you mean '{near}/{match[0]}'?)"
+    return ""
