@@ -34,6 +34,7 @@ def check_workdir(workdir: Path) -> list[Path]:
     """
     if workdir.exists() and not workdir.is_dir():
         raise UserError(f"work dir {str(workdir)!r} is a file; pass --workdir with a directory")
+    _outside_checkpoints(workdir)
     try:
         str(workdir.absolute()).encode("utf-8")
     except UnicodeEncodeError:  # Orbax and TensorStore take UTF-8 paths only: its first checkpoint would fail
@@ -50,6 +51,23 @@ def check_workdir(workdir: Path) -> list[Path]:
         if path.exists() and path.is_dir() != (kind == "a directory"):
             raise UserError(f"{str(path)!r} should be {kind}; move it away or pass another --workdir")
     return created
+
+
+def _outside_checkpoints(workdir: Path) -> None:
+    """Refuse a work dir inside a run's `checkpoints/` (`--workdir runs/lm/checkpoints/1000`, a step's path
+    pasted for its run's): the new run's files would land in that step, which then fails its checksums."""
+    path = Path(os.path.abspath(workdir))
+    for folder in (path, *path.parents):
+        run = folder.parent
+        if folder.name == "checkpoints" and run != folder and (run / "config.yaml").is_file():
+            inside = path.relative_to(folder).parts
+            where = f"checkpoint step {inside[0]} of" if inside else "the checkpoints of"
+            named = run if workdir.is_absolute() else os.path.relpath(run)
+            raise UserError(
+                f"work dir {str(workdir)!r} is {'inside ' if len(inside) > 1 else ''}{where} run {str(named)!r}: "
+                f"a run there would write into {'it' if inside else 'them'}; pass --workdir {str(named)!r} to "
+                "resume that run, or a directory outside it"
+            )
 
 
 def remove_if_empty(directories: Sequence[Path]) -> None:

@@ -35,6 +35,21 @@ def test_a_work_dir_whose_path_is_not_utf8_is_a_user_error_before_anything_is_ma
     assert not os.path.lexists(workdir)
 
 
+def test_a_work_dir_inside_a_runs_checkpoints_is_refused_before_anything_is_written(tmp_path: Path):
+    run = tmp_path / "runs" / "lm"
+    (run / "checkpoints" / "1000").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError, match=r"is checkpoint step 1000 of run '.*runs/lm': a run there would write into"):
+        check_workdir(run / "checkpoints" / "1000")
+    with pytest.raises(UserError, match=r"is inside checkpoint step 1000 of run"):
+        check_workdir(run / "checkpoints" / "1000" / "new")
+    with pytest.raises(UserError, match=r"is the checkpoints of run .*; pass --workdir '.*runs/lm' to resume"):
+        check_workdir(run / "checkpoints")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert check_workdir(tmp_path / "checkpoints") == [tmp_path / "checkpoints"]  # a work dir of that name is fine
+
+
 def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path):
     (tmp_path / "checkpoints").write_text("")
     with pytest.raises(UserError, match="checkpoints' should be a directory; move it away"):
