@@ -106,7 +106,9 @@ def _sample(
 ) -> jax.Array:
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
+    # the model's padded vocabulary rows hold a finite -1e30: divided by a temperature of 1e28 they came within
+    # the noise's reach and were drawn (tokens the tokenizer does not have); they stay out at any temperature
+    logits = jnp.where(logits > _MASKED, logits / temperature, -jnp.inf)
     if use_top_k:
         logits = _keep_top_k(logits, top_k)
     if use_top_p:

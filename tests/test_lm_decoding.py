@@ -406,9 +406,14 @@ def test_padded_vocabulary_ids_are_never_sampled():
     model.final_norm.bias = jnp.ones_like(model.final_norm.bias)
     model.embedding.embedding = model.embedding.embedding.at[VOCAB:].set(10.0)  # padded logits 10 |c|^2, were they real
     params, moduledef = model.partition(nnx.Param)
-    for temperature in (0.0, 1.0, 5.0):
+    for temperature in (0.0, 1.0, 5.0, 1e30):  # 1e30 brought the padded rows' -1e30 to -1, within the noise
         run = generate(moduledef, params, PROMPTS, max_tokens=8, temperature=temperature).finish()
         assert all(0 <= token < VOCAB for sample in run.samples for token in sample)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(512))
+    padded = jnp.broadcast_to(jnp.array([0.0, 1.0, -1e30, -1e30]), (512, 4))
+    for options in ({}, {"top_k": 3}, {"top_p": 0.999}):
+        drawn = set(np.asarray(sample_tokens(padded, keys, 0, temperature=1e30, **options)).tolist())
+        assert drawn == {0, 1}, options
 
 
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
