@@ -221,6 +221,13 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     """Resolve `cfg` once. `data`: "train" (train and eval splits), "eval" (eval split) or None (no data read).
     `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
     text.fill_text_key(cfg.data)  # a .txt / .md file or directory of them: documents in `text`
+    if cfg.model.name == "transformer_lm" and cfg.model.pretrained is None and not text.is_text(cfg.data):
+        raise UserError(  # else the data is read as images, and the error is about a missing image column
+            f"model.name 'transformer_lm' is a language model, but data.source {cfg.data.source!r} is not read as "
+            "text: set data.text_key to the column holding its documents (e.g. data.text_key=text), or "
+            "data.format to chat, completion or preference for fine-tuning examples (a .txt or .md source needs "
+            "neither)"
+        )
     model_cls, pretrained = _setup_model(cfg)
     if data == "train":
         _check_frozen_base(cfg, pretrained is not None)

@@ -284,6 +284,17 @@ def test_cudnn_attention_where_it_cannot_run_is_a_user_error(project: Path):
     assert_user_error(result, "config key 'model.attention': cudnn cannot run here", "use auto, core or xla")
 
 
+def test_a_language_model_on_data_not_read_as_text_says_to_name_its_column(project: Path):
+    """Without data.text_key a JSON Lines source was read as images: 'has no column image', or from nnx-inspect
+    'set model.input_shape'."""
+    (project / "docs.jsonl").write_text('{"content": "the king shall speak"}\n' * 50)
+    for command in ("nnx-train", "nnx-inspect"):
+        result = cli(command, "lm.yaml", "data.source=docs.jsonl", "data.text_key=null", cwd=project)
+        assert_user_error(result, "model.name 'transformer_lm' is a language model, but data.source 'docs.jsonl' "
+                          "is not read as text: set data.text_key")  # fmt: skip
+    assert not (project / "runs").exists()
+
+
 def test_run_json_says_which_attention_ran(reference: Path):
     ran = json.loads((reference / "run.json").read_text())["attention"]
     assert ran.startswith("core (auto on ")
