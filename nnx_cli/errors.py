@@ -200,8 +200,9 @@ def is_out_of_memory(error: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def out_of_memory_message(error: BaseException) -> str:
-    """One line: what XLA could not allocate, and the knobs that need less memory."""
+def out_of_memory_message(error: BaseException, advice: str | None = None) -> str:
+    """One line: what XLA could not allocate, and the knobs that need less memory (`advice`: a command's own,
+    else a training run's)."""
     text = str(error)
     found = re.search(r"allocat(?:e|ing) (\d+) bytes", text)  # XLA's CPU and GPU runtimes
     sized = re.search(r"allocate ([\d.]+) ?([KMGT])i?B", text)  # a GPU allocator's "8.00GiB"
@@ -212,10 +213,11 @@ def out_of_memory_message(error: BaseException) -> str:
         needed = f"could not allocate {size / 2**30:.1f} GiB"
     else:
         needed = first_line(error)
-    return (
-        f"out of device memory ({needed}); need less per device: lower train.batch_size (train.grad_accum_steps "
-        "keeps the global batch), recompute activations with model.remat=full (language models), or split the "
-        "model over more devices with sharding.mesh"
+    return f"out of device memory ({needed}); " + (
+        advice
+        or "need less per device: lower train.batch_size (train.grad_accum_steps keeps the global batch), recompute "
+        "activations with model.remat=full (language models), or split the model over more devices with "
+        "sharding.mesh"
     )
 
 

@@ -14,7 +14,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from cli_support import assert_user_error, cli, final_state, optimized_flags, start, wait_for_checkpoint
+from cli_support import (
+    assert_user_error,
+    cli,
+    cli_device_memory,
+    final_state,
+    optimized_flags,
+    start,
+    wait_for_checkpoint,
+)
 
 from nnx_cli.checkpoint import Checkpointer
 
@@ -230,6 +238,18 @@ def test_greedy_generation_that_fills_the_context_stops_there_truncated(referenc
 )
 def test_generate_rejects_bad_input_with_one_line(reference: Path, project: Path, args: list[str], fragment: str):
     assert_user_error(cli("nnx-generate", "ref", *args, cwd=project), fragment)
+
+
+def test_generate_out_of_memory_names_its_own_knobs_not_trainings(reference: Path, project: Path):
+    """Each sample's key-value cache: 2 layers x 64 positions x 64 features, keys and values, in float32."""
+    samples = 4 * cli_device_memory() // (2 * 64 * 64 * 2 * 4)
+    result = cli("nnx-generate", "ref", "--prompt", "the", "--num-samples", str(samples), "--max-tokens", "4",
+                 cwd=project, memory_limit=True)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: out of device memory (could not allocate "), message
+    assert f"the key-value cache holds up to {samples} x (3 prompt + 4 new) positions" in message, message
+    assert "--max-tokens or --num-samples" in message and "train.batch_size" not in message
 
 
 def test_generate_of_an_image_model_is_a_user_error(project: Path):

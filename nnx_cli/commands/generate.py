@@ -26,7 +26,7 @@ from typing import Any
 
 import typer
 
-from nnx_cli.errors import UserError, report_errors, run_app
+from nnx_cli.errors import RunError, UserError, is_out_of_memory, out_of_memory_message, report_errors, run_app
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -94,12 +94,20 @@ def generate(
         template = run_chat_template(run.cfg, tokenizer) if chat else None
     prompt_ids = encode_prompt(tokenizer, prompt, chat, system, template)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
     shown = "" if chat else prompt  # a chat shows the reply alone, not the template around the prompt
     stream = sys.stdout.isatty() and not as_json and num_samples == 1
-    if stream:
-        _stream(drawn, shown, tokenizer)
-    drawn.finish()
+    try:
+        drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
+        if stream:
+            _stream(drawn, shown, tokenizer)
+        drawn.finish()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise RunError(out_of_memory_message(e, (
+            f"the key-value cache holds up to {num_samples} x ({len(prompt_ids)} prompt + {max_tokens} new) positions "
+            "in every layer: ask for fewer with --max-tokens or --num-samples"
+        ))) from None  # fmt: skip
     cut = sum(drawn.truncated)
     if cut and not as_json:  # --json says it in "truncated" and "stop_reasons"
         which = "the sample" if num_samples == 1 else f"{cut} of {num_samples} samples"
