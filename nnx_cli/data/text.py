@@ -245,7 +245,8 @@ def load_text_splits(
         _notice(
             (cfg.source, cfg.eval_split),
             f"notice: {cfg.source!r} has no split {cfg.eval_split!r}; its last {HOLDOUT_FRACTION:.0%} "
-            f"({len(eval_tokens):,} tokens) is held out as {cfg.eval_split!r} and the first "
+            f"({len(eval_tokens):,} token{'' if len(eval_tokens) == 1 else 's'}) is held out as {cfg.eval_split!r} "
+            "and the first "
             f"{1 - HOLDOUT_FRACTION:.0%} trains",
         )
     else:
