@@ -490,6 +490,14 @@ def test_the_command_line_refuses_bad_types_existing_files_and_unrunnable_famili
     assert_user_error(result, "is a Hugging Face model (a model dir or Hub id), not a run", "with --format gguf")
     assert (exported / "llama.gguf").read_bytes() == before and not (exported / "x.gguf").exists()
     assert not (exported / "copy").exists()
+    # a directory's path (it wrote a file named 'newdir'), and a link to nowhere (the rename replaced it)
+    result = cli("nnx-export", fixture("llama"), "--format", "gguf", "--out", "newdir/", cwd=exported)
+    assert_user_error(result, "--out 'newdir/' names a directory", "(e.g. newdir/model.gguf)")
+    assert not (exported / "newdir").exists()
+    (exported / "dangling.gguf").symlink_to(exported / "nowhere" / "model.gguf")
+    result = cli("nnx-export", fixture("llama"), "--format", "gguf", "--out", "dangling.gguf", cwd=exported)
+    assert_user_error(result, "--out 'dangling.gguf' exists; pass --overwrite")
+    assert (exported / "dangling.gguf").is_symlink()
 
 
 def test_a_dtype_named_as_for_a_hugging_face_export_is_taken_for_gguf(exported):

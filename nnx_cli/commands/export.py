@@ -17,6 +17,7 @@ bf16 or q8_0 (default: bf16 for bfloat16 weights, else f16). `--ollama` adds a `
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,16 @@ def export(
     target: Path = typer.Argument(
         ...,
         metavar="TARGET",
-        help="Work dir, its checkpoints/ dir, or one step dir; with --format gguf also a Hugging Face model dir.",
+        help="Work dir, its checkpoints/ dir, or one step dir; with --format gguf also a Hugging Face model dir "
+        "(or Hub id) or a .gguf file (written again in --dtype).",
         show_default=False,
     ),
-    out: Path = typer.Option(..., "--out", help="The directory to write (new, or empty).", show_default=False),
+    out_given: str = typer.Option(
+        ...,
+        "--out",
+        help="The directory to write (new, or empty); with --format gguf, the .gguf file.",
+        show_default=False,
+    ),
     step: int | None = typer.Option(None, help="Checkpoint step (default: the newest usable one)."),
     best: bool = typer.Option(False, "--best", help="The best step kept by checkpoint.keep_best."),
     merge: bool = typer.Option(
@@ -69,7 +76,11 @@ def export(
         raise UserError("--merge and --adapter choose one form of the export: pass one of them")
     if format not in ("hf", "gguf"):
         raise UserError(f"--format {format!r}: expected hf (a Hugging Face model directory) or gguf (one file)")
+    out = Path(out_given)
     if format == "gguf":
+        if out_given.endswith(("/", os.sep)):  # Path() drops the slash: the file would take the directory's name
+            raise UserError(f"--out {out_given!r} names a directory; give the path of the .gguf file to write "
+                            f"(e.g. {out_given}model.gguf)")  # fmt: skip
         return _gguf(target, out, step=step, best=best, adapter=adapter, dtype=dtype, ollama=ollama,
                      overwrite=overwrite)  # fmt: skip
     if ollama or overwrite:

@@ -64,7 +64,7 @@ def check_out(out: Path, overwrite: bool) -> None:
     """`--out` must be a new file (or an existing one with `overwrite`), never a directory."""
     if out.is_dir():
         raise UserError(f"--out {str(out)!r} is a directory; give the path of the .gguf file to write")
-    if out.exists() and not overwrite:
+    if (out.exists() or out.is_symlink()) and not overwrite:  # a link to nowhere too: the rename would replace it
         raise UserError(f"--out {str(out)!r} exists; pass --overwrite to replace it (nothing was written)")
     check_can_create(out, "--out")
 
