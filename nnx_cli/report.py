@@ -73,23 +73,34 @@ PROGRESS_EVERY_S = 30.0
 
 
 @contextlib.contextmanager
-def progress(total: int, description: str, *, at_least: int = 0) -> Iterator[Callable[[int], None]]:
-    """Yields `advance(n)` for work of `total` units, shown on stderr: a rich progress bar on a terminal (gone
-    when done), else a plain line every :data:`PROGRESS_EVERY_S` seconds. Work of fewer than `at_least` units
-    shows nothing."""
+def progress(
+    total: int, description: str, *, at_least: int = 0, in_bytes: bool = False
+) -> Iterator[Callable[[int], None]]:
+    """Yields `advance(n)` for work of `total` units (bytes with `in_bytes`), shown on stderr: a rich progress
+    bar on a terminal (gone when done), else a plain line every :data:`PROGRESS_EVERY_S` seconds. Work of fewer
+    than `at_least` units shows nothing."""
     if total < at_least:
         yield lambda n: None
         return
     if sys.stderr.isatty():
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        amount = DownloadColumn() if in_bytes else MofNCompleteColumn()
+        columns = (TextColumn("{task.description}", markup=False), BarColumn(), amount, TimeRemainingColumn())
+        with Progress(*columns, console=Console(stderr=True, markup=False), transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task, n)
         return
     start = time.monotonic()
     state = {"done": 0, "said": start}
+    amount = (lambda n: f"{n / 1e9:,.2f} GB") if in_bytes else (lambda n: f"{n:,}")
 
     def advance(n: int) -> None:
         state["done"] += n
@@ -97,7 +108,7 @@ def progress(total: int, description: str, *, at_least: int = 0) -> Iterator[Cal
         if now - state["said"] >= PROGRESS_EVERY_S:
             state["said"] = now
             share = f" ({100 * state['done'] / total:.0f}%)" if total else ""
-            print(f"{description}: {state['done']:,} of {total:,}{share}, {now - start:.0f} s", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"{description}: {amount(state['done'])} of {amount(total)}{share}, {now - start:.0f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     yield advance

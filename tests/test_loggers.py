@@ -493,3 +493,22 @@ def test_long_set_up_work_off_a_terminal_says_how_far_it_has_got(monkeypatch, ca
     with report.progress(1_999, "decoding 1,999 images", at_least=2_000) as advance:
         advance(1_999)
     assert capfd.readouterr().err == ""
+
+
+def test_a_long_export_off_a_terminal_says_how_many_bytes_it_has_written(monkeypatch, capfd):
+    """A multi-GB export under nohup or CI said nothing until its last line: only a terminal showed a bar."""
+    from nnx_cli import report
+    from nnx_cli.hf.weights import progress
+
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0.0)
+    with progress("writing the weights", 3 * 10**9, in_bytes=True, minimum=10**8) as advance:
+        advance(10**9)
+        advance(2 * 10**9)
+    lines = capfd.readouterr().err.splitlines()
+    assert [line.rsplit(",", 1)[0] for line in lines] == [
+        "writing the weights: 1.00 GB of 3.00 GB (33%)",
+        "writing the weights: 3.00 GB of 3.00 GB (100%)",
+    ]
+    with progress("writing the weights", 10**7, in_bytes=True, minimum=10**8) as advance:
+        advance(10**7)
+    assert capfd.readouterr().err == ""

@@ -21,7 +21,6 @@ a multi-host run reads only what its devices hold::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -381,21 +380,13 @@ def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int,
     return (stop - start, *shape[1:])
 
 
-@contextlib.contextmanager
-def progress(description: str, total: int, *, in_bytes: bool = False, minimum: int = 0) -> Iterator[Any]:
-    """A transient rich progress bar over `total` (a count of bytes with `in_bytes`, else of elements) on a
-    terminal (stderr) and when `total >= minimum`; yields `advance(n)`, or None when no bar is shown."""
-    if total < minimum or not sys.stderr.isatty():
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+def progress(description: str, total: int, *, in_bytes: bool = False, minimum: int = 0) -> Any:
+    """:func:`nnx_cli.report.progress` over `total` (a count of bytes with `in_bytes`, else of elements): a bar on
+    a terminal, a line every 30 s off one (a multi-GB export under nohup or CI said nothing until done); nothing
+    when `total < minimum`."""
+    from nnx_cli.report import progress as shown
 
-    amount = DownloadColumn() if in_bytes else TextColumn("{task.percentage:>3.0f}%")
-    columns = (TextColumn("{task.description}", markup=False), BarColumn(), amount, TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True, markup=False), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
+    return shown(total, description, at_least=minimum, in_bytes=in_bytes)
 
 
 def load(
