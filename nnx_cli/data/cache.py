@@ -51,12 +51,10 @@ def cache_key(parts: dict[str, Any]) -> str:
 
 
 def local_fingerprint(path: str | Path) -> str:
-    """A hash of the sizes, modification times and change times of a local file, or of every file under a
-    directory.
+    """A hash of the sizes and modification times of a local file, or of every file under a directory.
 
-    Cheap (no file is read) and changed by any edit that touches a file, so it stands for the content in cache
-    keys of local sources. The change time (and the inode) is what no copy can carry over: `cp -p`,
-    `rsync -a` or `touch -r` give a file of the same size new content and the old modification time.
+    Cheap (no file is read) and changed by any edit that touches a file, so
+    it stands for the content in cache keys of local sources.
 
     >>> local_fingerprint("data/train.parquet")  # doctest: +SKIP
     'c5d7f0e1a2b3c4d5'
@@ -67,8 +65,7 @@ def local_fingerprint(path: str | Path) -> str:
     for file in files:
         stat = file.stat()
         digest.update(
-            f"\0{file.relative_to(path) if file != path else ''}\0{stat.st_size}\0{stat.st_mtime_ns}"
-            f"\0{stat.st_ctime_ns}\0{stat.st_ino}".encode()
+            f"\0{file.relative_to(path) if file != path else ''}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
         )
     return digest.hexdigest()[:16]
 
