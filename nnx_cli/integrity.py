@@ -114,7 +114,7 @@ def seal(step_dir: str | Path, *, process: int | None = None, process_count: int
         "files": {rel: {"size": size, ALGORITHM: digest} for rel, (size, digest) in zip(mine, digests)},
     }
     target = checksums_file(step_dir, process)
-    _write_atomically(target, json.dumps(record, indent=1, sort_keys=True).encode())
+    write_atomically(target, json.dumps(record, indent=1, sort_keys=True).encode())
     return target
 
 
@@ -327,7 +327,7 @@ def _hash_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _write_atomically(target: Path, data: bytes) -> None:
+def write_atomically(target: Path, data: bytes) -> None:
     """Write to a temporary file next to `target`, fsync it, rename it over `target`, fsync the directory."""
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     try:

@@ -498,10 +498,9 @@ def test_long_set_up_work_off_a_terminal_says_how_far_it_has_got(monkeypatch, ca
 def test_a_long_export_off_a_terminal_says_how_many_bytes_it_has_written(monkeypatch, capfd):
     """A multi-GB export under nohup or CI said nothing until its last line: only a terminal showed a bar."""
     from nnx_cli import report
-    from nnx_cli.hf.weights import progress
 
     monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0.0)
-    with progress("writing the weights", 3 * 10**9, in_bytes=True, minimum=10**8) as advance:
+    with report.progress(3 * 10**9, "writing the weights", at_least=10**8, in_bytes=True) as advance:
         advance(10**9)
         advance(2 * 10**9)
     lines = capfd.readouterr().err.splitlines()
@@ -509,6 +508,6 @@ def test_a_long_export_off_a_terminal_says_how_many_bytes_it_has_written(monkeyp
         "writing the weights: 1.00 GB of 3.00 GB (33%)",
         "writing the weights: 3.00 GB of 3.00 GB (100%)",
     ]
-    with progress("writing the weights", 10**7, in_bytes=True, minimum=10**8) as advance:
+    with report.progress(10**7, "writing the weights", at_least=10**8, in_bytes=True) as advance:
         advance(10**7)
     assert capfd.readouterr().err == ""

@@ -13,11 +13,11 @@ goes to `<workdir>/plot.png` for one work dir, `./plot.png` for several, or
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +27,7 @@ import typer
 import yaml
 
 from nnx_cli.errors import RunError, UserError, cannot_write, check_can_create, did_you_mean, report_errors, run_app
-from nnx_cli.tensorfiles import usual_mode
+from nnx_cli.integrity import write_atomically
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
 
@@ -273,18 +273,11 @@ def save_figure(figure: Any, out: Path) -> None:
             f"{', '.join('.' + f for f in sorted(formats))} (e.g. plot.png)"
         )
     check_can_create(out, "--out")
+    image = io.BytesIO()
+    figure.savefig(image, format=kind)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".partial",
-                                         delete=False) as partial:  # fmt: skip
-            try:
-                figure.savefig(partial, format=kind)
-                partial.close()
-                usual_mode(Path(partial.name))
-                os.replace(partial.name, out)
-            except BaseException:
-                Path(partial.name).unlink(missing_ok=True)
-                raise
+        write_atomically(out, image.getvalue())
     except OSError as e:
         raise RunError(cannot_write(out, e)) from None
 

@@ -290,13 +290,13 @@ def _write_tensors(writer: Any, arch: families.Arch, hp: families.HParams, sourc
     """Each planned tensor's data, in plan order, as the source's tensors arrive. The file is written on a thread
     of its own (:class:`_Background`), a tensor or two behind: the next tensors are made (an adapter merged,
     a kernel transposed) and converted by XLA while the last ones are written."""
-    from nnx_cli.hf.weights import progress
+    from nnx_cli.report import progress
 
     by_source = {s: t for t in plan for s in t.sources}
     parts: dict[str, dict[int, np.ndarray]] = {}  # stacked experts' tensors as they come, by expert
     total = sum(t.nbytes for t in plan)
     with (
-        progress("writing the GGUF file", total, in_bytes=True, minimum=10**8) as advance,
+        progress(total, "writing the GGUF file", at_least=10**8, in_bytes=True) as advance,
         _Background(writer, advance, out) as background,
     ):
 

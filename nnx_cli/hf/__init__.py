@@ -78,9 +78,10 @@ class Pretrained:
         slice by slice from the safetensors files straight into their shardings; 4-bit kernels quantised as
         `quantize` (`model.quantize`) says, one layer's weight at a time."""
         from nnx_cli.hf import weights
+        from nnx_cli.report import progress
 
         total = sum(math.prod(v.value.shape) for v in abstract.values())
-        with weights.progress(f"loading {self.directory.name}", total) as advance:
+        with progress(total, f"loading {self.directory.name}") as advance:
             return weights.load(self.weights, self.maps, abstract, advance, quantize)
 
     def lazy(self, abstract: Any) -> Any:

@@ -27,7 +27,8 @@ import numpy as np
 
 from nnx_cli.errors import UserError, check_can_create
 from nnx_cli.hf import bnb, families, peft
-from nnx_cli.hf.weights import progress, tensors_of
+from nnx_cli.hf.weights import tensors_of
+from nnx_cli.report import progress
 from nnx_cli.tensorfiles import SHARD_BYTES, numpy_dtype, usual_mode, write_safetensors  # noqa: F401 (re-exported)
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -329,7 +330,7 @@ def _bnb_4bit(shapes: Mapping[str, tuple[int, ...]], tensors: Iterable[tuple[str
 def _progress(shapes: Mapping[str, tuple[int, ...]], dtype: str, description: str) -> Any:
     """A progress bar over the bytes `shapes` take in `dtype`, for exports above 100 MB."""
     total = sum(math.prod(s) for s in shapes.values()) * numpy_dtype(dtype).itemsize
-    return progress(description, total, in_bytes=True, minimum=10**8)
+    return progress(total, description, at_least=10**8, in_bytes=True)
 
 
 def _dtype_key(config: dict[str, Any]) -> str:

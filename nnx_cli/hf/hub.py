@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from nnx_cli.errors import UserError
+from nnx_cli.errors import UserError, did_you_mean
 
 _KEY = "config key 'model.pretrained'"
 CONFIG = "config.json"
@@ -168,9 +168,7 @@ def _closest(repo_id: str) -> str:
 
     org, _, name = repo_id.partition("/")
     folders = [p.name for p in Path(".").iterdir() if p.is_dir() and not p.name.startswith(".")]
-    for near in difflib.get_close_matches(org, folders, n=3, cutoff=0.6):
-        inside = [p.name for p in Path(near).iterdir() if p.is_dir()]
-        match = difflib.get_close_matches(name, inside, n=1, cutoff=0.6)
-        if match:
-            return f" (did you mean '{near}/{match[0]}'?)"
+    for near in difflib.get_close_matches(org, folders, n=3, cutoff=0.6):  # the folder, as did_you_mean matches
+        if match := did_you_mean(name, [p.name for p in Path(near).iterdir() if p.is_dir()], prefix=f"{near}/"):
+            return match
     return ""

@@ -380,15 +380,6 @@ def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int,
     return (stop - start, *shape[1:])
 
 
-def progress(description: str, total: int, *, in_bytes: bool = False, minimum: int = 0) -> Any:
-    """:func:`nnx_cli.report.progress` over `total` (a count of bytes with `in_bytes`, else of elements): a bar on
-    a terminal, a line every 30 s off one (a multi-GB export under nohup or CI said nothing until done); nothing
-    when `total < minimum`."""
-    from nnx_cli.report import progress as shown
-
-    return shown(total, description, at_least=minimum, in_bytes=in_bytes)
-
-
 def load(
     weights: Weights, maps: list[TensorMap], abstract: Any, progress: Any = None, quantize: Mapping | None = None
 ) -> Any:
