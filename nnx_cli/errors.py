@@ -170,28 +170,62 @@ def interrupts_after() -> Iterator[None]:
 
 
 def interrupt_outside_collections() -> None:
-    """Make SIGINT raise KeyboardInterrupt as Python's own handler does, but never inside a garbage-collector
-    callback or a `__del__`, where Python prints the exception as ignored and goes on (JAX runs a callback at
-    every collection, and a command compiling collects often: a Ctrl-C then did nothing). There it is raised
-    again 50 ms later. Left alone where SIGINT is ignored or already has a handler of the command's."""
+    """Make SIGINT raise KeyboardInterrupt as Python's own handler does, but never where Python would print it
+    as ignored and go on: a garbage-collector callback, a `__del__`, a weakref callback (JAX runs a callback at
+    every collection, and a command compiling collects often: a Ctrl-C then did nothing). While a collection
+    runs, or in a `__del__`, it is raised again 50 ms later; one that still lands where Python ignores it (a
+    weakref callback outside a collection) is raised again 50 ms after that. Left alone where SIGINT is ignored
+    or already has a handler of the command's."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
         signal.default_int_handler
     ):
+        if _track_collections not in gc.callbacks:
+            gc.callbacks.insert(0, _track_collections)
+        if not isinstance(sys.unraisablehook, _ReraiseInterrupts):
+            sys.unraisablehook = _ReraiseInterrupts(sys.unraisablehook)
         signal.signal(signal.SIGINT, _interrupt)
+
+
+_collecting = False  # between a collection's "start" and "stop", where the weakref callbacks it runs swallow errors
+
+
+def _track_collections(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+def _interrupt_later(signum: int = signal.SIGINT) -> None:
+    import _thread
+
+    later = threading.Timer(0.05, _thread.interrupt_main, (signum,))
+    later.daemon = True
+    later.start()
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
-    while frame is not None:
-        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-            import _thread
-
-            later = threading.Timer(0.05, _thread.interrupt_main, (signum,))
-            later.daemon = True
-            later.start()
-            return
+    deferred = _collecting
+    while frame is not None and not deferred:
+        deferred = frame.f_code in callbacks or frame.f_code.co_name == "__del__"
         frame = frame.f_back
+    if deferred:
+        _interrupt_later(signum)
+        return
     raise KeyboardInterrupt
+
+
+class _ReraiseInterrupts:
+    """`sys.unraisablehook` that, for a KeyboardInterrupt Python could not raise, interrupts again shortly
+    instead of printing it as ignored; anything else goes to the hook it wraps."""
+
+    def __init__(self, wrapped: Any):
+        self.wrapped = wrapped
+
+    def __call__(self, unraisable: Any) -> None:
+        if unraisable.exc_type is KeyboardInterrupt:
+            _interrupt_later()
+            return
+        self.wrapped(unraisable)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -378,6 +379,70 @@ def test_a_ctrl_c_inside_a_garbage_collector_callback_is_raised_after_it_not_los
         assert seen == ["in the callback", "callback done", "collected"]
     finally:
         gc.callbacks.remove(callback)
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_ctrl_c_raised_again_while_the_collection_still_runs_waits_for_its_end():
+    """Deferred from the collector's callback, the second SIGINT came 50 ms later, while the same (slow, on a
+    loaded machine) collection ran a weakref callback, where Python printed it as ignored and it was lost."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupt_outside_collections()
+    seen: list[str] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start" and not seen:
+            seen.append("in the callback")
+            signal.raise_signal(signal.SIGINT)
+
+    def slow_weakref_callback(ref: weakref.ref) -> None:
+        until = time.monotonic() + 0.3  # the deferred SIGINT comes in here, during the collection
+        while time.monotonic() < until:
+            pass
+        seen.append("weakref callback done")
+
+    garbage = _Cyclic()
+    ref = weakref.ref(garbage, slow_weakref_callback)
+    del garbage
+    gc.callbacks.append(callback)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            seen.append("collected")
+            time.sleep(5)
+        assert seen == ["in the callback", "weakref callback done", "collected"]
+        assert ref() is None
+    finally:
+        gc.callbacks.remove(callback)
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_inside_a_weakref_callback_is_raised_after_it_not_lost():
+    """Outside a collection too (the last reference dropped), Python ignores what a weakref callback raises."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupt_outside_collections()
+    seen: list[str] = []
+
+    def weakref_callback(ref: weakref.ref) -> None:
+        seen.append("in the callback")
+        signal.raise_signal(signal.SIGINT)
+
+    gc.disable()  # only the reference count frees it
+    try:
+        dropped = _Cyclic.__new__(_Cyclic)
+        ref = weakref.ref(dropped, weakref_callback)
+        with pytest.raises(KeyboardInterrupt):
+            del dropped
+            seen.append("dropped")
+            time.sleep(5)
+        assert seen == ["in the callback", "dropped"]
+        assert ref() is None
+    finally:
+        gc.enable()
         signal.signal(signal.SIGINT, previous)
 
 
