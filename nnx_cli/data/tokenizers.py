@@ -197,6 +197,8 @@ def load_tokenizer(name: str, pretrained: str | None = None) -> BytesTokenizer |
                 "data.tokenizer pretrained: no factory reads model directories; import nnx_cli.hf, which provides it"
             )
         return _pretrained(pretrained)
+    if name.lower() in (BYTES, PRETRAINED) and not Path(name).expanduser().exists():
+        raise UserError(f"{_KEY} is {name!r}, which is no file and no Hub id; did you mean {name.lower()!r}?")
     return _load_hf(name)
 
 
