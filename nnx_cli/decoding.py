@@ -472,5 +472,5 @@ def text_of(tokenizer: Any, tokens: list[int]) -> str:
     """Tokens as text, by the data's tokenizer; for bytes (a tokenizer with `to_bytes`), invalid UTF-8 shows as
     U+FFFD."""
     if hasattr(tokenizer, "to_bytes"):
-        return decode_bytes(tokens)
+        return decode_bytes(t for t in tokens if t != tokenizer.eod_id)  # dropped, as its decode() drops it
     return tokenizer.decode(tokens)

@@ -319,9 +319,40 @@ def eval_prompts(exp: Any) -> list[list[int]]:
             prompts.append([int(t) for t in rows["tokens"][row][: max(end, 1)]])
         return prompts
     stream = exp.eval.stored()["tokens"]
+    eod = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained).eod_id
     length = max(1, min(32, exp.cfg.data.seq_len // 4))
     starts = [0, len(stream) // 2][:EVAL_PROMPTS]
-    return [[int(t) for t in stream[s : s + length]] for s in starts]
+    return [prompt for s in starts if (prompt := _text_prompt(stream, s, length, eod))]
+
+
+def _text_prompt(stream: np.ndarray, start: int, length: int, eod: int) -> list[int]:
+    """Up to `length` tokens of one document from `start` on, end-of-document tokens skipped and never crossed (a
+    prompt running into the next document, or made of empty ones, held the end-of-document token, which is no
+    text); where `start` may be too near its document's end for a whole prompt, the next document's beginning."""
+    at = _next_text(stream, start, eod)
+    if at is None:
+        return []
+    piece = _to_document_end(stream, at, length, eod)
+    if len(piece) < length and not (at > 0 and stream[at - 1] == eod):  # a held-out split starts mid-document
+        following = _next_text(stream, at + len(piece), eod)
+        if following is not None:
+            piece = _to_document_end(stream, following, length, eod)
+    return [int(t) for t in piece]
+
+
+def _to_document_end(stream: np.ndarray, at: int, length: int, eod: int) -> np.ndarray:
+    piece = np.asarray(stream[at : at + length])
+    ends = np.flatnonzero(piece == eod)
+    return piece[: ends[0]] if len(ends) else piece
+
+
+def _next_text(stream: np.ndarray, start: int, eod: int, chunk: int = 1 << 16) -> int | None:
+    """The first position from `start` on that holds a token of text (not end-of-document), or None."""
+    for at in range(start, len(stream), chunk):
+        found = np.flatnonzero(np.asarray(stream[at : at + chunk]) != eod)
+        if len(found):
+            return at + int(found[0])
+    return None
 
 
 def check_sample_prompts(exp: Any, prompts: list[list[int]]) -> None:

@@ -117,6 +117,16 @@ def test_a_missing_tokenizer_file_is_a_user_error(tmp_path):
         load_tokenizer(str(tmp_path / "missing.json"))
 
 
+@pytest.mark.parametrize("name", ["BYTES", "Bytes", "Pretrained"])
+def test_a_built_in_name_in_capitals_is_refused_with_its_spelling_not_asked_of_the_hub(name, tmp_path, monkeypatch):
+    """`data.tokenizer=BYTES` went to the Hub for a tokenizer of that name, and said the Hub could not be reached."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=f"data.tokenizer' is '{name}'.*did you mean '{name.lower()}'"):
+        load_tokenizer(name)
+    with pytest.raises(UserError, match="did you mean"):
+        tokenizer_vocab_size(name)
+
+
 def test_a_hub_tokenizer_that_cannot_be_fetched_offline_says_how_to_use_a_local_file(tmp_path):
     script = (
         "from nnx_cli.data.tokenizers import load_tokenizer\n"
@@ -526,6 +536,40 @@ def test_a_stream_too_short_for_seq_len_is_a_user_error(tmp_path):
     (tmp_path / "short.txt").write_text("tiny")
     with pytest.raises(UserError, match="data.seq_len.*5 tokens.*at least 17"):
         load_text_splits(config(tmp_path, tmp_path / "short.txt", seq_len=8), seed=0)
+
+
+def test_a_split_whose_documents_are_all_empty_is_a_user_error_naming_the_column(tmp_path):
+    """A source of empty documents trained, on end-of-document tokens alone, without a word."""
+    source = write_jsonl(tmp_path / "empty.jsonl", [""] * 50)
+    with pytest.raises(UserError, match="'data.train_split': split 'train' of .* holds no text: its 50 documents in "
+                                        "column 'text' are all empty"):  # fmt: skip
+        load_text_splits(config(tmp_path, source), seed=0)
+    mostly = write_jsonl(tmp_path / "mostly.jsonl", ["some words here"] + [""] * 99)  # its held-out tail: empty
+    with pytest.raises(UserError, match="'data.eval_split': split 'validation' .* holds no text.*data.eval_split=null"):
+        load_text_splits(config(tmp_path, mostly, eval_split="validation"), seed=0)
+    assert len(load_text_splits(config(tmp_path, mostly), seed=0).train) > 0
+
+
+def test_the_default_sample_prompts_are_each_the_beginning_of_one_document(tmp_path):
+    """Documents shorter than a prompt: the prompts ran on into the next documents (and empty ones), and
+    writing the samples at the first eval ended the run with a traceback on the end-of-document token."""
+    import types
+
+    from nnx_cli.config import load_config
+    from nnx_cli.data import eval_split
+    from nnx_cli.decoding import text_of
+    from nnx_cli.hooks import eval_prompts
+
+    documents = [f"line {i}" if i % 3 else "" for i in range(300)]
+    source = write_jsonl(tmp_path / "short.jsonl", documents)
+    overrides = [f"data.source={source}", "data.text_key=text", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_config(None, ["model.name=transformer_lm", *overrides, "data.seq_len=64", "data.eval_split=test"])
+    prompts = eval_prompts(types.SimpleNamespace(cfg=cfg, eval=eval_split(cfg)))
+    tokenizer = BytesTokenizer()
+    texts = [tokenizer.decode(prompt) for prompt in prompts]
+    assert len(prompts) == 2 and not any(tokenizer.eod_id in prompt for prompt in prompts)
+    assert set(texts) <= set(documents) - {""}, texts
+    assert text_of(tokenizer, [*prompts[0], tokenizer.eod_id, *prompts[1]]) == texts[0] + texts[1]
 
 
 # --------------------------------------------------------------------------- windows

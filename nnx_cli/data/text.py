@@ -254,6 +254,10 @@ def load_text_splits(
             train_tokens = _token_stream(source, cfg.train_split, "data.train_split", tokenizer)
         if want_eval:
             eval_tokens = _token_stream(source, cfg.eval_split, "data.eval_split", tokenizer)
+    if want_train:
+        _require_text(train_tokens, tokenizer.eod_id, cfg, "data.train_split", cfg.train_split)
+    if want_eval:
+        _require_text(eval_tokens, tokenizer.eod_id, cfg, "data.eval_split", cfg.eval_split)
     train = TextTrainSplit(train_tokens, cfg.seq_len, seed, spec) if want_train else None
     evaluation = None
     if want_eval:
@@ -264,6 +268,18 @@ def load_text_splits(
                 f"one window of data.seq_len + 1 = {cfg.seq_len + 1}; lower data.seq_len or set data.eval_split=null"
             )
     return TextSplits(train, evaluation, spec)
+
+
+def _require_text(tokens: np.ndarray, eod: int, cfg: DataConfig, key: str, split: str) -> None:
+    """A UserError where a split's documents are all empty (its stream only ends documents): a run trained on
+    it without a word, and its samples had no prompt. Most streams show text in their first block."""
+    if np.any(tokens[: 1 << 16] != eod) or np.any(tokens != eod):
+        return
+    advice = "set data.eval_split=null to train without evals" if key == "data.eval_split" else "train on text"
+    raise UserError(
+        f"config key {key!r}: split {split!r} of {cfg.source!r} holds no text: its {len(tokens):,} documents in "
+        f"column {cfg.text_key!r} are all empty; check data.text_key, or {advice}"
+    )
 
 
 def splits_of(cfg: DataConfig) -> list[str]:
