@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,21 @@ class Checkpoint:
         self.first_at_stop = loop.stop_signal is not None and self.saves == 0
         self(loop)
         self.checkpointer.wait()
+
+    def rescue(self, loop: Loop) -> None:
+        """Another hook failed at this step (an eval, say, before this step's checkpoint): save the step if its
+        loss and parameters are finite, and say so, then let the failure end the run. One process only: on
+        several, a save is collective, and the others may not have failed."""
+        if self.saved == loop.step or jax.process_count() > 1:
+            return
+        try:
+            self.guard.check(loop)
+            self(loop)
+            self.checkpointer.wait()
+        except Exception:
+            return  # the failure that brought us here is the one to report
+        print(f"checkpoint written at {self.guard.directory / str(loop.step)} before stopping", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 class Evaluate:

@@ -66,8 +66,6 @@ class Hook(Protocol):
 
 def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Sequence[Hook]) -> Loop:
     """Run the dispatches `feed` yields (`(k, inputs)`) through `dispatch`, then the hooks; then `end` them."""
-    from nnx_cli.runtime import PHASES
-
     in_flight: collections.deque = collections.deque()
     first = True
     for k, xs in feed:
@@ -82,17 +80,30 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
             in_flight.popleft().block_until_ready()
         for hook in hooks:
             if loop.step % hook.every == 0 and loop.step < loop.total:
-                with PHASES(getattr(hook, "phase", "train")):
-                    hook(loop)
+                _call(hook, hook.__call__, loop, hooks)
         if loop.stop_signal is not None:
             break
     close = getattr(feed, "close", None)
     if close is not None:
         close()  # input workers stop before the final hooks run
     for hook in hooks:
-        with PHASES(getattr(hook, "phase", "train")):
-            hook.end(loop)
+        _call(hook, hook.end, loop, hooks)
     return loop
+
+
+def _call(hook: Hook, method: Any, loop: Loop, hooks: Sequence[Hook]) -> None:
+    """`method` of `hook` at this step; where it fails (an eval whose reward function or harness task raised),
+    the hooks that can (`rescue`: the checkpoint) first keep the step it trained, so the failure loses none."""
+    from nnx_cli.runtime import PHASES
+
+    try:
+        with PHASES(getattr(hook, "phase", "train")):
+            method(loop)
+    except Exception:
+        for other in hooks:
+            if other is not hook and hasattr(other, "rescue"):
+                other.rescue(loop)
+        raise
 
 
 def steps_per_dispatch(setting: int | str, intervals: dict[str, int], params: int, total: int = 0) -> int:

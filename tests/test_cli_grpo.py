@@ -155,6 +155,23 @@ def test_a_reward_that_does_not_import_is_exit_2_naming_it_and_the_run_keeps_eve
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
 
 
+def test_a_reward_function_that_fails_in_an_eval_keeps_the_step_that_eval_was_of(project):
+    """The eval runs before its step's checkpoint: a reward failing there lost the step, and a run's first eval
+    failing left no checkpoint at all."""
+    rewards = "objective.rewards=[my_rewards.vowels, my_rewards.flaky]"  # flaky: its third call, the eval's first
+    result = cli("nnx-train", "grpo.yaml", "--workdir", "flaky_eval", rewards, "train.steps=2", "train.log_every=2",
+                 "checkpoint.every_steps=2", "train.eval_every=2", cwd=project)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2:] == [
+        "checkpoint written at flaky_eval/checkpoints/2 before stopping",
+        "error: reward function 'my_rewards.flaky' raised ValueError: the scoring service is down evaluating step 2 "
+        "(scoring 8 completions)",
+    ]
+    assert Checkpointer(project / "flaky_eval" / "checkpoints", read_only=True).all_steps() == [2]
+
+
 MORE_REWARDS = """
 def graded(prompts, completions, grade, **columns):
     return [1.0] * len(completions)
