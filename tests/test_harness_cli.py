@@ -5,6 +5,7 @@ every mistake named."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,33 @@ def test_without_lm_eval_the_harness_is_exit_2_naming_the_package(project):
     result = subprocess.run([sys.executable, "-c", script], cwd=project, env=env(project), capture_output=True,
                             text=True, timeout=120)  # fmt: skip
     assert_user_error(result, "pip install 'nnx[eval]'", "lm-eval")
+
+
+def test_settings_the_tasks_or_the_model_cannot_meet_are_exit_2_not_a_traceback_nor_an_empty_success(project):
+    """Each ended in lm-eval's or our traceback (more few-shot examples than the task has, a generation as long
+    as the model's context), or in exit 0 with nothing scored or nothing saved (a misspelt metric, an output
+    path under a file: lm-eval only warned)."""
+    (project / "odd").mkdir()
+    tasks = project / "tasks"
+    until = (tasks / "local_until.yaml").read_text().replace("local_until", "local_long")
+    (project / "odd" / "local_long.yaml").write_text(until.replace("max_gen_toks: 24", "max_gen_toks: 64"))
+    choices = (tasks / "local_choices.yaml").read_text().replace("local_choices", "local_misspelt")
+    misspelt = choices.replace("metric: acc_norm", "metric: acc_nrom").replace("metric: acc\n", "metric: acc_\n")
+    (project / "odd" / "local_misspelt.yaml").write_text(misspelt)
+    shutil.copy(tasks / "local_choices.yaml", project / "odd")
+    (project / "a_file").write_text("")
+    cases = [
+        (["local_choices", "--num-fewshot", "40"], ["--num-fewshot 40", "fewer examples"]),
+        (["local_long"], ["task 'local_long' generates up to 64 tokens", "context of 64", "max_gen_toks"]),
+        (["local_misspelt"], ["task 'local_misspelt' scored nothing", "metric_list"]),
+        (["local_choices", "--output-path", "a_file/results"], ["--output-path", "a_file is a file"]),
+    ]
+    for tasks_and_options, fragments in cases:
+        result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", *tasks_and_options, "--include-path", "odd",
+                     "--limit", "2", expect=2)  # fmt: skip
+        last = result.stderr.strip().splitlines()[-1]  # after lm-eval's progress
+        assert "Traceback" not in result.stderr and last.startswith("error: "), result.stderr[-2000:]
+        assert all(fragment in last for fragment in fragments), last
 
 
 def test_harness_options_without_tasks_and_samples_without_an_output_path_are_user_errors(project):

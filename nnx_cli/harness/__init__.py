@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from nnx_cli.errors import UserError, did_you_mean
+from nnx_cli.errors import UserError, check_can_create, did_you_mean
 
 __all__ = [
     "RECORDS",
@@ -246,7 +246,20 @@ def evaluate(
             )  # fmt: skip
     except TemplateError as e:
         raise UserError(f"--tasks: a task's prompt template failed on a document: {e}") from None
+    except ValueError as e:
+        if "Sample larger than population" not in str(e):
+            raise
+        raise UserError(  # lm-eval draws the examples from the task's few-shot split (or its training documents)
+            f"--num-fewshot {num_fewshot}: a task has fewer examples to show than that; lower --num-fewshot (or give "
+            "the task a larger fewshot_split)"
+        ) from None
     assert results is not None  # one process: rank 0
+    for task, metrics in results.get("results", {}).items():
+        if not _task_metrics(metrics, False) and task not in results.get("groups", {}):
+            raise UserError(
+                f"--tasks: task {task!r} scored nothing: no metric of its metric_list is one lm-eval knows (its "
+                "warning above names it); fix the task's YAML"
+            )
     return results
 
 
@@ -283,6 +296,8 @@ def tracker(output_path: str | Path | None) -> Any:
     path = Path(output_path)
     if path.exists() and not path.is_dir() and path.suffix != ".json":
         raise UserError(f"--output-path {str(path)!r} is a file; give a directory (or a .json file name)")
+    if not path.exists():  # lm-eval's tracker only warns where it cannot write, after the whole evaluation
+        check_can_create(path, "--output-path")
     return EvaluationTracker(output_path=str(path))
 
 

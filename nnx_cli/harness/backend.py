@@ -33,6 +33,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from nnx_cli.errors import UserError
 from nnx_cli.harness.engine import Engine
 from nnx_cli.harness.target import Target, load_target
 
@@ -213,8 +214,12 @@ class NNXLM(TemplateLM):
                 max_gen_toks = options.pop("max_gen_toks")
                 longest = self.max_length - max_gen_toks
                 if longest <= 0:
-                    raise ValueError(
-                        f"max_gen_toks ({max_gen_toks}) must be below the model's maximum length ({self.max_length})"
+                    name = getattr(requests[indices[0]], "task_name", None)
+                    task = f"task {name!r}" if name else "a task"
+                    raise UserError(
+                        f"--tasks: {task} generates up to {max_gen_toks} tokens (max_gen_toks, lm-eval's default "
+                        f"256), no fewer than the model's context of {self.max_length}: nothing is left for the "
+                        "prompt; set a smaller max_gen_toks in the task's generation_kwargs"
                     )
                 prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=longest) for i in indices]
                 windows = [(s, len(self.tok_encode(s, add_special_tokens=False)) + 2) for s in until]
