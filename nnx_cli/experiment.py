@@ -32,7 +32,7 @@ import optax
 import nnx
 from nnx_cli import data, models, objectives, optim, sharding, steps
 from nnx_cli.config import Config
-from nnx_cli.data import text
+from nnx_cli.data import sources, text
 from nnx_cli.data.base import DataSpec, EvalSplit, TrainSplit
 from nnx_cli.errors import UserError, did_you_mean, first_line
 from nnx_cli.registry import signature
@@ -222,6 +222,7 @@ def setup(cfg: Config, *, data: str | None = "train", place: bool = True) -> Exp
     `place=False` skips the device mesh (`nnx-inspect` shows how a mesh would split the state without it)."""
     text.fill_text_key(cfg.data)  # a .txt / .md file or directory of them: documents in `text`
     if cfg.model.name == "transformer_lm" and cfg.model.pretrained is None and not text.is_text(cfg.data):
+        sources.check_local_source(cfg.data.source)  # a misspelt file name is that, not a question of columns
         raise UserError(  # else the data is read as images, and the error is about a missing image column
             f"model.name 'transformer_lm' is a language model, but data.source {cfg.data.source!r} is not read as "
             "text: set data.text_key to the column holding its documents (e.g. data.text_key=text), or "

@@ -319,11 +319,16 @@ def eval_prompts(exp: Any) -> list[list[int]]:
         template = run_chat_template(exp.cfg, tokenizer) if chat else None
         prompts = []
         for i, text in enumerate(exp.cfg.train.sample_prompts):
+            key = f"config key 'train.sample_prompts': prompt {i} ({text!r})"
+            if not text.isascii() and not _encodes(text):
+                raise UserError(f"{key} is not UTF-8 text (a lone surrogate, half of a character written as \\ud800); "
+                                "write the whole character")  # fmt: skip
             try:
                 prompts.append(encode_prompt(tokenizer, text, chat, None, template))
-            except UserError:
-                raise UserError(f"config key 'train.sample_prompts': prompt {i} ({text!r}) encodes to no tokens; "
-                                "give it some text") from None  # fmt: skip
+            except UserError as e:
+                if "encodes to no tokens" not in str(e):  # a chat template that failed on it, say
+                    raise UserError(f"{key}: {e}") from None
+                raise UserError(f"{key} encodes to no tokens; give it some text") from None
         return prompts
     if examples.is_examples(exp.cfg.data):  # the start of eval examples, up to where their first answer begins
         rows = exp.eval.stored()
@@ -339,6 +344,14 @@ def eval_prompts(exp: Any) -> list[list[int]]:
     length = max(1, min(32, exp.cfg.data.seq_len // 4))
     starts = [0, len(stream) // 2][:EVAL_PROMPTS]
     return [prompt for s in starts if (prompt := _text_prompt(stream, s, length, eod))]
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text_prompt(stream: np.ndarray, start: int, length: int, eod: int) -> list[int]:

@@ -572,6 +572,52 @@ def test_the_default_sample_prompts_are_each_the_beginning_of_one_document(tmp_p
     assert text_of(tokenizer, [*prompts[0], tokenizer.eod_id, *prompts[1]]) == texts[0] + texts[1]
 
 
+def test_a_file_whose_name_is_not_utf8_is_read_like_any_other(tmp_path):
+    """Names from a zip archive or a Windows copy: fingerprinting the directory raised UnicodeEncodeError."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "plain.txt").write_text(POEM)
+    (corpus / os.fsdecode(b"caf\xe9.txt")).write_text(POEM)
+    splits = load_text_splits(config(tmp_path, corpus), seed=0)
+    assert splits.train.tokens.tolist() == byte_stream([POEM, POEM])
+
+
+def test_a_misspelt_local_source_is_named_missing_with_the_closest_name_not_asked_for_its_columns(tmp_path):
+    """`data.source=book.tx` was told to set data.text_key (as if it were a dataset without text)."""
+    from nnx_cli.config import load_config
+    from nnx_cli.experiment import setup
+
+    (tmp_path / "book.txt").write_text(POEM)
+    for source, closest in (("book.tx", "book.txt"), ("./books.txt", "./book.txt"), ("nothing.txt", None)):
+        with pytest.raises(UserError) as raised:
+            setup(load_config(None, ["model.name=transformer_lm", f"data.source={tmp_path / source}"]), data=None)
+        message = str(raised.value)
+        assert message.startswith(f"config key 'data.source': local dataset '{tmp_path / source}' does not exist")
+        assert ("did you mean" in message) == (closest is not None), message
+
+
+def test_sample_prompts_that_cannot_be_encoded_say_why_in_one_line(tmp_path):
+    """A lone surrogate ended the run with a traceback; a chat template's own error was reported as a prompt
+    that encodes to no tokens."""
+    import types
+
+    from hf_support import fixture
+
+    import nnx_cli.hf  # noqa: F401  (reads model directories' tokenizers)
+    from nnx_cli.config import load_config
+    from nnx_cli.hooks import eval_prompts
+
+    cfg = load_config(None, ["model.name=transformer_lm", "data.source=x.txt", 'train.sample_prompts=["a\\ud800"]'])
+    with pytest.raises(UserError, match=r"prompt 0 \('a\\ud800'\) is not UTF-8 text \(a lone surrogate"):
+        eval_prompts(types.SimpleNamespace(cfg=cfg))
+    template = "{{ raise_exception('the first message must be a system turn') }}"
+    overrides = [f"model.pretrained={fixture('llama')}", "data.format=chat", "data.tokenizer=pretrained"]
+    cfg = load_config(None, ["model.name=transformer_lm", *overrides, "train.sample_prompts=['Who?']"])
+    cfg.data.chat_template = template
+    with pytest.raises(UserError, match="prompt 0 \\('Who\\?'\\): .*the first message must be a system turn"):
+        eval_prompts(types.SimpleNamespace(cfg=cfg))
+
+
 # --------------------------------------------------------------------------- windows
 
 

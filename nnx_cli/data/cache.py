@@ -61,11 +61,11 @@ def local_fingerprint(path: str | Path) -> str:
     """
     path = Path(path).expanduser().resolve()
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path))
-    digest = hashlib.sha256(str(path).encode())
+    digest = hashlib.sha256(os.fsencode(path))  # a name that is not UTF-8 (from a zip, a Windows copy) as its bytes
     for file in files:
         stat = file.stat()
         digest.update(
-            f"\0{file.relative_to(path) if file != path else ''}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+            os.fsencode(f"\0{file.relative_to(path) if file != path else ''}\0{stat.st_size}\0{stat.st_mtime_ns}")
         )
     return digest.hexdigest()[:16]
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from nnx_cli.data.cache import local_fingerprint
-from nnx_cli.errors import UserError, first_line
+from nnx_cli.errors import UserError, did_you_mean, first_line
 
 DIGITS = "sklearn:digits"
 DIGITS_TRAIN = 1500  # first 1500 of 1797 images train, the rest test
@@ -70,6 +70,18 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
     digits = load_digits()
     return digits.data, digits.target
+
+
+def check_local_source(source: str) -> None:
+    """A UserError where `source` is meant as a local path that does not exist (it looks like one, see
+    `_looks_like_path`, or a file or directory beside it has a close name, which it names)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return
+    beside = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+    closest = did_you_mean(path.name, beside, prefix=f"{path.parent}/" if str(path.parent) != "." else "")
+    if _looks_like_path(source) or closest:  # `user/name` with no such directory beside it is a Hub id
+        raise UserError(f"config key 'data.source': local dataset {source!r} does not exist{closest}")
 
 
 def _looks_like_path(source: str) -> bool:
@@ -133,7 +145,7 @@ def open_dataset(source: str) -> Any:
                     f"{'/'.join(FILE_BUILDERS)} file"
                 )
         elif _looks_like_path(source):
-            raise UserError(f"config key 'data.source': local dataset {source!r} does not exist")
+            check_local_source(source)
         else:
             with _said_if_slow(
                 f"notice: loading Hub dataset {source!r} is taking a while: without a network it waits for the "
