@@ -236,6 +236,10 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     cfg = load_config(config, overrides)
     if not any(o.strip().startswith("data.source=") for o in overrides):
         cfg.data.source = _source_where_trained(cfg.data.source, info.get("cwd"))
+    if cfg.data.tokenizer not in ("bytes", "pretrained") and not any(  # a tokenizer.json beside the data
+        o.strip().startswith("data.tokenizer=") for o in overrides
+    ):
+        cfg.data.tokenizer = _source_where_trained(cfg.data.tokenizer, info.get("cwd"))
     return Run(workdir, checkpoints, step, cfg)
 
 
@@ -246,8 +250,8 @@ def closest_dir(path: Path) -> str:
 
 
 def _source_where_trained(source: str, cwd: str | None) -> str:
-    """A run's `data.source` given as a relative path is relative to where nnx-train ran (`run.json`'s `cwd`):
-    from another directory it is that path, made absolute, when it is not found from here."""
+    """A run's `data.source` (or `data.tokenizer`) given as a relative path is relative to where nnx-train ran
+    (`run.json`'s `cwd`): from another directory it is that path, made absolute, when it is not found from here."""
     if not source or cwd is None or Path(source).is_absolute() or Path(source).exists():
         return source
     there = Path(cwd) / source
