@@ -359,10 +359,15 @@ def test_a_reward_function_gets_prompts_completions_and_columns_by_name_and_none
         (lambda prompts, completions, **_: [1.0, "yes"], r"'m\.bad' returned 'yes' \(str\) for completion 1 at step 7"),
         (
             lambda prompts, completions, **_: [float("nan"), 1.0],
-            r"'m\.bad' returned nan for completion 0 at step 7; a reward must be a finite number, or None",
+            r"'m\.bad' returned nan for completion 0 at step 7; a reward must be a finite number within float32's "
+            r"range \(about 3\.4e38\), or None",
+        ),
+        (  # a float64 that float32 holds as inf: it passed, and the advantages went NaN with numpy's warnings
+            lambda prompts, completions, **_: [1.0, 1e300],
+            r"'m\.bad' returned 1e\+300 for completion 1 at step 7; a reward must be a finite number within",
         ),
     ],
-    ids=["raises", "too-few", "not-a-list", "not-a-number", "nan"],
+    ids=["raises", "too-few", "not-a-list", "not-a-number", "nan", "beyond-float32"],
 )
 def test_a_reward_function_that_raises_or_returns_the_wrong_values_is_named_with_the_step(fn, message):
     with pytest.raises(UserError, match=message):
@@ -425,6 +430,7 @@ GRPO = [*LLAMA, "data.format=prompt", "objective.name=grpo", "objective.rewards=
         ([*GRPO, "objective.num_generations=1"], r"objective.num_generations' must be at least 2"),
         ([*GRPO, "objective.loss=ppo"], r"objective.loss' must be grpo, dr_grpo or dapo"),
         ([*GRPO, "objective.reward_weights=[1, 2]"], r"has 2 weights for 1 rewards"),
+        ([*GRPO, "objective.reward_weights=[1e308]"], r"reward_weights\[0\]' must be a finite number within float32"),
         ([*GRPO, "objective.num_iterations=2", "train.log_every=5"], r"train.log_every' \(5\) must be a multiple"),
         ([*GRPO, "objective.top_p=0.9"], r"unknown config key 'objective.top_p'"),
     ],
@@ -435,6 +441,7 @@ GRPO = [*LLAMA, "data.format=prompt", "objective.name=grpo", "objective.rewards=
         "one-generation",
         "unknown-loss",
         "weights",
+        "weight-beyond-float32",
         "iterations",
         "unknown-key",
     ],

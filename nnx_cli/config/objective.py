@@ -17,6 +17,8 @@ from typing import Any
 from nnx_cli.config.schema import build, setting, show
 from nnx_cli.errors import UserError, did_you_mean
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass
 class SFTOptions:
@@ -97,6 +99,12 @@ class GRPOOptions:
                 f"config key 'objective.reward_weights' has {len(self.reward_weights)} weights for "
                 f"{len(self.rewards)} rewards: give one per reward, or null for all 1"
             )
+        for i, weight in enumerate(self.reward_weights or []):
+            if not abs(weight) <= _FLOAT32_MAX:  # NaN, inf, and what float32 sums make infinite
+                raise UserError(
+                    f"config key 'objective.reward_weights[{i}]' must be a finite number within float32's range "
+                    f"(about 3.4e38), got {show(weight)}"
+                )
         if self.num_generations < 2:
             raise UserError(
                 f"config key 'objective.num_generations' must be at least 2 (advantages compare the completions of "

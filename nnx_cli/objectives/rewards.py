@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -340,13 +339,16 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
                     f"{i} {when}; it must return a number (or None) per completion"
                 )
             number = float(value)
-            if not math.isfinite(number):  # NaN is not None: a 0 / 0 would silently leave every completion unscored
-                raise UserError(
+            if not abs(number) <= _FLOAT32_MAX:  # NaN is not None: a 0 / 0 would silently leave every completion
+                raise UserError(  # unscored; and beyond float32's range a reward became inf in the advantages
                     f"reward function {reward.source!r} returned {number} for completion {i} {when}; a reward must be "
-                    "a finite number, or None to leave that completion unscored"
+                    "a finite number within float32's range (about 3.4e38), or None to leave that completion unscored"
                 )
             out[i, j] = number
     return out
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _is_number(value: Any) -> bool:
