@@ -316,6 +316,14 @@ def test_a_file_whose_name_says_no_split_beside_files_that_do_is_named_in_a_warn
     assert len(warnings) == 1 and "as splits (train, test)" in warnings[0] and "leaves out notes.md" in warnings[0]
 
 
+def test_a_readme_among_text_documents_is_named_as_left_out(tmp_path, capsys):
+    """`datasets` takes a README.md for the dataset's card: among .txt and .md documents it was left out unsaid."""
+    source = write_files(tmp_path / "notes", {"README.md": "# my notes\n", "ch1.txt": POEM})
+    assert documents_of(load_text_splits(config(tmp_path, source), seed=0).train.tokens) == [POEM]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "takes README.md in directory" in warnings[0] and "rename it" in warnings[0]
+
+
 def test_a_directory_datasets_reads_whole_warns_of_nothing(tmp_path, capsys):
     source = write_files(tmp_path / "works", {"README.md": "# about\n", ".draft.txt": "hidden\n"})
     write_jsonl(source / "b.jsonl", DOCS)

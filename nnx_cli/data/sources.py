@@ -225,6 +225,14 @@ def _warn_left_out(source: str, path: Path, read: set[Path], splits: list[str]) 
             f"{suffixes} files, and leaves out {_names(other_format, path)}; convert {_them(other_format)} to that "
             f"format or move {_them(other_format)} out of the directory",
         )
+    cards = [f for f in files if f.name in skipped and _format(f) in formats]  # README.md among .md documents
+    if cards:
+        _warn(
+            source,
+            f"warning: config key 'data.source': `datasets` takes {_names(cards, path)} in directory {source!r} for "
+            f"the dataset's card, not a document, and leaves {_them(cards)} out; rename {_them(cards)} to train on "
+            f"{_them(cards)}",
+        )
     if unsplit:
         _warn(
             source,
