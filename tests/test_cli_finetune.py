@@ -152,6 +152,18 @@ def test_a_base_whose_files_have_other_names_is_named_whole_not_by_a_file_it_lac
     assert "00003" not in str(raised.value)
 
 
+def test_a_base_named_relatively_when_trained_and_absolutely_now_is_the_same_base(tmp_path):
+    """Edited in place, it was said to be another base: 'trained on 'llama', and model.pretrained now names
+    '/abs/llama'; set it back to 'llama''."""
+    from nnx_cli import hf
+
+    base = hf.open_pretrained(str(fixture("qwen2")))
+    record = {"source": "qwen2", "pretrained": str(base.directory), "files": {"model.safetensors": "x"}}
+    with pytest.raises(UserError) as raised:
+        base.check_record(record, tmp_path / "checkpoints" / "8")
+    assert "the base model's weights changed" in str(raised.value) and "set it back" not in str(raised.value)
+
+
 def test_inspect_counts_the_adapters_beside_the_base_parameters(project):
     """The footnote gave the base's count alone ("28,960 parameters"), as if the adapters were not there."""
     summary = json.loads(cli("nnx-inspect", "lora.yaml", "--json", cwd=project).stdout)

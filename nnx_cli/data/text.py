@@ -265,7 +265,8 @@ def load_text_splits(
         if len(evaluation) == 0:
             raise UserError(
                 f"config key 'data.eval_split': split {cfg.eval_split!r} has {len(eval_tokens)} tokens, fewer than "
-                f"one window of data.seq_len + 1 = {cfg.seq_len + 1}; lower data.seq_len or set data.eval_split=null"
+                f"one window of data.seq_len + 1 = {cfg.seq_len + 1}; lower data.seq_len, or give it more text "
+                "(nnx-train: or set data.eval_split=null to train without evals)"
             )
     return TextSplits(train, evaluation, spec)
 
@@ -275,10 +276,11 @@ def _require_text(tokens: np.ndarray, eod: int, cfg: DataConfig, key: str, split
     it without a word, and its samples had no prompt. Most streams show text in their first block."""
     if np.any(tokens[: 1 << 16] != eod) or np.any(tokens != eod):
         return
-    advice = "set data.eval_split=null to train without evals" if key == "data.eval_split" else "train on text"
+    advice = "set data.eval_split=null to train without evals" if key == "data.eval_split" else "give it text"
     raise UserError(
         f"config key {key!r}: split {split!r} of {cfg.source!r} holds no text: its {len(tokens):,} documents in "
-        f"column {cfg.text_key!r} are all empty; check data.text_key, or {advice}"
+        f"column {cfg.text_key!r} are all empty, or data.tokenizer makes no token of their text; check "
+        f"data.text_key and data.tokenizer, or {advice}"
     )
 
 

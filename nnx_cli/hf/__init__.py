@@ -151,7 +151,8 @@ class Pretrained:
                 what, fix = self.source, "file"
                 problem = f"{what}: the base model's weights changed"
             trained_on = record.get("source") or record.get("pretrained")
-            if trained_on not in (None, self.source, str(self.directory)):  # model.pretrained names another base
+            same = record.get("pretrained") == str(self.directory)  # the same directory, named relatively then
+            if not same and trained_on not in (None, self.source, str(self.directory)):  # another base named now
                 if now is None:  # a file of the base trained on, not of this one: no file of this base to name
                     problem = f"{self.source}: the base model's weight files are not those trained on"
                 raise UserError(
