@@ -240,7 +240,35 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         o.strip().startswith("data.tokenizer=") for o in overrides
     ):
         cfg.data.tokenizer = _source_where_trained(cfg.data.tokenizer, info.get("cwd"))
+    _check_tokenizer(cfg.data.tokenizer, info.get("tokenizer"), workdir)
     return Run(workdir, checkpoints, step, cfg)
+
+
+def _tokenizer_record(name: str) -> dict[str, str] | None:
+    """What run.json keeps of `data.tokenizer` when it is `bytes` or a tokenizer.json file: its name and version
+    (a hash of its definition). None for a model directory's (its files are checksummed with its weights), a Hub
+    id's, or a file that cannot be read."""
+    from nnx_cli.data.tokenizers import BYTES, load_tokenizer
+
+    if name != BYTES and not Path(name).expanduser().is_file():
+        return None
+    try:
+        return {"name": name, "version": load_tokenizer(name).version}
+    except UserError:
+        return None  # a command that needs it says why; one that does not (an export to HF) goes on
+
+
+def _check_tokenizer(name: str, trained: dict[str, str] | None, workdir: Path) -> None:
+    """A UserError when `data.tokenizer` now tokenizes otherwise than the run's did: evaluating or generating
+    with another vocabulary gave numbers and text of no meaning, with exit 0."""
+    now = _tokenizer_record(name) if trained is not None else None
+    if now is None or now["version"] == trained["version"]:
+        return
+    raise UserError(
+        f"config key 'data.tokenizer': {name!r} is not the tokenizer the run in {str(workdir)!r} trained with "
+        f"({trained['name']!r}, version {trained['version'][:12]}; this one is {now['version'][:12]}): its ids "
+        "mean other text to the model; give the run's tokenizer (restore the file if it was replaced)"
+    )
 
 
 def closest_dir(path: Path) -> str:
@@ -370,6 +398,9 @@ def write_run_info(workdir: Path, exp: Any) -> None:
         "import_paths": import_paths(),
         "huge_pages": huge_pages_active(),  # glibc's malloc asking for transparent huge pages (nnx_cli.runtime)
     }
+    tokenizer = _tokenizer_record(exp.cfg.data.tokenizer) if exp.cfg.model.name == "transformer_lm" else None
+    if tokenizer is not None:  # compared by the commands that read the run (_check_tokenizer)
+        info["tokenizer"] = tokenizer
     attention = exp.attention()
     if attention is not None:  # which attention ran (model.attention resolved on this platform)
         info["attention"] = attention

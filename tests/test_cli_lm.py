@@ -320,6 +320,19 @@ def test_run_json_says_which_attention_ran(reference: Path):
     assert ran.startswith("core (auto on ")
 
 
+def test_a_run_read_with_another_tokenizer_than_it_trained_with_is_refused(reference: Path, project: Path):
+    """`nnx-eval RUN data.tokenizer=other.json` on a run trained on bytes printed a loss of 7e29 with exit 0, and
+    nnx-generate wrote empty samples: the ids mean other text to the model."""
+    from hf_support import fixture
+
+    assert json.loads((reference / "run.json").read_text())["tokenizer"] == {"name": "bytes", "version": "utf8-1"}
+    other = fixture("qwen2") / "tokenizer.json"
+    for command, more in (("nnx-eval", []), ("nnx-generate", ["--prompt", "the king"])):
+        result = cli(command, "ref", f"data.tokenizer={other}", *more, cwd=project)
+        assert_user_error(result, f"config key 'data.tokenizer': '{other}' is not the tokenizer the run in 'ref' "
+                          "trained with ('bytes', version utf8-1; this one is ")  # fmt: skip
+
+
 def test_a_7b_parameter_model_inspects_in_seconds_without_parameter_memory(project: Path):
     big = ["model.num_layers=32", "model.num_heads=32", "model.embed_dim=4096", "data.seq_len=2048"]
     result = cli("nnx-inspect", "lm.yaml", *big, "data.source=/nowhere.txt", "--json", cwd=project, timeout=60)
