@@ -517,6 +517,17 @@ def test_nnx_generate_samples_from_a_gguf_file_and_refuses_a_foreign_one(exporte
     assert_user_error(cli("nnx-generate", "foreign.gguf", "--prompt", "x", cwd=exported), "not a GGUF file")
 
 
+def test_an_out_named_modelfile_is_refused_with_ollama_before_anything_is_written(tmp_path):
+    """`--out Modelfile --ollama` wrote the Modelfile over the GGUF file it had just written, and exited 0."""
+    for overwrite in (False, True):
+        with pytest.raises(
+            UserError, match="--ollama writes its Modelfile beside the GGUF file; give the file another"
+        ):
+            ollama.check_out(tmp_path / "Modelfile", overwrite)
+    assert list(tmp_path.iterdir()) == []
+    ollama.check_out(tmp_path / "model.gguf", False)
+
+
 def test_the_modelfile_translates_the_chat_template_into_ollamas(exported):
     text = (exported / "Modelfile").read_text()
     assert text.startswith('FROM ./llama.gguf\nTEMPLATE """{{- range .Messages }}')

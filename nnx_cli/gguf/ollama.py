@@ -29,8 +29,11 @@ _MARK = {"system": "\x01SYSTEM\x01", "user": "\x01USER\x01", "assistant": "\x01A
 
 
 def check_out(gguf_path: Path, overwrite: bool) -> None:
-    """The Modelfile beside `gguf_path` must not exist (unless `overwrite`)."""
+    """The Modelfile beside `gguf_path` must not exist (unless `overwrite`), nor be the GGUF file itself."""
     path = gguf_path.parent / NAME
+    if gguf_path.name == NAME:  # the Modelfile was written over the model, and the export said it wrote both
+        raise UserError(f"--out {str(gguf_path)!r}: --ollama writes its {NAME} beside the GGUF file; give the file "
+                        "another name, such as model.gguf")  # fmt: skip
     if path.exists() and not overwrite:
         raise UserError(f"{path} exists; pass --overwrite to replace it (nothing was written)")
 
