@@ -240,6 +240,8 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         o.strip().startswith("data.tokenizer=") for o in overrides
     ):
         cfg.data.tokenizer = _source_where_trained(cfg.data.tokenizer, info.get("cwd"))
+    if cfg.model.pretrained and not any(o.strip().startswith("model.pretrained=") for o in overrides):
+        cfg.model.pretrained = _source_where_trained(cfg.model.pretrained, info.get("cwd"))  # a relative .gguf
     _check_tokenizer(cfg.data.tokenizer, info.get("tokenizer"), workdir)
     return Run(workdir, checkpoints, step, cfg)
 
@@ -278,8 +280,9 @@ def closest_dir(path: Path) -> str:
 
 
 def _source_where_trained(source: str, cwd: str | None) -> str:
-    """A run's `data.source` (or `data.tokenizer`) given as a relative path is relative to where nnx-train ran
-    (`run.json`'s `cwd`): from another directory it is that path, made absolute, when it is not found from here."""
+    """A run's `data.source` (`data.tokenizer`, `model.pretrained`) given as a relative path is relative to where
+    nnx-train ran (`run.json`'s `cwd`): from another directory it is that path, made absolute, when it is not found
+    from here."""
     if not source or cwd is None or Path(source).is_absolute() or Path(source).exists():
         return source
     there = Path(cwd) / source

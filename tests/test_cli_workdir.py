@@ -161,23 +161,24 @@ def test_run_json_records_where_plug_ins_were_imported_from(tmp_path: Path, monk
     assert import_paths()["wide_vae"] == str(project)
 
 
-def test_a_runs_relative_tokenizer_file_is_found_from_any_directory_as_its_source_is(tmp_path: Path, monkeypatch):
-    """`data.tokenizer=tok.json` trained in the project: nnx-generate and nnx-eval from elsewhere said the file
-    does not exist, where a relative data.source was found."""
+def test_a_runs_relative_tokenizer_and_gguf_base_are_found_from_any_directory_as_its_source_is(tmp_path, monkeypatch):
+    """`data.tokenizer=tok.json` or `model.pretrained=base.gguf` trained in the project: nnx-generate and nnx-eval
+    from elsewhere said the file does not exist, where a relative data.source was found."""
     import json as json_module
 
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     (project / "run" / "checkpoints" / "4" / "state").mkdir(parents=True)
     (project / "run" / "checkpoints" / "4" / "commit_success.txt").write_text("")
     elsewhere.mkdir()
-    for name in ("tok.json", "book.txt", "bytes"):  # `bytes` beside it stays the built-in tokenizer's name
+    for name in ("tok.json", "book.txt", "bytes", "base.gguf"):  # `bytes` stays the built-in tokenizer's name
         (project / name).write_text("")
     (project / "run" / "run.json").write_text(json_module.dumps({"cwd": str(project)}))
-    config = "model: {name: transformer_lm}\ndata: {source: book.txt, tokenizer: tok.json}\n"
+    config = "model: {name: transformer_lm, pretrained: base.gguf}\ndata: {source: book.txt, tokenizer: tok.json}\n"
     (project / "run" / "config.yaml").write_text(config)
     monkeypatch.chdir(elsewhere)
     run = open_run(project / "run")
     assert (run.cfg.data.source, run.cfg.data.tokenizer) == (str(project / "book.txt"), str(project / "tok.json"))
+    assert run.cfg.model.pretrained == str(project / "base.gguf")  # a directory is kept absolute; a .gguf was not
     assert open_run(project / "run", ["data.tokenizer=bytes"]).cfg.data.tokenizer == "bytes"
     (project / "run" / "config.yaml").write_text(config.replace("tok.json", "bytes"))
     assert open_run(project / "run").cfg.data.tokenizer == "bytes"
