@@ -640,6 +640,20 @@ def test_out_that_is_a_file_or_a_directory_holding_files_is_refused_saying_which
     exporting.check_out(tmp_path / "empty")  # an empty directory is written into
 
 
+def test_out_that_is_a_symbolic_link_or_a_mount_point_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+    """The export is made beside --out and renamed into place: a link to an empty directory, a dangling link
+    and an empty mount point (`docker -v out:/out`) each ended in a traceback from the rename."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for name in ("link", "dangling"):
+        with pytest.raises(UserError, match=rf"--out '.*{name}' is a symbolic link; give the directory it points to"):
+            exporting.check_out(tmp_path / name)
+    monkeypatch.setattr(exporting.os.path, "ismount", lambda path: str(path) == str(tmp_path / "empty"))
+    with pytest.raises(UserError, match=r"--out '.*empty' is a mount point, .* such as '.*empty/model'"):
+        exporting.check_out(tmp_path / "empty")
+
+
 def test_out_under_a_file_is_refused_before_anything_is_read(tmp_path):
     """It failed at the first write, after the checkpoint was read and converted (exit 1, not 2)."""
     from nnx_cli.gguf import export as gguf_export

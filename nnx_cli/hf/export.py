@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
@@ -37,7 +38,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def check_out(out: Path) -> None:
-    """`--out` must not exist, or be an empty directory: an export never overwrites anything."""
+    """`--out` must not exist, or be an empty directory: an export never overwrites anything. It is made beside
+    `--out` and renamed into place, which neither a symbolic link nor a mount point (`docker -v dir:/out`) takes."""
+    if out.is_symlink():
+        raise UserError(f"--out {str(out)!r} is a symbolic link; give the directory it points to, or a new one "
+                        "(nothing was written)")  # fmt: skip
+    if out.is_dir() and os.path.ismount(out):
+        raise UserError(f"--out {str(out)!r} is a mount point, which an export cannot be renamed onto; give a new "
+                        f"directory inside it, such as {str(out / 'model')!r} (nothing was written)")  # fmt: skip
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} is a file; an export is a directory: give a new one (nothing was written)")
     if out.exists() and any(out.iterdir()):
