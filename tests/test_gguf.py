@@ -517,6 +517,18 @@ def test_nnx_generate_samples_from_a_gguf_file_and_refuses_a_foreign_one(exporte
     assert_user_error(cli("nnx-generate", "foreign.gguf", "--prompt", "x", cwd=exported), "not a GGUF file")
 
 
+def test_overwrite_refuses_an_out_that_is_a_link_or_a_device_which_the_rename_would_replace(tmp_path):
+    """`--out link.gguf --overwrite` replaced the link with a file (its target kept the old model); as root,
+    `--out /dev/full --overwrite` replaced the device node with a regular file."""
+    (tmp_path / "target.gguf").write_text("old")
+    (tmp_path / "link.gguf").symlink_to(tmp_path / "target.gguf")
+    with pytest.raises(UserError, match=r"--out '.*link.gguf' is a symbolic link, which --overwrite would replace"):
+        export.check_out(tmp_path / "link.gguf", True)
+    with pytest.raises(UserError, match=r"--out '/dev/null' is not a regular file"):
+        export.check_out(Path("/dev/null"), True)
+    export.check_out(tmp_path / "target.gguf", True)  # a regular file is replaced
+
+
 def test_an_out_named_modelfile_is_refused_with_ollama_before_anything_is_written(tmp_path):
     """`--out Modelfile --ollama` wrote the Modelfile over the GGUF file it had just written, and exited 0."""
     for overwrite in (False, True):

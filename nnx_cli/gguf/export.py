@@ -66,6 +66,10 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {str(out)!r} is a directory; give the path of the .gguf file to write")
     if (out.exists() or out.is_symlink()) and not overwrite:  # a link to nowhere too: the rename would replace it
         raise UserError(f"--out {str(out)!r} exists; pass --overwrite to replace it (nothing was written)")
+    if out.is_symlink() or (out.exists() and not out.is_file()):  # the new file is renamed onto --out, which
+        what = "a symbolic link" if out.is_symlink() else "not a regular file"  # replaced a link, or /dev/full
+        raise UserError(f"--out {str(out)!r} is {what}, which --overwrite would replace, not write through; give "
+                        "the path of a regular file (nothing was written)")  # fmt: skip
     check_can_create(out, "--out")
 
 
