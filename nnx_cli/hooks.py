@@ -161,16 +161,20 @@ class Checkpoint:
 
     def rescue(self, loop: Loop) -> None:
         """Another hook failed at this step (an eval, say, before this step's checkpoint): save the step if its
-        loss and parameters are finite, and say so, then let the failure end the run. One process only: on
-        several, a save is collective, and the others may not have failed."""
-        if self.saved == loop.step or jax.process_count() > 1:
+        loss and parameters are finite, and say so, then let the failure end the run; a save that fails instead
+        is the error reported. One process only: on several, a save is collective, and the others may not have
+        failed."""
+        if jax.process_count() > 1:
+            return
+        self.checkpointer.wait()  # an earlier save that failed (a full disk) is the error to report: it names the loss
+        if self.saved == loop.step:
             return
         try:
             self.guard.check(loop)
-            self(loop)
-            self.checkpointer.wait()
         except Exception:
-            return  # the failure that brought us here is the one to report
+            return  # parameters that are not finite are no step to keep; the failure that brought us here is reported
+        self(loop)
+        self.checkpointer.wait()
         print(f"checkpoint written at {self.guard.directory / str(loop.step)} before stopping", file=sys.stderr,
               flush=True)  # fmt: skip
 
