@@ -234,14 +234,14 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     info = read_run_info(workdir)
     add_import_paths(info.get("import_paths", {}))  # the run's own plug-ins, wherever we are
     cfg = load_config(config, overrides)
-    if not any(o.strip().startswith("data.source=") for o in overrides):
-        cfg.data.source = _source_where_trained(cfg.data.source, info.get("cwd"))
-    if cfg.data.tokenizer not in ("bytes", "pretrained") and not any(  # a tokenizer.json beside the data
-        o.strip().startswith("data.tokenizer=") for o in overrides
-    ):
-        cfg.data.tokenizer = _source_where_trained(cfg.data.tokenizer, info.get("cwd"))
-    if cfg.model.pretrained and not any(o.strip().startswith("model.pretrained=") for o in overrides):
-        cfg.model.pretrained = _source_where_trained(cfg.model.pretrained, info.get("cwd"))  # a relative .gguf
+    from nnx_cli.data.tokenizers import BYTES, PRETRAINED
+
+    # the run's relative paths (its data, a tokenizer.json beside it, a .gguf base) from wherever we are
+    for key in ("data.source", "data.tokenizer", "model.pretrained"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in (BYTES, PRETRAINED) and not any(o.strip().startswith(f"{key}=") for o in overrides):
+            setattr(getattr(cfg, section), name, _source_where_trained(value, info.get("cwd")))
     _check_tokenizer(cfg.data.tokenizer, info.get("tokenizer"), workdir)
     return Run(workdir, checkpoints, step, cfg)
 
