@@ -166,25 +166,40 @@ def from_leaves(layout: tuple, leaves: list[jax.Array]) -> nnx.State:
     return treedef.unflatten([jax.lax.bitcast_convert_type(x, jnp.bfloat16) if b else x for x, b in zip(leaves, bits)])
 
 
-def _prefill_impl(cachedef, layout, leaves, cache, tokens, lengths, keys, sampling, flags):
+def _prefill_impl(cachedef, layout, leaves, cache, tokens, lengths, keys, sampling, flags, shared):
     trace_counts["prefill"] += 1
     logits, (state, _) = cachedef.apply(from_leaves(layout, leaves), cache).prefill(tokens, lengths)
     first = _sample(logits, keys, jnp.int32(0), *sampling, **dict(flags))
+    if shared is not None:
+        first = jax.lax.with_sharding_constraint(first, shared)
     # The decode step's first positions and draw index come out of here, not from the host: arguments made
     # on the host are placed differently from a jitted step's outputs, so the step compiled a second time.
     return first, state.filter(nnx.Cache), lengths, jnp.int32(1)
 
 
-def _decode_impl(cachedef, layout, cache_len, leaves, cache, tokens, positions, index, keys, sampling, flags):
+def _decode_impl(cachedef, layout, cache_len, leaves, cache, tokens, positions, index, keys, sampling, flags, shared):
     trace_counts["decode"] += 1
     at = jnp.minimum(positions, cache_len - 1)  # rows past the end have stopped; keep them in bounds
     logits, (state, _) = cachedef.apply(from_leaves(layout, leaves), cache).decode(tokens, at)
     following = _sample(logits, keys, index, *sampling, **dict(flags))
+    if shared is not None:
+        following = jax.lax.with_sharding_constraint(following, shared)
     return following, state.filter(nnx.Cache), positions + 1, index + 1
 
 
-_prefill = jax.jit(_prefill_impl, static_argnums=(0, 1, 8), donate_argnums=(3,))
-_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2, 10), donate_argnums=(4,))
+_prefill = jax.jit(_prefill_impl, static_argnums=(0, 1, 8, 9), donate_argnums=(3,))
+_decode = jax.jit(_decode_impl, static_argnums=(0, 1, 2, 10, 11), donate_argnums=(4,))
+
+
+def readable_everywhere(leaves: list[jax.Array]) -> jax.sharding.Sharding | None:
+    """Where a decode step's tokens go so that every process can read them: replicated over the mesh of
+    parameters that span other processes' devices (a multi-process run's samples), or None when this process
+    holds every parameter. Left to the compiler, the tokens were split over the processes, and reading them
+    back on the host failed."""
+    for leaf in leaves:
+        if not leaf.is_fully_addressable and isinstance(leaf.sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+    return None
 
 
 # Generation
@@ -259,6 +274,7 @@ class Decoder:
         self.context_limit: int | None = model.context_limit
         self.vocab_size: int = model.vocab_size
         self._leaves, self._layout = held_leaves(self.params, sliced_tables(model))
+        self._shared = readable_everywhere(self._leaves)
 
     def generate(
         self,
@@ -369,8 +385,9 @@ class Generation(Iterator[tuple[int | None, ...]]):
         batch = len(lengths)
         cache, cachedef = _new_cache(decoder.moduledef, decoder.params, batch, cache_len)
         leaves, layout = decoder._leaves, decoder._layout
+        shared = decoder._shared
         drawn, cache, positions, index = _prefill(
-            cachedef, layout, leaves, cache, tokens, lengths, keys, sampling, flags
+            cachedef, layout, leaves, cache, tokens, lengths, keys, sampling, flags, shared
         )
         # `fed[b]`: where sample b's latest token goes if it is fed back; it fits while fed[b] < cache_len.
         fed = [int(n) for n in lengths]
@@ -380,7 +397,7 @@ class Generation(Iterator[tuple[int | None, ...]]):
             if t + 1 < max_tokens and any(fed[b] < cache_len for b in running):
                 # Dispatched before this step's tokens are read back, so the device works while the host waits.
                 following, cache, positions, index = _decode(
-                    cachedef, layout, cache_len, leaves, cache, drawn, positions, index, keys, sampling, flags
+                    cachedef, layout, cache_len, leaves, cache, drawn, positions, index, keys, sampling, flags, shared
                 )
             step: list[int | None] = [None] * batch
             for b, token in enumerate(np.asarray(drawn).tolist()):

@@ -28,23 +28,29 @@ MP_STEPS = 40  # as several processes: gloo collectives make each step slow on t
 MULTI_PROCESS = (f"train.steps={MP_STEPS}", "train.log_every=10", "checkpoint.every_steps=10", "checkpoint.keep=10")
 
 
-def train(workdir: str, *overrides: str, cwd: Path, devices: int = 1) -> Path:
-    result = cli("nnx-train", CONFIG, *overrides, "--workdir", workdir, cwd=cwd, devices=devices, timeout=240)
+def train(workdir: str, *overrides: str, cwd: Path, devices: int = 1, config: str | Path = CONFIG) -> Path:
+    result = cli("nnx-train", config, *overrides, "--workdir", workdir, cwd=cwd, devices=devices, timeout=240)
     assert result.returncode == 0, result.stderr
     return cwd / workdir
 
 
 def start_processes(
-    workdir: str, cwd: Path, processes: int = 2, devices: int = 2, overrides: dict[int, tuple[str, ...]] | None = None
+    workdir: str,
+    cwd: Path,
+    processes: int = 2,
+    devices: int = 2,
+    overrides: dict[int, tuple[str, ...]] | None = None,
+    config: str | Path = CONFIG,
+    settings: tuple[str, ...] = MULTI_PROCESS,
 ) -> list[subprocess.Popen]:
-    """One `nnx-train` per process, joined through a coordinator on the loopback address (`overrides`: more
-    overrides for some processes, by process id)."""
+    """One `nnx-train` of `config` per process, joined through a coordinator on the loopback address
+    (`overrides`: more overrides for some processes, by process id)."""
     coordinator = f"127.0.0.1:{free_port()}"
     return [
         start(
             "nnx-train",
-            CONFIG,
-            *MULTI_PROCESS,
+            config,
+            *settings,
             *(overrides or {}).get(i, ()),
             "--workdir",
             workdir,
@@ -220,6 +226,25 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(two_proces
     outputs = finish(start_processes(workdir, cwd=project))
     assert [code for code, _, _ in outputs] == [0, 0], outputs[0][2] + outputs[1][2]
     assert_same_state(project / workdir, reference, rtol=0, atol=0)
+
+
+def test_language_model_processes_with_one_device_each_sample_what_one_process_with_both_samples(project: Path):
+    """The eval's samples were split over the processes by the compiler, and reading them back on the host ended
+    the run at its first eval (a traceback, exit 1, the step's checkpoint lost)."""
+    words = ["the", "king", "shall", "speak", "of", "love", "and", "war"]
+    rng = np.random.default_rng(0)
+    (project / "verses.txt").write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(400)) + "\n")
+    (project / "lm.yaml").write_text(
+        "model: {name: transformer_lm, num_layers: 1, num_heads: 2, embed_dim: 32}\n"
+        "data: {source: verses.txt, tokenizer: bytes, seq_len: 32}\n"
+        "train: {batch_size: 8, steps: 2, log_every: 2, eval_every: 2, eval_max_batches: 1, sample_tokens: 16}\n"
+    )
+    outputs = finish(start_processes("lm-processes", cwd=project, devices=1, config="lm.yaml", settings=()))
+    assert [code for code, _, _ in outputs] == [0, 0], outputs[0][2] + outputs[1][2]
+    one = train("lm-one-process", cwd=project, devices=2, config="lm.yaml")
+    samples = (project / "lm-processes" / "samples" / "2.txt").read_text()
+    assert samples.count("--- sample") == 2
+    assert samples == (one / "samples" / "2.txt").read_text()
 
 
 def test_processes_started_with_other_configs_are_refused_by_every_process(project: Path):
