@@ -85,6 +85,25 @@ def make_mesh(cfg: ShardingConfig) -> Mesh:
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=auto)
 
 
+def preview_problem(abstract: Any, cfg: ShardingConfig, rules: list[tuple[str, Any]]) -> str | None:
+    """Why `nnx-train` would refuse to split `abstract` over `sharding.mesh` (an entry a mesh axis does not
+    divide, a rule for an axis the model lacks), or None. The mesh may be for another machine: its sizes are
+    taken as written, a `-1` as the rest of this machine's devices (no check when they do not fit)."""
+    sizes = dict(cfg.mesh)
+    if -1 in sizes.values():
+        try:
+            sizes = mesh_shape(cfg, jax.device_count())
+        except UserError:
+            return None
+    if any(size < 1 for size in sizes.values()):
+        return None
+    try:
+        state_shardings(abstract, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)), rules)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> Any:
     """A `NamedSharding` for every array of `abstract`, in the same tree structure.
 

@@ -166,6 +166,18 @@ def test_a_parameter_that_does_not_split_evenly_names_its_logical_axis(project: 
     assert_user_error(result, "params/", "[101]", "not divisible by 2", "map 'hidden' to null in sharding.rules")
 
 
+def test_inspect_previews_a_mesh_of_another_machine_and_warns_of_a_split_training_would_refuse(project: Path):
+    """It showed the split as fine (exit 0, no word) and the run on the bigger machine was refused at start."""
+    fits = cli("nnx-inspect", CONFIG, "sharding.mesh.data=4", "sharding.mesh.model=2", "--json", cwd=project)
+    assert fits.returncode == 0 and "warning" not in fits.stderr, fits.stderr
+    uneven = ("sharding.mesh.data=1", "sharding.mesh.model=2", "model.hidden_sizes=[101]")
+    result = cli("nnx-inspect", CONFIG, *uneven, "--json", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["total_params"] > 0
+    assert "warning: nnx-train would refuse this sharding: params/" in result.stderr
+    assert "not divisible by 2" in result.stderr and "map 'hidden' to null in sharding.rules" in result.stderr
+
+
 # --------------------------------------------------------------------------- several processes
 
 

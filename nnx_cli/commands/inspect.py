@@ -78,6 +78,11 @@ def inspect_state(
         config = configs.find(target)  # a path that exists, else a shipped config's name
         exp = setup(load_config(config, overrides or []), data=None, place=False)  # the whole config is checked
     cfg = exp.cfg
+    from nnx_cli import sharding
+
+    problem = sharding.preview_problem(exp.abstract, cfg.sharding, exp.rules)
+    if problem:  # the table still shows the split asked for; the mesh may be another machine's
+        stderr_console().print(f"warning: nnx-train would refuse this sharding: {problem}", highlight=False)
     entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules, _storage(exp))
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
