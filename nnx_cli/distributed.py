@@ -38,10 +38,14 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
             jax.distributed.initialize()
             watchdog.start()
         return
-    if coordinator is not None and not (coordinator.rpartition(":")[0] and coordinator.rpartition(":")[2].isdigit()):
-        raise UserError(
-            f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)"
-        )
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not (host and port.isdigit()):
+            raise UserError(
+                f"--coordinator {coordinator!r} must be HOST:PORT, for example 10.0.0.1:1234 (the address of process 0)"
+            )
+        if not 1 <= int(port) <= 65535:  # above it: a traceback from the port check; 0: waited for ever
+            raise UserError(f"--coordinator {coordinator}: the port must be in 1-65535 (the same for every process)")
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
@@ -66,7 +70,24 @@ def init(coordinator: str | None, num_processes: int | None, process_id: int | N
         ) from None
     except Exception as e:  # the coordinator could not be reached, or not every process joined in time
         raise UserError(f"cannot join the multi-process run at --coordinator {coordinator}: {first_line(e)}") from None
+    _check_device_counts()
     watchdog.start()  # a process that fails from here on stops the others within seconds
+
+
+def _check_device_counts() -> None:
+    """A UserError, on every process, when the processes hold different numbers of devices: JAX's collectives
+    across processes need the same number on each, and the first one ended in a reshape traceback."""
+    import collections
+
+    import jax
+
+    counts = collections.Counter(device.process_index for device in jax.devices())
+    if len(set(counts.values())) > 1:
+        held = ", ".join(f"process {p} has {n}" for p, n in sorted(counts.items()))
+        raise UserError(
+            f"the processes of this run hold different numbers of devices ({held}); give each the same number "
+            "(CUDA_VISIBLE_DEVICES, or XLA_FLAGS=--xla_force_host_platform_device_count on CPUs)"
+        )
 
 
 JOIN_TIMEOUT_S = 300  # how long `jax.distributed.initialize` waits for every process (JAX's default)

@@ -272,6 +272,20 @@ def test_processes_started_with_other_configs_are_refused_by_every_process(proje
         assert "the run's length (steps) on process 1: start every process with the same config" in stderr
 
 
+def test_processes_with_different_numbers_of_devices_are_refused_by_every_process(project: Path):
+    """Their first collective ended in a reshape traceback inside JAX."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    flags = ("--workdir", "uneven-devices", "--coordinator", coordinator, "--num-processes", "2")
+    procs = [start("nnx-train", CONFIG, *flags, "--process-id", str(i), cwd=project, devices=3 - 2 * i) for i in (0, 1)]
+    for code, _, stderr in finish(procs, timeout=120):
+        assert code == 2, stderr
+        assert (
+            "error: the processes of this run hold different numbers of devices (process 0 has 3, process 1 has 1)"
+            in stderr
+        )
+    assert not (project / "uneven-devices").exists()
+
+
 def test_multi_process_flags_must_describe_a_run(project: Path):
     assert_user_error(
         cli("nnx-train", CONFIG, "--num-processes", "2", "--process-id", "0", cwd=project), "--coordinator"
@@ -282,6 +296,16 @@ def test_multi_process_flags_must_describe_a_run(project: Path):
         ),
         "HOST:PORT",
     )
+    for port in ("0", "70000"):  # 70000 ended in a traceback, 0 waited for ever
+        assert_user_error(
+            cli(
+                "nnx-train",
+                *(CONFIG, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"),
+                cwd=project,
+                timeout=30,
+            ),
+            f"--coordinator 127.0.0.1:{port}: the port must be in 1-65535",
+        )
     assert_user_error(
         cli(
             "nnx-train",
