@@ -394,6 +394,27 @@ def test_a_truncated_or_foreign_file_is_a_user_error(tmp_path):
     assert not list((tmp_path / "cache" / "nnx" / "gguf").iterdir())  # nothing half-built left
 
 
+@pytest.mark.parametrize(
+    "key, value, said",
+    [("block_count", None, "missing"), ("head_count", 0, "0"), ("head_count_kv", 0, "0")],
+    ids=["no-block-count", "no-heads", "no-kv-heads"],
+)
+def test_a_file_without_the_models_shape_names_its_gguf_key(tmp_path, monkeypatch, key, value, said):
+    """A missing block_count ended in a KeyError, 0 heads in a division by zero."""
+    import gguf
+
+    def write_instead(writer: gguf.GGUFWriter, *_: object) -> None:
+        if value is not None:
+            writer.add_uint32(f"{writer.arch}.attention.{key}", value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, f"add_{key}", write_instead)
+    export.write(export.from_model_dir(fixture("llama")), tmp_path / "odd.gguf", "f32")
+    name = "block_count" if key == "block_count" else f"attention.{key}"
+    with pytest.raises(UserError, match=rf"odd\.gguf: GGUF key llama\.{name} is {said}; a llama model needs"):
+        read.model_dir(tmp_path / "odd.gguf")
+    assert not list((tmp_path / "cache" / "nnx" / "gguf").iterdir())
+
+
 # Refusals
 # ------------------------------------------------------------------------------------------------------------------
 

@@ -110,7 +110,7 @@ def _build(path: Path, directory: Path) -> None:
     tensors = {t.name: t for t in reader.tensors}
     architecture = _architecture(path, name, tensors)
     arch = families.ARCHES[architecture]
-    config = _config(architecture, name, fields, tensors)
+    config = _config(path, architecture, name, fields, tensors)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     hp = families.HParams(config)
     reverse = _reverse(arch, config["num_hidden_layers"] if "num_hidden_layers" in config else config["n_layer"])
@@ -203,13 +203,26 @@ def _untransform(arch: families.Arch, hp: families.HParams, name: str, data: np.
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _config(architecture: str, name: str, fields: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+def _config(path: Path, architecture: str, name: str, fields: Mapping[str, Any], tensors: Mapping[str, Any]
+            ) -> dict[str, Any]:  # fmt: skip
     """The `config.json` of the function llama.cpp computes from the file."""
 
     def key(suffix: str, default: Any = None) -> Any:
         value = fields.get(f"{name}.{suffix}", default)
         return float(str(np.float32(value))) if isinstance(value, float) else value  # 1e-06, not 9.99999997e-07
 
+    # without them the model has no shape: a KeyError or a division by zero further down, or a config.json
+    # that failed later, named by the cache directory it was converted into
+    for suffix in ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv"):
+        value = fields.get(f"{name}.{suffix}")
+        if value is None and suffix == "attention.head_count_kv":  # optional: as many as the queries' heads
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            said = "missing" if value is None else f"{value!r}"
+            raise UserError(f"{path}: GGUF key {name}.{suffix} is {said}; a {name} model needs a positive integer "
+                            "there (the file was not written by a complete converter)")  # fmt: skip
+    if "token_embd.weight" not in tensors:
+        raise UserError(f"{path}: has no tensor token_embd.weight; it is not a whole {name} model")
     embedding = tensors["token_embd.weight"]
     vocab = int(embedding.shape[1])
     heads = key("attention.head_count")
