@@ -249,6 +249,23 @@ def test_a_missing_nested_absmax_is_refused_naming_the_tensor(tmp_path):
         hf.open_pretrained.__wrapped__(str(directory))
 
 
+@pytest.mark.parametrize("offset", ["0.5", float("nan"), True], ids=["string", "nan", "bool"])
+def test_a_nested_offset_that_is_not_a_finite_number_is_refused_naming_the_weight(tmp_path, offset):
+    """A string ended in a traceback where the offset is added; NaN dequantised every weight to NaN, exit 0."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "broken"
+    shutil.copytree(fixture("llama_bnb4bit"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight.quant_state.bitsandbytes__nf4"
+    state = json.loads(tensors[name].tobytes())
+    state["nested_offset"] = offset
+    tensors[name] = np.frombuffer(json.dumps(state).encode(), np.uint8).copy()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"'model.layers.0.mlp.down_proj.weight' has nested_offset .*; bitsandbytes"):
+        hf.open_pretrained.__wrapped__(str(directory))
+
+
 @pytest.mark.parametrize(
     "tensor, change, said",
     [(".weight", lambda a: a[:2000], "is U8 [2000, 1]; the quant state of a nf4 weight [128, 64] in blocks of 64 "

@@ -85,6 +85,13 @@ class State:
             raise UserError(f"{where}: the quant state of {name!r} is not bitsandbytes' ({e})") from None
         self.offset = data.get("nested_offset")
         self.double = self.offset is not None
+        if self.double and (
+            isinstance(self.offset, bool) or not isinstance(self.offset, (int, float)) or not math.isfinite(self.offset)
+        ):  # a string ended in a traceback where it is added, NaN dequantised every weight to NaN with exit 0
+            raise UserError(
+                f"{where}: the quant state of {name!r} has nested_offset {self.offset!r}; bitsandbytes writes a "
+                "finite number there"
+            )
         if self.type not in q.TYPES or self.block not in q.BLOCK_SIZES or len(self.shape) != 2:
             raise UserError(
                 f"{where}: {name!r} is a {self.type} weight of shape {list(self.shape)} in blocks of {self.block}; "
