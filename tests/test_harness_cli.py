@@ -222,6 +222,10 @@ def test_harness_options_without_tasks_and_samples_without_an_output_path_are_us
     result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_choices", "--include-path", "tasks",
                  "--log-samples", expect=2)  # fmt: skip
     assert_user_error(result, "--log-samples", "--output-path")
+    for limit in ("1.5", "0"):  # 1.5 ran one example a task, 0 none (eval.harness.limit refused both)
+        result = run(project, "nnx-eval", fixture("gpt2"), "--tasks", "local_choices", "--include-path", "tasks",
+                     "--limit", limit, expect=2)  # fmt: skip
+        assert_user_error(result, f"--limit must be a number of examples or a fraction in (0, 1), got {limit}")
 
 
 # During training

@@ -176,6 +176,9 @@ def _harness(
         raise UserError("--log-samples writes the samples under --output-path: pass it too")
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
+        # 1.5 ran 1 example a task, 0 ran none; the config's eval.harness.limit refused both
+        raise UserError(f"--limit must be a number of examples or a fraction in (0, 1), got {limit:g}")
     count = None if limit is None else int(limit) if limit >= 1 else limit
     from nnx_cli import hf
 
