@@ -394,6 +394,15 @@ def test_a_truncated_or_foreign_file_is_a_user_error(tmp_path):
     assert not list((tmp_path / "cache" / "nnx" / "gguf").iterdir())  # nothing half-built left
 
 
+def test_a_cache_that_cannot_be_created_is_one_line_naming_the_setting(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME a file ended in a NotADirectoryError traceback."""
+    export.write(export.from_model_dir(fixture("llama")), tmp_path / "m.gguf", "f32")
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file"))
+    with pytest.raises(UserError, match=r"m\.gguf: cannot create the cache .*\(Not a directory\); set XDG_CACHE_HOME"):
+        read.model_dir(tmp_path / "m.gguf")
+
+
 @pytest.mark.parametrize(
     "key, value, said",
     [("block_count", None, "missing"), ("head_count", 0, "0"), ("head_count_kv", 0, "0")],

@@ -68,8 +68,14 @@ def model_dir(path: str | Path) -> Path:
     target = cache_root() / f"{path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as e:  # XDG_CACHE_HOME a file, a read-only home
+        raise UserError(
+            f"{path}: cannot create the cache it is converted into, {str(target.parent)!r} ({e.strerror or e}); "
+            "set XDG_CACHE_HOME to a writable directory"
+        ) from None
     try:
         _build(path, staging)
         try:
