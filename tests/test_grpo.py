@@ -5,6 +5,7 @@ built-in rewards, and the mistakes a config, a row or a reward function can make
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -351,6 +352,11 @@ def test_a_reward_function_gets_prompts_completions_and_columns_by_name_and_none
             r"zero at step 7 \(scoring 2 completions\)",
         ),
         (
+            lambda prompts, completions, **_: sys.exit(3),
+            r"reward function 'm\.bad' called sys\.exit\(3\) at step 7 \(scoring 2 completions\); a reward function "
+            r"returns its scores",
+        ),
+        (
             lambda prompts, completions, **_: [1.0],
             r"'m\.bad' returned 1 value for 2 completions at step 7; it must "
             r"return a list of one number \(or None\) per completion",
@@ -367,7 +373,7 @@ def test_a_reward_function_gets_prompts_completions_and_columns_by_name_and_none
             r"'m\.bad' returned 1e\+300 for completion 1 at step 7; a reward must be a finite number within",
         ),
     ],
-    ids=["raises", "too-few", "not-a-list", "not-a-number", "nan", "beyond-float32"],
+    ids=["raises", "exits", "too-few", "not-a-list", "not-a-number", "nan", "beyond-float32"],
 )
 def test_a_reward_function_that_raises_or_returns_the_wrong_values_is_named_with_the_step(fn, message):
     with pytest.raises(UserError, match=message):

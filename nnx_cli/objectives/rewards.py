@@ -314,6 +314,11 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
             values = reward.fn(prompts=prompts, completions=completions, **columns)
         except UserError:
             raise
+        except SystemExit as e:  # it ended the run with its own code and no word, the step's checkpoint unsaved
+            raise UserError(
+                f"reward function {reward.source!r} called sys.exit({e.code!r}) {when} (scoring {len(completions)} "
+                "completions); a reward function returns its scores, or raises to stop the run"
+            ) from None
         except Exception as e:
             raise UserError(
                 f"reward function {reward.source!r} raised {type(e).__name__}: {first_line(e)} {when} (scoring "
