@@ -15,6 +15,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -206,22 +207,32 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
             raise UserError(f"{str(path)!r} is a config file; pass {where}")
         if path.is_file():
             raise UserError(f"{str(path)!r} is a file; pass a work dir of nnx-train (it holds checkpoints/)")
+        quarantined = re.fullmatch(r"(\d+)\.corrupt-\d+", path.name)
+        if quarantined:
+            raise UserError(
+                f"{str(path)!r} is step {quarantined[1]} moved aside when it failed its checksums; it is kept for "
+                f"you to inspect, not read; pass the work dir {str(path.parent.parent)!r} for its intact steps"
+            )
+        if (path / "adapter_config.json").is_file():
+            raise UserError(
+                f"{str(path)!r} is a PEFT adapter, not a run of nnx-train; a run starts from it with "
+                f"checkpoint.init_from: {path} (and model.pretrained: its base model)"
+            )
         raise UserError(
             f"no checkpoint found in {str(path)!r}; train first with nnx-train, or point at a work dir that has "
             "checkpoints/"
         )
+    # an empty step dir (a save that never began writing) holds nothing to read
+    available = ", ".join(str(s) for s in steps if any((checkpoints / str(s)).iterdir())) or "none"
     if best:
         step = _best_step(checkpoints, step)
         if step not in steps:
             raise UserError(
                 f"--best: {str(checkpoints / BEST)!r} records step {step}, which is no longer there (pruned by a "
-                "later run without checkpoint.keep_best, or removed); pass --step, available steps: "
-                + ", ".join(map(str, steps))
+                f"later run without checkpoint.keep_best, or removed); pass --step, available steps: {available}"
             )
     if step is not None and step not in steps:
-        raise UserError(
-            f"--step {step}: no such checkpoint in {str(checkpoints)!r}; available steps: {', '.join(map(str, steps))}"
-        )
+        raise UserError(f"--step {step}: no such checkpoint in {str(checkpoints)!r}; available steps: {available}")
     workdir = checkpoints.parent
     config = workdir / "config.yaml"
     if not config.is_file():

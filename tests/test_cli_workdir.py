@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,10 @@ def test_open_run_leaves_the_choice_of_step_to_restore_unless_one_is_named(tmp_p
     assert restore.from_run(run, lambda checkpointer, step: step, print) == (2, 2)  # the newest usable one
     assert open_run(tmp_path / "run" / "checkpoints" / "1").step == 1
     assert open_run(tmp_path / "run", step=1).step == 1
-    with pytest.raises(UserError, match="--step 7: no such checkpoint.*available steps: 1, 2"):
+    with pytest.raises(UserError, match="--step 7: no such checkpoint.*available steps: 1, 2$"):
+        open_run(tmp_path / "run", step=7)
+    (tmp_path / "run" / "checkpoints" / "12").mkdir()  # empty: it was listed as a step to pass
+    with pytest.raises(UserError, match="--step 7: no such checkpoint.*available steps: 1, 2$"):
         open_run(tmp_path / "run", step=7)
     with pytest.raises(UserError, match="contradicts the step dir"):
         open_run(tmp_path / "run" / "checkpoints" / "1", step=2)
@@ -131,6 +135,16 @@ def test_a_dir_without_checkpoints_is_a_user_error(tmp_path: Path):
         UserError, match=r"notes.txt' is a file; pass a work dir of nnx-train \(it holds checkpoints/\)"
     ):
         open_run(tmp_path / "notes.txt")
+    (tmp_path / "checkpoints" / "3.corrupt-1" / "state").mkdir(parents=True)  # it said "train first"
+    here = re.escape(str(tmp_path))
+    with pytest.raises(UserError, match=r"'.*3.corrupt-1' is step 3 moved aside when it failed its checksums; .*pass "
+                                        rf"the work dir '{here}' for its intact steps"):  # fmt: skip
+        open_run(tmp_path / "checkpoints" / "3.corrupt-1")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"'.*adapter' is a PEFT adapter, not a run of nnx-train; a run starts from it "
+                                        r"with checkpoint.init_from: "):  # fmt: skip
+        open_run(tmp_path / "adapter")
 
 
 def test_a_work_dir_whose_earlier_run_was_set_aside_says_how_to_put_it_back(tmp_path: Path):
