@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from nnx_cli import optim, steps
-from nnx_cli.errors import RunError, UserError
+from nnx_cli.errors import RunError, UserError, is_out_of_memory, out_of_memory_message
 from nnx_cli.loop import Loop
 
 EVAL_PROMPTS = 2  # prompts of the samples written at each eval when `train.sample_prompts` names none
@@ -294,12 +294,20 @@ class Samples:
         self.guard.check(loop)
         decoder = Decoder(self.exp.moduledef, steps.parameters(loop.state))
         key = jax.random.fold_in(jax.random.key(self.exp.cfg.seed), loop.step)
-        drawn = decoder.generate(
-            self.prompts,
-            max_tokens=self.exp.cfg.train.sample_tokens,
-            seed=key,
-            **eval_sample_stops(self.exp.cfg.data.format, self.tokenizer),
-        ).finish()
+        tokens = self.exp.cfg.train.sample_tokens
+        try:
+            drawn = decoder.generate(
+                self.prompts, max_tokens=tokens, seed=key, **eval_sample_stops(self.exp.cfg.data.format, self.tokenizer)
+            ).finish()
+        except Exception as e:  # the advice for the training step (batch size, remat) does not apply here
+            if not is_out_of_memory(e):
+                raise
+            longest = max(len(p) for p in self.prompts)
+            raise RunError(out_of_memory_message(e, (
+                f"the eval's samples need a key-value cache of {len(self.prompts)} x ({longest} prompt + {tokens} new) "
+                "positions in every layer: lower train.sample_tokens (0 writes none), or give fewer or shorter "
+                "train.sample_prompts"
+            ))) from None  # fmt: skip
         if self.directory is not None:
             write_eval_samples(self.directory / f"{loop.step}.txt", self.prompts, drawn, self.tokenizer)
         self.done = loop.step

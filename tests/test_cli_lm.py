@@ -249,7 +249,21 @@ def test_generate_out_of_memory_names_its_own_knobs_not_trainings(reference: Pat
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: out of device memory (could not allocate "), message
     assert f"the key-value cache holds up to {samples} x (3 prompt + 4 new) positions" in message, message
-    assert "--max-tokens or --num-samples" in message and "train.batch_size" not in message
+    assert "--max-tokens or --num-samples, or shorten the prompt" in message and "train.batch_size" not in message
+
+
+def test_samples_out_of_memory_at_an_eval_name_the_sample_knobs_and_keep_the_step(project: Path):
+    """The eval's samples ran out of memory with the training step's advice (train.batch_size, model.remat)."""
+    tokens = 4 * cli_device_memory() // (2 * 2 * 64 * 2 * 4)  # 2 prompts x 2 layers x 64 features, k and v, float32
+    overrides = ("model.positions=rope", "train.steps=1", "train.eval_max_batches=1", f"train.sample_tokens={tokens}")
+    result = cli("nnx-train", "lm.yaml", *overrides, "--workdir", "samples-oom", cwd=project, memory_limit=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: out of device memory (could not allocate "), message
+    assert "the eval's samples need a key-value cache of 2 x (" in message, message
+    assert f" prompt + {tokens} new) positions" in message and "lower train.sample_tokens" in message, message
+    assert "train.batch_size" not in message
+    assert Checkpointer(project / "samples-oom" / "checkpoints", read_only=True).latest_step() == 1
 
 
 def test_generate_of_an_image_model_is_a_user_error(project: Path):

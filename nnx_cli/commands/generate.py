@@ -106,7 +106,7 @@ def generate(
             raise
         raise RunError(out_of_memory_message(e, (
             f"the key-value cache holds up to {num_samples} x ({len(prompt_ids)} prompt + {max_tokens} new) positions "
-            "in every layer: ask for fewer with --max-tokens or --num-samples"
+            "in every layer: ask for fewer with --max-tokens or --num-samples, or shorten the prompt"
         ))) from None  # fmt: skip
     cut = sum(drawn.truncated)
     if cut and not as_json:  # --json says it in "truncated" and "stop_reasons"
