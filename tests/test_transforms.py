@@ -889,6 +889,99 @@ def test_jit_writes_structure_changes_back_keeping_submodules():
     assert not hasattr(model, "count")
 
 
+def test_jit_with_shardings_writes_structure_changes_back_as_without():
+    """With in_shardings a changed static field and a deletion were silently lost, and a new submodule raised
+    "Cannot reach path 'extra/bias'"."""
+    model = _counter()
+    linear = model.linear
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed = jax.tree.map(lambda _: device, model.get_state())
+
+    @nnx.jit(in_shardings=(placed,))
+    def f(model):
+        model.linear.note = "static"
+        model.extra = nnx.Linear(3, 1, ctx=nnx.context(0))
+        del model.count
+
+    f(model)
+    assert model.linear is linear and linear.note == "static"
+    assert model.extra.kernel.shape == (3, 1) and not hasattr(model, "count")
+
+    @nnx.jit(in_shardings=(jax.tree.map(lambda _: device, model.get_state()),),
+             out_shardings=(device, jax.tree.map(lambda _: device, model.get_state())))  # fmt: skip
+    def g(model):
+        model.linear.note = "changed"
+        model.extra.kernel = model.extra.kernel * 2
+        return model.extra.kernel.sum()
+
+    kernel = model.extra.kernel
+    assert g(model) == pytest.approx(2 * float(kernel.sum()))
+    assert linear.note == "changed" and jnp.array_equal(model.extra.kernel, 2 * kernel)
+
+
+def test_grad_writes_structure_changes_back_as_jit_does():
+    """A submodule created inside raised "Cannot reach path"; a changed static field and a deletion were lost."""
+
+    class Lazy(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+            self.calls = 0
+            self.cache = Count(0)
+
+        def __call__(self, x):
+            if not hasattr(self, "head"):
+                self.head = nnx.Linear(2, 1, ctx=nnx.context(0))
+            self.calls += 1
+            if hasattr(self, "cache"):
+                del self.cache
+            return jnp.sum(self.head(self.w * x))
+
+    model = Lazy()
+    w = model.w
+    assert list(nnx.grad(lambda m, x: m(x))(model, jnp.ones(2))) == ["w"]
+    assert isinstance(model.head, nnx.Linear) and model.calls == 1 and not hasattr(model, "cache")
+    head = model.head
+    grads = nnx.grad(lambda m, x: m(x))(model, jnp.ones(2))
+    assert sorted(grads) == ["head/bias", "head/kernel", "w"]
+    assert model.head is head and model.calls == 2 and model.w is w
+
+
+def test_a_module_made_on_one_thread_is_used_on_another_outside_any_transform():
+    """Every thread but the first had a top level of its own: a data loader or writer thread could neither
+    assign to a Module nor draw from a Context made on the main thread."""
+    import threading
+
+    model, ctx, seen = _counter(), nnx.context(0), []
+
+    def worker():
+        model.count += 1
+        seen.append(ctx.make_rng("params"))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert model.count == 1 and len(seen) == 1
+
+    @nnx.jit
+    def f(inner):  # a level of a transform is still its own: another thread cannot use what is made there
+        made = nnx.Linear(1, 1, ctx=nnx.context(0))
+        errors = []
+        worker = threading.Thread(target=lambda: errors.append(_mutate(made)))
+        worker.start()
+        worker.join()
+        assert errors == ["TraceContextError"]
+
+    f(model)
+
+
+def _mutate(module: nnx.Module) -> str:
+    try:
+        module.extra = 1
+    except nnx.TraceContextError as e:
+        return type(e).__name__
+    return "no error"
+
+
 def test_remat_keeps_python_keyword_arguments_static():
 
     class Model(nnx.Module):

@@ -6,7 +6,7 @@ import typing as tp
 import jax
 
 from nnx import containers, partitioning, tracers
-from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx, reconcile
 from nnx.module import Module
 from nnx.state import State
 
@@ -41,7 +41,8 @@ def grad(
     ``wrt`` is any filter: ``nnx.All(nnx.Param, lambda path, _: not
     path.startswith('backbone'))`` freezes the backbone. With ``stateful=True``
     the other state changes made inside (batch statistics, counters) are
-    written back to ``module``. With ``has_aux=True``, ``fun`` returns
+    written back to ``module``, and so are changes of its structure (a
+    submodule made on first call, a deleted attribute), as ``nnx.jit`` does. With ``has_aux=True``, ``fun`` returns
     ``(loss, aux)`` and the call returns ``(grads, aux)``. An integer node
     that ``wrt`` selects (the codes of an ``nnx.QuantizedKernel``) is a
     ``TypeError`` naming it, unless ``allow_int=True``.
@@ -65,6 +66,7 @@ def grad(
         diff, rest = state.partition(partitioning.Everything() if wrt is ... else wrt, ...)  # `...` goes last
         if not allow_int:
             _check_differentiable(diff)
+        differentiated = diff
         boxed = frozenset(path for path, value in diff.items() if not isinstance(value, containers.Container))
         if boxed:
             diff = State({path: containers.Node(value) if path in boxed else value for path, value in diff.items()})
@@ -81,18 +83,22 @@ def grad(
                         f"(loss, aux), got {type(out).__name__}"
                     )
                 loss, aux = out if has_aux else (out, None)
-                updates = (inner.get_state() - diff) if stateful else None
-            return loss, (aux, updates)
+                if not stateful:
+                    return loss, (aux, None, None)
+                now, structure = inner.partition()
+            return loss, (aux, now - diff, structure)  # the structure has no leaves: it passes as aux data does
 
-        grads, (aux, updates) = jax.grad(
+        grads, (aux, updates, structure) = jax.grad(
             pure,
             argnums=0,
             has_aux=True,
             holomorphic=holomorphic,
             allow_int=allow_int,
         )(diff, rest, *args, **kwargs)
-        if stateful:
+        if stateful and structure == moduledef:
             module.update_state(updates)
+        elif stateful:  # new or deleted attributes, swapped submodules, changed static fields: as nnx.jit does
+            reconcile(module, structure.merge(differentiated, updates))
         return (grads, aux) if has_aux else grads
 
     return grad_fn

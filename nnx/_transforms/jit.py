@@ -12,54 +12,13 @@ import typing as tp
 import jax
 
 from nnx import tracers
-from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx, reconcile
 from nnx._transforms.state_cache import FlatState, Signature, StateCache
-from nnx.module import _MODULE_STATE, Module, _check_trace, _dict
+from nnx.module import Module, _check_trace
 
 F = tp.TypeVar("F", bound=tp.Callable[..., tp.Any])
 
 _UNSPECIFIED = object()
-
-
-def _reconcile(target: Module, fresh: Module) -> None:
-    """Makes ``target`` look like ``fresh``, keeping ``target``'s submodules.
-
-    ``fresh`` was built from what a transform returned (state and structure).
-    Attributes are copied over (new ones added, missing ones deleted);
-    submodules of the same type at the same place are updated in place rather
-    than replaced, so references to them stay valid. Sharing is preserved.
-    """
-    targets: dict[int, Module] = {}  # id(fresh module) -> module standing for it
-    used: set[int] = set()  # ids of existing modules already updated
-
-    def adopt(module: Module) -> None:
-        for _, sub in module.modules():
-            targets.setdefault(id(sub), sub)
-
-    def update(target: Module, fresh: Module) -> None:
-        _check_trace(target)
-        targets[id(fresh)] = target
-        used.add(id(target))
-        attributes, new = _dict(target), _dict(fresh)
-        for name in [n for n in attributes if n not in new]:
-            del attributes[name]
-        for name, value in new.items():
-            if name == _MODULE_STATE:
-                continue
-            if isinstance(value, Module):
-                if id(value) in targets:
-                    attributes[name] = targets[id(value)]
-                    continue
-                current = attributes.get(name)
-                if type(current) is type(value) and id(current) not in used:
-                    update(current, value)
-                else:
-                    adopt(value)
-                    attributes[name] = value
-            else:
-                attributes[name] = value
-
-    update(target, fresh)
 
 
 def _check_output(out: tp.Any) -> None:
@@ -103,8 +62,8 @@ class _Jitted:
             if not self._stateful:
                 return out
             state, moduledef = module.partition()
-        if self._structured:
-            return out, state
+        if self._structured:  # the structure rides along: no leaves, so out_shardings gets None for it
+            return out, state, moduledef
         new_leaves, treedef = jax.tree.flatten(state)
         if treedef == signature.treedef and moduledef == signature.moduledef:
             return out, new_leaves  # same structure: the fast write-back applies
@@ -128,12 +87,13 @@ class _Jitted:
             return self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
         _check_trace(module)
         if self._structured:
-            out, new = self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
+            out, new, moduledef = self._jitted(self._state_argument(flat), flat.signature, *args, **kwargs)
             leaves, treedef = jax.tree.flatten(new)
-            if treedef == flat.signature.treedef and flat.slots is not None:
+            same = treedef == flat.signature.treedef and moduledef == flat.signature.moduledef
+            if same and flat.slots is not None:
                 flat.write_back(leaves)
-            else:
-                module.update_state(new)
+            else:  # new or deleted attributes, swapped submodules, changed static fields: as without shardings
+                reconcile(module, moduledef.merge(new))
                 self._cache.forget(module)
             return out
         result = self._jitted(flat.leaves, flat.signature, *args, **kwargs)
@@ -145,7 +105,7 @@ class _Jitted:
             module.update_state(flat.signature.treedef.unflatten(leaves))
         else:
             out, state, moduledef = result
-            _reconcile(module, moduledef.merge(state))
+            reconcile(module, moduledef.merge(state))
         self._cache.forget(module)
         return out
 
@@ -258,5 +218,7 @@ def jit(
     if in_shardings is not _UNSPECIFIED:
         jit_kwargs["in_shardings"] = in_shardings
     if out_shardings is not _UNSPECIFIED:
-        jit_kwargs["out_shardings"] = out_shardings
+        # `(out, state)` as documented; the Module's structure, returned beside them, has no arrays to place
+        pair = stateful and isinstance(out_shardings, (tuple, list)) and len(out_shardings) == 2
+        jit_kwargs["out_shardings"] = (*out_shardings, None) if pair else out_shardings
     return _Jitted(fun, stateful, jit_kwargs)  # type: ignore[return-value]

@@ -4,7 +4,7 @@
 import typing as tp
 
 from nnx import contextlib
-from nnx.module import Module
+from nnx.module import _MODULE_STATE, Module, _check_trace, _dict
 
 
 def check_module(transform: str, module: tp.Any) -> None:
@@ -57,3 +57,44 @@ def merge_ctx(kwargs: dict[str, tp.Any]) -> dict[str, tp.Any]:
         kwargs = dict(kwargs)
         kwargs["ctx"] = ctx.merge()
     return kwargs
+
+
+def reconcile(target: Module, fresh: Module) -> None:
+    """Makes ``target`` look like ``fresh``, keeping ``target``'s submodules.
+
+    ``fresh`` was built from what a transform returned (state and structure).
+    Attributes are copied over (new ones added, missing ones deleted);
+    submodules of the same type at the same place are updated in place rather
+    than replaced, so references to them stay valid. Sharing is preserved.
+    """
+    targets: dict[int, Module] = {}  # id(fresh module) -> module standing for it
+    used: set[int] = set()  # ids of existing modules already updated
+
+    def adopt(module: Module) -> None:
+        for _, sub in module.modules():
+            targets.setdefault(id(sub), sub)
+
+    def update(target: Module, fresh: Module) -> None:
+        _check_trace(target)
+        targets[id(fresh)] = target
+        used.add(id(target))
+        attributes, new = _dict(target), _dict(fresh)
+        for name in [n for n in attributes if n not in new]:
+            del attributes[name]
+        for name, value in new.items():
+            if name == _MODULE_STATE:
+                continue
+            if isinstance(value, Module):
+                if id(value) in targets:
+                    attributes[name] = targets[id(value)]
+                    continue
+                current = attributes.get(name)
+                if type(current) is type(value) and id(current) not in used:
+                    update(current, value)
+                else:
+                    adopt(value)
+                    attributes[name] = value
+            else:
+                attributes[name] = value
+
+    update(target, fresh)
