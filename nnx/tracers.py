@@ -29,9 +29,13 @@ def current_jax_trace() -> tp.Any:
     return _get_trace_state(convention="nnx")
 
 
+_TOP = object()  # the level outside every lifted transform: one for all threads, so that a Module made at the
+# top level of one thread (the main one) may be used at the top level of another (a data loader, a writer)
+
+
 class _NnxTraceStack(threading.local):
     def __init__(self):
-        self.stack: list[object] = [object()]
+        self.stack: list[object] = [_TOP]
 
 
 _nnx_stack = _NnxTraceStack()
