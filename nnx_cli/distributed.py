@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -200,6 +201,41 @@ def check_same(parts: dict[str, Any], fix: str) -> None:
             f"{name} on process{'es' * (len(p) > 1)} {', '.join(map(str, p))}" for name, p in differ.items()
         )
         raise UserError(f"the processes of this run disagree with process 0 on {said}: {fix}")
+
+
+class SharedDirCheck:
+    """That every process sees the same work dir: process 0 writes a mark in it, and after a barrier each
+    process reports what it reads there (:meth:`check`). Checkpoints are written by every process together, into
+    one directory; on hosts without a shared file system each process wrote into a directory of its own, and the
+    run waited for ever after its first eval, without a word."""
+
+    NAME = ".nnx-processes"
+
+    def __init__(self, workdir: Path):
+        import jax
+
+        self.path = workdir / self.NAME
+        self.active = jax.process_count() > 1
+        if self.active and is_main():
+            self.path.write_text(os.urandom(8).hex())
+
+    def check(self) -> None:
+        if not self.active:
+            return
+        try:
+            mark = self.path.read_text()
+        except OSError:
+            mark = None
+        try:
+            check_same(
+                {"what they find in the work dir": mark},
+                f"put --workdir on a file system every process sees (NFS, Lustre, a bucket mount): process 0 wrote "
+                f"{self.NAME} in {self.path.parent}, where the others do not find it; the processes write each "
+                "checkpoint together, into one directory",
+            )
+        finally:
+            if is_main():
+                self.path.unlink(missing_ok=True)
 
 
 def is_main() -> bool:

@@ -286,6 +286,25 @@ def test_processes_with_different_numbers_of_devices_are_refused_by_every_proces
     assert not (project / "uneven-devices").exists()
 
 
+def test_processes_that_do_not_share_the_work_dir_are_refused_by_every_process(project: Path):
+    """Hosts without a shared file system: each process wrote a work dir of its own, and the run waited for ever
+    after its first eval. Here each process runs in a directory of its own."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    flags = ("--workdir", "run", "--coordinator", coordinator, "--num-processes", "2")
+    homes = [project / "host-0", project / "host-1"]
+    procs = []
+    for i, home in enumerate(homes):
+        home.mkdir()
+        procs.append(start("nnx-train", CONFIG, *MULTI_PROCESS, *flags, "--process-id", str(i), cwd=home, devices=2))
+    for code, _, stderr in finish(procs, timeout=120):
+        assert code == 2, stderr
+        assert "disagree with process 0 on what they find in the work dir on process 1: put --workdir on a file " in (
+            stderr
+        )
+    assert not (homes[0] / "run" / ".nnx-processes").exists()
+    assert not (homes[1] / "run" / "checkpoints").exists()
+
+
 def test_multi_process_flags_must_describe_a_run(project: Path):
     assert_user_error(
         cli("nnx-train", CONFIG, "--num-processes", "2", "--process-id", "0", cwd=project), "--coordinator"

@@ -312,7 +312,9 @@ def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) 
     ckpt_dir = workdir / "checkpoints"
     # Decided before the barrier: once past it, another process's Checkpointer may create the directory.
     has_checkpoints = resume and ckpt_dir.is_dir()
+    seen = _distributed.SharedDirCheck(workdir)  # process 0 leaves a mark in it for the others to find
     _distributed.barrier("nnx-train: work dir ready")
+    seen.check()
     found = _resume(exp, ckpt_dir, console) if has_checkpoints else None
     keep = exp.cfg.checkpoint
     checkpointer = Checkpointer(ckpt_dir, keep=keep.keep, async_=keep.async_)  # after bad steps moved aside
