@@ -117,7 +117,8 @@ class LoggerRun:
       logged past it belongs to a run that no checkpoint holds);
     - `total_steps`: the step the run ends at;
     - `loss_metric`: the model's loss metric (`nelbo`, `loss`);
-    - `console`: where messages go (stderr; quiet on all processes but the first).
+    - `console`: where messages go (stderr; quiet on all processes but the first);
+    - `previous_config`: on resume, the config the steps so far ran with (None: the same as `config`).
 
     >>> run = LoggerRun(Path("runs/vae"), {"seed": 0}, start_step=0, total_steps=1000, loss_metric="nelbo")
     """
@@ -128,6 +129,7 @@ class LoggerRun:
     total_steps: int
     loss_metric: str
     console: Console = field(default_factory=lambda: Console(stderr=True, markup=False))
+    previous_config: Mapping[str, Any] | None = None
 
 
 LoggerFactory = Callable[[LoggerRun], MetricLogger]
@@ -288,16 +290,12 @@ class JsonlLogger:
 
     def __init__(self, run: LoggerRun):
         self.path = run.workdir / "metrics.jsonl"
-        train = run.config.get("train", {})
-        harness = run.config.get("eval", {}).get("harness", {})
-        intervals = {
-            "train": train.get("log_every", 1),
-            "eval": train.get("eval_every", 1),
-            "harness": harness.get("every_steps") or train.get("eval_every", 1),
-        }
+        # the lines at the resumed step were written under the earlier config's intervals: a record on either is
+        # kept (by this run's alone, a resume with another train.log_every deleted the records of its step)
+        configs = [run.config, *([run.previous_config] if run.previous_config else [])]
         if self.path.exists():
             lines = self.path.read_text(errors="replace").splitlines()  # bytes not UTF-8: no JSON, dropped as torn
-            kept = [line for line in lines if _kept(line, run.start_step, intervals)]
+            kept = [line for line in lines if any(_kept(line, run.start_step, _intervals(c)) for c in configs)]
             partial = self.path.with_name(self.path.name + ".partial")
             partial.write_text("".join(line + "\n" for line in kept))
             partial.replace(self.path)
@@ -309,6 +307,18 @@ class JsonlLogger:
 
     def close(self) -> None:
         pass
+
+
+def _intervals(config: Mapping[str, Any]) -> dict[str, int]:
+    """Steps between the records of each split under `config`."""
+    train = config.get("train") or {}
+    harness = (config.get("eval") or {}).get("harness") or {}
+    every = {
+        "train": train.get("log_every", 1),
+        "eval": train.get("eval_every", 1),
+        "harness": harness.get("every_steps") or train.get("eval_every", 1),
+    }
+    return {split: n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1 for split, n in every.items()}
 
 
 def _kept(line: str, resume_step: int, intervals: Mapping[str, int]) -> bool:

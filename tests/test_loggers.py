@@ -83,6 +83,30 @@ def test_jsonl_on_resume_drops_records_past_the_restored_step_a_torn_line_and_by
     assert records[3]["metrics"]["nelbo"] == pytest.approx(10.0 / 30)  # from the resumed run
 
 
+def test_jsonl_on_resume_with_other_intervals_keeps_the_records_of_the_resumed_step(tmp_path: Path):
+    """Resumed at step 10 with train.log_every and eval_every 4 (5 before), the records of step 10 went: the
+    file was cut by the new intervals, not the ones its lines were written under."""
+
+    def run(start: int, every: int, previous: int | None) -> LoggerRun:
+        config = lambda n: {"train": {"log_every": n, "eval_every": n}}  # noqa: E731
+        return LoggerRun(tmp_path, config(every), start, 20, "nelbo", Console(file=io.StringIO()),
+                         previous_config=config(previous) if previous else None)  # fmt: skip
+
+    _log_run(["jsonl"], run(0, 5, None), [5, 10], eval_every=5)
+    with (tmp_path / "metrics.jsonl").open("a") as f:  # a run stopped at step 12, between two logs
+        f.write(json.dumps({"step": 12, "split": "train", "metrics": {"nelbo": 1.0}, "time": 0.0}) + "\n")
+    _log_run(["jsonl"], run(10, 4, 5), [12], eval_every=4)
+    assert [(r["step"], r["split"]) for r in _records(tmp_path)] == [
+        (5, "train"), (5, "eval"), (10, "train"), (10, "eval"), (12, "train"), (12, "eval")
+    ]  # fmt: skip
+    assert _records(tmp_path)[4]["metrics"]["nelbo"] == pytest.approx(1 / 12)  # the resumed run's, not the stray
+    (tmp_path / "metrics.jsonl").write_text(  # a run stopped at 7 under log_every 5: its end-of-run log goes
+        "".join(json.dumps({"step": s, "split": "train", "metrics": {}, "time": 0.0}) + "\n" for s in (5, 7))
+    )
+    open_loggers(resolve_loggers(["jsonl"]), run(7, 4, 5)).close()
+    assert [r["step"] for r in _records(tmp_path)] == [5]
+
+
 # --------------------------------------------------------------------------- console
 
 

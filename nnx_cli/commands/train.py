@@ -255,6 +255,7 @@ class Session:
     sums: Any
     aside: Path | None = None  # --no-resume: the earlier run, until this one commits a checkpoint (workdir.set_aside)
     forget_aside: Any = None  # drops the signal-exit hook that puts `aside` back
+    previous: dict[str, Any] | None = None  # on resume, the config the steps so far ran with (config.yaml as saved)
 
     def say(self, message: str) -> None:
         self.console.print(message, highlight=False, soft_wrap=True)
@@ -334,6 +335,7 @@ def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) 
             state = dict(state, params=params)
             if steps.REFERENCE in state:  # the reference is where the run starts: a copy of its own
                 state[steps.REFERENCE] = jax.tree.map(jnp.copy, params)
+    previous = _saved_config(workdir) if is_main and start > 0 else None  # what the lines logged so far were under
     if is_main and start < exp.total_steps:  # a run with nothing to do leaves the config its steps were made with
         write_config(
             workdir,
@@ -343,7 +345,18 @@ def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) 
             defaults=_defaults(exp),
         )
         write_run_info(workdir, exp)
-    return Session(workdir, checkpointer, lock, console, loggers.Loggers([]), start, state, sums)
+    return Session(workdir, checkpointer, lock, console, loggers.Loggers([]), start, state, sums, previous=previous)
+
+
+def _saved_config(workdir: Path) -> dict[str, Any] | None:
+    """The work dir's `config.yaml` as it was saved (None if it is missing or cannot be read)."""
+    from nnx_cli.config import read_yaml
+
+    try:
+        saved = read_yaml(workdir / "config.yaml")
+    except Exception:  # a damaged file: the loggers then go by this run's config alone
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _defaults(exp: Any) -> dict[str, Any]:
@@ -495,8 +508,9 @@ def prepare(
     cfg, t = exp.cfg, exp.cfg.train
     if session.lock is not None:  # process 0 reports
         run = loggers.LoggerRun(
-            session.workdir, to_dict(cfg), session.start, exp.total_steps, exp.loss_metric, session.console
-        )
+            session.workdir, to_dict(cfg), session.start, exp.total_steps, exp.loss_metric, session.console,
+            previous_config=session.previous,
+        )  # fmt: skip
         session.loggers = loggers.open_loggers(factories, run)
     k, layout, eval_layout = planned
     sampling = hasattr(exp.objective, "inputs")
