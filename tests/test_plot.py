@@ -194,6 +194,33 @@ def test_an_empty_metrics_jsonl_is_a_user_error(tmp_path: Path):
         read_metrics(tmp_path)
 
 
+def test_records_a_hand_edit_broke_are_left_out_or_a_user_error_not_a_traceback(tmp_path: Path):
+    """Metrics all empty: an IndexError; a list value: numpy's ValueError; a string step: a categorical axis; a
+    harness file not UTF-8 or with a list for a task: a UnicodeDecodeError and a TypeError (all exit 1)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"step": 1, "split": "train", "metrics": {}}\n')
+    with pytest.raises(UserError, match="its metrics records hold no metric values to plot"):
+        default_metric(empty, read_metrics(empty))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    lines = [{"step": 1, "metrics": {"loss": [1, 2], "acc": "high"}}, {"step": "a", "metrics": {"loss": 3.0}},
+             {"step": 2, "split": "train", "metrics": {"loss": 1.0}}]  # fmt: skip
+    (odd / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (odd / "evals").mkdir()
+    (odd / "evals" / "harness.jsonl").write_bytes(
+        b'{"step": 2, "task": "arc", "metrics": {"acc": 0.5}}\n\xff\xfe\n'
+        b'{"step": 2, "task": ["arc"], "metrics": {"acc": 0.7}}\n'
+    )
+    records = read_metrics(odd)
+    assert [(r["step"], r["metrics"]) for r in records] == [(1, {}), (2, {"loss": 1.0}), (2, {"arc/acc": 0.5})]
+    plot([odd], metric=None, out=tmp_path / "odd.png")
+    assert (tmp_path / "odd.png").is_file()
+    (empty / "metrics.jsonl").write_text("garbage\nmore garbage\n")
+    with pytest.raises(UserError, match="holds no metrics record: none of its lines is one"):
+        read_metrics(empty)
+
+
 def test_a_missing_work_dir_is_a_user_error(tmp_path: Path):
     with pytest.raises(UserError, match=r"work dir '.*nowhere' does not exist"):
         read_metrics(tmp_path / "nowhere")

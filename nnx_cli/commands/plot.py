@@ -131,6 +131,8 @@ def read_metrics(workdir: Path) -> list[dict[str, Any]]:
         print(f"notice: {path}: left out {len(damaged)} of its {len(lines)} lines, which hold no metrics record "
               f"(line numbers {where})", file=sys.stderr, flush=True)  # fmt: skip
     records = [record for record in parsed if record is not None] + harness
+    if not records and damaged:
+        raise UserError(f"{str(path)!r} holds no metrics record: none of its lines is one (is it damaged?)")
     if not records:
         raise UserError(
             f"{str(path)!r} holds no metrics yet: its run has not reached its first log (train.log_every steps)"
@@ -143,9 +145,18 @@ def _record(line: str) -> dict[str, Any] | None:
         record = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict) or "step" not in record:
+    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
         return None
-    return record
+    step, split = record.get("step"), record.get("split", "train")
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(split, str):
+        return None  # a step of another type was drawn on a categorical axis
+    # values that are no number (a list, a string: hand edits) are left out; a list ended in numpy's traceback
+    metrics = {k: v for k, v in record["metrics"].items() if v is None or _is_number(v)}
+    return {**record, "metrics": metrics}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def run_names(workdirs: Sequence[Path]) -> list[str]:
@@ -190,6 +201,8 @@ def metric_names(records: Any) -> list[str]:
 def default_metric(workdir: Path, records: Records) -> str:
     """The model's loss metric when the work dir's `config.yaml` names a model that defines one, else the first."""
     names = metric_names(records)
+    if not names:  # records whose metrics are all empty (or none of them a number)
+        raise UserError(f"{str(workdir)!r}: its metrics records hold no metric values to plot")
     loss = _loss_metric(workdir / "config.yaml")
     return loss if loss in names else names[0]
 

@@ -401,14 +401,15 @@ def read_records(workdir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     newest: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # bytes not UTF-8 (a damaged block): no JSON
         try:
             record = json.loads(line)
             key = (record["step"], record["task"], record.get("num_fewshot"))
             metrics = dict(record["metrics"])
+            hash(key)  # a list where a name or count belongs (a hand edit)
         except (ValueError, KeyError, TypeError):
             continue  # a torn line
-        if isinstance(record["step"], int):
+        if isinstance(record["step"], int) and isinstance(record["task"], str):
             newest[key] = {"step": record["step"], "task": record["task"], "metrics": metrics}
     by_step: dict[int, dict[str, Any]] = {}
     for record in newest.values():
