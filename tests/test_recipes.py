@@ -3,6 +3,7 @@ sdist, so that an installed nnx (not an editable checkout) trains them from any 
 
 from __future__ import annotations
 
+import os
 import shutil
 import site
 import subprocess
@@ -61,8 +62,15 @@ def test_cp_never_writes_over_a_file(tmp_path):
 
 def test_cp_into_a_place_it_cannot_write_is_a_user_error_naming_it(tmp_path):
     (tmp_path / "afile").write_text("")
-    with pytest.raises(UserError, match=r"cannot write '.*afile/x.yaml': .*; name a DEST in a writable directory"):
-        configs.copy("chat_lora", tmp_path / "afile" / "x.yaml")  # a file where its directory would be
+    with pytest.raises(UserError, match=r"cannot write '.*afile/x.yaml': '.*afile' is a file, not a directory; name "):
+        configs.copy("chat_lora", tmp_path / "afile" / "x.yaml")  # it said "File exists"
+    (tmp_path / "locked").mkdir(mode=0o500)
+    if os.access(tmp_path / "locked", os.W_OK):  # root writes anywhere: a path under /proc stands in
+        target = Path("/proc/self/x.yaml")
+    else:
+        target = tmp_path / "locked" / "x.yaml"
+    with pytest.raises(UserError, match=r"cannot write '.*x.yaml': .*; name a DEST in a writable directory"):
+        configs.copy("chat_lora", target)
 
 
 def test_an_unknown_name_lists_the_shipped_configs_with_a_did_you_mean():

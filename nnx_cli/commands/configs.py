@@ -114,6 +114,11 @@ def copy(name: str, dest: str | Path) -> Path:
     target = Path(dest) / f"{name}.yaml" if into else Path(dest)
     if target.exists():
         raise UserError(f"{str(target)!r} exists already; nnx-configs cp writes a new file: name another DEST")
+    blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # mkdir said "File exists", of the directory it could not make
+        raise UserError(
+            f"cannot write {str(target)!r}: {str(blocking)!r} is a file, not a directory; name another DEST"
+        )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
