@@ -352,13 +352,15 @@ OPERATIONAL = (
 
 def write_config(
     workdir: Path, config: dict[str, Any], step: int, say: Any = print, defaults: dict[str, Any] | None = None
-) -> None:
+) -> dict[str, Any] | None:
     """Write the resolved `config.yaml`. Resuming at `step` with a config that differs from the saved one
     (beyond the operational keys, and keys the saved one lacks that hold their `defaults`) says what changed and
-    keeps the earlier one as `config.<step>.yaml`."""
+    keeps the earlier one as `config.<step>.yaml`. Returns the saved config it replaced (None on a fresh run):
+    the one the steps so far ran with."""
     from nnx_cli.config import changes, dump_yaml, read_yaml
 
     path = workdir / "config.yaml"
+    before = None
     if step > 0 and path.is_file():
         before = read_yaml(path)
         changed = changes(before, config, ignore=OPERATIONAL, defaults=defaults)
@@ -367,6 +369,7 @@ def write_config(
             dump_yaml(before, kept)
             say(f"the config changed since step {step}: {'; '.join(changed)} (the earlier one is kept as {kept})")
     dump_yaml(config, path)
+    return before
 
 
 def _free_name(directory: Path, stem: str, suffix: str) -> Path:

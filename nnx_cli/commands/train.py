@@ -335,9 +335,9 @@ def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) 
             state = dict(state, params=params)
             if steps.REFERENCE in state:  # the reference is where the run starts: a copy of its own
                 state[steps.REFERENCE] = jax.tree.map(jnp.copy, params)
-    previous = _saved_config(workdir) if is_main and start > 0 else None  # what the lines logged so far were under
+    previous = None  # on resume, the config the steps so far ran with: what the lines logged so far were under
     if is_main and start < exp.total_steps:  # a run with nothing to do leaves the config its steps were made with
-        write_config(
+        previous = write_config(
             workdir,
             to_dict(exp.cfg),
             start,
@@ -346,17 +346,6 @@ def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) 
         )
         write_run_info(workdir, exp)
     return Session(workdir, checkpointer, lock, console, loggers.Loggers([]), start, state, sums, previous=previous)
-
-
-def _saved_config(workdir: Path) -> dict[str, Any] | None:
-    """The work dir's `config.yaml` as it was saved (None if it is missing or cannot be read)."""
-    from nnx_cli.config import read_yaml
-
-    try:
-        saved = read_yaml(workdir / "config.yaml")
-    except Exception:  # a damaged file: the loggers then go by this run's config alone
-        return None
-    return saved if isinstance(saved, dict) else None
 
 
 def _defaults(exp: Any) -> dict[str, Any]:
