@@ -17,7 +17,7 @@ from typing import Any
 from nnx_cli.config.schema import build, setting, show
 from nnx_cli.errors import UserError, did_you_mean
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38  # float(np.finfo(np.float32).max): rewards and their weights stay below
 
 
 @dataclass
@@ -100,7 +100,7 @@ class GRPOOptions:
                 f"{len(self.rewards)} rewards: give one per reward, or null for all 1"
             )
         for i, weight in enumerate(self.reward_weights or []):
-            if not abs(weight) <= _FLOAT32_MAX:  # NaN, inf, and what float32 sums make infinite
+            if not abs(weight) <= FLOAT32_MAX:  # NaN, inf, and what float32 sums make infinite
                 raise UserError(
                     f"config key 'objective.reward_weights[{i}]' must be a finite number within float32's range "
                     f"(about 3.4e38), got {show(weight)}"

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from nnx_cli.config.objective import FLOAT32_MAX
 from nnx_cli.errors import UserError, did_you_mean, first_line
 
 _KEY = "objective.rewards"
@@ -344,16 +345,13 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
                     f"{i} {when}; it must return a number (or None) per completion"
                 )
             number = float(value)
-            if not abs(number) <= _FLOAT32_MAX:  # NaN is not None: a 0 / 0 would silently leave every completion
+            if not abs(number) <= FLOAT32_MAX:  # NaN is not None: a 0 / 0 would silently leave every completion
                 raise UserError(  # unscored; and beyond float32's range a reward became inf in the advantages
                     f"reward function {reward.source!r} returned {number} for completion {i} {when}; a reward must be "
                     "a finite number within float32's range (about 3.4e38), or None to leave that completion unscored"
                 )
             out[i, j] = number
     return out
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _is_number(value: Any) -> bool:
