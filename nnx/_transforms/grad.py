@@ -42,8 +42,9 @@ def grad(
     path.startswith('backbone'))`` freezes the backbone. With ``stateful=True``
     the other state changes made inside (batch statistics, counters) are
     written back to ``module``, and so are changes of its structure (a
-    submodule made on first call, a deleted attribute), as ``nnx.jit`` does. With ``has_aux=True``, ``fun`` returns
-    ``(loss, aux)`` and the call returns ``(grads, aux)``. An integer node
+    submodule made on first call, a deleted attribute), as ``nnx.jit``
+    does. With ``has_aux=True``, ``fun`` returns ``(loss, aux)`` and the
+    call returns ``(grads, aux)``. An integer node
     that ``wrt`` selects (the codes of an ``nnx.QuantizedKernel``) is a
     ``TypeError`` naming it, unless ``allow_int=True``.
     """
