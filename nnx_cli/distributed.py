@@ -86,10 +86,11 @@ def _check_device_counts() -> None:
     if len(set(counts.values())) > 1:
         from jax._src import distributed
 
-        # every process meets here first, so that none ends (process 0 ending takes the coordination service with
-        # it, and a peer still running aborted in C++) before the others have their own error in hand; a barrier
-        # of the coordination service, as a collective of the devices is what cannot run
-        distributed.global_state.client.wait_at_barrier("nnx-train: device counts compared", JOIN_TIMEOUT_S * 1000)
+        # every process leaves `jax.distributed` together before any ends: process 0 ending takes the coordination
+        # service with it, and a peer still connected to it aborted in C++ (exit 134), even after a barrier passed
+        # together, when it was slower to exit than process 0. The shutdown is itself a barrier of the service (a
+        # collective of the devices is what cannot run), after which no process polls the service any more.
+        distributed.global_state.shutdown()
         held = ", ".join(f"process {p} has {n}" for p, n in sorted(counts.items()))
         raise UserError(
             f"the processes of this run hold different numbers of devices ({held}); give each the same number "
