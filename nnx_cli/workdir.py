@@ -81,7 +81,7 @@ def remove_if_empty(directories: Sequence[Path]) -> None:
 
 
 ASIDE = ".replaced"  # where `nnx-train --no-resume` keeps the earlier run until the new one has a checkpoint
-_REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "config.yaml", "run.json")
+_REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "tensorboard", "wandb", "config.yaml", "run.json")
 
 
 def _replaced(directory: Path) -> list[str]:
@@ -91,7 +91,8 @@ def _replaced(directory: Path) -> list[str]:
 
 
 def set_aside(workdir: Path) -> Path | None:
-    """`--no-resume`: move the earlier run's checkpoints, images, samples, metrics, configs and run.json into
+    """`--no-resume`: move the earlier run's checkpoints, images, samples, metrics (TensorBoard's and W&B's files
+    too: the W&B run id a resume continues), configs and run.json into
     `<workdir>/.replaced` (None when there were none). `settle_aside` deletes them once the new run has committed
     a checkpoint, and puts them back when it stops before that: a rejected run loses nothing.
 

@@ -226,10 +226,14 @@ def test_cnn_classifier_with_a_schedule_checkpoints_its_batch_statistics(project
     assert set(report["metrics"]) == {"loss", "accuracy"} and 0.0 <= report["metrics"]["accuracy"] <= 1.0
 
 
+LOGGERS = "logging.loggers=[jsonl, tensorboard]"
+
+
 def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before_that_puts_all_back(
     project: Path,
 ):
-    first = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", cwd=project)
+    # TensorBoard's event files too: a fresh run deleted them, and they were not put back
+    first = cli("nnx-train", "run.yaml", LOGGERS, "train.steps=40", "--workdir", "fresh", cwd=project)
     assert first.returncode == 0, first.stderr
 
     def files() -> dict[str, bytes]:
@@ -237,13 +241,14 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
                 for p in sorted((project / "fresh").rglob("*")) if p.is_file() and p.name != ".lock"}  # fmt: skip
 
     before = files()
+    assert any(name.startswith("tensorboard/events.out.tfevents.") for name in before), sorted(before)
     # non-finite from its first step: stopped before its first checkpoint, once the work dir was set up
-    failed = cli("nnx-train", "run.yaml", "train.steps=40", "optimizer.learning_rate=1.0e+30", "--workdir", "fresh",
-                 "--no-resume", cwd=project)  # fmt: skip
+    failed = cli("nnx-train", "run.yaml", LOGGERS, "train.steps=40", "optimizer.learning_rate=1.0e+30",
+                 "--workdir", "fresh", "--no-resume", cwd=project)  # fmt: skip
     assert failed.returncode == 1 and "non-finite" in failed.stderr, failed.stderr
     assert files() == before and not (project / "fresh" / ".replaced").exists()
     # Ctrl-C during its set-up ends the process at once (nothing unwinds): the earlier run goes back all the same
-    proc = start("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
+    proc = start("nnx-train", "run.yaml", LOGGERS, "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     deadline = time.monotonic() + 60
     while not (project / "fresh" / ".replaced").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -254,7 +259,7 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
     # Ctrl-C while training, before its first checkpoint: the checkpoint the interrupt writes does not replace the
     # earlier run (it did, deleting it, though the user had stopped the run before it replaced anything)
     long = ["train.steps=100000", "checkpoint.every_steps=50000", "train.eval_every=50000"]
-    proc = start("nnx-train", "run.yaml", *long, "--workdir", "fresh", "--no-resume", cwd=project)
+    proc = start("nnx-train", "run.yaml", LOGGERS, *long, "--workdir", "fresh", "--no-resume", cwd=project)
     said = ""
     while "training from step 0" not in said and proc.poll() is None:
         said += proc.stderr.readline()
@@ -264,7 +269,7 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
     assert proc.returncode == 130, said + stderr
     assert "interrupted by SIGINT before the new run's first checkpoint: the earlier run is back in fresh" in stderr
     assert files() == before and not (project / "fresh" / ".replaced").exists()
-    again = cli("nnx-train", "run.yaml", "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
+    again = cli("nnx-train", "run.yaml", LOGGERS, "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     assert again.returncode == 0, again.stderr
     assert "resumed" not in again.stderr
     # it says what it sets aside (the earlier steps went without a word)
