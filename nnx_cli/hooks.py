@@ -92,18 +92,22 @@ class LogMetrics:
         self._created = time.perf_counter(), _not_training()  # the first interval starts here
 
     def __call__(self, loop: Loop) -> None:
-        if self._report(loop):
-            loop.sums = loop.exp.empty_sums()
+        self._report(loop, restart=True)
 
     def end(self, loop: Loop) -> None:
-        """The steps since the last log; the sums stay (the final checkpoint keeps them for a resumed run)."""
-        self._report(loop)
+        """The steps since the last log. On the interval (a run whose length is a multiple of it) that is a
+        regular record, which a resumed run keeps: the sums start again, as after any log. Off it, a resumed run
+        drops the record, and the sums stay (the final checkpoint keeps them) to be counted in its next one."""
+        self._report(loop, restart=loop.step % self.every == 0)
 
-    def _report(self, loop: Loop) -> bool:
+    def _report(self, loop: Loop, restart: bool) -> None:
+        """Log the mean train metrics since the last log; with `restart`, the sums start again once the record is
+        in the loggers' hands, even when one of them fails with it (the step's rescue checkpoint then holds the
+        sums a resumed run, which keeps the record, counts from)."""
         host = jax.device_get(loop.sums)
         count = int(host["count"])
         if count == 0:
-            return False
+            return
         self.guard.check_loss(int(host["bad_step"]), loop.step)
         metrics = {k: float(v) / count for k, v in host["metrics"].items()}
         metrics["learning_rate"] = optim.learning_rate_at(loop.exp.schedule, loop.step - 1)
@@ -119,8 +123,11 @@ class LogMetrics:
                 metrics["tokens_per_s"] = rate * self.batch_size * self.tokens_per_example
         self._last = (loop.step, now, aside)
         metrics.update(_device_memory())
-        self.loggers.log(loop.step, "train", metrics)
-        return True
+        try:
+            self.loggers.log(loop.step, "train", metrics)
+        finally:
+            if restart:
+                loop.sums = loop.exp.empty_sums()
 
 
 def _not_training() -> float:

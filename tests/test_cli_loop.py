@@ -217,6 +217,26 @@ def test_log_hook_reports_means_learning_rate_gradient_norm_and_speed():
     assert int(run.sums["count"]) == 0  # sums restart after each log
 
 
+def test_the_log_hook_restarts_the_sums_when_a_logger_fails_with_the_record():
+    """A logger plug-in raising in log() stopped the run with the logged steps' sums still held: the step's rescue
+    checkpoint kept them, and the resumed run, which keeps the record at that step, counted those steps twice."""
+
+    class Failing(Recorder):
+        def log(self, step: int, split: str, metrics: dict) -> None:
+            super().log(step, split, metrics)
+            raise RuntimeError("the server went away")
+
+    exp = setup(tiny("train.steps=2"))
+    run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=2)
+    rows = exp.train.prepare(exp.train.read(exp.train.epoch_keys(0)[:32]))
+    run.state, run.sums, _ = steps.train_step(exp.moduledef, exp.tx, "nelbo", 0, run.state, run.sums, rows)
+    run.step = 1
+    failing = Failing()
+    with pytest.raises(RuntimeError, match="the server went away"):
+        hooks.LogMetrics(1, failing, hooks.Guard(None, Path("unused")), batch_size=32)(run)
+    assert [step for step, _, _ in failing.records] == [1] and int(run.sums["count"]) == 0
+
+
 def test_guard_names_the_step_and_the_last_good_checkpoint(tmp_path: Path):
     """The loss of step 3 is computed from the parameters of step 2: a checkpoint of step 2 is finite but gave it,
     and resuming from it failed again (it was named the last good one)."""
@@ -352,6 +372,10 @@ def test_a_resumed_run_logs_the_same_model_metrics_as_an_uninterrupted_one(tmp_p
     assert train.run(tiny(*common, "train.steps=15"), tmp_path / "parts") == 0  # stops between two logs
     assert train.run(tiny(*common, "train.steps=30"), tmp_path / "parts") == 0
     assert model_metrics(tmp_path / "parts") == model_metrics(tmp_path / "whole")
+    # a run made longer once it ended on a log: its record at 20 is kept, so the one at 30 counts 21-30 only
+    assert train.run(tiny(*common, "train.steps=20"), tmp_path / "longer") == 0
+    assert train.run(tiny(*common, "train.steps=30"), tmp_path / "longer") == 0
+    assert model_metrics(tmp_path / "longer") == model_metrics(tmp_path / "whole")
 
 
 def test_a_finished_run_has_nothing_to_do(tmp_path: Path):
