@@ -290,12 +290,9 @@ class JsonlLogger:
 
     def __init__(self, run: LoggerRun):
         self.path = run.workdir / "metrics.jsonl"
-        # the lines at the resumed step were written under the earlier config's intervals: a record on either is
-        # kept (by this run's alone, a resume with another train.log_every deleted the records of its step)
-        configs = [run.config, *([run.previous_config] if run.previous_config else [])]
         if self.path.exists():
             lines = self.path.read_text(errors="replace").splitlines()  # bytes not UTF-8: no JSON, dropped as torn
-            kept = [line for line in lines if any(_kept(line, run.start_step, _intervals(c)) for c in configs)]
+            kept = [line for line in lines if _kept(line, run)]
             partial = self.path.with_name(self.path.name + ".partial")
             partial.write_text("".join(line + "\n" for line in kept))
             partial.replace(self.path)
@@ -321,15 +318,24 @@ def _intervals(config: Mapping[str, Any]) -> dict[str, int]:
     return {split: n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1 for split, n in every.items()}
 
 
-def _kept(line: str, resume_step: int, intervals: Mapping[str, int]) -> bool:
+def _kept(line: str, run: LoggerRun) -> bool:
     try:
         record = json.loads(line)
         step, split = record["step"], record["split"]
     except (ValueError, KeyError, TypeError):
         return False  # a torn last line from a killed run
-    if step < resume_step:
+    if step < run.start_step:
         return True
-    return step == resume_step and step % intervals.get(split, 1) == 0
+    return step == run.start_step and _on_interval(run, split)
+
+
+def _on_interval(run: LoggerRun, split: str) -> bool:
+    """Whether a record of `split` at the resumed step is a regular one, kept: on its interval under this run's
+    config or the earlier one's (by this run's alone, a resume with another train.log_every deleted the records
+    of its step). Off both, it is the last record of a run stopped between two: the steps it covers are counted
+    again in the resumed run's next record."""
+    configs = [run.config, *([run.previous_config] if run.previous_config else [])]
+    return any(run.start_step % _intervals(c).get(split, 1) == 0 for c in configs)
 
 
 # --------------------------------------------------------------------------- console
@@ -418,7 +424,8 @@ class TensorBoardLogger:
     Scalars are tagged `train/<metric>` and `eval/<metric>`; a fresh run also
     writes its config as text. A fresh run (step 0) deletes the event files
     of an earlier one; a resumed run starts a new file that purges what the
-    interrupted run wrote past the restored step (TensorBoard's
+    interrupted run wrote past the restored step, and at it what
+    metrics.jsonl drops there (TensorBoard's
     `SessionLog.START`, through `SummaryWriter(purge_step=)`), so its curves
     continue with no step twice.
     """
@@ -429,17 +436,25 @@ class TensorBoardLogger:
     def __init__(self, run: LoggerRun):
         tensorboardx = _import("tensorboardX", "tensorboard")
         self.logdir = run.workdir / "tensorboard"
+        if self.logdir.exists() and not self.logdir.is_dir():
+            raise UserError(
+                f"{str(self.logdir)!r} should be a directory (the TensorBoard logger's); move it away or pass "
+                "another --workdir"
+            )
         self.logdir.mkdir(parents=True, exist_ok=True)
         earlier = sorted(self.logdir.glob("events.out.tfevents.*"))
         if run.start_step == 0:
             for path in earlier:
                 path.unlink()
             earlier = []
+        # What the interrupted run wrote past the resumed step goes, and at that step what metrics.jsonl drops
+        # too: the record of a run stopped between two logs, whose steps the resumed run's next record counts.
+        kept = any(_on_interval(run, split) for split in ("train", "eval", "harness"))
         # TensorBoard reads a run's files in name order; names hold the time in whole seconds, so a
         # sequence number keeps a file written in the same second as the previous one after it.
         self._writer = tensorboardx.SummaryWriter(
             str(self.logdir),
-            purge_step=run.start_step + 1 if run.start_step > 0 else None,
+            purge_step=(run.start_step + kept) if run.start_step > 0 else None,
             flush_secs=10,
             filename_suffix=f".{len(earlier):04d}",
         )

@@ -182,6 +182,30 @@ def test_tensorboard_resumed_run_continues_the_curves_without_repeated_or_rewoun
     assert dict(scalars["eval/nelbo"])[40] == pytest.approx(20 / 40)
 
 
+def test_tensorboard_resumed_where_a_run_stopped_between_two_logs_drops_that_record_as_metrics_jsonl_does(
+    tmp_path: Path,
+):
+    """Stopped at step 35, the run logged its steps since 30 there; the resumed run's record at 40 counts them
+    again, and metrics.jsonl drops the one at 35: TensorBoard kept it, a point of its own on the curve."""
+
+    def run(start: int) -> LoggerRun:
+        config = {"train": {"log_every": 10, "eval_every": 20}}
+        return LoggerRun(tmp_path, config, start, 50, "nelbo", Console(file=io.StringIO()))
+
+    _log_run(["jsonl", "tensorboard"], run(0), [10, 20, 30, 35])
+    _log_run(["jsonl", "tensorboard"], run(35), [40, 50], scale=10.0)
+    in_jsonl = [r["step"] for r in _records(tmp_path) if r["split"] == "train"]
+    assert [step for step, _ in _scalars(tmp_path / "tensorboard")["train/nelbo"]] == in_jsonl == [10, 20, 30, 40, 50]
+
+
+def test_tensorboard_where_its_directory_is_a_file_is_a_user_error(tmp_path: Path):
+    """A traceback (FileExistsError), exit 1."""
+    (tmp_path / "tensorboard").write_text("notes")
+    with pytest.raises(UserError, match=r"tensorboard' should be a directory \(the TensorBoard logger's\); move it"):
+        open_loggers(resolve_loggers(["tensorboard"]), _run(tmp_path))
+    assert (tmp_path / "tensorboard").read_text() == "notes"
+
+
 def test_tensorboard_fresh_run_replaces_the_event_files_of_an_earlier_one(tmp_path: Path):
     _log_run(["tensorboard"], _run(tmp_path), [10, 20, 30, 40])
     _log_run(["tensorboard"], _run(tmp_path, start=0), [10], scale=10.0)
