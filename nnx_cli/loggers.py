@@ -189,6 +189,13 @@ def open_loggers(factories: Mapping[str, LoggerFactory], run: LoggerRun) -> Logg
         for name, factory in factories.items():
             try:
                 logger = factory(run)
+            except SystemExit as e:  # the run ended with the plug-in's own code and no word
+                if not is_reference(name):
+                    raise
+                raise UserError(
+                    f"config key {_KEY!r}: {name!r} called sys.exit({e.code!r}) while opening; a logger raises "
+                    "to stop the run"
+                ) from None
             except Exception as e:
                 if not is_reference(name) or isinstance(e, UserError):
                     raise
@@ -263,6 +270,13 @@ def _plugin_call(name: str, method: str, step: int) -> Any:
     """A `package.module:attr` logger's exception as a one-line RunError naming it; shipped loggers' pass through."""
     try:
         yield
+    except SystemExit as e:  # the run ended with the plug-in's own code and no word
+        if not is_reference(name):
+            raise
+        raise RunError(
+            f"logger {name!r} (config key {_KEY!r}) called sys.exit({e.code!r}) in {method}() at step {step}; "
+            "training stopped, the checkpoints written so far are kept"
+        ) from None
     except Exception as e:
         if not is_reference(name) or isinstance(e, (UserError, RunError)):
             raise

@@ -481,6 +481,22 @@ def test_a_logger_that_raises_while_opening_is_a_user_error_naming_it_and_the_ot
     assert (plugin_dir / "run" / "recorded.jsonl").read_text() == "closed\n"
 
 
+def test_a_logger_calling_sys_exit_is_named_like_one_that_raises(plugin_dir: Path):
+    """The run ended with the plug-in's own exit code and no word."""
+    (plugin_dir / "nnx_test_exiting.py").write_text(
+        "import sys\n\n\nclass Exiting:\n    def __init__(self, run):\n        if run.start_step == 7:\n"
+        "            sys.exit(3)\n\n    def log(self, step, split, metrics):\n        sys.exit(4)\n\n"
+        "    def close(self):\n        pass\n"
+    )
+    factories = resolve_loggers(["nnx_test_exiting:Exiting"])
+    with pytest.raises(UserError, match=r"'nnx_test_exiting:Exiting' called sys.exit\(3\) while opening"):
+        open_loggers(factories, _run(plugin_dir / "run", start=7))
+    loggers = open_loggers(factories, _run(plugin_dir / "run"))
+    with pytest.raises(RunError, match=r"'nnx_test_exiting:Exiting' .* called sys.exit\(4\) in log\(\) at step 20; "):
+        loggers.log(20, "train", {"nelbo": 0.05})
+    loggers.close()
+
+
 def test_a_logger_whose_log_raises_stops_the_run_with_a_run_error_naming_it(plugin_dir: Path):
     (plugin_dir / "nnx_test_raising2.py").write_text(_RAISING)
     loggers = open_loggers(resolve_loggers(["jsonl", "nnx_test_raising2:Raising"]), _run(plugin_dir / "run"))
