@@ -83,6 +83,85 @@ def test_the_yaml_changes_one_setting_of_a_bnb_4bit_directorys_quantize_and_keep
     assert quantize["type"] == "nf4" and quantize["compute_dtype"] == "bfloat16" and quantize["block"] == 64
 
 
+def test_restating_a_bnb_4bit_directorys_type_keeps_its_other_settings():
+    """`{type: fp4}` on an fp4 checkpoint without double quantisation reset it to the default (double-quantised):
+    every weight was quantised again on load."""
+    quantize = experiment("qwen2_bnb4bit", "model.quantize.type=fp4").cfg.model.options["quantize"]
+    assert (quantize["type"], quantize["block"], quantize["double_quant"]) == ("fp4", 64, False)
+
+
+@pytest.mark.parametrize("setting", ["type=fp4", "block=32", "double_quant=false"])
+def test_another_4bit_format_for_a_bnb_4bit_directory_is_refused(setting):
+    """Its weights were dequantised and quantised again in that format on load, without a word."""
+    key = setting.split("=")[0]
+    with pytest.raises(
+        UserError, match=rf"config key 'model.quantize.{key}' is .* 4-bit weights are stored with {key}"
+    ):
+        experiment("llama_bnb4bit", f"model.quantize.{setting}")
+    assert experiment("llama_bnb4bit", "model.quantize.type=bfloat16").cfg.model.options["quantize"]["type"] == (
+        "bfloat16"
+    )  # read dequantised: nothing is lost
+
+
+def _requantized(directory: Path, keep: set[str], kind: str, block: int, double: bool) -> None:
+    """`directory`: `llama_bnb4bit_float` as transformers saves it in 4 bits (`kind`, `block`, `double`), with the
+    weights `keep` names left in 16 bits (its `llm_int8_skip_modules`)."""
+    from safetensors.numpy import load_file, save_file
+
+    from nnx_cli.hf import bnb
+
+    shutil.copytree(fixture("llama_bnb4bit_float"), directory)
+    floats = load_file(directory / "model.safetensors")
+    written: dict[str, np.ndarray] = {}
+    for name, value in floats.items():
+        if bnb.quantizes(name, value.shape) and name not in keep:
+            written.update(bnb.tensors(name, value.astype(np.float32), kind, block, double, "bfloat16"))
+        else:
+            written[name] = value
+    save_file(written, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    skipped = ["lm_head", *sorted({name.rsplit(".", 2)[0] for name in keep})]  # whole modules of one layer
+    config["quantization_config"] = {**bnb.config({"type": kind, "double_quant": double}, "float32"),
+                                     "llm_int8_skip_modules": skipped}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_a_projection_that_some_layer_stores_unquantised_is_read_unquantised_in_every_layer(tmp_path, capsys):
+    """`llm_int8_skip_modules` naming a module of one layer (`model.layers.0.self_attn`, as Unsloth's dynamic 4-bit
+    models do) was dropped, and the 16-bit weights it kept were quantised on load: logits off transformers'."""
+    from safetensors.numpy import load_file
+
+    keep = {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+    _requantized(tmp_path / "dynamic", keep, "nf4", 64, True)
+    exp = experiment(str(tmp_path / "dynamic"))
+    assert exp.cfg.model.options["quantize"]["skip"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert "stores k_proj, o_proj, q_proj, v_proj unquantised in some layers" in capsys.readouterr().err
+    params = exp.load_pretrained()
+    query = np.asarray(params["layers/scan_module/attention/query/kernel"].value, np.float32)
+    floats = load_file(fixture("llama_bnb4bit_float") / "model.safetensors")
+    np.testing.assert_array_equal(query[0].reshape(64, -1), floats["model.layers.0.self_attn.q_proj.weight"].T)
+    theirs = experiment(str(tmp_path / "dynamic"), "model.quantize.skip=[q, k, v, o, down]").load_pretrained()
+    np.testing.assert_array_equal(query[1], np.asarray(theirs["layers/scan_module/attention/query/kernel"].value)[1])
+    assert isinstance(params["layers/scan_module/mlp/proj/kernel/codes"], nnx.QuantizedParam)  # the rest: 4 bits
+
+
+def test_a_bnb_4bit_directory_in_blocks_of_32_is_read_in_them_as_stored(tmp_path):
+    """Its block size was taken to be 64 (config.json does not say it): every weight was dequantised and
+    quantised again on load, a little off what was stored."""
+    from safetensors.numpy import load_file
+
+    _requantized(tmp_path / "blocks32", set(), "fp4", 32, False)
+    exp = experiment(str(tmp_path / "blocks32"))
+    quantize = exp.cfg.model.options["quantize"]
+    assert (quantize["type"], quantize["block"], quantize["double_quant"]) == ("fp4", 32, False)
+    tensors = load_file(tmp_path / "blocks32" / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    expected = q.from_bitsandbytes(tensors[name], tensors[name + ".absmax"], [64, 128])
+    params = exp.load_pretrained()
+    for part, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(params[f"layers/scan_module/mlp/proj/kernel/{part}"].value)[1], value)
+
+
 def test_a_16bit_model_quantised_here_is_bit_for_bit_what_transformers_saved_with_bitsandbytes():
     ours = experiment("llama_bnb4bit_float", "model.quantize={type: nf4, compute_dtype: float32}").load_pretrained()
     theirs = experiment("llama_bnb4bit").load_pretrained()
@@ -176,6 +255,7 @@ CHAT = [{"role": "user", "content": "Who keeps the bridge?"}, {"role": "assistan
     [
         ("{type: int4}", "config key 'model.quantize.type' must be one of nf4, fp4, bfloat16"),
         ("{type: nf4, block: 48}", "config key 'model.quantize.block' must be one of 32, 64"),
+        ("{type: nf4, block: 64.0}", "config key 'model.quantize.block' must be one of 32, 64"),
         ("{type: nf4, block: 128}", "the q projection's input size (64) is not a multiple of model.quantize.block"),
         ("{type: nf4, skip: [lm_head]}", "config key 'model.quantize.skip': 'lm_head' is not a projection"),
         ("{type: nf4, blocks: 64}", "config key 'model.quantize' has unknown keys blocks"),
@@ -187,8 +267,9 @@ CHAT = [{"role": "user", "content": "Who keeps the bridge?"}, {"role": "assistan
     ],
 )
 def test_quantize_mistakes_name_the_key(tmp_path, quantize, message):
+    cfg = qlora_config(tmp_path, f"model.quantize={quantize}", "model.lora={rank: 4}", pretrained="llama_bnb4bit_float")
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        setup(qlora_config(tmp_path, f"model.quantize={quantize}", "model.lora={rank: 4}"), data=None)
+        setup(cfg, data=None)
 
 
 def test_a_block_is_checked_against_the_projections_a_mixture_has(tmp_path):

@@ -188,6 +188,14 @@ def open_pretrained(source: str) -> Pretrained:
     if quantize is not None:  # a bitsandbytes checkpoint: a quantised base unless the YAML says otherwise
         options["quantize"] = quantize
     weights = Weights.open(directory)
+    if quantize is not None and weights.bnb is not None:
+        options["quantize"], kept = bnb.as_stored(quantize, weights.bnb, weights.files, str(directory / "config.json"))
+        if kept:
+            notice(
+                ("unquantised projections", str(directory)),
+                f"note: {directory} stores {', '.join(kept)} unquantised in some layers (llm_int8_skip_modules): "
+                "they are read unquantised in every layer, the 4-bit ones dequantised exactly",
+            )
     if options.get("tie_embeddings") and _head_of_its_own(weights, family, options):
         options["tie_embeddings"] = False
         notice(
@@ -197,6 +205,32 @@ def open_pretrained(source: str) -> Pretrained:
         )
     maps = weights.check(family, options)
     return Pretrained(source, directory, family, options, weights, maps)
+
+
+def _stored_quantize(stored: dict[str, Any], given: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """A 4-bit checkpoint's `model.quantize` (`stored`) with the YAML's settings (`given`) over it: one setting
+    changes, the others stay (`{type: nf4}` reset the checkpoint's double quantisation to the default), and the
+    projections it stores unquantised stay so. A UserError for another 4-bit type, block size or double
+    quantisation: every weight was dequantised and quantised again on load, without a word."""
+    from nnx_cli.models.transformer.options import quantize_options
+
+    merged = {**stored, **given}
+    if isinstance(given.get("skip"), list):
+        merged["skip"] = [*stored.get("skip", []), *(s for s in given["skip"] if s not in stored.get("skip", []))]
+    try:
+        quantize_options(merged)
+    except ValueError:
+        return merged  # a mistake in a setting: the model's options check names it
+    if merged.get("type") in ("nf4", "fp4"):
+        for key in ("type", "block", "double_quant"):
+            if merged.get(key) != stored.get(key):
+                raise UserError(
+                    f"config key 'model.quantize.{key}' is {merged.get(key)!r}, but {directory}'s 4-bit weights are "
+                    f"stored with {key} {stored.get(key)!r}, and are read as stored, not quantised again: drop "
+                    "model.quantize." + key + " (the YAML may change compute_dtype and skip, or read them dequantised "
+                    "with type bfloat16 or quantize: null)"
+                )
+    return merged
 
 
 def _head_of_its_own(weights: Weights, family: families.Family, options: dict[str, Any]) -> bool:
@@ -242,8 +276,8 @@ def apply_pretrained(cfg: Any) -> Pretrained | None:
     for key, value in pretrained.options.items():
         if key in _FREE:
             given = cfg.model.options.get(key)
-            if key == "quantize" and isinstance(given, dict) and isinstance(value, dict) and "type" not in given:
-                cfg.model.options[key] = {**value, **given}  # `quantize: {compute_dtype: ...}` changes one setting
+            if key == "quantize" and isinstance(given, dict) and isinstance(value, dict):
+                cfg.model.options[key] = _stored_quantize(value, given, pretrained.directory)
             else:
                 cfg.model.options.setdefault(key, value)
             continue

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,8 +39,8 @@ _COMPUTE = {"float32": "float32", "bfloat16": "bfloat16", "torch.float32": "floa
 
 def quantize_option(config: Mapping[str, Any], path: str) -> dict[str, Any] | None:
     """The `model.quantize` a `config.json` implies: None without a `quantization_config`; for a bitsandbytes
-    4-bit one `{type, block: 64, double_quant, compute_dtype, skip}`; a UserError naming the key for 8-bit
-    weights or another quantisation method."""
+    4-bit one `{type, block: 64, double_quant, compute_dtype, skip}` (:func:`as_stored` then fits it to the
+    weights' quant states); a UserError naming the key for 8-bit weights or another quantisation method."""
     settings = config.get("quantization_config")
     if settings is None:
         return None
@@ -70,6 +70,46 @@ def quantize_option(config: Mapping[str, Any], path: str) -> dict[str, Any] | No
 
         option["skip"] = [name for name in skip if name in _TARGET_ALIASES]
     return option
+
+
+_HF_PROJECTIONS = {  # the Hugging Face names of the projections model.quantize stores in 4 bits
+    **{f"{short}_proj": f"{short}_proj" for short in ("q", "k", "v", "o", "gate", "up", "down")},
+    **{name: name for name in ("qkv_proj", "gate_up_proj", "c_attn", "c_fc", "attn.c_proj", "mlp.c_proj")},
+    **{name: name for name in ("w1", "w2", "w3")},  # Mixtral's experts
+}
+_HF_EXPERTS = {"gate_proj": "expert_gate", "up_proj": "expert_up", "down_proj": "expert_down"}  # inside `experts`
+
+
+def as_stored(option: dict[str, Any], tensors: Tensors, names: Iterable[str], where: str) -> tuple[dict, list[str]]:
+    """`option` (:func:`quantize_option`'s) made to read the weights as they are stored, and the projections it
+    adds to `skip`. The type, block size and double quantisation come from the weights' own quant states (as
+    `transformers` reads each weight; `quantization_config` does not name a block size). A projection that some
+    layer stores unquantised is kept unquantised in every layer (the 4-bit ones dequantised exactly, as
+    bitsandbytes multiplies them): `llm_int8_skip_modules` may name whole modules of single layers
+    (`model.layers.0.self_attn`, as Unsloth's dynamic 4-bit models do), whose weights were quantised on load."""
+    kinds = sorted({(state.type, state.block, state.double) for state in tensors.states.values()})
+    if not kinds:
+        return option, []
+    if len(kinds) > 1:
+        ways = "; ".join(f"{kind} in blocks of {block}{', double-quantised' * double}" for kind, block, double in kinds)
+        raise UserError(f"{where}: its 4-bit weights are quantised in several ways ({ways}); nnx reads one")
+    (kind, block, double) = kinds[0]
+    option = {**option, "type": kind, "block": block, "double_quant": double}
+    skip = list(option.get("skip", []))
+    added: list[str] = []
+    for name in names:
+        if not name.endswith(".weight") or name in tensors.states:
+            continue
+        module = name.removesuffix(".weight").split(".")
+        alias = _HF_PROJECTIONS.get(".".join(module[-2:])) or _HF_PROJECTIONS.get(module[-1])
+        if alias is not None and "experts" in module:
+            alias = _HF_EXPERTS.get(alias, alias)
+        if alias is not None and alias not in skip:
+            skip.append(alias)
+            added.append(alias)
+    if skip:
+        option["skip"] = skip
+    return option, added
 
 
 class State:

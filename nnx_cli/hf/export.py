@@ -225,10 +225,10 @@ def check(exp: Any, out: Path, *, adapter: bool, dtype: str | None) -> Any:
 
 
 def _check_blocks(options: Mapping[str, Any], dtype: str) -> None:
-    """A 4-bit directory is read back as `model.quantize` in the blocks :func:`.bnb.quantize_option` gives it (64
+    """A 4-bit directory is read back as `model.quantize` in the blocks it is written in (the run's, else 64
     values), which must divide each projection's input size (as :func:`.models.transformer.architecture` checks):
     a UserError naming the first that it does not."""
-    block = bnb.quantize_option({"quantization_config": bnb.config({"type": dtype}, "bfloat16")}, "")["block"]
+    block = {"block": 64, **(options.get("quantize") or {})}["block"]
     embed, mlp_dim, moe = options["embed_dim"], options["mlp_dim"], options.get("moe")
     inputs = {"q": embed, "k": embed, "v": embed, "o": options["num_heads"] * options["head_dim"], "gate": embed,
               "up": embed, "down": mlp_dim}  # fmt: skip

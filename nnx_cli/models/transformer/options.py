@@ -172,7 +172,7 @@ def quantize_options(value: Mapping[str, Any] | None) -> Quantize | None:
     if kind not in QUANTIZE_TYPES:
         raise ValueError(f"model.quantize.type must be one of {', '.join(QUANTIZE_TYPES)}; got {kind!r}")
     block = value.get("block", 64)
-    if block not in QUANTIZE_BLOCKS or isinstance(block, bool):
+    if block not in QUANTIZE_BLOCKS or not isinstance(block, int) or isinstance(block, bool):  # 64.0 failed later
         raise ValueError(
             f"model.quantize.block must be one of {', '.join(map(str, QUANTIZE_BLOCKS))} (values per block scale); "
             f"got {block!r}"
