@@ -266,6 +266,15 @@ def test_the_file_of_a_directory_that_is_not_utf8_is_the_one_named(tmp_path):
         load_text_splits(config(tmp_path, source), seed=0)
 
 
+def test_a_json_lines_file_that_is_not_utf8_is_named_as_a_text_file_is(tmp_path):
+    """pyarrow's JSON reader took the bytes without a word: reading the rows ended in a UnicodeDecodeError traceback."""
+    good = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(20)).encode()
+    (tmp_path / "latin1.jsonl").write_bytes(good + b'{"text": "caf\xe9"}\n')
+    offset = len(good) + len(b'{"text": "caf')
+    with pytest.raises(UserError, match=rf"latin1.jsonl' is not UTF-8 text \(byte 0xe9 at offset {offset}, line 21\)"):
+        load_text_splits(config(tmp_path, tmp_path / "latin1.jsonl"), seed=0)
+
+
 def test_a_broken_file_says_what_datasets_found_wrong_inside_its_generation_error(tmp_path):
     (tmp_path / "docs.csv").write_text('text\n"a\n')
     with pytest.raises(UserError, match=r"cannot load dataset .*docs.csv.*: \w+Error: "):

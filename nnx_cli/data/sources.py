@@ -167,8 +167,22 @@ def open_dataset(source: str) -> Any:
         ) from None
     except Exception as e:  # datasets raises many types for bad inputs; all are the user's data
         raise _load_error(source, path, e) from None
+    _check_json_decodes(source, path)
     _cache[source] = (signature, ds)
     return ds
+
+
+def _check_json_decodes(source: str, path: Path) -> None:
+    """A UserError when a local JSON file of `source` is not UTF-8: pyarrow's JSON reader loads its bytes without
+    a word, and reading its rows later ended in a UnicodeDecodeError traceback (CSV and text fail at the load)."""
+    if not path.exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        return
+    json_files = [path] if path.is_file() else [f for f in path.rglob("*.json*") if f.is_file()]
+    if not any(_suffix(f) in (".json", ".jsonl") for f in json_files):
+        return
+    found = _first_undecodable(path)
+    if found is not None:
+        raise UserError(_not_utf8(source, path, None))
 
 
 @contextlib.contextmanager
@@ -362,7 +376,7 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
-def _not_utf8(source: str, path: Path, error: UnicodeDecodeError) -> str:
+def _not_utf8(source: str, path: Path, error: UnicodeDecodeError | None) -> str:
     found = _first_undecodable(path) if path.exists() else None
     if found is None:  # a Hub dataset, or a file that decodes after all: say what `datasets` said
         return (
