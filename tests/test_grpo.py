@@ -372,12 +372,31 @@ def test_a_reward_function_gets_prompts_completions_and_columns_by_name_and_none
             lambda prompts, completions, **_: [1.0, 1e300],
             r"'m\.bad' returned 1e\+300 for completion 1 at step 7; a reward must be a finite number within",
         ),
+        (  # an int past any float: an OverflowError traceback
+            lambda prompts, completions, **_: [1.0, 10**400],
+            r"'m\.bad' returned 100000000000\.\.\. \(401 digits\) for completion 1 at step 7; a reward must be a",
+        ),
     ],
-    ids=["raises", "exits", "too-few", "not-a-list", "not-a-number", "nan", "beyond-float32"],
+    ids=["raises", "exits", "too-few", "not-a-list", "not-a-number", "nan", "beyond-float32", "beyond-any-float"],
 )
 def test_a_reward_function_that_raises_or_returns_the_wrong_values_is_named_with_the_step(fn, message):
     with pytest.raises(UserError, match=message):
         rewards.score([rewards.Reward("bad", "m.bad", fn)], ["p", "p"], ["a", "b"], {}, "at step 7")
+
+
+@pytest.mark.parametrize("column", [5, None])
+def test_a_built_in_rewards_column_that_is_no_name_is_refused_naming_the_key(column):
+    """It failed at the first step, once the model had loaded, blaming the reward ('int' object is not iterable)."""
+    with pytest.raises(UserError, match=r"config key 'objective.rewards\[0\].column' must be the name of a column"):
+        rewards.load([{"name": "exact_match", "column": column}])
+
+
+@pytest.mark.parametrize("column", ["completions", "prompts"])
+def test_prompt_rows_with_a_column_named_as_what_rewards_are_given_are_refused(column):
+    """Every reward failed at the first step: got multiple values for keyword argument 'completions'."""
+    loaded = rewards.load([{"name": "regex", "pattern": "a"}])
+    with pytest.raises(UserError, match=rf"the prompt rows of 'p.jsonl' have a column '{column}', the name of what"):
+        rewards.check_columns(loaded, ["level", column], "p.jsonl")
 
 
 def test_reward_names_are_imported_from_the_current_directory(tmp_path, monkeypatch):

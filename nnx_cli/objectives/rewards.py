@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -237,6 +238,10 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
         except TypeError as e:
             raise UserError(f"config key {where!r}: built-in reward {name}: {e}") from None
         column = options.get("column", parameters["column"].default) if "column" in parameters else None
+        if "column" in parameters and not isinstance(column, str):  # it failed at the first step, named the reward
+            raise UserError(
+                f"config key '{where}.column' must be the name of a column of the prompt rows, got {column!r}"
+            )
         return Reward(label or name, name, fn, reads=(column,) if isinstance(column, str) else ())
     if options:
         raise UserError(
@@ -272,6 +277,12 @@ def check_columns(rewards: Sequence[Reward], columns: Sequence[str], source: str
     had loaded)."""
     passed = ["prompts", "completions", *columns]
     listed = ", ".join(columns) or "none besides the prompt"
+    clash = [name for name in columns if name in ("prompts", "completions")]
+    if clash:  # every reward failed at the first step: "got multiple values for keyword argument"
+        raise UserError(
+            f"the prompt rows of {source!r} have a column {clash[0]!r}, the name of what every reward function is "
+            "given besides the columns; rename that column"
+        )
     for index, reward in enumerate(rewards):
         where = f"{_KEY}[{index}]"
         for name in reward.reads:
@@ -344,11 +355,15 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
                     f"reward function {reward.source!r} returned {value!r} ({type(value).__name__}) for completion "
                     f"{i} {when}; it must return a number (or None) per completion"
                 )
-            number = float(value)
+            try:
+                number, shown = float(value), None
+            except OverflowError:  # an int (or Fraction) past any float: an OverflowError traceback
+                number, shown = math.inf, f"{str(value)[:12]}... ({len(str(value))} digits)"
             if not abs(number) <= FLOAT32_MAX:  # NaN is not None: a 0 / 0 would silently leave every completion
                 raise UserError(  # unscored; and beyond float32's range a reward became inf in the advantages
-                    f"reward function {reward.source!r} returned {number} for completion {i} {when}; a reward must be "
-                    "a finite number within float32's range (about 3.4e38), or None to leave that completion unscored"
+                    f"reward function {reward.source!r} returned {shown or number} for completion {i} {when}; a reward "
+                    "must be a finite number within float32's range (about 3.4e38), or None to leave that completion "
+                    "unscored"
                 )
             out[i, j] = number
     return out
@@ -357,6 +372,8 @@ def score(rewards: Sequence[Reward], prompts: list[Any], completions: list[str],
 def _is_number(value: Any) -> bool:
     try:
         float(value)
+    except OverflowError:  # an int (or Fraction) past any float: a number, out of range
+        return True
     except (TypeError, ValueError):
         return False
     return np.ndim(value) == 0
