@@ -91,6 +91,27 @@ def records(workdir: Path, split: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
+def test_resuming_at_a_step_that_num_iterations_does_not_divide_is_exit_2_and_changes_nothing(run, project):
+    """It ended in a traceback (a GRPO dispatch is 5 steps from a multiple of 5; got 1 from step 24), exit 1."""
+    import shutil
+
+    shutil.copytree(run, project / "iterations")
+
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in (project / "iterations").iterdir() if p.is_file() and p.name != ".lock"}
+
+    before = files()
+    result = cli("nnx-train", "grpo.yaml", "--workdir", "iterations", "objective.num_iterations=5", "train.steps=30",
+                 "train.log_every=5", "train.eval_every=15", "checkpoint.every_steps=15", cwd=project)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: this run resumes at step 24, which objective.num_iterations (5) does not divide: each batch of "
+        "completions trains 5 steps from a multiple of 5; resume with the num_iterations its steps so far had, or one "
+        "that divides the step"
+    )
+    assert files() == before
+
+
 def test_lora_adapters_learn_an_easy_reward_from_the_users_module_and_log_the_grpo_metrics(run):
     train, evals = records(run, "train"), records(run, "eval")
     assert set(train[0]["metrics"]) >= {"loss", "clip_ratio", "reward", "reward_std", "reward/vowels",

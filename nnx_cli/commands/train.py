@@ -325,6 +325,9 @@ def _open(exp: Any, workdir: Path, resume: bool, lock: IO | None, console: Any) 
 
     if found is not None:
         start, (state, sums) = found.step, found.value
+        check_start = getattr(exp.objective, "check_start", None)  # before the config is written: nothing changes
+        if check_start is not None:
+            check_start(start)
         state = exp.with_reference(exp.with_frozen(state), say)
         say(f"resumed from {ckpt_dir / str(start)}")
     else:

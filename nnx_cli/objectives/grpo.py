@@ -256,6 +256,17 @@ class GRPO:
                         f"batch of completions trains {n} steps, and logs, evals and checkpoints fall between batches"
                     )
 
+    def check_start(self, step: int) -> None:
+        """A run resumed at `step` trains each batch of completions `num_iterations` steps from a multiple of it: a
+        step it does not divide (a checkpoint made under another num_iterations) ended in a traceback."""
+        n = self.options.num_iterations
+        if step % n:
+            raise UserError(
+                f"this run resumes at step {step}, which objective.num_iterations ({n}) does not divide: each batch of "
+                f"completions trains {n} steps from a multiple of {n}; resume with the num_iterations its steps so "
+                "far had, or one that divides the step"
+            )
+
     def check_split(self, cfg: Config, split: Any) -> None:
         """Whether the reward functions can be called with the prompt rows' columns (`rewards.check_columns`)."""
         columns = [name for name in split.rows.column_names if name != split.prompt_key]
