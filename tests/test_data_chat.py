@@ -379,8 +379,10 @@ def sharegpt_roles(rows: list[dict]) -> list[dict]:
          r"token to measure: .* or set data.eval_split: null"),
         ([{"prompt": "word " * 40, "completion": "yes"}] * 3, {"format": "completion", "seq_len": 31},
          r"none of its \d+ examples has a completion token"),
+        (chats(4), {"max_len": 8}, r"training split 'train' has no target token to learn from: .* within "
+         r"data.max_len \(8\) tokens: .*; raise data.max_len or fix the data"),  # it named data.seq_len (255)
     ],
-    ids=["sharegpt-roles", "answers-cut", "eval-answers-cut", "completions-cut"],
+    ids=["sharegpt-roles", "answers-cut", "eval-answers-cut", "completions-cut", "max-len-cut"],
 )  # fmt: skip
 def test_a_split_with_no_target_token_is_an_error_not_a_loss_of_zero(tmp_path, rows, options, message):
     source = write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -388,6 +390,17 @@ def test_a_split_with_no_target_token_is_an_error_not_a_loss_of_zero(tmp_path, r
     options = {k: v for k, v in options.items() if k != "train_split"}
     with pytest.raises(UserError, match=message):
         examples.load_example_splits(config(tmp_path, source, **options), 0, splits, str(fixture("qwen2")))
+
+
+def test_a_source_of_one_example_held_out_for_evals_names_the_hold_out(tmp_path):
+    """The only way out it named was a longer data.seq_len."""
+    source = write_jsonl(tmp_path / "one.jsonl", chats(1))
+    with pytest.raises(
+        UserError,
+        match=r"one.jsonl' has 1 example, all held out as 'test' \(it has no split of that "
+        r"name\); add examples, or set data.eval_split: null",
+    ):
+        load(config(tmp_path, source, eval_split="test"))
 
 
 def test_a_column_the_source_lacks_is_named_with_the_columns_it_has(tmp_path):

@@ -465,14 +465,16 @@ def load_example_splits(
         if want_eval:
             evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None, f"{cfg.eval_split!r}")
     if train is not None and not len(train["tokens"]):
-        cut = (
-            f"data.max_len above {cfg.max_len}"
-            if sequence_limit(cfg) == cfg.max_len
-            else f"data.seq_len above {cfg.seq_len}"
-        )
+        if cfg.eval_split is not None and source.holds_out(cfg.eval_split) and cut == 0:  # it named data.seq_len
+            raise UserError(
+                f"the training split has no examples: {cfg.source!r} has {len(rows)} example"
+                f"{'s' * (len(rows) != 1)}, all held out as {cfg.eval_split!r} (it has no split of that name); add "
+                "examples, or set data.eval_split: null to train on them without evals"
+            )
+        key, limit = _limit(cfg)
         raise UserError(
             "the training split has no examples: its source split is empty, or every example was left out (the "
-            f"notices above say why; a {cut} keeps longer ones)"
+            f"notices above say why; a {key} above {limit} keeps longer ones)"
         )
     if train is not None:
         _check_targets(cfg, train, f"the training split {cfg.train_split!r}", "to learn from", "")
@@ -492,15 +494,22 @@ def _check_targets(cfg: DataConfig, arrays: dict[str, np.ndarray], split: str, p
     if np.any(arrays["targets"][:, 1:]):
         return
     rows = int(arrays["segments"].max(axis=1, initial=0).sum())  # examples: packed rows number theirs from 1
+    key, limit = _limit(cfg)
     if cfg.format == PREFERENCE:
         why = "every pair was left out (the notices above say why)" if rows == 0 else "no pair has a response token"
     elif cfg.format == CHAT:
-        why = (f"none of its {rows:,} conversations has an assistant turn within data.seq_len ({cfg.seq_len}) "
-               "tokens: the loss is on messages whose role is 'assistant' "
+        why = (f"none of its {rows:,} conversations has an assistant turn within {key} ({limit}) tokens: the "
+               "loss is on messages whose role is 'assistant' "
                "(rename roles like 'gpt' or 'model')")  # fmt: skip
     else:
-        why = f"none of its {rows:,} examples has a completion token within data.seq_len ({cfg.seq_len}) tokens"
-    raise UserError(f"{split} has no target token {purpose}: {why}; raise data.seq_len or fix the data{way_out}")
+        why = f"none of its {rows:,} examples has a completion token within {key} ({limit}) tokens"
+    raise UserError(f"{split} has no target token {purpose}: {why}; raise {key} or fix the data{way_out}")
+
+
+def _limit(cfg: DataConfig) -> tuple[str, int]:
+    """The key that bounds an example's tokens, and its value: data.max_len when it is below a row (it was blamed
+    on data.seq_len, which raising did not help)."""
+    return ("data.max_len", cfg.max_len) if sequence_limit(cfg) == cfg.max_len else ("data.seq_len", cfg.seq_len)
 
 
 def _columns(cfg: DataConfig) -> list[str]:
