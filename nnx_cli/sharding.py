@@ -272,9 +272,9 @@ class BatchLayout:
 
 
 def batch_layout(
-    mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size"
+    mesh: Mesh, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size", said: str | None = None
 ) -> BatchLayout:
-    """The layout of batches of `batch_size` rows (config key `key`).
+    """The layout of batches of `batch_size` rows (config key `key`, or rows `said` says how they are made).
 
     Rows are split along the mesh axes of the logical `batch` axis.
     """
@@ -282,8 +282,8 @@ def batch_layout(
     ways = _ways(mesh, spec[0])
     if batch_size % ways:
         raise UserError(
-            f"config key {key!r} ({batch_size}) must be divisible by the {ways} ways the batch is split on the mesh "
-            f"{dict(mesh.shape)}"
+            f"{said or f'config key {key!r} ({batch_size})'} must be divisible by the {ways} ways the batch is split "
+            f"on the mesh {dict(mesh.shape)}"
         )
     sharding = NamedSharding(mesh, spec)
     return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))

@@ -154,6 +154,17 @@ def test_evals_sample_the_same_completions_on_eight_devices_as_on_one(run, proje
     assert json.loads(result.stdout)["metrics"] == pytest.approx(records(run, "eval")[-1]["metrics"], rel=1e-5)
 
 
+def test_a_batch_of_completions_the_mesh_does_not_divide_names_the_key_with_its_own_value(run, project):
+    """It said 'train.eval_batch_size' (12), the completions of the 3 prompts it was set to."""
+    result = cli("nnx-eval", "run", "sharding.mesh={data: 8, model: 1}", "train.eval_batch_size=3", cwd=project,
+                 devices=8)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config key 'train.eval_batch_size' (3) x objective.num_generations (4) = 12 completions must be "
+        "divisible by the 8 ways the batch is split on the mesh {'data': 8, 'model': 1}"
+    )
+
+
 def test_a_grpo_run_exports_merged_and_as_an_adapter_like_any_run(run, project):
     for form, flags in (("merged", []), ("adapter", ["--adapter"])):
         result = cli("nnx-export", "run", "--out", f"export-{form}", *flags, cwd=project)

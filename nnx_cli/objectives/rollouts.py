@@ -149,13 +149,10 @@ class Rollouts:
         """The layout of a batch of `prompts` prompts' completions on the run's mesh (config key `key`)."""
         from nnx_cli import sharding
 
-        rows = prompts * self.options.num_generations
-        try:
-            return sharding.batch_layout(self.exp.mesh, self.exp.rules, rows, key)
-        except UserError as e:
-            raise UserError(
-                f"{e} (x objective.num_generations {self.options.num_generations} = {rows} completions)"
-            ) from None
+        n = self.options.num_generations
+        rows = prompts * n
+        said = f"config key {key!r} ({prompts}) x objective.num_generations ({n}) = {rows} completions"
+        return sharding.batch_layout(self.exp.mesh, self.exp.rules, rows, key, said)  # it named the key with {rows}
 
     def check_context(self, prompt_width: int, what: str) -> None:
         """Prompts `prompt_width` tokens wide and their completions fit the model's positions (learned ones end);
