@@ -275,6 +275,25 @@ def test_a_json_lines_file_that_is_not_utf8_is_named_as_a_text_file_is(tmp_path)
         load_text_splits(config(tmp_path, tmp_path / "latin1.jsonl"), seed=0)
 
 
+def test_a_directory_of_several_configs_names_them_and_how_to_read_one(tmp_path):
+    """Only the first line of datasets' error was said (Config name is missing.), not the configs it lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    layout = ["---", "configs:"]
+    for name in ("easy", "hard"):
+        (tmp_path / "multi" / name).mkdir(parents=True)
+        pq.write_table(
+            pa.table({"text": [f"{name} {i}" for i in range(4)]}), tmp_path / "multi" / name / "train.parquet"
+        )
+        layout += [f"- config_name: {name}", "  data_files:", "  - split: train", f"    path: {name}/train.parquet"]
+    (tmp_path / "multi" / "README.md").write_text("\n".join([*layout, "---", ""]))
+    with pytest.raises(UserError, match=r"multi' holds several configs \('easy', 'hard'\), and nnx reads one: set"):
+        load_text_splits(config(tmp_path, tmp_path / "multi"), seed=0)
+    splits = load_text_splits(config(tmp_path, tmp_path / "multi" / "hard"), seed=0)  # the way it names
+    assert splits.train is not None
+
+
 def test_a_broken_file_says_what_datasets_found_wrong_inside_its_generation_error(tmp_path):
     (tmp_path / "docs.csv").write_text('text\n"a\n')
     with pytest.raises(UserError, match=r"cannot load dataset .*docs.csv.*: \w+Error: "):

@@ -24,6 +24,7 @@ import contextlib
 import glob
 import logging
 import os
+import re
 import shlex
 import sys
 import threading
@@ -314,6 +315,14 @@ def _load_error(source: str, path: Path, error: Exception) -> UserError:
             f"config key 'data.source': the split{'s' if len(empty) > 1 else ''} {', '.join(map(repr, empty))} of "
             f"{source!r} hold{'' if len(empty) > 1 else 's'} no rows, and `datasets` cannot load a saved split "
             "without any: save it without that split, or give it rows"
+        )
+    configs = (
+        re.search(r"available configs: \[([^\]]*)\]", str(cause)) if "Config name is missing" in str(cause) else None
+    )
+    if configs is not None:  # the list was on a line after the first, which alone was said
+        return UserError(
+            f"config key 'data.source': {source!r} holds several configs ({configs.group(1)}), and nnx reads one: "
+            "set data.source to the files of one of them (for a local directory, its folder or files)"
         )
     if path.is_file() and FILE_BUILDERS.get(_suffix(path)) == "json":  # Arrow's row counts start at its blocks
         bad = _first_line_not_json(path)
