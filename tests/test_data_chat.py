@@ -392,6 +392,17 @@ def test_a_split_with_no_target_token_is_an_error_not_a_loss_of_zero(tmp_path, r
         examples.load_example_splits(config(tmp_path, source, **options), 0, splits, str(fixture("qwen2")))
 
 
+def test_a_csv_completion_column_of_numbers_says_it_was_read_as_numbers(tmp_path):
+    """The message blamed the data, which was a valid CSV: datasets reads a column of numbers as int64."""
+    (tmp_path / "answers.csv").write_text("prompt,completion\nTwo and two?,4\nThree and three?,6\n")
+    with pytest.raises(
+        UserError,
+        match=r"must be text, the completion not empty \('completion' read as numbers: a "
+        r"column of numbers in a CSV file is; write the rows as JSON Lines",
+    ):
+        load(config(tmp_path, tmp_path / "answers.csv", format="completion"))
+
+
 def test_a_source_of_one_example_held_out_for_evals_names_the_hold_out(tmp_path):
     """The only way out it named was a longer data.seq_len."""
     source = write_jsonl(tmp_path / "one.jsonl", chats(1))

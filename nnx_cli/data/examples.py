@@ -193,8 +193,16 @@ def encode_example(cfg: DataConfig, tokenizer: Any, template: str | None, exampl
         else:
             prompt, completion = example[cfg.prompt_key], example[cfg.completion_key]
             if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+                numbers = [k for k, v in ((cfg.prompt_key, prompt), (cfg.completion_key, completion))
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)]  # fmt: skip
+                read = (  # a CSV column of numbers is read as numbers: the file cannot say they are text
+                    f" ({' and '.join(map(repr, numbers))} read as numbers: a column of numbers in a CSV file is; "
+                    "write the rows as JSON Lines with the numbers quoted as strings)"
+                    if numbers
+                    else ""
+                )
                 raise ValueError(
-                    f"{cfg.prompt_key!r} and {cfg.completion_key!r} must be text, the completion not empty"
+                    f"{cfg.prompt_key!r} and {cfg.completion_key!r} must be text, the completion not empty{read}"
                 )
             ids, targets = encode_completion(tokenizer, prompt, completion)
     except (chat.TemplateFailed, ValueError) as e:
