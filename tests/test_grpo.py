@@ -419,7 +419,10 @@ def test_reward_names_are_imported_from_the_current_directory(tmp_path, monkeypa
         ),
         (["exact_mach"], r"unknown reward 'exact_mach' \(did you mean 'exact_match'\?\); built in: exact_match"),
         ([{"name": "regex"}], r"objective.rewards\[0\]': built-in reward regex: .*pattern"),
-        ([{"name": "regex", "pattern": "("}], r"regex pattern '\(' does not compile"),
+        (
+            ["exact_match", {"name": "regex", "pattern": "("}],
+            r"config key 'objective.rewards\[1\]': built-in reward regex: regex pattern '\(' does not compile",
+        ),  # it named 'objective.rewards' alone
         (["exact_match", {"name": "exact_match", "column": "b"}], r"two rewards are logged as reward/exact_match"),
         ([{"name": "exact_match", "colum": "b"}], r"unknown config key 'objective.rewards\[0\].colum'"),
     ],

@@ -75,7 +75,7 @@ def regex(pattern: str) -> Callable[..., list[float | None]]:
     try:
         compiled = re.compile(pattern)
     except re.error as e:
-        raise UserError(f"config key {_KEY!r}: regex pattern {pattern!r} does not compile: {e}") from None
+        raise ValueError(f"regex pattern {pattern!r} does not compile: {e}") from None  # named with its entry
 
     def score(prompts: list, completions: list, **columns: Any) -> list[float | None]:
         return [float(compiled.search(_text(c)) is not None) for c in completions]
@@ -235,7 +235,7 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
                 )
         try:
             fn = factory(**options)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise UserError(f"config key {where!r}: built-in reward {name}: {e}") from None
         column = options.get("column", parameters["column"].default) if "column" in parameters else None
         if "column" in parameters and not isinstance(column, str):  # it failed at the first step, named the reward
