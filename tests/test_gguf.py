@@ -424,6 +424,48 @@ def test_a_file_without_the_models_shape_names_its_gguf_key(tmp_path, monkeypatc
     assert not list((tmp_path / "cache" / "nnx" / "gguf").iterdir())
 
 
+def _written_without(monkeypatch, path, key: str, source: str = "llama") -> None:
+    """`source` exported to `path` without GGUF key `key` (as an incomplete converter writes it)."""
+    import gguf
+
+    add = gguf.GGUFWriter.add_key_value
+
+    def add_key_value(writer: gguf.GGUFWriter, name: str, *args: object, **kwargs: object) -> None:
+        if name != key.replace("{arch}", writer.arch):
+            add(writer, name, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", add_key_value)
+    export.write(export.from_model_dir(fixture(source)), path, "f32")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", add)
+
+
+@pytest.mark.parametrize(
+    "key, said",
+    [
+        # read as characters alone, without a word: other tokens than the file's own
+        ("tokenizer.ggml.merges", r"GGUF key tokenizer.ggml.merges is missing; a gpt2 \(BPE\) vocabulary needs"),
+        # it said "tokenizer.ggml.model is 'gpt2'; nnx reads gpt2 (BPE) and llama"
+        ("tokenizer.ggml.tokens", r"GGUF key tokenizer.ggml.tokens is missing \(or empty\); the file holds no whole"),
+        # it named a config.json in the cache, of as many key-value heads as query heads
+        ("{arch}.attention.head_count_kv", r"GGUF key llama.attention.head_count_kv is missing, and its key "
+         r"projections hold 2 heads, not the 4 of the queries"),
+    ],
+    ids=["no-merges", "no-tokens", "no-kv-heads"],
+)  # fmt: skip
+def test_a_file_without_what_its_model_needs_names_the_gguf_key(tmp_path, monkeypatch, key, said):
+    _written_without(monkeypatch, tmp_path / "odd.gguf", key)
+    with pytest.raises(UserError, match=rf"odd\.gguf: {said}"):
+        read.model_dir(tmp_path / "odd.gguf")
+
+
+def test_a_file_without_the_mlp_width_reads_it_from_the_mlp_tensors(tmp_path, monkeypatch):
+    """Optional in llama.cpp: its absence failed naming a config.json in the cache (intermediate_size None)."""
+    _written_without(monkeypatch, tmp_path / "m.gguf", "{arch}.feed_forward_length")
+    directory = read.model_dir(tmp_path / "m.gguf")
+    expected = json.loads((fixture("llama") / "config.json").read_text())["intermediate_size"]
+    assert json.loads((directory / "config.json").read_text())["intermediate_size"] == expected
+
+
 # Refusals
 # ------------------------------------------------------------------------------------------------------------------
 

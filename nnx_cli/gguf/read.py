@@ -249,10 +249,21 @@ def _config(path: Path, architecture: str, name: str, fields: Mapping[str, Any],
             "tie_word_embeddings": tied, "scale_attn_weights": True, **ids,
         }  # fmt: skip
     head_dim = key("attention.key_length") or embed // heads
+    keys = tensors.get("blk.0.attn_k.weight")
+    if fields.get(f"{name}.attention.head_count_kv") is None and keys is not None and keys.shape[1] != kv * head_dim:
+        raise UserError(  # it failed later, naming the cache file a config.json of as many as the queries went into
+            f"{path}: GGUF key {name}.attention.head_count_kv is missing, and its key projections hold "
+            f"{int(keys.shape[1]) // head_dim} heads, not the {heads} of the queries it then means (the file was not "
+            "written by a complete converter)"
+        )
+    feed_forward = key("feed_forward_length")
+    if feed_forward is None:  # optional in llama.cpp: the width of the MLP's tensors
+        up = tensors.get("blk.0.ffn_up.weight", tensors.get("blk.0.ffn_up_exps.weight"))
+        feed_forward = int(up.shape[1]) if up is not None else None
     config: dict[str, Any] = {
         "architectures": [architecture], "hidden_size": embed, "num_hidden_layers": key("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "intermediate_size": key("feed_forward_length"), "max_position_embeddings": key("context_length"),
+        "intermediate_size": feed_forward, "max_position_embeddings": key("context_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6), "vocab_size": vocab,
         "rope_theta": key("rope.freq_base", 10000.0), "tie_word_embeddings": tied, "hidden_act": "silu", **ids,
     }  # fmt: skip
@@ -342,7 +353,10 @@ def _tokenizer(path: Path, directory: Path, fields: Mapping[str, Any], config: d
     model = fields.get("tokenizer.ggml.model")
     tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
     types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [NORMAL_TYPE] * len(tokens))
-    if model not in ("gpt2", "llama") or not tokens:
+    if model is None or not tokens:  # one message said the model it had was the one it could not read
+        missing = "tokenizer.ggml.model" if model is None else "tokenizer.ggml.tokens"
+        raise UserError(f"{path}: GGUF key {missing} is missing (or empty); the file holds no whole vocabulary")
+    if model not in ("gpt2", "llama"):
         raise UserError(f"{path}: tokenizer.ggml.model is {model!r}; nnx reads gpt2 (BPE) and llama (SentencePiece)")
     add_bos = fields.get("tokenizer.ggml.add_bos_token", model == "llama")
     bos = _at(tokens, fields.get("tokenizer.ggml.bos_token_id"))
@@ -405,6 +419,11 @@ def _bpe_json(path: Path, fields: Mapping[str, Any], tokens: list[str], types: l
     pre = fields.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in _PRE:
         raise UserError(f"{path}: tokenizer.ggml.pre is {pre!r}; nnx rebuilds {', '.join(_PRE)}")
+    if fields.get("tokenizer.ggml.merges") is None:  # read as characters alone, without a word: other tokens
+        raise UserError(
+            f"{path}: GGUF key tokenizer.ggml.merges is missing; a gpt2 (BPE) vocabulary needs its merges (llama.cpp "
+            "loads none without them)"
+        )
     vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind != UNUSED}
     # a merge whose parts or result are not tokens can make none (nnx writes one where there are no merges:
     # vocab.NO_MERGE), and `tokenizers` refuses it (some versions panic)
