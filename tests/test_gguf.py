@@ -458,6 +458,15 @@ def test_a_file_without_what_its_model_needs_names_the_gguf_key(tmp_path, monkey
         read.model_dir(tmp_path / "odd.gguf")
 
 
+def test_step_or_best_with_a_gguf_file_calls_it_a_gguf_file(tmp_path):
+    """It was called a model directory."""
+    export.write(export.from_model_dir(fixture("llama")), tmp_path / "m.gguf", "f32")
+    result = cli("nnx-generate", tmp_path / "m.gguf", "--step", "3", "--prompt", "hi", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().endswith(f"--step and --best pick a checkpoint of a run; '{tmp_path / 'm.gguf'}' is a "
+                                          "GGUF file")  # fmt: skip
+
+
 def test_a_file_without_the_mlp_width_reads_it_from_the_mlp_tensors(tmp_path, monkeypatch):
     """Optional in llama.cpp: its absence failed naming a config.json in the cache (intermediate_size None)."""
     _written_without(monkeypatch, tmp_path / "m.gguf", "{arch}.feed_forward_length")

@@ -110,8 +110,7 @@ def evaluate(
     if given or batch_size != 32:
         raise UserError(f"{', '.join(given) or '--batch-size'} goes with --tasks: name the harness tasks to run")
     if hf.is_model_dir(target):
-        if step is not None or best:
-            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
+        hf.check_no_step(target, step, best)
         runtime.configure()
         exp = setup(_model_dir_config(target, overrides or []), data="eval")
         step, state, what = None, exp.init_state(), str(exp.pretrained.directory)

@@ -150,8 +150,7 @@ def _gguf(target: Path, out: Path, *, step: int | None, best: bool, adapter: boo
     if ollama:
         modelfile.check_out(out, overwrite)
     if hf.is_model_dir(target):
-        if step is not None or best:
-            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
+        hf.check_no_step(target, step, best)
         source = gguf_export.from_model_dir(target)
         written = gguf_export.write(source, out, dtype, overwrite=overwrite)
         origin = str(source.files)

@@ -85,8 +85,7 @@ def generate(
         raise UserError("--system adds a system turn to a chat: pass --chat too")
     runtime.configure()
     if hf.is_model_dir(target):
-        if step is not None or best:
-            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
+        hf.check_no_step(target, step, best)
         restored_step, decoder, tokenizer = load_model_dir(target, overrides or [])
     else:
         run = open_run(target, overrides or [], step, best=best)

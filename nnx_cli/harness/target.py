@@ -18,8 +18,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nnx_cli.errors import UserError
-
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's when a config.json names no context length
 _CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")  # where lm-eval's hf model looks, in order
 
@@ -51,8 +49,7 @@ def load_target(
     say = say or (lambda message: None)
     runtime.configure()
     if hf.is_model_dir(target):
-        if step is not None or best:
-            raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is a model directory")
+        hf.check_no_step(target, step, best)
         return _model_dir(str(target), overrides)
     return _run(target, overrides, step, best, say)
 

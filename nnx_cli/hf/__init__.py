@@ -28,12 +28,13 @@ from nnx_cli.data import tokenizers
 from nnx_cli.data.sources import notice
 from nnx_cli.errors import UserError
 from nnx_cli.hf import bnb, families
-from nnx_cli.hf.hub import is_model_dir, resolve, resolve_target
+from nnx_cli.hf.hub import check_no_step, is_model_dir, resolve, resolve_target
 from nnx_cli.hf.weights import Weights
 
 __all__ = [
     "Pretrained",
     "apply_pretrained",
+    "check_no_step",
     "is_model_dir",
     "model_dir_config",
     "open_pretrained",

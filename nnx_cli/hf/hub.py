@@ -33,6 +33,15 @@ def looks_local(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~", ".\\")) or source.count("/") != 1 or Path(source).exists()
 
 
+def check_no_step(target: str | Path, step: int | None, best: bool) -> None:
+    """A UserError for `--step` or `--best` with a model directory, Hub id or GGUF file as TARGET (what
+    :func:`is_model_dir` takes): they pick a checkpoint of a run."""
+    if step is not None or best:
+        path = Path(target).expanduser()
+        kind = "a GGUF file" if path.is_file() else "a model directory" if path.is_dir() else "a Hub model id"
+        raise UserError(f"--step and --best pick a checkpoint of a run; {str(target)!r} is {kind}")
+
+
 def is_model_dir(target: str | Path) -> bool:
     """Whether `target` is a Hugging Face model directory (it has a `config.json` and no `checkpoints/`), a Hub
     id, or a GGUF file (which stands for one): what `nnx-inspect`, `nnx-generate` and `nnx-eval` take instead of a
