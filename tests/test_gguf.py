@@ -394,6 +394,13 @@ def test_a_truncated_or_foreign_file_is_a_user_error(tmp_path):
     assert not list((tmp_path / "cache" / "nnx" / "gguf").iterdir())  # nothing half-built left
 
 
+def test_one_file_reached_by_two_paths_is_converted_once(tmp_path):
+    """`m.gguf`, then `../m.gguf` from a folder below: two conversions in the cache."""
+    export.write(export.from_model_dir(fixture("llama")), tmp_path / "m.gguf", "f32")
+    (tmp_path / "below").mkdir()
+    assert read.model_dir(tmp_path / "m.gguf") == read.model_dir(tmp_path / "below" / ".." / "m.gguf")
+
+
 def test_a_cache_that_cannot_be_created_is_one_line_naming_the_setting(tmp_path, monkeypatch):
     """XDG_CACHE_HOME a file ended in a NotADirectoryError traceback."""
     export.write(export.from_model_dir(fixture("llama")), tmp_path / "m.gguf", "f32")

@@ -64,7 +64,8 @@ def model_dir(path: str | Path) -> Path:
 
     path = Path(path).expanduser().absolute()
     stat = path.stat()
-    key = xxhash.xxh3_64(f"{_VERSION}\n{path}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()
+    where = path.resolve()  # one file by two paths (`../m.gguf` from a folder below) is converted once
+    key = xxhash.xxh3_64(f"{_VERSION}\n{where}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_root() / f"{path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
