@@ -214,3 +214,33 @@ def test_an_id_beside_work_dirs_is_a_mistyped_path_and_beside_downloaded_models_
     assert is_model_dir("meta-llama/Llama-3.2-3B")  # not here: the Hub's
     assert is_model_dir("meta-llama/Llama-3.2-1B")  # here: the directory
     assert is_model_dir("nobody/anything") and not is_model_dir("configs/run.yaml")
+
+
+class _Drawn:
+    """A generation whose tokens are given: what `nnx-generate`'s streaming reads (`samples`, one step a token)."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.samples = tokens, [[]]
+
+    def __iter__(self):
+        for token in self.tokens:
+            self.samples[0].append(token)
+            yield [token]
+
+
+@pytest.mark.parametrize("family", ["llama2", "qwen2", "gemma2"])
+def test_the_text_streamed_to_a_terminal_is_the_text_printed_to_a_pipe(family, capsys):
+    """Characters split over tokens: each U+FFFD printed while one was incomplete stayed on the terminal, and the
+    text after it was cut at the wrong place (`car ��` then `漢`...); with SentencePiece the continuation lost the
+    space after the prompt (`The rivercar`)."""
+    from nnx_cli.commands import generate
+    from nnx_cli.data.tokenizers import load_tokenizer
+    from nnx_cli.lm import encode_prompt
+
+    tokenizer = load_tokenizer("pretrained", str(fixture(family)))
+    prompt = encode_prompt(tokenizer, "The river", False, None, None)
+    sample = encode_prompt(tokenizer, "The river car 漢字é", False, None, None)[len(prompt) :]
+    assert any("\ufffd" in tokenizer.decode(sample[:i]) for i in range(len(sample)))  # it does split characters
+    generate._stream(_Drawn(sample), "The river", lambda tokens: generate._after(tokenizer, prompt, tokens))
+    assert capsys.readouterr().out == "The river car 漢字é\n"
+    assert "The river" + generate._after(tokenizer, prompt, sample) == "The river car 漢字é"

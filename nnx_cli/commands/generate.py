@@ -18,6 +18,7 @@ sample's generated ids, the token that ended it included (as `transformers`'
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -98,7 +99,7 @@ def generate(
     try:
         drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
         if stream:
-            _stream(drawn, shown, tokenizer)
+            _stream(drawn, shown, functools.partial(_after, tokenizer, [] if chat else prompt_ids))
         drawn.finish()
     except Exception as e:
         if not is_out_of_memory(e):
@@ -123,8 +124,22 @@ def generate(
             "truncated": any(drawn.truncated), "stop_reasons": drawn.stop_reasons, "tokens_per_s": round(speed, 1),
         }))  # fmt: skip
     elif not stream:
-        for i, text in enumerate(texts):
+        for i, sample in enumerate(drawn.samples):
+            text = _after(tokenizer, [] if chat else prompt_ids, sample)
             print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + text, flush=True)
+
+
+def _after(tokenizer: Any, prompt_ids: list[int], sample: list[int]) -> str:
+    """The text `sample` adds after the prompt `prompt_ids`: decoded with the prompt and cut after its text, so that
+    a tokenizer that drops a first piece's space (SentencePiece's Metaspace) keeps the one between them (decoded
+    alone, "The river" + "car" printed "The rivercar"); alone for bytes, or where the prompt's text is not the
+    start of the whole's."""
+    from nnx_cli.decoding import text_of
+
+    if not prompt_ids or hasattr(tokenizer, "to_bytes"):
+        return text_of(tokenizer, sample)
+    head, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + sample)
+    return whole[len(head) :] if whole.startswith(head) else text_of(tokenizer, sample)
 
 
 class _Timed:
@@ -163,23 +178,19 @@ class _Timed:
         return getattr(self.drawn, name)
 
 
-def _stream(drawn: Any, prompt: str, tokenizer: Any) -> None:
-    """Print the prompt, then each token of the first sample as it is drawn."""
-    from nnx_cli import decoding
-
+def _stream(drawn: Any, prompt: str, after: Any) -> None:
+    """Print the prompt, then the first sample's text (`after(tokens)`) as its tokens are drawn. A character whose
+    bytes are not all drawn yet decodes as U+FFFD and is held back until they are: printed at once, it stayed
+    on the terminal when the next token completed it, and the text printed after it was cut at the wrong place."""
     print(prompt, end="", flush=True)
-    if hasattr(tokenizer, "to_bytes"):
-        text = decoding.Utf8Decoder()
-        for tokens in drawn:
-            print(text.decode(tokens[:1]), end="", flush=True)
-        print(text.flush(), flush=True)
-        return
     shown = ""
     for _ in drawn:
-        current = tokenizer.decode(drawn.samples[0])
-        print(current[len(shown) :], end="", flush=True)
-        shown = current
-    print(flush=True)
+        current = after(drawn.samples[0]).rstrip("\ufffd")
+        if current.startswith(shown):
+            print(current[len(shown) :], end="", flush=True)
+            shown = current
+    whole = after(drawn.samples[0])  # the bytes left incomplete at the end show as U+FFFD, as in --json
+    print(whole[len(shown) :] if whole.startswith(shown) else "", flush=True)
 
 
 def main() -> None:
