@@ -88,19 +88,24 @@ def make_mesh(cfg: ShardingConfig) -> Mesh:
 def preview_problem(abstract: Any, cfg: ShardingConfig, rules: list[tuple[str, Any]]) -> str | None:
     """Why `nnx-train` would refuse to split `abstract` over `sharding.mesh` (an entry a mesh axis does not
     divide, a rule for an axis the model lacks), or None. The mesh may be for another machine: its sizes are
-    taken as written, a `-1` as the rest of this machine's devices (no check when they do not fit)."""
+    taken as written, a `-1` as the rest of this machine's devices; where they do not fit, it says the split was
+    not checked (it said nothing, which read as a split that is fine)."""
     sizes = dict(cfg.mesh)
     if -1 in sizes.values():
         try:
             sizes = mesh_shape(cfg, jax.device_count())
         except UserError:
-            return None
+            return (
+                f"the split was not checked: sharding.mesh {dict(cfg.mesh)} takes the rest of the devices with -1, "
+                f"and this machine's {jax.device_count()} do not fill its other axes; give every axis its size to "
+                "preview another machine's mesh"
+            )
     if any(size < 1 for size in sizes.values()):
         return None
     try:
         state_shardings(abstract, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)), rules)
     except UserError as e:
-        return str(e)
+        return f"nnx-train would refuse this sharding: {e}"
     return None
 
 

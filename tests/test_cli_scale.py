@@ -176,6 +176,10 @@ def test_inspect_previews_a_mesh_of_another_machine_and_warns_of_a_split_trainin
     assert json.loads(result.stdout)["total_params"] > 0
     assert "warning: nnx-train would refuse this sharding: params/" in result.stderr
     assert "not divisible by 2" in result.stderr and "map 'hidden' to null in sharding.rules" in result.stderr
+    # -1 beside an axis this machine's one device cannot fill: nothing was said, as for a split that is fine
+    unknown = cli("nnx-inspect", CONFIG, "sharding.mesh.model=5", "--json", cwd=project)
+    assert unknown.returncode == 0, unknown.stderr
+    assert "warning: the split was not checked: sharding.mesh {'data': -1, 'model': 5} takes the rest" in unknown.stderr
 
 
 # --------------------------------------------------------------------------- several processes

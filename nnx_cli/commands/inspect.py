@@ -82,7 +82,7 @@ def inspect_state(
 
     problem = sharding.preview_problem(exp.abstract, cfg.sharding, exp.rules)
     if problem:  # the table still shows the split asked for; the mesh may be another machine's
-        stderr_console().print(f"warning: nnx-train would refuse this sharding: {problem}", highlight=False)
+        stderr_console().print(f"warning: {problem}", highlight=False)
     entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules, _storage(exp))
     if filter_type is not None:
         types = sorted({e["type"] for e in entries})
