@@ -248,8 +248,9 @@ def test_generate_out_of_memory_names_its_own_knobs_not_trainings(reference: Pat
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: out of device memory (could not allocate "), message
-    assert f"the key-value cache holds up to {samples} x (3 prompt + 4 new) positions" in message, message
-    assert "--max-tokens or --num-samples, or shorten the prompt" in message and "train.batch_size" not in message
+    # learned positions: the cache holds the whole context (it said 3 prompt + 4 new, and to ask for fewer)
+    assert f"the key-value cache holds up to {samples} x the model's whole context (64) positions" in message, message
+    assert message.endswith("ask for fewer with --num-samples") and "train.batch_size" not in message
 
 
 def test_samples_out_of_memory_at_an_eval_name_the_sample_knobs_and_keep_the_step(project: Path):

@@ -104,9 +104,16 @@ def generate(
     except Exception as e:
         if not is_out_of_memory(e):
             raise
+        learned = decoder.context_limit is not None  # learned positions end: the cache holds the whole context
+        positions = (
+            f"the model's whole context ({decoder.context_limit})"
+            if learned
+            else (f"({len(prompt_ids)} prompt + {max_tokens} new)")
+        )
+        fewer = "--num-samples" if learned else "--max-tokens or --num-samples, or shorten the prompt"
         raise RunError(out_of_memory_message(e, (
-            f"the key-value cache holds up to {num_samples} x ({len(prompt_ids)} prompt + {max_tokens} new) positions "
-            "in every layer: ask for fewer with --max-tokens or --num-samples, or shorten the prompt"
+            f"the key-value cache holds up to {num_samples} x {positions} positions in every layer: ask for fewer "
+            f"with {fewer}"
         ))) from None  # fmt: skip
     cut = sum(drawn.truncated)
     if cut and not as_json:  # --json says it in "truncated" and "stop_reasons"
