@@ -416,8 +416,11 @@ def test_a_source_of_one_example_held_out_for_evals_names_the_hold_out(tmp_path)
 
 def test_a_column_the_source_lacks_is_named_with_the_columns_it_has(tmp_path):
     source = write_jsonl(tmp_path / "pairs.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(UserError, match=r"no column 'prompt'; columns: question, answer"):
+    with pytest.raises(UserError, match=r"^config key 'data.prompt_key': .* no column 'prompt'; columns: question, "):
         load(config(tmp_path, source, format="completion"))
+    # the key of the column missing: it said 'data.prompt_key/completion_key', a key no config has
+    with pytest.raises(UserError, match=r"^config key 'data.completion_key': .* no column 'completion'; columns: q"):
+        load(config(tmp_path, source, format="completion", prompt_key="question"))
 
 
 def test_chat_without_any_template_is_a_user_error(tmp_path):

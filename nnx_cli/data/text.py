@@ -355,7 +355,13 @@ class _Source:
             if self.cfg.format == "prompt":  # every column goes to the reward functions
                 return ds
             if missing:
-                option = "messages_key" if self.cfg.format == "chat" else "prompt_key/completion_key"
+                option = (  # the key of the column missing, not both ("data.prompt_key/completion_key")
+                    "messages_key"
+                    if self.cfg.format == "chat"
+                    else "prompt_key"
+                    if missing[0] == self.cfg.prompt_key
+                    else "completion_key"
+                )
                 raise UserError(
                     f"config key 'data.{option}': dataset {self.cfg.source!r} has no column {missing[0]!r}"
                     f"{did_you_mean(missing[0], ds.column_names)}; columns: {', '.join(ds.column_names)}"
