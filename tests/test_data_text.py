@@ -275,6 +275,14 @@ def test_a_json_lines_file_that_is_not_utf8_is_named_as_a_text_file_is(tmp_path)
         load_text_splits(config(tmp_path, tmp_path / "latin1.jsonl"), seed=0)
 
 
+@pytest.mark.parametrize("name, content", [("header.csv", "text\n"), ("empty.json", "[]\n")])
+def test_a_file_of_no_rows_says_so(tmp_path, name, content):
+    """It said: cannot load dataset ...: ValueError: Instruction "train" corresponds to no data!"""
+    (tmp_path / name).write_text(content)
+    with pytest.raises(UserError, match=rf"^config key 'data.source': '.*{name}' holds no rows to read$"):
+        load_text_splits(config(tmp_path, tmp_path / name), seed=0)
+
+
 def test_a_directory_of_several_configs_names_them_and_how_to_read_one(tmp_path):
     """Only the first line of datasets' error was said (Config name is missing.), not the configs it lists."""
     import pyarrow as pa

@@ -319,6 +319,8 @@ def _load_error(source: str, path: Path, error: Exception) -> UserError:
     configs = (
         re.search(r"available configs: \[([^\]]*)\]", str(cause)) if "Config name is missing" in str(cause) else None
     )
+    if "corresponds to no data" in str(cause):  # a CSV of its header alone, a JSON file holding []
+        return UserError(f"config key 'data.source': {source!r} holds no rows to read")
     if configs is not None:  # the list was on a line after the first, which alone was said
         return UserError(
             f"config key 'data.source': {source!r} holds several configs ({configs.group(1)}), and nnx reads one: "
