@@ -275,6 +275,17 @@ def test_a_json_lines_file_that_is_not_utf8_is_named_as_a_text_file_is(tmp_path)
         load_text_splits(config(tmp_path, tmp_path / "latin1.jsonl"), seed=0)
 
 
+def test_a_text_column_of_mixed_types_says_so(tmp_path):
+    """It said the column holds Json(decode=True), datasets' type for it."""
+    (tmp_path / "mixed.jsonl").write_text('{"text": "a story"}\n{"text": 5}\n')
+    with pytest.raises(
+        UserError,
+        match=r"holds values of several types \(strings and others\), not text; name a column "
+        r"of strings in every row$",
+    ):
+        load_text_splits(config(tmp_path, tmp_path / "mixed.jsonl"), seed=0)
+
+
 @pytest.mark.parametrize("name, content", [("header.csv", "text\n"), ("empty.json", "[]\n")])
 def test_a_file_of_no_rows_says_so(tmp_path, name, content):
     """It said: cannot load dataset ...: ValueError: Instruction "train" corresponds to no data!"""

@@ -376,9 +376,11 @@ class _Source:
             )
         feature = ds.features[text_key]
         if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            mixed = type(feature).__name__ == "Json"  # datasets' type for a JSON column of values of several types
+            held = "values of several types (strings and others)" if mixed else str(feature)
             raise UserError(
-                f"config key 'data.text_key': column {text_key!r} of {self.cfg.source!r} holds {feature}, not text; "
-                "name a column of strings"
+                f"config key 'data.text_key': column {text_key!r} of {self.cfg.source!r} holds {held}, not text; "
+                f"name a column of strings{' in every row' if mixed else ''}"
             )
         return ds.select_columns([text_key])
 
