@@ -275,7 +275,17 @@ def _tokenizer_record(name: str) -> dict[str, str] | None:
 def _check_tokenizer(name: str, trained: dict[str, str] | None, workdir: Path) -> None:
     """A UserError when `data.tokenizer` now tokenizes otherwise than the run's did: evaluating or generating
     with another vocabulary gave numbers and text of no meaning, with exit 0."""
-    now = _tokenizer_record(name) if trained is not None else None
+    if trained is None:
+        return
+    now = _tokenizer_record(name)
+    if now is None and name != trained["name"] and not Path(name).expanduser().is_file():
+        # a model directory's or Hub id's tokenizer for a run of bytes or a tokenizer.json: it decoded the ids as
+        # its own, with exit 0 (a tokenizer.json that cannot be read is said where it is read)
+        raise UserError(
+            f"config key 'data.tokenizer': {name!r} is not the tokenizer the run in {str(workdir)!r} trained with "
+            f"({trained['name']!r}): its ids mean other text to the model; drop the override, or give the run's "
+            "tokenizer"
+        )
     if now is None or now["version"] == trained["version"]:
         return
     raise UserError(

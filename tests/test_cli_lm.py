@@ -346,6 +346,10 @@ def test_a_run_read_with_another_tokenizer_than_it_trained_with_is_refused(refer
         result = cli(command, "ref", f"data.tokenizer={other}", *more, cwd=project)
         assert_user_error(result, f"config key 'data.tokenizer': '{other}' is not the tokenizer the run in 'ref' "
                           "trained with ('bytes', version utf8-1; this one is ")  # fmt: skip
+    # a model directory's tokenizer: it generated with exit 0, decoding the byte ids as its own
+    result = cli("nnx-generate", "ref", f"data.tokenizer={fixture('llama')}", "--prompt", "the king", cwd=project)
+    assert_user_error(result, f"config key 'data.tokenizer': '{fixture('llama')}' is not the tokenizer the run in "
+                      "'ref' trained with ('bytes'): its ids mean other text to the model")  # fmt: skip
 
 
 def test_a_7b_parameter_model_inspects_in_seconds_without_parameter_memory(project: Path):
