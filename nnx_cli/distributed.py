@@ -288,8 +288,8 @@ class Signals:
             exit_now(signum, "again: stopped without a checkpoint of the steps since the last one")
         self.signal = signum
         # Said at once: the dispatch under way (many steps, or a compile) can take seconds to finish.
-        print(f"{name}: stopping after the steps under way to write a checkpoint ({name} again stops at once, "
-              "without one)", file=sys.stderr, flush=True)  # fmt: skip
+        say_at_signal(f"{name}: stopping after the steps under way to write a checkpoint ({name} again stops at "
+                      "once, without one)")  # fmt: skip
 
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self._previous.items():
@@ -333,10 +333,22 @@ def exit_now(signum: int, why: str = "") -> None:
     follows the signal's name in the message."""
     from nnx_cli import watchdog
 
-    sys.stdout.flush()
+    with contextlib.suppress(Exception):  # the signal may have come inside a write of stdout itself
+        sys.stdout.flush()
     for undo in reversed(_AT_SIGNAL_EXIT):
         with contextlib.suppress(Exception):  # nothing may stop the exit
             undo()
-    print(f"interrupted by {signal.Signals(signum).name}{' ' + why if why else ''}", file=sys.stderr, flush=True)
+    say_at_signal(f"interrupted by {signal.Signals(signum).name}{' ' + why if why else ''}")
     watchdog.fail(f"interrupted by {signal.Signals(signum).name}", EXIT_INTERRUPTED, probe=False)
     os._exit(EXIT_INTERRUPTED)
+
+
+def say_at_signal(line: str) -> None:
+    """Write `line` to stderr from a signal handler: through its file descriptor, after what its buffer holds. The
+    handler runs between two bytecodes of the main thread, which may be inside a write or flush of sys.stderr
+    itself: a print there raised `RuntimeError: reentrant call inside <_io.BufferedWriter name=2>`, a traceback
+    and exit 1 in place of the exit 130 and the earlier run put back."""
+    with contextlib.suppress(Exception):  # the interrupted write goes on once the handler returns, if it does
+        sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode("utf-8", "replace"))

@@ -459,3 +459,28 @@ def test_a_ctrl_c_during_the_imports_ends_the_process_after_them_with_one_line_a
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (130, "imported\n", "interrupted\n")
+
+
+class _StderrMidWrite:
+    """sys.stderr while the main thread is inside one of its writes: a second write from a signal handler raises,
+    as Python's buffered writer does."""
+
+    def write(self, text: str) -> int:
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name=2>")
+
+    flush = write
+
+
+def test_a_signal_that_comes_inside_a_write_of_stderr_still_says_what_it_does(capfd, monkeypatch):
+    """A Ctrl-C during a line of nnx-train's set-up ended in `RuntimeError: reentrant call` (a traceback, exit 1:
+    with --no-resume, the earlier run not put back); in the loop it would have lost the stop it asked for."""
+    from nnx_cli import distributed
+
+    signals = distributed.Signals()
+    signals.in_loop = True
+    monkeypatch.setattr(sys, "stderr", _StderrMidWrite())
+    signals._handle(signal.SIGINT, None)
+    assert signals.signal == signal.SIGINT
+    assert capfd.readouterr().err == (
+        "SIGINT: stopping after the steps under way to write a checkpoint (SIGINT again stops at once, without one)\n"
+    )
