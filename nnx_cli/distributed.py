@@ -347,7 +347,7 @@ def say_at_signal(line: str) -> None:
     """Write `line` to stderr from a signal handler: through its file descriptor, after what its buffer holds. The
     handler runs between two bytecodes of the main thread, which may be inside a write or flush of sys.stderr
     itself: a print there raised `RuntimeError: reentrant call inside <_io.BufferedWriter name=2>`, a traceback
-    and exit 1 in place of the exit 130 and the earlier run put back."""
+    and exit 1 in place of exit 130."""
     with contextlib.suppress(Exception):  # the interrupted write goes on once the handler returns, if it does
         sys.stderr.flush()
     with contextlib.suppress(OSError):
