@@ -241,6 +241,6 @@ def test_the_text_streamed_to_a_terminal_is_the_text_printed_to_a_pipe(family, c
     prompt = encode_prompt(tokenizer, "The river", False, None, None)
     sample = encode_prompt(tokenizer, "The river car 漢字é", False, None, None)[len(prompt) :]
     assert any("\ufffd" in tokenizer.decode(sample[:i]) for i in range(len(sample)))  # it does split characters
-    generate._stream(_Drawn(sample), "The river", lambda tokens: generate._after(tokenizer, prompt, tokens))
+    generate._stream(_Drawn(sample), "The river", generate._continuation(tokenizer, prompt))
     assert capsys.readouterr().out == "The river car 漢字é\n"
-    assert "The river" + generate._after(tokenizer, prompt, sample) == "The river car 漢字é"
+    assert "The river" + generate._continuation(tokenizer, prompt)(sample) == "The river car 漢字é"

@@ -22,6 +22,7 @@ import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,12 @@ def generate(
     prompt_ids = encode_prompt(tokenizer, prompt, chat, system, template)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     shown = "" if chat else prompt  # a chat shows the reply alone, not the template around the prompt
+    after = _continuation(tokenizer, [] if chat else prompt_ids)
     stream = sys.stdout.isatty() and not as_json and num_samples == 1
     try:
         drawn = _Timed(decoder.generate([prompt_ids] * num_samples, **stops(tokenizer, chat), **options))
         if stream:
-            _stream(drawn, shown, functools.partial(_after, tokenizer, [] if chat else prompt_ids))
+            _stream(drawn, shown, after)
         drawn.finish()
     except Exception as e:
         if not is_out_of_memory(e):
@@ -132,21 +134,25 @@ def generate(
         }))  # fmt: skip
     elif not stream:
         for i, sample in enumerate(drawn.samples):
-            text = _after(tokenizer, [] if chat else prompt_ids, sample)
-            print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + text, flush=True)
+            print(("" if num_samples == 1 else f"--- sample {i}\n") + shown + after(sample), flush=True)
 
 
-def _after(tokenizer: Any, prompt_ids: list[int], sample: list[int]) -> str:
-    """The text `sample` adds after the prompt `prompt_ids`: decoded with the prompt and cut after its text, so that
-    a tokenizer that drops a first piece's space (SentencePiece's Metaspace) keeps the one between them (decoded
-    alone, "The river" + "car" printed "The rivercar"); alone for bytes, or where the prompt's text is not the
-    start of the whole's."""
+def _continuation(tokenizer: Any, prompt_ids: list[int]) -> Callable[[list[int]], str]:
+    """The text a sample adds after the prompt `prompt_ids`, as a function of the sample: decoded with the prompt
+    and cut after its text (decoded once), so that a tokenizer that drops a first piece's space (SentencePiece's
+    Metaspace) keeps the one between them (decoded alone, "The river" + "car" printed "The rivercar"); alone for
+    bytes, or where the prompt's text is not the start of the whole's."""
     from nnx_cli.decoding import text_of
 
     if not prompt_ids or hasattr(tokenizer, "to_bytes"):
-        return text_of(tokenizer, sample)
-    head, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + sample)
-    return whole[len(head) :] if whole.startswith(head) else text_of(tokenizer, sample)
+        return functools.partial(text_of, tokenizer)
+    head = tokenizer.decode(prompt_ids)
+
+    def after(sample: list[int]) -> str:
+        whole = tokenizer.decode(prompt_ids + sample)
+        return whole[len(head) :] if whole.startswith(head) else text_of(tokenizer, sample)
+
+    return after
 
 
 class _Timed:

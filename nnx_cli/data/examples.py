@@ -454,7 +454,8 @@ def load_example_splits(
     source = _Source(cfg)
     want_train, want_eval = "train" in splits, "eval" in splits and cfg.eval_split is not None
     train = evaluation = None
-    if cfg.eval_split is not None and source.holds_out(cfg.eval_split):
+    held_out = cfg.eval_split is not None and source.holds_out(cfg.eval_split)
+    if held_out:
         rows = source.dataset(cfg.train_split, "data.train_split", columns=_columns(cfg))
         cut = len(rows) - max(1, int(len(rows) * HOLDOUT_FRACTION))
         _notice(
@@ -473,7 +474,7 @@ def load_example_splits(
         if want_eval:
             evaluation = _rows(cfg, tokenizer, source, cfg.eval_split, "data.eval_split", None, f"{cfg.eval_split!r}")
     if train is not None and not len(train["tokens"]):
-        if cfg.eval_split is not None and source.holds_out(cfg.eval_split) and cut == 0:  # it named data.seq_len
+        if held_out and cut == 0:  # it named data.seq_len
             raise UserError(
                 f"the training split has no examples: {cfg.source!r} has {len(rows)} example"
                 f"{'s' * (len(rows) != 1)}, all held out as {cfg.eval_split!r} (it has no split of that name); add "
