@@ -47,6 +47,13 @@ def check_workdir(workdir: Path) -> list[Path]:
         raise UserError(f"cannot create work dir {str(workdir)!r}: {e.strerror or e}") from None
     if not os.access(workdir, os.W_OK | os.X_OK):
         raise UserError(f"work dir {str(workdir)!r} is not writable")
+    for name in _REPLACED:  # a link to nothing: the run failed writing through it, with a traceback
+        path = workdir / name
+        if path.is_symlink() and not path.exists():
+            raise UserError(
+                f"{str(path)!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; create what it "
+                "points to, remove the link, or pass another --workdir"
+            )
     for name, kind in _LAYOUT.items():
         path = workdir / name
         if path.exists() and path.is_dir() != (kind == "a directory"):

@@ -57,6 +57,17 @@ def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path):
         check_workdir(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "tensorboard", "checkpoints"])
+def test_a_link_in_the_work_dir_to_nothing_is_refused_naming_it(tmp_path: Path, name: str):
+    """A run writing through a link to a path that does not exist ended in a traceback (FileNotFoundError)."""
+    (tmp_path / name).symlink_to(tmp_path / "gone" / name)
+    with pytest.raises(UserError, match=rf"/{name}' is a symbolic link to '.*/gone/{name}', which does not exist"):
+        check_workdir(tmp_path)
+    (tmp_path / "gone").mkdir()
+    ((tmp_path / "gone" / name).mkdir if name != "metrics.jsonl" else (tmp_path / "gone" / name).touch)()
+    check_workdir(tmp_path)  # a link to what exists is the user's choice
+
+
 def test_a_second_lock_on_a_work_dir_fails_naming_the_holder(tmp_path: Path):
     import os
 
