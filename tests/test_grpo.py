@@ -410,6 +410,23 @@ def test_reward_names_are_imported_from_the_current_directory(tmp_path, monkeypa
     assert rewards.load(["my_rewards:correct"])[0].fn is loaded[0].fn
 
 
+def test_a_reward_function_taking_its_arguments_by_position_only_is_refused_when_loaded(tmp_path, monkeypatch):
+    """Rewards are called by name: `def f(prompts, completions, /, **kw)` failed at the first step, after the model
+    had loaded (a missing positional argument)."""
+    (tmp_path / "positional_rewards.py").write_text(
+        "def by_position(prompts, completions, /, **kw):\n    return [1.0] * len(prompts)\n"
+        "def with_default(prompts=None, /, completions=None, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        UserError,
+        match=r"config key 'objective.rewards\[1\]': reward function 'positional_rewards.by_position' takes prompts, "
+        r"completions by position only \(before a /\); every reward is called with prompts, completions and",
+    ):
+        rewards.load(["exact_match", "positional_rewards.by_position"])
+    assert rewards.load(["positional_rewards.with_default"])[0].takes is None  # a default: called without it, it works
+
+
 @pytest.mark.parametrize(
     "entries, message",
     [

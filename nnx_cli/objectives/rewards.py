@@ -254,15 +254,21 @@ def _load_one(entry: str | dict[str, Any], index: int) -> Reward:
     fn = load_reference(reference, where, shown=name)
     if not callable(fn):
         raise UserError(f"config key {where!r}: {name!r} is a {type(fn).__name__}, not a function")
-    return Reward(label or reference.rpartition(":")[2].rpartition(".")[2], name, fn, *_parameters(fn))
+    return Reward(label or reference.rpartition(":")[2].rpartition(".")[2], name, fn, *_parameters(fn, name, where))
 
 
-def _parameters(fn: Callable[..., Any]) -> tuple[tuple[str, ...], frozenset[str] | None]:
+def _parameters(fn: Callable[..., Any], name: str, where: str) -> tuple[tuple[str, ...], frozenset[str] | None]:
     """`(reads, takes)` of a user's function: what :func:`check_columns` checks the prompt rows against."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or an object whose signature Python cannot read: checked when called
         return (), None
+    positional = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:  # it failed at the first step, after the model had loaded
+        raise UserError(
+            f"config key {where!r}: reward function {name!r} takes {', '.join(positional)} by position only (before "
+            "a /); every reward is called with prompts, completions and the prompt rows' columns by name"
+        )
     named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     reads = tuple(p.name for p in named if p.default is p.empty and p.name not in ("prompts", "completions"))
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
