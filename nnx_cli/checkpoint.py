@@ -68,7 +68,8 @@ class Checkpointer:
 
     Old steps are removed by `integrity.prune` (on process 0, once the newer
     step is sealed), never one that no newer verified step replaces, nor
-    those in `protect` (the best step, with `checkpoint.keep_best`).
+    those in `protect` (the best step, with `checkpoint.keep_best`). Steps in `passed_over` (saved for
+    `keep_best` alone, then bettered) do not count among the `keep` newest: they go once no longer the best.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class Checkpointer:
         self._failed = False
         self.keep = keep
         self.protect: set[int] = set()
+        self.passed_over: set[int] = set()  # steps saved for keep_best alone that are no longer the best
         self._pruned_protecting: set[int] = set()  # `protect` as the last prune saw it
 
     @property
@@ -213,7 +215,10 @@ class Checkpointer:
                 stage = "prune"
                 trusted = {step} if self._checksums and jax.process_count() == 1 else set()
                 self._pruned_protecting = set(self.protect)
-                integrity.prune(self.directory, self.keep, protect=self._pruned_protecting, trusted=trusted)
+                integrity.prune(
+                    self.directory, self.keep, protect=self._pruned_protecting, trusted=trusted,
+                    passed_over=self.passed_over,
+                )  # fmt: skip
         except BaseException as e:
             self._error = (stage, e)
 
@@ -261,7 +266,7 @@ class Checkpointer:
             return
         self._pruned_protecting = set(self.protect)
         try:
-            integrity.prune(self.directory, self.keep, protect=self._pruned_protecting)
+            integrity.prune(self.directory, self.keep, protect=self._pruned_protecting, passed_over=self.passed_over)
         except OSError as e:
             latest = (integrity.steps(self.directory) or [None])[-1]
             raise self._write_failed(latest, "prune", e) from None

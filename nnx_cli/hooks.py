@@ -212,7 +212,8 @@ class Evaluate:
 
 class KeepBest:
     """`checkpoint.keep_best`: after each eval, a better value of the metric makes that step the best one:
-    checkpointed (if it was not), recorded in `checkpoints/best.json`, never removed by the keep-N cleanup."""
+    checkpointed (if it was not), recorded in `checkpoints/best.json`, never removed by the keep-N cleanup. A step
+    checkpointed for that alone does not count among `checkpoint.keep`'s newest, and goes once bettered."""
 
     phase = "checkpoint"
 
@@ -236,8 +237,16 @@ class KeepBest:
             return
         if self.best is not None and not self._better(value, self.best["value"]):
             return
+        # a step saved for being the best alone (not a checkpoint.every_steps step, nor the last) is no periodic
+        # checkpoint: once bettered it goes, rather than take the place of one among checkpoint.keep's newest
+        only_for_best = (
+            self.checkpoint.saved != loop.step and loop.step % self.checkpoint.every and (loop.step != loop.total)
+        )
         self.checkpoint(loop)  # saves this step unless it is saved already
-        self.best = {"step": loop.step, "metric": self.metric, "mode": self.mode, "value": value}
+        if self.best is not None and self.best.get("only_for_best"):
+            self.checkpoint.checkpointer.passed_over.add(self.best["step"])
+        self.best = {"step": loop.step, "metric": self.metric, "mode": self.mode, "value": value,
+                     "only_for_best": bool(only_for_best)}  # fmt: skip
         self.checkpoint.checkpointer.protect = {loop.step}
         if jax.process_index() == 0:
             write_best(self.directory, self.best)

@@ -256,11 +256,19 @@ def quarantine(step_dir: str | Path) -> Path:
     return target
 
 
-def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = (), trusted: Iterable[int] = ()) -> list[int]:
+def prune(
+    directory: str | Path,
+    keep: int,
+    *,
+    protect: Iterable[int] = (),
+    trusted: Iterable[int] = (),
+    passed_over: Iterable[int] = (),
+) -> list[int]:
     """Delete old steps beyond the newest `keep`, but only those older than a step that verifies.
 
     Steps in `protect` (the best one, with `checkpoint.keep_best`) are never
-    deleted, nor is any step while no newer one verifies: a run whose newest
+    deleted; those in `passed_over` (saved for `keep_best` alone, and no longer the best) do not count among the
+    newest `keep`, and go as the others do. No step is deleted while no newer one verifies: a run whose newest
     checkpoints are damaged (or unsealed) keeps its older ones. A deleted step is
     first renamed out of Orbax's sight, so a crash mid-delete leaves no
     half-deleted step that looks committed. Returns the deleted steps. Call it
@@ -274,7 +282,8 @@ def prune(directory: str | Path, keep: int, *, protect: Iterable[int] = (), trus
     for leftover in directory.glob(f"*{_PRUNING}"):  # a delete that a crash interrupted
         shutil.rmtree(leftover, ignore_errors=True)
     all_steps = steps(directory)
-    kept = set(all_steps[-keep:] if keep > 0 else []) | set(protect)
+    counted = [s for s in all_steps if s not in set(passed_over)]
+    kept = set(counted[-keep:] if keep > 0 else []) | set(protect)
     if not set(all_steps) - kept:
         return []
     trusted = set(trusted)

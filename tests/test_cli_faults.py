@@ -271,6 +271,23 @@ def test_a_best_step_that_a_later_eval_replaces_is_pruned_by_the_end_of_the_run(
     assert integrity.steps(project / "best_last" / "checkpoints") == [80]  # not 40, the best until that eval
 
 
+def test_steps_saved_for_keep_best_alone_go_once_bettered_and_never_displace_the_newest_periodic_ones(project: Path):
+    """Evals every 10 steps, checkpoints every 20, keep 2: each better eval between two periodic steps is saved for
+    keep_best. Those steps counted among the newest two: step 70, best until step 80's eval, outlived the periodic
+    step 60 (the run ended with 70 and 80)."""
+    result = cli(
+        "nnx-train", "run.yaml", "checkpoint.keep=2", "train.eval_every=10", "train.steps_per_dispatch=1",
+        "checkpoint.keep_best={metric: nelbo, mode: min}", "--workdir", "best_between", cwd=project,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads((project / "best_between" / "checkpoints" / "best.json").read_text())
+    evals = [json.loads(line) for line in (project / "best_between" / "metrics.jsonl").read_text().splitlines()]
+    nelbo = {r["step"]: r["metrics"]["nelbo"] for r in evals if r["split"] == "eval"}
+    assert record["step"] == min(nelbo, key=nelbo.get)
+    assert any(step % 20 for step in nelbo if nelbo[step] == min(nelbo[s] for s in nelbo if s <= step))  # saved
+    assert integrity.steps(project / "best_between" / "checkpoints") == sorted({60, 80, record["step"]})
+
+
 def test_keep_best_names_an_eval_metric(project: Path):
     result = cli(
         "nnx-train", "run.yaml", "checkpoint.keep_best={metric: nlebo, mode: min}", "--workdir", "x", cwd=project

@@ -233,6 +233,12 @@ def test_prune_never_deletes_the_best_step(tmp_path: Path):
     assert integrity.steps(directory) == [100, 300, 400]
 
 
+def test_prune_passes_over_the_steps_saved_for_a_best_since_bettered(tmp_path: Path):
+    directory = write_steps(tmp_path / "ckpt", 100, 150, 200, 250, 300)
+    assert integrity.prune(directory, keep=2, protect={200}, passed_over={150}) == [100, 150]
+    assert integrity.steps(directory) == [200, 250, 300]  # the newest two besides 150, and the best
+
+
 def test_prune_deletes_nothing_older_than_the_newest_verified_step(tmp_path: Path):
     directory = write_steps(tmp_path / "ckpt", 100, 200, 300, 400)
     flip_byte(data_file(directory / "400"))
