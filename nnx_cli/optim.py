@@ -31,13 +31,16 @@ config leaves out is the run's total number of steps.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from nnx_cli.config import OptimizerConfig
+from nnx_cli.config.schema import show
 from nnx_cli.errors import UserError, did_you_mean, first_line
 from nnx_cli.registry import Registry, bind_options, signature
 
@@ -250,10 +253,14 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Sch
     if filled:
         spec["decay_steps"] = total_steps
     kwargs = bind_options(fn, spec, prefix="optimizer.learning_rate.", what=f"optax.{fn.__name__}", fixed=("name",))
+    for key, value in kwargs.items():  # optax takes a negative count for a constant rate, with a log line at most
+        counts = key.endswith("steps") or key == "transition_begin"
+        if counts and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise UserError(f"config key 'optimizer.learning_rate.{key}' counts steps: 0 or more, got {show(value)}")
     if total_steps is None:
         return optax.constant_schedule(0.0)
     try:
-        return fn(**kwargs)
+        schedule = fn(**kwargs)
     except (TypeError, ValueError) as e:
         warmup, decay = kwargs.get("warmup_steps"), kwargs.get("decay_steps")
         if isinstance(warmup, int) and isinstance(decay, int) and warmup >= decay:  # optax names decay - warmup
@@ -266,6 +273,24 @@ def build_schedule(spec: float | dict[str, Any], total_steps: int | None) -> Sch
         raise UserError(
             f"config key 'optimizer.learning_rate': optax.{fn.__name__} rejected its arguments: {e}"
         ) from None
+    _check_rates(schedule, total_steps)
+    return schedule
+
+
+def _check_rates(schedule: Schedule, total_steps: int) -> None:
+    """A UserError when the schedule gives a negative or non-finite rate at some step of the run (a constant's
+    sign is checked with the config): looked at on up to 4,097 steps, the first and the last among them."""
+    steps = np.unique(np.linspace(0, max(total_steps - 1, 0), num=min(total_steps, 4097), dtype=np.int64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an overflow is reported below, as a rate that is not finite
+        rates = np.asarray(jax.jit(jax.vmap(schedule))(steps), dtype=np.float64)  # one program (onecycle: 3 s eager)
+    bad = np.flatnonzero(~np.isfinite(rates) | (rates < 0))
+    if bad.size:
+        step, rate = int(steps[bad[0]]), float(rates[bad[0]])
+        raise UserError(
+            f"config key 'optimizer.learning_rate': the schedule gives {rate:g} at step {step + 1}; a learning rate "
+            "must be a finite number, zero or more (a negative rate climbs the loss)"
+        )
 
 
 def learning_rate_at(schedule: Schedule, step: int) -> float:

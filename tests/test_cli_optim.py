@@ -54,6 +54,40 @@ def test_a_warmup_longer_than_the_run_names_warmup_steps_and_train_steps():
         build_schedule({**spec, "warmup_steps": 4, "decay_steps": 4}, 100)
 
 
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"name": "constant", "value": -0.01},
+            r"^config key 'optimizer.learning_rate': the schedule gives -0\.01 at step 1; a learning rate must be a "
+            r"finite number, zero or more \(a negative rate climbs the loss\)$",
+        ),
+        (  # the sign changes half-way: the last steps climb the loss
+            {"name": "linear", "init_value": 0.01, "end_value": -0.02, "transition_steps": 10},
+            r"the schedule gives -0\.002 at step 5; a learning rate",
+        ),
+        (  # optax's onecycle schedules take no array of steps: each is looked at alone
+            {"name": "cosine_onecycle", "transition_steps": 20, "peak_value": -0.1},
+            r"the schedule gives -0\.004 at step 1",
+        ),
+        (
+            {"name": "exponential_decay", "init_value": 0.01, "transition_steps": 1, "decay_rate": 1e30},
+            r"the schedule gives inf at step 3",
+        ),
+        (  # optax ran a constant 0.01 for the whole run
+            {"name": "linear", "init_value": 0.01, "end_value": 0.0, "transition_steps": -5},
+            r"config key 'optimizer.learning_rate.transition_steps' counts steps: 0 or more, got -5",
+        ),
+    ],
+    ids=["negative-constant", "turns-negative", "onecycle", "overflows", "negative-count"],
+)
+def test_a_schedule_that_gives_a_negative_or_non_finite_rate_during_the_run_is_refused(spec, message):
+    """A negative constant rate was refused, but the same rate as a schedule trained on: the loss climbed."""
+    with pytest.raises(UserError, match=message):
+        build_schedule(spec, 20)
+    assert float(build_schedule({"name": "constant", "value": 0.0}, 20)(3)) == 0.0  # zero is a rate
+
+
 def test_missing_decay_steps_default_to_the_run_length():
     schedule = build_schedule({"name": "cosine_decay", "init_value": 1.0}, 100)
     assert float(schedule(100)) == pytest.approx(0.0, abs=1e-6)
