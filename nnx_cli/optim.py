@@ -126,6 +126,7 @@ def build(cfg: OptimizerConfig, total_steps: int | None) -> tuple[optax.Gradient
                 "[{name: scale_by_adam}, {name: scale_by_learning_rate}], or set it to null and name an optimizer"
             )
         tx = optax.chain(*(_piece(p, i, learning_rate, mask) for i, p in enumerate(cfg.chain)))
+        _check_chain(cfg.chain, mask is not None)
     else:
         name = resolved_name(cfg)
         tx = _call(OPTIMIZERS.get(name), dict(cfg.options), learning_rate, mask, "optimizer.", _describe(name))
@@ -162,12 +163,18 @@ def _call(
         notice(("learning_rate", what), f"notice: {what} takes no learning_rate: optimizer.learning_rate is not used "
                "(the learning_rate logged is the config's)")  # fmt: skip
     if mask is not None:
-        if "mask" not in params:
+        parameter = decay_mask_parameter(fn)
+        if parameter is None:
             raise UserError(
                 f"config key 'optimizer.weight_decay_mask' is kernels, but {what} takes no weight-decay mask; "
                 "use an optimizer with weight decay (adamw, lion, ...) or add_decayed_weights in optimizer.chain"
             )
-        kwargs.setdefault("mask", mask)
+        if parameter in options:  # it was kept, and weight_decay_mask silently dropped
+            raise UserError(
+                f"config keys '{prefix}{parameter}' and 'optimizer.weight_decay_mask' both say which parameters "
+                f"{what} decays; drop one"
+            )
+        kwargs[parameter] = mask
     try:
         tx = fn(**kwargs)
     except (TypeError, ValueError) as e:
@@ -187,6 +194,23 @@ def _call(
     return tx
 
 
+def _check_chain(chain: list[dict[str, Any]], masked: bool) -> None:
+    """A chain with no weight decay for `weight_decay_mask: kernels` is a UserError (the key did nothing); one
+    with no piece that takes the learning rate gets a notice: `optimizer.learning_rate`, logged, is not used."""
+    functions = [_piece_function(piece["name"], f"optimizer.chain[{i}]") for i, piece in enumerate(chain)]
+    if masked and not any(decay_mask_parameter(fn) for fn in functions):
+        raise UserError(
+            "config key 'optimizer.weight_decay_mask' is kernels, but no piece of optimizer.chain has weight decay; "
+            "add {name: add_decayed_weights, weight_decay: ...} (or use a piece with weight decay, such as adamw)"
+        )
+    if not any("learning_rate" in signature(fn).parameters for fn in functions):
+        from nnx_cli.data.sources import notice
+
+        notice(("learning_rate", "chain"), "notice: no piece of optimizer.chain takes a learning_rate "
+               "(scale_by_learning_rate does): optimizer.learning_rate is not used (the learning_rate logged is the "
+               "config's), and the chain's own scaling sets the step")  # fmt: skip
+
+
 def _piece(
     spec: dict[str, Any], index: int, learning_rate: Schedule, mask: Callable | None
 ) -> optax.GradientTransformation:
@@ -198,15 +222,29 @@ def _piece(
         raise UserError(
             f"config key {key!r} needs a 'name': an optax function such as scale_by_adam, or package.module:fn"
         )
+    fn = _piece_function(name, key)
+    return _call(fn, options, learning_rate, mask if decay_mask_parameter(fn) else None, f"{key}.", _describe(name))
+
+
+def _piece_function(name: str, key: str) -> Callable:
+    """The function a chain piece names: an optax function, or `package.module:fn`."""
     if ":" in name:
-        fn = Registry("chain piece", f"{key}.name", check=_check_factory).get(name)
-    else:
-        fn = getattr(optax, name, None)
-        if not callable(fn) or name.startswith("_"):
-            pieces = [n for n in dir(optax) if not n.startswith("_") and callable(getattr(optax, n))]
-            raise UserError(f"config key '{key}.name': unknown optax function {name!r}{did_you_mean(name, pieces)}")
-    takes_mask = "mask" in signature(fn).parameters and name.endswith("add_decayed_weights")
-    return _call(fn, options, learning_rate, mask if takes_mask else None, f"{key}.", _describe(name))
+        return Registry("chain piece", f"{key}.name", check=_check_factory).get(name)
+    fn = getattr(optax, name, None)
+    if not callable(fn) or name.startswith("_"):
+        pieces = [n for n in dir(optax) if not n.startswith("_") and callable(getattr(optax, n))]
+        raise UserError(f"config key '{key}.name': unknown optax function {name!r}{did_you_mean(name, pieces)}")
+    return fn
+
+
+def decay_mask_parameter(fn: Callable) -> str | None:
+    """The parameter of an optax function that says which parameters its weight decay applies to: `mask` beside
+    `weight_decay` (adamw, lion, add_decayed_weights, ...), adafactor's `weight_decay_mask`; None when it has no
+    weight decay (`masked` and `freeze` take a mask of another meaning)."""
+    params = signature(fn).parameters
+    if "mask" in params and "weight_decay" in params:
+        return "mask"
+    return "weight_decay_mask" if "weight_decay_mask" in params else None
 
 
 def _kernels_only(params: Any) -> Any:

@@ -192,16 +192,59 @@ def test_an_optimizer_factorys_annotated_options_are_type_checked_and_one_withou
     assert "notice: nnx_test_typed_optim:fixed takes no learning_rate: optimizer.learning_rate is not used" in said
 
 
-def test_weight_decay_mask_kernels_decays_matrices_but_not_biases():
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OptimizerConfig(name="adamw", learning_rate=0.1, options={"weight_decay": 0.5}),
+        OptimizerConfig(name=None, learning_rate=0.1, chain=[{"name": "adamw", "weight_decay": 0.5}]),
+        OptimizerConfig(
+            name=None,
+            learning_rate=0.1,
+            chain=[
+                {"name": "scale_by_adam"},
+                {"name": "add_decayed_weights", "weight_decay": 0.5},
+                {"name": "scale_by_learning_rate"},
+            ],
+        ),
+        OptimizerConfig(
+            name="adafactor",
+            learning_rate=0.1,
+            options={"weight_decay_rate": 0.5, "multiply_by_parameter_scale": False, "clipping_threshold": None},
+        ),
+    ],
+    ids=["adamw", "adamw-in-a-chain", "add-decayed-weights", "adafactor"],
+)
+def test_weight_decay_mask_kernels_decays_matrices_but_not_biases(cfg):
+    """In a chain, an adamw (or lion, ...) piece decayed every parameter with the mask set: it reached
+    add_decayed_weights alone. Adafactor names its mask weight_decay_mask: it was refused."""
+    import dataclasses
+
     import nnx
 
     params = nnx.Linear(2, 3, ctx=nnx.context(0)).filter(nnx.Param)
     params = jax.tree.map(jnp.ones_like, params)
-    cfg = OptimizerConfig(name="adamw", learning_rate=0.1, weight_decay_mask="kernels", options={"weight_decay": 0.5})
-    tx, _ = build(cfg, 10)
     zero = jax.tree.map(jnp.zeros_like, params)
+    tx, _ = build(dataclasses.replace(cfg, weight_decay_mask="kernels"), 10)
     updates, _ = tx.update(zero, tx.init(params), params)
-    assert jnp.allclose(updates["kernel"].value, -0.1 * 0.5) and jnp.allclose(updates["bias"].value, 0.0)
+    assert float(jnp.abs(updates["kernel"].value).min()) > 0.01 and jnp.allclose(updates["bias"].value, 0.0)
+    tx, _ = build(cfg, 10)  # all: the bias decays too
+    updates, _ = tx.update(zero, tx.init(params), params)
+    assert float(jnp.abs(updates["bias"].value).min()) > 0.01
+
+
+def test_weight_decay_mask_set_twice_or_on_a_chain_without_weight_decay_is_refused():
+    with pytest.raises(UserError, match=r"'optimizer.mask' and 'optimizer.weight_decay_mask' both say which"):
+        build(OptimizerConfig(name="adamw", weight_decay_mask="kernels", options={"mask": None}), 10)
+    chain = [{"name": "scale_by_adam"}, {"name": "scale_by_learning_rate"}]  # the key did nothing
+    with pytest.raises(UserError, match=r"'optimizer.weight_decay_mask' is kernels, but no piece of optimizer.chain"):
+        build(OptimizerConfig(name=None, chain=chain, weight_decay_mask="kernels"), 10)
+
+
+def test_a_chain_that_takes_no_learning_rate_says_the_logged_one_is_not_used(capfd):
+    build(OptimizerConfig(name=None, chain=[{"name": "scale_by_adam"}, {"name": "scale", "step_size": -1e-4}]), 10)
+    assert "notice: no piece of optimizer.chain takes a learning_rate" in capfd.readouterr().err
+    build(OptimizerConfig(name=None, chain=[{"name": "scale_by_adam"}, {"name": "scale_by_learning_rate"}]), 10)
+    assert "notice" not in capfd.readouterr().err
 
 
 def test_weight_decay_mask_needs_an_optimizer_with_weight_decay():
