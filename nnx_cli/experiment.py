@@ -122,8 +122,26 @@ class Experiment:
         except UserError as e:
             raise UserError(f"config key 'checkpoint.init_from': {e}") from None
         target = self.restore_target()["params"]
-        step, params = restore.from_run(run, lambda ckpt, s: ckpt.restore_params(s, target), say)
-        return params, "parameters", str(run.checkpoints / str(step))
+        step, (manifest, params) = restore.from_run(
+            run, lambda ckpt, s: (ckpt.manifest(s), ckpt.restore_params(s, target)), say
+        )
+        where = run.checkpoints / str(step)
+        if steps.FROZEN not in self.abstract:
+            return params, "parameters", str(where)
+        if self.pretrained is not None and "base" in manifest:  # adapters moved to another base: may be meant
+            try:
+                self.pretrained.check_record(manifest["base"], where)
+            except UserError:
+                trained_on = manifest["base"].get("source") or manifest["base"].get("pretrained")
+                say(f"notice: the adapters of {where} were trained on other base weights ({trained_on}); they start "
+                    f"here on those of model.pretrained, {self.pretrained.source}")  # fmt: skip
+        else:  # a base drawn from a seed on either side
+            drawn = lambda seed: f"a base drawn from seed {seed}"  # noqa: E731
+            trained_on = manifest["base"].get("source") if "base" in manifest else drawn(run.cfg.seed)
+            here = self.pretrained.source if self.pretrained is not None else drawn(self.cfg.seed)
+            if trained_on != here:
+                say(f"notice: the adapters of {where} were trained on {trained_on}; they start here on {here}")
+        return params, "adapters", str(where)
 
     def frozen_params(self, target: Any) -> nnx.State:
         """The frozen parameters, placed as `target` (abstract, with shardings) says: read from

@@ -116,6 +116,25 @@ def test_a_resume_against_changed_base_weights_names_the_file(reference, project
     assert f"were trained on {str(fixture('qwen2'))!r}, and model.pretrained now names {str(base)!r}" in result.stderr
 
 
+def test_adapters_started_from_a_run_on_another_base_say_so(reference, project, tmp_path):
+    """checkpoint.init_from read a LoRA run's adapters onto another base without a word (and called them
+    parameters); moving adapters to another base can be meant, so it is a notice, not a refusal."""
+    import shutil
+
+    base = tmp_path / "qwen2"
+    shutil.copytree(fixture("qwen2"), base)
+    data = bytearray((base / "model.safetensors").read_bytes())
+    data[-3] ^= 0x01
+    (base / "model.safetensors").write_bytes(bytes(data))
+    args = ["lora.yaml", "train.steps=1", "checkpoint.init_from=ref"]
+    moved = cli("nnx-train", *args, f"model.pretrained={base}", "--workdir", "other_base", cwd=project)
+    assert moved.returncode == 0, moved.stderr
+    assert f"notice: the adapters of ref/checkpoints/{STEPS} were trained on other base weights " in moved.stderr
+    assert f"adapters initialised from ref/checkpoints/{STEPS}" in moved.stderr
+    same = cli("nnx-train", *args, "--workdir", "same_base", cwd=project)
+    assert same.returncode == 0 and "notice: the adapters" not in same.stderr, same.stderr
+
+
 def test_eval_of_text_counts_rows_of_tokens_not_examples(reference, project):
     """Rows of packed text hold several examples (or part of one): '2 examples' was said of 2 rows holding 4."""
     result = cli("nnx-eval", "ref", "data.eval_split=train", cwd=project)
