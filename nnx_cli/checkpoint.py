@@ -388,6 +388,13 @@ def _check_params(where: Path, saved: Any, wanted: Any) -> None:
         what = f"it has no {sorted(want.keys() - have.keys())[0]}"
     else:
         what = f"it has {sorted(have.keys() - want.keys())[0]}, which this model does not"
+    adapters = lambda keys: bool(keys) and all("/lora/" in k for k in keys)  # noqa: E731
+    if adapters(want) and not any("/lora/" in k for k in have):
+        what += (" (it holds a full run's parameters, and this run trains LoRA adapters: those start from a LoRA run "
+                 "or a PEFT adapter directory)")  # fmt: skip
+    elif adapters(have) and not any("/lora/" in k for k in want):
+        what += (" (it holds LoRA adapters alone, and this run trains every parameter: export that run merged with "
+                 "nnx-export and point model.pretrained at the export)")  # fmt: skip
     raise UserError(f"the parameters of checkpoint {where} do not fit this model: {what}")
 
 

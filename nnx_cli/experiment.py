@@ -122,9 +122,13 @@ class Experiment:
         except UserError as e:
             raise UserError(f"config key 'checkpoint.init_from': {e}") from None
         target = self.restore_target()["params"]
-        step, (manifest, params) = restore.from_run(
-            run, lambda ckpt, s: (ckpt.manifest(s), ckpt.restore_params(s, target)), say
-        )
+        pick = "point checkpoint.init_from at another step dir, or at the run's work dir for its newest usable step"
+        try:
+            step, (manifest, params) = restore.from_run(
+                run, lambda ckpt, s: (ckpt.manifest(s), ckpt.restore_params(s, target)), say, pick
+            )
+        except UserError as e:
+            raise UserError(f"config key 'checkpoint.init_from': {e}") from None
         where = run.checkpoints / str(step)
         if steps.FROZEN not in self.abstract:
             return params, "parameters", str(where)

@@ -48,12 +48,13 @@ def choose(
     *,
     step: int | None = None,
     say: Callable[[str], None] = print,
+    pick: str = "pick another --step",
 ) -> Found[T]:
     """The newest usable step of `directory` (or exactly `step`) and what `read(step)` returned.
 
     `read` restores what the command needs and raises `Unreadable` or
     `Unusable` for a bad step. With `step` given, a bad step is a UserError
-    naming what failed; otherwise each bad step is said on one line and the
+    naming what failed, and how to `pick` another; otherwise each bad step is said on one line and the
     next older one is tried; `Found.step` is None when no step is usable.
     """
     candidates = [step] if step is not None else list(reversed(integrity.steps(directory)))
@@ -76,7 +77,7 @@ def choose(
                         "them, or stopped before sealing it); it restores and is finite, so it is used")  # fmt: skip
                 return Found(candidate, value, rejected)
         if step is not None:
-            raise UserError(f"checkpoint {step_dir} cannot be used: {problem}; pick another --step")
+            raise UserError(f"checkpoint {step_dir} cannot be used: {problem}; {pick}")
         if not step_dir.exists():  # removed while read: a run still training pruned it, and may have written newer
             candidates = [s for s in reversed(integrity.steps(directory)) if s not in tried]
             continue
@@ -111,14 +112,16 @@ def no_usable_step(directory: Path, rejected: list[tuple[int, str]], fix: str) -
     return UserError(f"no usable checkpoint in {directory} ({reasons}); {fix}")
 
 
-def from_run(run: Any, read: Callable[[Any, int], T], say: Callable[[str], None]) -> tuple[int, T]:
+def from_run(
+    run: Any, read: Callable[[Any, int], T], say: Callable[[str], None], pick: str = "pick another --step"
+) -> tuple[int, T]:
     """For the read-only commands: the run's requested step, or its newest usable one, and `read(checkpointer,
     step)`. Nothing in the work dir changes."""
     from nnx_cli.checkpoint import Checkpointer
 
     reader = Checkpointer(run.checkpoints, read_only=True)
     try:
-        found = choose(run.checkpoints, lambda step: read(reader, step), step=run.step, say=say)
+        found = choose(run.checkpoints, lambda step: read(reader, step), step=run.step, say=say, pick=pick)
     finally:
         reader.close()
     if found.step is None:

@@ -11,6 +11,7 @@ Layout written by `nnx-train`::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -76,6 +77,14 @@ def _outside_checkpoints(workdir: Path) -> None:
                 f"a run there would write into {'it' if inside else 'them'}; pass --workdir {str(named)!r} to "
                 "resume that run, or a directory outside it"
             )
+
+
+def discard_unwritten(workdir: Path) -> None:
+    """What a run that stopped before writing anything leaves in a work dir it created: its lock, and an empty
+    `checkpoints/`."""
+    (workdir / ".lock").unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        (workdir / "checkpoints").rmdir()  # only when empty
 
 
 def remove_if_empty(directories: Sequence[Path]) -> None:

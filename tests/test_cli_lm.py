@@ -24,6 +24,7 @@ from cli_support import (
     wait_for_checkpoint,
 )
 
+from nnx_cli import integrity
 from nnx_cli.checkpoint import Checkpointer
 
 STEPS = 100
@@ -292,8 +293,44 @@ def test_fine_tuning_from_a_run_of_another_shape_names_the_parameter(reference: 
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     message = result.stderr.strip().splitlines()[-1]  # after the notice of the held-out eval split
-    assert message.startswith("error: the parameters of checkpoint ") and "do not fit this model: " in message
+    assert message.startswith("error: config key 'checkpoint.init_from': the parameters of checkpoint ")
+    assert "do not fit this model: " in message
     assert "is float32[384, 64] there but float32[384, 32] in this model" in message
+    assert not (project / "x").exists()  # the work dir it made, its lock and checkpoints/ too, are gone
+
+
+def test_fine_tuning_from_a_run_that_no_resume_sets_aside_or_a_damaged_step_says_what_to_do(
+    reference: Path, project: Path
+):
+    """--no-resume with init_from in its own work dir set that run aside, then said it had no checkpoint (and
+    blamed an earlier --no-resume); a damaged step dir said to pick another --step, a flag nnx-train lacks."""
+    import shutil
+
+    shutil.copytree(reference, project / "own")
+
+    def refused(result, *fragments: str) -> None:  # after the notice of the held-out eval split
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        message = result.stderr.strip().splitlines()[-1]
+        assert message.startswith("error: ") and all(f in message for f in fragments), message
+
+    result = cli("nnx-train", "lm.yaml", "--no-resume", "checkpoint.init_from=own", "--workdir", "own", cwd=project)
+    refused(result, "config key 'checkpoint.init_from' ('own') is inside the work dir that --no-resume")
+    assert integrity.steps(project / "own" / "checkpoints") == integrity.steps(reference / "checkpoints")
+    step = integrity.steps(reference / "checkpoints")[-1]
+    shutil.copytree(reference, project / "damaged")
+    state = project / "damaged" / "checkpoints" / str(step) / "state"
+    target = sorted(p for p in state.rglob("*") if p.is_file() and p.stat().st_size > 100)[0]
+    data = bytearray(target.read_bytes())
+    data[50] ^= 0xFF
+    target.write_bytes(bytes(data))
+    result = cli(
+        "nnx-train", "lm.yaml", f"checkpoint.init_from=damaged/checkpoints/{step}", "--workdir", "y", cwd=project
+    )
+    refused(
+        result,
+        f"config key 'checkpoint.init_from': checkpoint damaged/checkpoints/{step} cannot be used",
+        "point checkpoint.init_from at another step dir, or at the run's work dir for its newest usable step",
+    )
 
 
 def test_inspect_of_a_text_config_reads_no_data_and_shows_the_mesh_split(project: Path):

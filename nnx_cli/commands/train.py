@@ -151,7 +151,14 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     from nnx_cli import hooks
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import best_record, check_workdir, remove_if_empty, settle_aside, update_run_info
+    from nnx_cli.workdir import (
+        best_record,
+        check_workdir,
+        discard_unwritten,
+        remove_if_empty,
+        settle_aside,
+        update_run_info,
+    )
 
     created = check_workdir(workdir)  # before any data is read or downloaded
     try:
@@ -167,9 +174,13 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         )
         if resume and cfg.checkpoint.keep_best is not None:
             best_record(workdir / "checkpoints")  # and a best.json that cannot be read (its step would be pruned)
+        if not resume:  # and an init_from in what --no-resume sets aside (it was not found there, then put back)
+            _check_init_from_outside(cfg.checkpoint.init_from, workdir)
         session = open_session(exp, workdir, resume)
     except BaseException:
-        remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir
+        if created:  # a run stopped before it wrote anything leaves no empty work dir (nor its lock)
+            discard_unwritten(workdir)
+        remove_if_empty(created)
         raise
     chosen: list[Any] = []  # the hooks, once prepared
     try:
@@ -207,6 +218,18 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     if session.lock is not None:
         update_run_info(workdir, {"timings": runtime.timings()})
     return 0
+
+
+def _check_init_from_outside(init_from: str | None, workdir: Path) -> None:
+    """A UserError when `checkpoint.init_from` is inside the work dir a `--no-resume` run sets aside."""
+    if init_from is None or not Path(init_from).exists():
+        return
+    source, target = Path(init_from).resolve(), workdir.resolve()
+    if source == target or target in source.parents:
+        raise UserError(
+            f"config key 'checkpoint.init_from' ({init_from!r}) is inside the work dir that --no-resume starts over "
+            "in: its checkpoints are set aside, then deleted; copy that run elsewhere first, or pass another --workdir"
+        )
 
 
 # Keys each process of a run may set for itself: where it reads its data and cache from, how it loads it, where
