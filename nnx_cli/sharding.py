@@ -132,7 +132,13 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
         nnx.get_partition_spec(abstract),
         abstract,
     )
-    check_rules([name for spec in jax.tree.leaves(logical) for name in spec if isinstance(name, str)], mesh, rules)
+    sizes: dict[str, set[int]] = {}  # each logical axis's dimensions: a rule suggested must divide them
+    for spec, leaf in zip(jax.tree.leaves(logical), jax.tree.leaves(abstract)):
+        for name, size in zip(spec, getattr(leaf, "shape", ())):
+            if isinstance(name, str):
+                sizes.setdefault(name, set()).add(size)
+    check_rules([name for spec in jax.tree.leaves(logical) for name in spec if isinstance(name, str)], mesh, rules,
+                sizes)  # fmt: skip
     shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)
     entries = [
         (jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"), leaf, names, sharding)
@@ -153,14 +159,17 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
     return shardings
 
 
-def check_rules(axes: list[str], mesh: Mesh, rules: list[tuple[str, Any]]) -> None:
+def check_rules(
+    axes: list[str], mesh: Mesh, rules: list[tuple[str, Any]], sizes: dict[str, set[int]] | None = None
+) -> None:
     """Rules that would leave work silently replicated are a UserError: a rule for a logical axis the model does
     not have where a close one that it has is left without a rule (a typo), and a mesh axis of more than one
     device that no rule of an axis the model has maps to (its devices would all compute the same).
 
     `axes` are the logical axes of the state's arrays; :data:`ACTIVATION_AXES` are taken as used too. A rule for
     an axis the model lacks is otherwise harmless, and a model's own default rules may have one (`kv_heads`
-    without grouped-query attention, `expert` in a dense model)::
+    without grouped-query attention, `expert` in a dense model). `sizes` (each logical axis's dimensions) keeps
+    the rule the message offers to one whose dimensions the mesh axis divides::
 
         check_rules(["embed", "hidden"], mesh, [("batch", "data"), ("hiddn", "model")])
         # UserError: config key 'sharding.rules[1]' maps logical axis 'hiddn', ... (did you mean 'hidden'?) ...
@@ -177,7 +186,8 @@ def check_rules(axes: list[str], mesh: Mesh, rules: list[tuple[str, Any]]) -> No
     splitting = {axis for logical, targets in rules if logical in used for axis in _as_tuple(targets)}
     for axis, size in mesh.shape.items():
         if size > 1 and axis not in splitting:
-            free = next((a for a in used if a not in ruled and a != "length"), None)  # `batch` first
+            divides = lambda a, ways=size: all(n % ways == 0 for n in (sizes or {}).get(a, ()))  # noqa: E731
+            free = next((a for a in used if a not in ruled and a != "length" and divides(a)), None)  # `batch` first
             if free is not None:
                 example = [*rules, (free, axis)]
             else:  # every axis has a rule: split the batch over this axis too

@@ -35,6 +35,31 @@ def test_an_empty_mesh_that_does_not_fit_suggests_a_data_axis():
         mesh_shape(ShardingConfig(mesh={}), 8)
 
 
+@pytest.mark.parametrize(
+    "sharding, message",
+    [
+        (
+            {"rules": [["batch", "data"], ["hidden", ["model", "model"]]]},
+            r"'sharding.rules\[1\]' names mesh axis "
+            r"'model' twice",
+        ),
+        ({"rules": [["batch", ["data", None]]]}, r"'sharding.rules\[0\]' must be \[logical_axis, mesh_axis or null\]"),
+        ({"rules": [["batch", [None]]]}, r"'sharding.rules\[0\]' must be"),
+        ({"rules": [["batch", []]]}, r"'sharding.rules\[0\]' must be"),
+        ({"mesh": {"data": -1, "model": -1}}, r"at most one axis may be -1 \(the rest of the devices\), got \{'data'"),
+        ({"mesh": {1: 8}}, r"'sharding.mesh' must be a mapping of strings to integers, got \{.*1: 8\}"),
+    ],
+    ids=["axis-twice", "null-in-a-list", "only-null", "empty-list", "two-minus-ones", "axis-not-a-name"],
+)
+def test_rules_and_meshes_that_jax_cannot_take_are_refused_naming_the_entry(sharding, message):
+    """A mesh axis twice in one rule, or null in a list of mesh axes, passed the check and ended in a traceback
+    (JAX's DuplicateSpecError, a KeyError or a TypeError) when the run placed its arrays."""
+    from nnx_cli.config import Config, from_dict, merge, to_dict
+
+    with pytest.raises(UserError, match=message):
+        from_dict(merge(to_dict(Config()), {"sharding": sharding}))
+
+
 def test_null_rules_are_the_default_rules():
     assert axis_rules(ShardingConfig(rules=None)) == [tuple(r) for r in DEFAULT_RULES]
     assert axis_rules(ShardingConfig(rules=[["embed", ["data", "model"]]])) == [("embed", ("data", "model"))]
@@ -115,6 +140,7 @@ _REPLICATING = textwrap.dedent(
         "unused_axis": ({"data": 4, "fsdp": 2}, [["batch", "data"]]),
         "axis_typo": ({"data": 4, "model": 1, "modl": 2}, [["batch", "data"], ["hidden", "model"]]),
         "harmless": ({"data": 4, "model": 2}, [["batch", "data"], ["hidden", "model"], ["expert", "model"]]),
+        "indivisible": ({"data": 1, "foo": 8}, [["batch", "data"]]),  # embed is 4: the rule offered splits hidden
     }
     for name, (mesh, rules) in cases.items():
         cfg = ShardingConfig(mesh=mesh, rules=rules)
@@ -147,6 +173,8 @@ def test_a_mesh_axis_no_rule_maps_to_says_which_rule_would_use_it(replicating: d
     assert replicating["axis_typo"].startswith(
         "config key 'sharding.mesh': axis 'modl' (did you mean 'model'?) has 2 devices"
     )  # it suggested only a rule for 'modl'
+    assert "for example sharding.rules=[[batch, data], [hidden, foo]]" in replicating["indivisible"]  # not embed,
+    # which following the advice refused: 4 is not divisible by 8
 
 
 def test_a_rule_for_an_axis_of_other_models_is_harmless(replicating: dict[str, str]):

@@ -220,7 +220,9 @@ def describe(hint: Any, plural: bool = False) -> str:
         inner = f" of {describe(args[0], plural=True)}" if args and args[0] is not Any else ""
         return ("lists" if plural else "a list") + inner
     if origin is dict:
-        return "mappings" if plural else "a mapping"
+        named = args and args[0] is str and args[1] is not Any
+        keys = f" of strings to {describe(args[1], plural=True)}" if named else ""
+        return ("mappings" if plural else "a mapping") + keys
     one, many = _NAMES.get(hint, (getattr(hint, "__name__", str(hint)),) * 2)
     return many if plural else one
 

@@ -32,17 +32,25 @@ class ShardingConfig:
                     f"got {size}"
                 )
         if sum(1 for size in self.mesh.values() if size == -1) > 1:
-            raise UserError("config key 'sharding.mesh': at most one axis may be -1")
+            raise UserError(
+                f"config key 'sharding.mesh': at most one axis may be -1 (the rest of the devices), got {self.mesh} "
+                "(the default mesh is {data: -1, model: 1}: give each other axis its size)"
+            )
         for i, rule in enumerate(self.rules or []):
             pair = len(rule) == 2
-            targets = rule[1] if pair and isinstance(rule[1], list) else [rule[1]] if pair else None
+            several = pair and isinstance(rule[1], list)
+            targets = rule[1] if several else [rule[1]] if pair else None
             if (
                 not pair
                 or not isinstance(rule[0], str)
                 or targets is None
-                or not all(a is None or (isinstance(a, str) and a in self.mesh) for a in targets)
+                or (several and not targets)
+                or not all((a is None and not several) or (isinstance(a, str) and a in self.mesh) for a in targets)
             ):
                 raise UserError(
-                    f"config key 'sharding.rules[{i}]' must be [logical_axis, mesh_axis or null] with a mesh axis "
-                    f"from {sorted(self.mesh)}, got {rule!r}"
+                    f"config key 'sharding.rules[{i}]' must be [logical_axis, mesh_axis or null] (or a list of mesh "
+                    f"axes) with mesh axes from {sorted(self.mesh)}, got {rule!r}"
                 )
+            repeated = next((a for a in targets if targets.count(a) > 1), None)
+            if repeated is not None:  # JAX's DuplicateSpecError, as a traceback
+                raise UserError(f"config key 'sharding.rules[{i}]' names mesh axis {repeated!r} twice: {rule!r}")
