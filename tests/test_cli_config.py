@@ -313,6 +313,20 @@ def test_a_model_that_cannot_be_built_names_the_keys_at_fault_without_every_opti
     )
 
 
+@pytest.mark.parametrize(
+    "keep_best, message",
+    [
+        ("{metric: nelbo, mode: min, extra: 1}", r"^unknown config key 'checkpoint.keep_best.extra'; keep_best takes "),
+        ("{metric: nelbo, mdoe: min}", r"'checkpoint.keep_best.mdoe' \(did you mean 'checkpoint.keep_best.mode'\?\)"),
+        ("{metric: 5, mode: min}", r"^config key 'checkpoint.keep_best.metric' must be a string, got 5"),
+    ],
+)
+def test_a_keep_best_key_it_does_not_take_is_called_unknown(keep_best, message):
+    """`extra: 1` was said to be a key that "must be a string", as if keep_best took it."""
+    with pytest.raises(UserError, match=message):
+        load_config(None, [f"checkpoint.keep_best={keep_best}"])
+
+
 def test_a_mapping_override_without_spaces_after_its_colons_says_how_to_write_it():
     """YAML reads `{metric:accuracy,mode:max}` as two keys without values: the error named a key
     'checkpoint.keep_best.metric:accuracy' that had to be a string."""
