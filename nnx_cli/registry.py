@@ -100,6 +100,10 @@ def load_reference(reference: str, key: str, shown: str | None = None) -> Any:
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)  # kept: worker processes and later imports see the same modules
+    pinned = _pinned.get(module_name.split(".")[0])
+    if pinned is not None and pinned in sys.path:  # a run's own plug-in, before a namesake in this directory
+        sys.path.remove(pinned)
+        sys.path.insert(0, pinned)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -135,6 +139,9 @@ def _shadowed(module_name: str, cwd: str) -> str:
     )
 
 
+_pinned: dict[str, str] = {}  # top-level module -> the directory a run recorded for it (add_import_paths)
+
+
 def _record(module_name: str, module: Any) -> None:
     """Remember the sys.path entry `module_name` was imported from."""
     file = getattr(module, "__file__", None)
@@ -152,10 +159,14 @@ def import_paths() -> dict[str, str]:
 
 
 def add_import_paths(paths: Mapping[str, str]) -> None:
-    """Put the directories a run imported its references from back on the path (for nnx-eval and friends)."""
-    for directory in paths.values():
-        if directory not in sys.path and Path(directory).is_dir():
-            sys.path.insert(0, directory)
+    """Put the directories a run imported its references from back on the path (for nnx-eval and friends): each
+    module is then imported from the directory the run recorded, even where the current directory holds a file
+    of the same name (it took that one: other code, other numbers, without a word)."""
+    for name, directory in paths.items():
+        if Path(directory).is_dir():
+            if directory not in sys.path:
+                sys.path.insert(0, directory)
+            _pinned[name] = directory
 
 
 def bind_options(

@@ -186,6 +186,26 @@ def test_run_json_records_where_plug_ins_were_imported_from(tmp_path: Path, monk
     assert import_paths()["wide_vae"] == str(project)
 
 
+def test_a_runs_plug_in_is_imported_from_where_the_run_recorded_not_from_a_namesake_here(tmp_path: Path, monkeypatch):
+    """nnx-eval of a run from a directory holding another `plugins.py` evaluated the checkpoint with that file's
+    code (other metrics, exit 0, no word), though run.json named the run's own directory."""
+    import sys
+
+    from nnx_cli import registry
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(registry, "_pinned", {})
+    monkeypatch.delitem(sys.modules, "nnx_test_namesake", raising=False)
+    project, here = tmp_path / "project", tmp_path / "here"
+    for directory, value in ((project, "the run's"), (here, "a namesake")):
+        directory.mkdir()
+        (directory / "nnx_test_namesake.py").write_text(f"VALUE = {value!r}\n")
+    monkeypatch.chdir(here)
+    registry.add_import_paths({"nnx_test_namesake": str(project)})
+    assert registry.load_reference("nnx_test_namesake:VALUE", "model.name") == "the run's"
+    monkeypatch.delitem(sys.modules, "nnx_test_namesake")
+
+
 def test_a_runs_relative_tokenizer_and_gguf_base_are_found_from_any_directory_as_its_source_is(tmp_path, monkeypatch):
     """`data.tokenizer=tok.json` or `model.pretrained=base.gguf` trained in the project: nnx-generate and nnx-eval
     from elsewhere said the file does not exist, where a relative data.source was found."""
