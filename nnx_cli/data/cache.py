@@ -11,7 +11,14 @@ nothing that looks finished::
 
 `build(directory)` writes the arrays into `directory` (with
 `np.lib.format.open_memmap` for arrays larger than memory) and returns a
-JSON-able dict that is kept as the entry's `meta`.
+JSON-able dict that is kept as the entry's `meta`, with the shape and dtype of
+each array under `arrays`.
+
+An entry is derived data, so one found damaged (a deleted or truncated array, a
+broken `meta.json`) is said on stderr and built again, replacing it the way a
+fresh build is committed. The check is cheap: `meta.json` is parsed and every
+array's header is read and compared with the meta and with the file's size; no
+array is read.
 """
 
 from __future__ import annotations
@@ -79,10 +86,16 @@ class Entry:
 
     def __init__(self, path: Path):
         self.path = path
-        self.meta: dict[str, Any] = json.loads((path / _META).read_text())
+        try:
+            self.meta: dict[str, Any] = _read_meta(path)
+        except _Damaged as e:
+            raise _unusable(path, str(e)) from None
 
     def array(self, name: str) -> np.ndarray:
-        return np.load(self.path / f"{name}.npy", mmap_mode="r")
+        try:
+            return _open_array(self.path / f"{name}.npy")
+        except _Damaged as e:
+            raise _unusable(self.path, str(e)) from None
 
     def has(self, name: str) -> bool:
         return (self.path / f"{name}.npy").is_file()
@@ -91,28 +104,135 @@ class Entry:
 def get_or_build(root: Path, name: str, parts: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Entry:
     """The entry `root/<name>-<key of parts>`, built by `build` the first time it is asked for."""
     final = root / f"{name}-{cache_key(parts)}"
-    if (final / _META).is_file():
+    if (final / _META).is_file() and damage(final) is None:
         return Entry(final)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the data cache {str(root)!r} ({e.strerror or e}); set data.cache_dir") from None
-    with _locked(root / f"{final.name}.lock"):
-        if (final / _META).is_file():  # another process built it while this one waited
-            return Entry(final)
-        for stale in root.glob(f"{final.name}.partial-*"):  # left by a build that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        partial = root / f"{final.name}.partial-{os.getpid()}"
-        partial.mkdir()
-        try:
-            meta = build(partial)
-            (partial / _META).write_text(json.dumps({"parts": parts, **meta}, default=str))
-            _fsync_tree(partial)
-            os.rename(partial, final)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+    cause = None
+    try:
+        with _locked(root / f"{final.name}.lock"):
+            if os.path.lexists(final):
+                cause = damage(final)
+                if cause is None:  # another process built (or rebuilt) it while this one waited
+                    return Entry(final)
+                from nnx_cli.data.sources import notice
+
+                notice(
+                    ("cache", str(final), cause),
+                    f"notice: the data cache entry {final} is damaged ({cause}); building it again",
+                )
+            for stale in [*root.glob(f"{final.name}.partial-*"), *root.glob(f"{final.name}.damaged-*")]:
+                _remove(stale)  # left by a build that was killed
+            partial = root / f"{final.name}.partial-{os.getpid()}"
+            partial.mkdir()
+            try:
+                meta = build(partial)
+                arrays = {"arrays": _describe(partial)}
+                (partial / _META).write_text(json.dumps({"parts": parts, **meta, **arrays}, default=str))
+                _fsync_tree(partial)
+                if os.path.lexists(final):  # damaged: moved aside, replaced, then deleted
+                    damaged = root / f"{final.name}.damaged-{os.getpid()}"
+                    os.rename(final, damaged)
+                    os.rename(partial, final)
+                    _remove(damaged)
+                else:
+                    os.rename(partial, final)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+    except (OSError, UserError) as e:
+        if cause is None:  # not a rebuild: as a fresh build always failed
             raise
+        raise _unusable(final, cause, f"cannot be built again: {_reason(e)}") from None
     return Entry(final)
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the committed entry `path`, in a few words, or None if it can be used.
+
+    Cheap: `meta.json` is parsed and each array's header read and checked against the meta's shape and dtype
+    and against the file's size; no array is read. An entry committed before `arrays` was kept in the meta has
+    the arrays that are there checked.
+    """
+    try:
+        meta = _read_meta(path)
+        arrays = meta.get("arrays")
+        if arrays is None:
+            for file in sorted(path.glob("*.npy")):
+                _open_array(file)
+            return None
+        if not isinstance(arrays, dict):
+            raise _Damaged(f"{_META} has no valid 'arrays'")
+        for name, want in arrays.items():
+            array = _open_array(path / f"{name}.npy")
+            got = {"shape": list(array.shape), "dtype": array.dtype.str}
+            if want != got:
+                raise _Damaged(f"{name}.npy holds {got['dtype']} {got['shape']} where {_META} says {want}")
+    except _Damaged as e:
+        return str(e)
+    return None
+
+
+class _Damaged(Exception):
+    """Why an entry cannot be read (its message: a few words for a notice)."""
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / _META).read_text())
+    except FileNotFoundError:
+        raise _Damaged(f"no {_META}") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _Damaged(f"unreadable {_META}: {_reason(e)}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("parts"), dict):
+        raise _Damaged(f"{_META} is not an entry's meta")
+    return meta
+
+
+def _open_array(file: Path) -> np.ndarray:
+    """`file` memory-mapped read-only, checked to be as long as its header says (`np.load` accepts a longer one)."""
+    try:
+        array = np.load(file, mmap_mode="r")
+        size = file.stat().st_size
+    except FileNotFoundError:
+        raise _Damaged(f"no {file.name}") from None
+    except (OSError, ValueError, EOFError) as e:  # a torn header, a file shorter than its array
+        raise _Damaged(f"unreadable {file.name}: {_reason(e)}") from None
+    if isinstance(array, np.memmap) and size != array.offset + array.nbytes:
+        raise _Damaged(f"{file.name} has {size} bytes, its header says {array.offset + array.nbytes}")
+    return array
+
+
+def _describe(directory: Path) -> dict[str, dict[str, Any]]:
+    """The shape and dtype of each array a build wrote, kept in the meta to check the entry by."""
+    out = {}
+    for file in sorted(directory.glob("*.npy")):
+        try:
+            array = np.load(file, mmap_mode="r")
+        except ValueError:  # an array that cannot be memory-mapped (of Python objects) is not checked
+            continue
+        out[file.name.removesuffix(".npy")] = {"shape": list(array.shape), "dtype": array.dtype.str}
+    return out
+
+
+def _unusable(path: Path, cause: str, what: str = "cannot be used") -> UserError:
+    return UserError(f"the data cache entry {path} is damaged ({cause}) and {what}; delete it and run again")
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def find_alias(root: Path, parts: dict[str, Any]) -> Path | None:
@@ -126,7 +246,7 @@ def find_alias(root: Path, parts: dict[str, Any]) -> Path | None:
         target = root / _alias(root, parts).read_text().strip()
     except OSError:
         return None
-    return target if (target / _META).is_file() else None
+    return target if (target / _META).is_file() and damage(target) is None else None
 
 
 def record_alias(root: Path, parts: dict[str, Any], entry: Path) -> None:
