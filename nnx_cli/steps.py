@@ -387,10 +387,11 @@ def _check_metrics(metrics: Any, loss_metric: str | None, batch: Any, model_name
     (rows,) = leading
     for name, value in metrics.items():
         shape = tuple(getattr(value, "shape", ()))
-        if shape not in ((), (rows,)):
+        if shape != (rows,):  # a scalar, a mean taken over the batch, counted an eval's padding rows
             raise UserError(
                 f"{where}: metric {name!r} has shape {list(shape)}; metrics are per example: [{rows}] for a "
-                f"batch of {rows} rows (the mean and the eval's sums are taken over them)"
+                f"batch of {rows} rows (the mean and the eval's sums are taken over them, leaving out the rows that "
+                "only pad an eval's last batch)"
             )
 
 

@@ -147,6 +147,14 @@ class ShortMetric(VAE):
         return {**found, "kl": found["kl"][:3]}
 
 
+class MeanMetric(VAE):
+    """A metric as the batch's mean: an eval's padding rows counted in it (the eval's numbers were wrong)."""
+
+    def metrics(self, batch, ctx):
+        found = super().metrics(batch, ctx)
+        return {**found, "kl": found["kl"].mean()}
+
+
 class BrokenImages(VAE):
     """images() that raises."""
 
@@ -173,6 +181,7 @@ class StackedImages(VAE):
         ("NoLoss", r"its loss_metric 'nelbo' is none of the metrics it gives \(bound\); return it from metrics"),
         ("OneArray", r"its metrics must be a dict of name -> per-example array, got ShapeDtypeStruct"),
         ("ShortMetric", r"metric 'kl' has shape \[3\]; metrics are per example: \[32\] for a batch of 32 rows"),
+        ("MeanMetric", r"metric 'kl' has shape \[\]; metrics are per example: \[32\] for a batch of 32 rows \(the "),
     ],
 )
 def test_metrics_or_images_a_run_cannot_use_are_a_user_error_before_training(model: str, message: str):
@@ -315,7 +324,7 @@ def test_keep_best_never_takes_a_non_finite_eval_value(tmp_path: Path):
     loop.run(run, feed, lambda state, sums, xs: (state, sums, jnp.ones((), bool)), [evaluate, best, save])
     ckpt.wait()
     assert json.loads((tmp_path / "checkpoints" / "best.json").read_text()) == {
-        "step": 8, "metric": "nelbo", "mode": "min", "value": 5.0
+        "step": 8, "metric": "nelbo", "mode": "min", "value": 5.0, "only_for_best": True  # not a step of every 100
     }  # fmt: skip
     ckpt.close()
 
