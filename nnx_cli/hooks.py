@@ -544,7 +544,9 @@ class StopVote:
 
 
 class Profile:
-    """`train.profile: [start, n]`: a JAX profiler trace of steps `start` to `start + n` into `directory`."""
+    """`train.profile: [start, n]`: a JAX profiler trace of steps `start` to `start + n` into `directory`: of the
+    whole dispatches (`every` steps each) that hold them, begun between dispatches (it traced nothing when the
+    window fell inside one)."""
 
     def __init__(self, every: int, start: int, steps: int, directory: Path):
         self.every = every
@@ -552,10 +554,20 @@ class Profile:
         self.directory = directory
         self.active = False
 
+    def begin(self, loop: Loop) -> None:
+        """Before the first dispatch: a window that starts in it is traced from there."""
+        self(loop)
+
     def __call__(self, loop: Loop) -> None:
-        if not self.active and self.first <= loop.step < self.last:
+        upcoming = (loop.step, loop.step + self.every)  # the steps the next dispatch runs
+        if not self.active and upcoming[0] < self.last and upcoming[1] > self.first:
             jax.profiler.start_trace(str(self.directory))
             self.active = True
+            if jax.process_index() == 0:
+                end = min(max(self.last, upcoming[1]), loop.total)
+                print(f"profiling steps {loop.step} to {end} ({'whole dispatches of ' if self.every > 1 else ''}"
+                      f"{self.every} step{'s' if self.every > 1 else ''}) into {self.directory}", file=sys.stderr,
+                      flush=True)  # fmt: skip
         elif self.active and loop.step >= self.last:
             self.end(loop)
 

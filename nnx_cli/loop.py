@@ -68,6 +68,9 @@ def run(loop: Loop, feed: Iterable[tuple[int, Any]], dispatch: Any, hooks: Seque
     """Run the dispatches `feed` yields (`(k, inputs)`) through `dispatch`, then the hooks; then `end` them."""
     in_flight: collections.deque = collections.deque()
     first = True
+    for hook in hooks:  # the few that act before the first dispatch (a profile of its steps)
+        if hasattr(hook, "begin"):
+            _call(hook, hook.begin, loop, hooks)
     for k, xs in feed:
         loop.state, loop.sums, loop.finite = dispatch(loop.state, loop.sums, xs)
         loop.step += k

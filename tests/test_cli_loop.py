@@ -310,6 +310,29 @@ def test_keep_best_without_an_eval_split_says_how_to_go_on():
         setup(tiny("data.eval_split=null", "checkpoint.keep_best={metric: nelbo, mode: min}"))
 
 
+@pytest.mark.parametrize("window", [[2, 2], [0, 2], [5, 1]])
+def test_a_profile_window_inside_a_dispatch_traces_the_dispatches_that_hold_it(window, tmp_path: Path, capfd):
+    """With 4 steps a dispatch, `train.profile: [2, 2]` traced nothing: the hook, called between dispatches, never
+    saw a step inside the window (and one starting at 0 could begin only after the first dispatch)."""
+    exp = setup(tiny("train.steps=8"))
+    profile = hooks.Profile(4, *window, tmp_path / "profile")
+    seen = []
+
+    def dispatch(state, sums, xs):
+        seen.append(profile.active)
+        return state, sums, jnp.ones((), bool)
+
+    run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=8)
+    loop.run(run, ((4, None) for _ in range(2)), dispatch, [profile])
+    assert seen == [window[0] < 4, window[0] >= 4] and not profile.active
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert f"profiling steps {4 * (window[0] >= 4)} to {4 + 4 * (window[0] >= 4)} (whole dispatches of 4 steps)" in (
+        capfd.readouterr().err
+    )
+    with pytest.raises(UserError, match=r"'train.profile' \(\[8, 2\]\) starts after the run's last step \(8\)"):
+        train._check_profile([8, 2], 8)
+
+
 def test_keep_best_never_takes_a_non_finite_eval_value(tmp_path: Path):
     """A NaN eval loss became the best (every later value compares false to it) and best.json held NaN."""
     exp = setup(tiny("train.steps=12"))

@@ -487,6 +487,7 @@ def plan(exp: Any, harness_tasks: Any = None) -> tuple[int, Any, Any]:
 
     cfg, t = exp.cfg, exp.cfg.train
     if hasattr(exp.objective, "inputs"):  # the objective makes its batches: one per dispatch
+        _check_profile(t.profile, exp.total_steps)
         return exp.objective.steps_per_batch, None, None
     intervals = {
         "train.log_every": t.log_every,
@@ -496,10 +497,20 @@ def plan(exp: Any, harness_tasks: Any = None) -> tuple[int, Any, Any]:
     if harness_tasks is not None:
         intervals["eval.harness.every_steps"] = cfg.eval.harness.every_steps or t.eval_every
     k = loops.steps_per_dispatch(t.steps_per_dispatch, intervals, count_params(exp.abstract), exp.total_steps)
+    _check_profile(t.profile, exp.total_steps)
     layout = sharding.batch_layout(exp.mesh, exp.rules, t.batch_size)
     exp.train.steps_per_epoch(t.batch_size)
     eval_layout = sharding.eval_batch_layout(exp.mesh, exp.rules, t) if exp.eval is not None else None
     return k, layout, eval_layout
+
+
+def _check_profile(profile: list[int] | None, total: int) -> None:
+    """A `train.profile` window that starts after the run's last step is a UserError (it traced nothing)."""
+    if profile is not None and profile[0] >= total:
+        raise UserError(
+            f"config key 'train.profile' ({profile}) starts after the run's last step ({total}): nothing would be "
+            "traced; pick a start step within the run"
+        )
 
 
 def prepare(

@@ -34,7 +34,9 @@ class TrainConfig:
     )
     deterministic: bool = setting(False, "GPU: XLA's deterministic kernels, for bit-exact resumption there")
     profile: list[int] | None = setting(
-        None, "`[start_step, num_steps]`: a JAX profiler trace in `<workdir>/profile` (TensorBoard, Perfetto)"
+        None,
+        "`[start_step, num_steps]`: a JAX profiler trace in `<workdir>/profile` (TensorBoard, Perfetto) of the "
+        "dispatches that run those steps",
     )
     sample_prompts: list[str] | None = setting(
         None, "language models: prompts continued at each eval into `samples/<step>.txt`; null: the eval split's"
