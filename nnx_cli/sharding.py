@@ -85,11 +85,14 @@ def make_mesh(cfg: ShardingConfig) -> Mesh:
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=auto)
 
 
-def preview_problem(abstract: Any, cfg: ShardingConfig, rules: list[tuple[str, Any]]) -> str | None:
+def preview_problem(
+    abstract: Any, cfg: ShardingConfig, rules: list[tuple[str, Any]], batch_size: int | None = None
+) -> str | None:
     """Why `nnx-train` would refuse to split `abstract` over `sharding.mesh` (an entry a mesh axis does not
     divide, a rule for an axis the model lacks), or None. The mesh may be for another machine: its sizes are
     taken as written, a `-1` as the rest of this machine's devices; where they do not fit, it says the split was
-    not checked (it said nothing, which read as a split that is fine)."""
+    not checked (it said nothing, which read as a split that is fine). With `batch_size`, rows of a batch that the
+    batch axes do not split evenly too."""
     sizes = dict(cfg.mesh)
     if -1 in sizes.values():
         try:
@@ -102,8 +105,11 @@ def preview_problem(abstract: Any, cfg: ShardingConfig, rules: list[tuple[str, A
             )
     if any(size < 1 for size in sizes.values()):
         return None
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
     try:
-        state_shardings(abstract, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)), rules)
+        state_shardings(abstract, mesh, rules)
+        if batch_size is not None:  # train.batch_size: rows the batch axes split evenly
+            _check_batch(mesh, rules, batch_size)
     except UserError as e:
         return f"nnx-train would refuse this sharding: {e}"
     return None
@@ -293,6 +299,15 @@ def batch_layout(
 
     Rows are split along the mesh axes of the logical `batch` axis.
     """
+    spec = _check_batch(mesh, rules, batch_size, key, said)
+    sharding = NamedSharding(mesh, spec)
+    return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))
+
+
+def _check_batch(
+    mesh: Any, rules: list[tuple[str, Any]], batch_size: int, key: str = "train.batch_size", said: str | None = None
+) -> PartitionSpec:
+    """The batch's PartitionSpec on `mesh` (or an abstract one); a UserError when its rows do not split evenly."""
     spec = PartitionSpec(*nnx.spmd.logical_to_mesh_axes(("batch",), rules))
     ways = _ways(mesh, spec[0])
     if batch_size % ways:
@@ -300,8 +315,7 @@ def batch_layout(
             f"{said or f'config key {key!r} ({batch_size})'} must be divisible by the {ways} ways the batch is split "
             f"on the mesh {dict(mesh.shape)}"
         )
-    sharding = NamedSharding(mesh, spec)
-    return BatchLayout(sharding, batch_size, _process_rows(sharding, batch_size))
+    return spec
 
 
 def eval_batch_layout(mesh: Mesh, rules: list[tuple[str, Any]], train: TrainConfig) -> BatchLayout:

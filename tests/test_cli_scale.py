@@ -180,6 +180,14 @@ def test_inspect_previews_a_mesh_of_another_machine_and_warns_of_a_split_trainin
     unknown = cli("nnx-inspect", CONFIG, "sharding.mesh.model=5", "--json", cwd=project)
     assert unknown.returncode == 0, unknown.stderr
     assert "warning: the split was not checked: sharding.mesh {'data': -1, 'model': 5} takes the rest" in unknown.stderr
+    # a batch the data axes do not split: refused by nnx-train, shown without a word
+    batch = cli("nnx-inspect", CONFIG, "sharding.mesh.data=8", "sharding.mesh.model=1", "train.batch_size=12",
+                "--json", cwd=project)  # fmt: skip
+    assert batch.returncode == 0, batch.stderr
+    assert (
+        "warning: nnx-train would refuse this sharding: config key 'train.batch_size' (12) must be divisible by "
+        in (batch.stderr)
+    )
 
 
 # --------------------------------------------------------------------------- several processes

@@ -80,7 +80,8 @@ def inspect_state(
     cfg = exp.cfg
     from nnx_cli import sharding
 
-    problem = sharding.preview_problem(exp.abstract, cfg.sharding, exp.rules)
+    rows = None if hasattr(exp.objective, "inputs") else cfg.train.batch_size  # GRPO: its completions, checked there
+    problem = sharding.preview_problem(exp.abstract, cfg.sharding, exp.rules, rows)
     if problem:  # the table still shows the split asked for; the mesh may be another machine's
         stderr_console().print(f"warning: {problem}", highlight=False)
     entries = state_entries(nnx.State.merge(*steps.model_states(exp.abstract)), exp.rules, _storage(exp))
