@@ -214,6 +214,8 @@ def bind_options(
     for name, value in options.items():
         _check_finite(value, prefix + name)
     for name, p in params.items():
+        if name in options and not check_types:
+            _check_number(options[name], p, prefix + name, what)
         if name in options:
             out[name] = check_type(options[name], hints.get(name, Any), prefix + name) if check_types else options[name]
         elif p.default is p.empty:
@@ -221,6 +223,22 @@ def bind_options(
         elif fill_defaults:
             out[name] = list(p.default) if isinstance(p.default, tuple) else p.default
     return out
+
+
+def _check_number(value: Any, parameter: inspect.Parameter, path: str, what: str) -> None:
+    """Text where a library function (optax's, whose annotations are aliases) takes a number: its default is one, or
+    its annotation names one. The call failed later with a TypeError that named no key."""
+    if not isinstance(value, str):
+        return
+    default = parameter.default
+    annotation = str(parameter.annotation).replace("typing.", "")
+    numeric = (isinstance(default, (int, float)) and not isinstance(default, bool)) or (
+        default in (parameter.empty, None)
+        and "float" in annotation
+        and not any(word in annotation for word in ("str", "Callable"))
+    )
+    if numeric:
+        raise UserError(f"config key {path!r} must be a number for {what}, got {value!r}")
 
 
 def _check_finite(value: Any, path: str) -> None:

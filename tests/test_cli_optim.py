@@ -291,3 +291,29 @@ def test_every_optimizer_states_placement_fits_its_arrays(name):
     state = jax.jit(lambda: jax.tree.map(jnp.zeros_like, exp.abstract), out_shardings=exp.shardings)()
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(exp.shardings)):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (OptimizerConfig(name="adam", options={"b1": "high"}), r"'optimizer.b1' must be a number for optax.adam, got"),
+        (OptimizerConfig(name="sgd", options={"momentum": "lots"}), r"'optimizer.momentum' must be a number for optax"),
+        (
+            OptimizerConfig(learning_rate={"name": "cosine_decay", "init_value": "fast"}),
+            r"'optimizer.learning_rate.init_value' must be a number for optax.cosine_decay_schedule, got 'fast'",
+        ),
+        (
+            OptimizerConfig(
+                name=None, chain=[{"name": "scale_by_adam", "b2": "fast"}, {"name": "scale_by_learning_rate"}]
+            ),
+            r"'optimizer.chain\[0\].b2' must be a number for optax.scale_by_adam",
+        ),
+    ],
+    ids=["option", "option-defaulting-to-none", "schedule", "chain-piece"],
+)
+def test_text_where_optax_takes_a_number_names_the_key(cfg, message):
+    """It was "config section 'optimizer': the optimizer cannot update the parameters: TypeError: unsupported
+    operand type(s) for -: 'int' and 'str'", naming no key."""
+    with pytest.raises(UserError, match=message):
+        build(cfg, 10)
+    build(OptimizerConfig(name="adamw", options={"weight_decay": 0.1, "mask": None}), 10)  # numbers and null pass
