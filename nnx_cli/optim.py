@@ -49,12 +49,19 @@ DEFAULT = "adam"
 _FIXED = ("name", "learning_rate", "clip_grad_norm", "weight_decay_mask", "chain")
 
 
+_NEEDS_THE_LOSS = (
+    "lbfgs",
+)  # its update takes the loss, its gradient and the loss function: no trainer step gives them
+
+
 def optimizer_names() -> list[str]:
-    """Every optax function whose first parameter is `learning_rate`."""
+    """Every optax function whose first parameter is `learning_rate`, but those whose update needs the loss."""
     names = []
     for name in dir(optax):
         fn = getattr(optax, name)
         if name.startswith(("_", "scale_by")) or not inspect.isfunction(fn) or name.endswith("schedule"):
+            continue
+        if name in _NEEDS_THE_LOSS:
             continue
         params = list(signature(fn).parameters)
         if params and params[0] == "learning_rate":
@@ -129,6 +136,11 @@ def build(cfg: OptimizerConfig, total_steps: int | None) -> tuple[optax.Gradient
         _check_chain(cfg.chain, mask is not None)
     else:
         name = resolved_name(cfg)
+        if name in _NEEDS_THE_LOSS:
+            raise UserError(
+                f"config key 'optimizer.name': optax.{name} takes the loss, its gradient and the loss function at "
+                "each update (a line search), which a training step does not give it; pick another optimizer"
+            )
         tx = _call(OPTIMIZERS.get(name), dict(cfg.options), learning_rate, mask, "optimizer.", _describe(name))
     if cfg.clip_grad_norm is not None:
         if cfg.clip_grad_norm <= 0:

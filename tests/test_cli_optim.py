@@ -111,6 +111,14 @@ def test_clip_grad_norm_bounds_the_update():
     assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-5)
 
 
+def test_an_optimizer_whose_update_needs_the_loss_is_refused_saying_so():
+    """optax.lbfgs was offered among the optimizers, and failed at the first update with a TypeError (update_fn()
+    missing 3 required keyword-only arguments)."""
+    assert "lbfgs" not in optimizer_names()
+    with pytest.raises(UserError, match=r"^config key 'optimizer.name': optax.lbfgs takes the loss, its gradient"):
+        build(OptimizerConfig(name="lbfgs"), 10)
+
+
 def test_unknown_optimizer_suggests_closest():
     with pytest.raises(UserError, match=r"unknown optax optimizer 'adamww' \(did you mean 'adamw'\?\)"):
         build_optimizer(OptimizerConfig(name="adamww"), 10)
