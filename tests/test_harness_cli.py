@@ -127,6 +127,62 @@ def test_lm_evals_command_line_with_a_step_the_run_lacks_is_one_line_and_exit_2(
     assert "error: --step 7: no such checkpoint in 'lora/checkpoints'; available steps: 1" in result.stderr
 
 
+def _bad_tasks(project: Path) -> None:
+    """Task directories for lm-eval's command line: a YAML that does not parse, one that is no valid task, one
+    whose data file is missing."""
+    choices = (project / "tasks" / "local_choices.yaml").read_text()
+    for folder, name, text in [
+        ("cli_broken", "local_broken", "task: local_broken\noutput_type: multiple_choice\n  oops: [\n"),
+        ("cli_invalid", "local_invalid", choices.replace("multiple_choice", "multiple_chose")),
+        ("cli_nodata", "local_nodata", choices.replace("data/choices.jsonl", "data/no_such_file.jsonl")),
+    ]:
+        (project / folder).mkdir(exist_ok=True)
+        (project / folder / f"{name}.yaml").write_text(text.replace("task: local_choices", f"task: {name}"))
+
+
+CHOICES = ["--tasks", "local_choices", "--include_path", "tasks"]
+GPT2 = f"pretrained={fixture('gpt2')}"
+
+
+@pytest.mark.parametrize(
+    "model_args, options, fragments",
+    [
+        (f"{GPT2},step=abc", CHOICES, ["--model_args step=abc: step must be a whole number"]),
+        ("step=2", CHOICES, ["--model_args needs pretrained=<run dir, model dir or .gguf file>"]),
+        (f"{GPT2},max_length=abc", CHOICES, ["--model_args max_length=abc: max_length must be a whole number"]),
+        (f"{GPT2},max_gen_toks=abc", CHOICES, ["--model_args max_gen_toks=abc: max_gen_toks must be a whole"]),
+        (f"{GPT2},max_length=0", CHOICES, ["--model_args max_length=0: max_length must be 1 or more"]),
+        (f"{GPT2},max_length=2", CHOICES, ["--model_args max_length=2: task 'local_choices' scores a continuation"
+                                           " of", "give max_length="]),
+        (f"{GPT2},batch_size=4", CHOICES, ["--model_args batch_size=4: give it as --batch_size 4"]),
+        (GPT2, [*CHOICES, "--batch_size", "0"], ["--batch_size must be at least 1, got 0"]),
+        (GPT2, ["--tasks", "local_choicez", "--include_path", "tasks"],
+         ["unknown task 'local_choicez' (did you mean 'local_choices'?)"]),
+        (GPT2, ["--tasks", "local_broken", "--include_path", "cli_broken"],
+         ["unknown task 'local_broken'", "local_broken.yaml", "not valid YAML"]),
+        (GPT2, ["--tasks", "local_invalid", "--include_path", "cli_invalid"],
+         ["task 'local_invalid'", "local_invalid.yaml", "multiple_chose"]),
+        (GPT2, ["--tasks", "local_nodata", "--include_path", "cli_nodata"],
+         ["task 'local_nodata'", "local_nodata.yaml", "cannot be read or fetched"]),
+    ],
+    ids=["step", "no-pretrained", "max_length", "max_gen_toks", "max_length-0", "max_length-short", "batch_size-arg",
+         "batch_size-0", "unknown-task", "broken-yaml", "invalid-task", "missing-data"],
+)  # fmt: skip
+def test_lm_evals_command_line_with_a_bad_model_argument_or_task_is_one_line_and_exit_2(
+    project, model_args, options, fragments
+):
+    """Each ended in a traceback, exit 1 (`int('abc')`, NNXLM without `pretrained`, a continuation longer than
+    max_length, lm-eval's `Tasks not found`, a task that cannot be built), or was taken as valid (max_length=0 as
+    unset, --batch_size 0); nnx-eval --tasks says one line, exit 2, and so does lm-eval's command line now."""
+    _bad_tasks(project)
+    args = ["--model", "nnx", "--model_args", model_args, *options, "--limit", "1"]
+    result = subprocess.run([sys.executable, "-m", "nnx_cli.harness", *args], cwd=project, env=env(project),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]  # after lm-eval's log lines
+    assert last.startswith("error: ") and all(fragment in last for fragment in fragments), last
+
+
 def test_a_name_no_task_yaml_contains_is_unknown_without_indexing_lm_evals_tasks(monkeypatch):
     """A misspelt name is reported from a read of the YAMLs' text, closest name included, and lm-eval's own index
     (seconds of parsing) is never built; a name they contain is looked up in the index as before."""

@@ -110,6 +110,18 @@ def _manager(names: list[str], include_path: str | Path | None) -> Any:
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    local = check_names(names, include_path)
+    if local is not None:
+        return local
+    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+
+
+def check_names(names: Sequence[str], include_path: str | Path | None) -> Any:
+    """The checks of task names that need no index of lm-eval's own tasks: a UserError for a name the include
+    path's YAMLs mean to define in a file that does not parse, and for a name no task YAML contains at all.
+    Returns the include path's own TaskManager when it defines every name, else None (lm-eval's index decides)."""
+    from lm_eval.tasks import TaskManager
+
     missing = list(names)
     if include_path is not None:
         local = TaskManager(include_path=str(include_path), include_defaults=False)
@@ -121,7 +133,7 @@ def _manager(names: list[str], include_path: str | Path | None) -> Any:
             if broken:
                 raise UserError(f"--tasks: unknown task {name!r}{did_you_mean(name, local.all_tasks)}; {broken}")
     _named_somewhere([n for n in missing if not n.endswith((".yaml", ".yml"))], include_path)
-    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+    return None
 
 
 def _named_somewhere(names: list[str], include_path: str | Path | None) -> None:
@@ -188,19 +200,31 @@ def _unreadable_yamls(include_path: str | Path | None) -> list[tuple[Path, str]]
 
 def _build(manager: Any, name: str) -> list[Any]:
     """The Task or Group objects `name` stands for (a tag stands for several tasks), data loaded."""
-    entry = manager.task_index.get(name)
-    where = f" ({entry.yaml_path})" if entry is not None and getattr(entry, "yaml_path", None) else ""
-    try:
+    with building(manager, name):
         loaded = manager.load([name])
+    if name in loaded["groups"]:
+        return [loaded["groups"][name]]
+    return list(loaded["tasks"].values())
+
+
+@contextlib.contextmanager
+def building(manager: Any, name: str, yaml_path: str | Path | None = None) -> Iterator[None]:
+    """Whatever fails while task `name` is built (its YAML and its data are user input) as a UserError naming the
+    task and its YAML (`yaml_path`, else where `manager`'s index has it)."""
+    if yaml_path is None:
+        entry = manager.task_index.get(name)
+        yaml_path = getattr(entry, "yaml_path", None) if entry is not None else None
+    where = f" ({yaml_path})" if yaml_path else ""
+    try:
+        yield
+    except UserError:
+        raise
     except (OSError, ConnectionError) as e:
         raise UserError(_no_data(name, where, e)) from None
     except Exception as e:  # a task's YAML and data are user input: whatever fails in them is named, not raised
         if type(e).__module__.startswith(("datasets", "huggingface_hub", "fsspec", "requests")):
             raise UserError(_no_data(name, where, e)) from None
         raise UserError(f"--tasks: task {name!r}{where} cannot be built: {type(e).__name__}: {e}") from None
-    if name in loaded["groups"]:
-        return [loaded["groups"][name]]
-    return list(loaded["tasks"].values())
 
 
 def _no_data(name: str, where: str, error: BaseException) -> str:

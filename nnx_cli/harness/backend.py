@@ -61,7 +61,7 @@ class NNXLM(TemplateLM):
 
     def __init__(
         self,
-        pretrained: str | Path | Target,
+        pretrained: str | Path | Target | None = None,
         step: int | str | None = None,
         best: bool = False,
         batch_size: int | str | None = DEFAULT_BATCH_SIZE,
@@ -73,25 +73,29 @@ class NNXLM(TemplateLM):
         **ignored: Any,
     ) -> None:
         super().__init__()
+        check_model_args(dict(pretrained=pretrained, step=step, best=best, max_length=max_length,
+                              max_gen_toks=max_gen_toks, prefix_token_id=prefix_token_id))  # fmt: skip
+        rows = check_batch_size(batch_size, "batch_size")
         if isinstance(pretrained, Target):
             target = pretrained
         else:
             overrides = [f"model.dtype={dtype}"] if dtype else []
-            target = load_target(str(pretrained), overrides, step=None if step is None else int(step), best=best)
+            target = load_target(str(pretrained), overrides, step=None if step is None else int(step), best=bool(best))
         for name, value in ignored.items():
             if value is not None and name not in ("device", "max_batch_size"):
                 _log.warning("model argument %s=%r is not one nnx takes; ignored", name, value)
         self.target = target
         self.tokenizer = target.tokenizer
-        rows = DEFAULT_BATCH_SIZE if batch_size is None or str(batch_size).startswith("auto") else int(batch_size)
         self.engine = Engine(
-            target.exp.moduledef, target.params, max_length=int(max_length or target.max_length), batch_size=rows,
-            mesh=target.exp.mesh, rules=target.exp.rules,
+            target.exp.moduledef, target.params, batch_size=rows, mesh=target.exp.mesh, rules=target.exp.rules,
+            max_length=int(target.max_length if max_length is None else max_length),
         )  # fmt: skip
+        self._given_max_length = None if max_length is None else int(max_length)
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
-        self.custom_prefix_token_id = prefix_token_id
+        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
         self._stop_windows: dict[str, int] = {}
+        self._task_of: dict[Any, str] = {}
 
     # --- what lm-eval asks of a model -----------------------------------------------------------------------
 
@@ -164,14 +168,43 @@ class NNXLM(TemplateLM):
 
     # --- log-likelihoods ------------------------------------------------------------------------------------
 
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list:
+        self._task_of = {tuple(r.args): r.task_name for r in requests if getattr(r, "task_name", None)}
+        try:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._task_of = {}
+
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
         pairs = [(context, continuation) for _, context, continuation in requests]
+        for request, _, continuation in requests:
+            if len(continuation) > self.max_length:
+                raise UserError(self._too_long(request, len(continuation)))
         with tqdm(total=len(pairs), disable=disable_tqdm, desc="Running loglikelihood requests") as bar:
             answers = self.engine.loglikelihoods(pairs, progress=bar.update)
         for (request, _, _), answer in zip(requests, answers):
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, answer)
         return answers
+
+    def _too_long(self, request: Any, tokens: int) -> str:
+        """The message for a continuation of `tokens` tokens, longer than the model reads: it cannot be scored."""
+        name = self._task_of.get(tuple(request)) if isinstance(request, (tuple, list)) else None
+        task = f"task {name!r}" if name else "a task"
+        scored = f"{task} scores a continuation of {tokens} tokens"
+        if self._given_max_length is None:
+            return (
+                f"--tasks: {scored}, more than the model's context of {self.max_length} tokens (its max_length): "
+                "this model cannot score it; leave that task out"
+            )
+        limit = self.engine.context_limit
+        fix = f"give max_length={tokens} or more" if limit is None or tokens <= limit else (
+            f"the model reads no more than {limit}: leave that task out"
+        )  # fmt: skip
+        return (
+            f"--model_args max_length={self._given_max_length}: {scored}, more than the {self.max_length} positions "
+            f"the model reads with that max_length; {fix}"
+        )
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of whole documents, in windows of `max_length` tokens as lm-eval defines them
@@ -216,9 +249,12 @@ class NNXLM(TemplateLM):
                 if longest <= 0:
                     name = getattr(requests[indices[0]], "task_name", None)
                     task = f"task {name!r}" if name else "a task"
+                    given = (
+                        "" if self._given_max_length is None else f" (--model_args max_length={self._given_max_length})"
+                    )
                     raise UserError(
                         f"--tasks: {task} generates up to {max_gen_toks} tokens (max_gen_toks, lm-eval's default "
-                        f"256), no fewer than the model's context of {self.max_length}: nothing is left for the "
+                        f"256), no fewer than the model's context of {self.max_length}{given}: nothing is left for the "
                         "prompt; set a smaller max_gen_toks in the task's generation_kwargs"
                     )
                 prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=longest) for i in indices]
@@ -279,6 +315,59 @@ class NNXLM(TemplateLM):
             if content and end >= 0:
                 text = text[: end + len(content)]
         return text
+
+
+RUN_TARGET = "<run dir, model dir or .gguf file>"
+
+
+def check_model_args(args: dict[str, Any]) -> None:
+    """The model arguments lm-eval passes (`--model_args key=value,...`, values as lm-eval converts them) that nnx
+    reads, checked before anything is loaded: a UserError naming the first one that is missing or wrong."""
+    if args.get("pretrained") in (None, ""):
+        raise UserError(f"--model_args needs pretrained={RUN_TARGET}")
+    for name, least in (("step", 0), ("max_length", 1), ("max_gen_toks", 1), ("prefix_token_id", 0)):
+        if args.get(name) is not None:
+            _whole(name, args[name], least)
+    best = args.get("best")
+    if best is not None and not (isinstance(best, bool) or best in (0, 1)):
+        raise UserError(f"--model_args best={best}: best must be true or false")
+
+
+def check_batch_size(value: Any, flag: str = "--batch_size") -> int:
+    """Rows per model call: a whole number of at least 1, or lm-eval's `auto` / `auto:N` (32 rows); None: 32."""
+    if value is None or str(value).startswith("auto"):
+        return DEFAULT_BATCH_SIZE
+    number = _number(value)
+    if number is None:
+        raise UserError(f"{flag} must be a whole number of rows (or auto), got {value!r}")
+    if number < 1:
+        raise UserError(f"{flag} must be at least 1, got {number}")
+    return number
+
+
+def _number(value: Any) -> int | None:
+    """`value` as a whole number (`4`, `"4"`, `4.0`), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _whole(name: str, value: Any, least: int) -> int:
+    number = _number(value)
+    if number is None:
+        raise UserError(f"--model_args {name}={value}: {name} must be a whole number")
+    if number < least:
+        raise UserError(f"--model_args {name}={value}: {name} must be {least} or more")
+    return number
 
 
 def _sampling(options: dict[str, Any]) -> dict[str, Any]:
