@@ -474,7 +474,8 @@ class HarnessEval:
         saved = random.getstate(), np.random.get_state()
         try:
             limit = self.options.limit
-            with harness.quiet():  # lm-eval's progress bars and notes: the run's console shows the results table
+            with harness.quiet(), harness.as_config_keys():  # lm-eval's progress bars and notes: the run's console
+                # shows the results table; the errors name eval.harness keys
                 results = harness.evaluate(
                     self.lm, self.tasks, num_fewshot=self.options.num_fewshot,
                     limit=int(limit) if limit is not None and limit >= 1 else limit,

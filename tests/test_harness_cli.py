@@ -296,11 +296,36 @@ eval: {{harness: {{tasks: [local_choices, local_rolling], every_steps: 2, limit:
 """
 
 
-def test_an_unknown_harness_task_in_a_config_is_named_by_its_config_key(project):
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (
+            ["eval.harness.tasks=[local_choicez]"],
+            [
+                "config key 'eval.harness.tasks': unknown task 'local_choicez'",
+                "nor does any YAML in eval.harness.include_path 'tasks'",
+            ],
+        ),
+        (  # the next two were found at the first harness eval, once trained to it, naming nnx-eval's flags
+            ["eval.harness.num_fewshot=40"],
+            ["config key 'eval.harness.num_fewshot' (40): task 'local_choices' has fewer examples to show than that"],
+        ),
+        (
+            [f"model.pretrained={fixture('gpt2')}", "eval.harness.apply_chat_template=true"],
+            ["config key 'eval.harness.apply_chat_template' needs a chat template, and the model has none"],
+        ),
+    ],
+    ids=["unknown-task", "too-many-shots", "no-chat-template"],
+)
+def test_harness_settings_a_run_cannot_meet_are_named_by_their_config_key_before_it_starts(
+    project, overrides, fragments
+):
     (project / "tune.yaml").write_text(TUNE)
-    result = cli("nnx-train", "tune.yaml", "eval.harness.tasks=[local_choicez]", "--workdir", "tune-typo", cwd=project)
-    assert_user_error(result, "config key 'eval.harness.tasks': unknown task 'local_choicez'", "local_choices")
-    assert not (project / "tune-typo").exists()
+    result = cli("nnx-train", "tune.yaml", *overrides, "--workdir", "tune-refused", cwd=project)
+    last = result.stderr.strip().splitlines()[-1]  # after the datasets library's lines, when it first builds a task's
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith("error: ") and all(fragment in last for fragment in fragments), last
+    assert not (project / "tune-refused").exists()
 
 
 def test_a_run_logs_harness_metrics_as_it_trains_and_nnx_eval_of_its_checkpoint_agrees(project):

@@ -466,15 +466,20 @@ def _harness_tasks(exp: Any) -> Any:
         )
     if jax.process_count() > 1:
         raise UserError("config key 'eval.harness' runs in single-process runs; evaluate with nnx-eval --tasks after")
-    with PHASES("data"):
-        try:
-            return harness.load_tasks(options.tasks, options.include_path)
-        except UserError as e:  # its messages name nnx-eval's options: here they are config keys
-            message = str(e)
-            for flag, key in (("--tasks", "eval.harness.tasks"), ("--include-path", "eval.harness.include_path")):
-                if message.startswith(flag):
-                    message = f"config key '{key}'{message[len(flag) :]}"
-            raise UserError(message) from None
+    with harness.as_config_keys(), PHASES("data"):
+        tasks = harness.load_tasks(options.tasks, options.include_path)
+        harness.check_fewshot(tasks, options.num_fewshot)  # found at the first harness eval, it ended the run there
+        if options.apply_chat_template:
+            from nnx_cli.data.tokenizers import load_tokenizer
+            from nnx_cli.lm import run_chat_template
+
+            tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
+            if (run_chat_template(exp.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)) is None:
+                raise UserError(
+                    "config key 'eval.harness.apply_chat_template' needs a chat template, and the model has none "
+                    "(chat_template.jinja, or chat_template in tokenizer_config.json, or data.chat_template)"
+                )
+        return tasks
 
 
 def plan(exp: Any, harness_tasks: Any = None) -> tuple[int, Any, Any]:

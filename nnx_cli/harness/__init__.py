@@ -102,6 +102,47 @@ def load_tasks(names: Sequence[str], include_path: str | Path | None = None) -> 
     return Tasks(names, objects, manager)
 
 
+@contextlib.contextmanager
+def as_config_keys() -> Iterator[None]:
+    """The UserErrors of this module name nnx-eval's options; in a training run they are `eval.harness` keys."""
+    try:
+        yield
+    except UserError as e:
+        message = str(e)
+        for flag, key in (("--tasks", "tasks"), ("--include-path", "include_path"), ("--num-fewshot", "num_fewshot"),
+                          ("--apply-chat-template", "apply_chat_template"), ("--limit", "limit")):  # fmt: skip
+            given = re.match(rf"{flag} ([^:\s]+):", message)  # `--num-fewshot 10: ...`
+            if given:
+                message = f"config key 'eval.harness.{key}' ({given.group(1)}){message[len(given.group(0)) - 1 :]}"
+            elif message.startswith(flag):
+                message = f"config key 'eval.harness.{key}'{message[len(flag) :]}"
+            message = message.replace(flag, f"eval.harness.{key}")
+        raise UserError(message) from None
+
+
+def check_fewshot(tasks: Tasks, num_fewshot: int | None) -> None:
+    """A UserError when a task has fewer examples to show than `num_fewshot`: the few-shot context of its first
+    document is built as lm-eval builds it (found at the first evaluation, it ended a training run there)."""
+    if not num_fewshot:
+        return
+    for task in tasks.objects:
+        if not hasattr(task, "fewshot_context") or not hasattr(task, "eval_docs"):
+            continue  # a group: its tasks are checked when evaluated
+        try:
+            first = next(iter(task.eval_docs), None)
+            if first is not None:
+                task.fewshot_context(first, num_fewshot)
+        except ValueError as e:
+            if "Sample larger than population" in str(e):
+                name = getattr(task, "task_name", None) or getattr(getattr(task, "config", None), "task", "?")
+                raise UserError(
+                    f"--num-fewshot {num_fewshot}: task {name!r} has fewer examples to show than that; lower "
+                    "--num-fewshot (or give the task a larger fewshot_split)"
+                ) from None
+        except Exception:  # anything else is the evaluation's to report, as before
+            continue
+
+
 def _manager(names: list[str], include_path: str | Path | None) -> Any:
     """A TaskManager that knows every name: the include path alone when it defines them all (indexing lm-eval's
     own thousands of tasks takes seconds), else lm-eval's tasks and the include path."""
