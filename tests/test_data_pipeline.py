@@ -51,6 +51,16 @@ def test_workers_default_to_the_cores_and_0_means_none():
     assert worker_count(None) == len(os.sched_getaffinity(0)) and worker_count(0) == 0 and worker_count(3) == 3
 
 
+def test_more_workers_than_four_a_core_are_capped_there_with_a_notice(capfd):
+    """A typo's 100000 started one worker process per dispatch (a 24-step run: 76 s instead of 7)."""
+    cores = len(os.sched_getaffinity(0))
+    assert worker_count(4 * cores) == 4 * cores and capfd.readouterr().err == ""
+    assert worker_count(100000) == 4 * cores
+    assert f"notice: data.workers (100000) is more than four worker processes for each of this machine's {cores} " in (
+        capfd.readouterr().err
+    )
+
+
 def test_dispatches_are_aligned_to_multiples_of_k_with_single_steps_around():
     assert dispatches(0, 10, 4) == [(0, 4), (4, 4), (8, 1), (9, 1)]
     assert dispatches(7, 9, 10) == [(7, 1), (8, 1)]

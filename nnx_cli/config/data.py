@@ -38,7 +38,9 @@ class DataConfig:
     )
     seq_len: int = setting(256, "tokens per training window (text and examples)", values=">= 1")
     workers: int | None = setting(
-        None, "worker processes decoding and reading batches; null: the machine's cores; 0: none", values=">= 0"
+        None,
+        "worker processes decoding and reading batches; null: the machine's cores; 0: none; at most four a core",
+        values=">= 0",
     )
     cache_dir: str | None = setting(
         None, "where decoded images, token streams and example rows are cached; null: `nnx/` under the datasets cache"

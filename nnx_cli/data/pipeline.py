@@ -60,14 +60,23 @@ _CPU_FALLBACK_BYTES = 1 << 30  # on-device budget where a device reports no memo
 
 def worker_count(workers: int | None) -> int:
     """`data.workers`: None means one worker process per core this process may run on; 0 reads in this process.
+    More than four a core is capped there, with a notice (a typo's 100000 started a process per dispatch, and a
+    run of 24 steps took 76 s instead of 7).
 
     >>> worker_count(0)
     0
     """
-    if workers is not None:
-        return workers
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # a container may pin us to fewer
-    return len(cores) if cores else (os.cpu_count() or 1)
+    count = len(cores) if cores else (os.cpu_count() or 1)
+    if workers is None:
+        return count
+    if workers > 4 * count:
+        from nnx_cli.data.sources import notice
+
+        notice(("workers", workers), f"notice: data.workers ({workers}) is more than four worker processes for each "
+               f"of this machine's {count} cores; {4 * count} read the data")  # fmt: skip
+        return 4 * count
+    return workers
 
 
 def map_ordered(fn: Callable[[Any], T], items: int | Sequence[Any], workers: int, buffer: int = 2) -> Iterator[T]:
