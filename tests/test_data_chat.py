@@ -467,9 +467,9 @@ def test_a_template_sees_the_special_tokens_a_directory_names_and_nothing_for_th
 def test_a_text_key_beside_chat_data_is_said_to_be_unread(capsys, monkeypatch):
     from nnx_cli import experiment
     from nnx_cli.config import Config
-    from nnx_cli.data import sources
+    from nnx_cli.data import base
 
-    monkeypatch.setattr(sources, "_noticed", set())  # said once a process: this one may have said it already
+    monkeypatch.setattr(base, "_noticed", set())  # said once a process: this one may have said it already
     cfg = Config()
     cfg.data = DataConfig(source="chats.jsonl", format="chat", text_key="text")
     experiment._notice_unread(cfg, "train")
@@ -479,7 +479,7 @@ def test_a_text_key_beside_chat_data_is_said_to_be_unread(capsys, monkeypatch):
     experiment._notice_unread(cfg, "train")
     assert capsys.readouterr().err == ""
     # a model directory evaluated on chats (the GGUF guide): it sets data.text_key for text, never for chats
-    monkeypatch.setattr(sources, "_noticed", set())
+    monkeypatch.setattr(base, "_noticed", set())
     experiment._notice_unread(hf.model_dir_config(fixture("qwen2"), ["data.format=chat"]), "eval")
     assert capsys.readouterr().err == ""
     assert hf.model_dir_config(fixture("qwen2"), []).data.text_key == "text"

@@ -24,6 +24,7 @@ number of processes.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
@@ -85,3 +86,14 @@ class EvalSplit(Protocol):
 
     def prepare(self, rows: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """As :meth:`TrainSplit.prepare`."""
+
+
+_noticed: set[tuple[str, ...]] = set()
+
+
+def notice(key: tuple[str, ...], message: str) -> None:
+    """Say `message` once per process, on process 0 only (every process of a run loads the same data)."""
+    if key not in _noticed:
+        _noticed.add(key)
+        if jax.process_index() == 0:
+            print(message, file=sys.stderr, flush=True)

@@ -117,7 +117,7 @@ def get_or_build(root: Path, name: str, parts: dict[str, Any], build: Callable[[
                 cause = damage(final)
                 if cause is None:  # another process built (or rebuilt) it while this one waited
                     return Entry(final)
-                from nnx_cli.data.sources import notice
+                from nnx_cli.data.base import notice
 
                 notice(
                     ("cache", str(final), cause),

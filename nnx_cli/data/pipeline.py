@@ -71,7 +71,7 @@ def worker_count(workers: int | None) -> int:
     if workers is None:
         return count
     if workers > 4 * count:
-        from nnx_cli.data.sources import notice
+        from nnx_cli.data.base import notice
 
         notice(("workers", workers), f"notice: data.workers ({workers}) is more than four worker processes for each "
                f"of this machine's {count} cores; {4 * count} read the data")  # fmt: skip

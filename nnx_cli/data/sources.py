@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from nnx_cli.data.base import notice
 from nnx_cli.data.cache import local_fingerprint
 from nnx_cli.errors import UserError, did_you_mean, first_line
 
@@ -274,19 +275,6 @@ def _them(files: list[Path]) -> str:
 
 def _warn(source: str, message: str) -> None:
     notice((source, message), message)
-
-
-_noticed: set[tuple[str, ...]] = set()
-
-
-def notice(key: tuple[str, ...], message: str) -> None:
-    """Say `message` once per process, on process 0 only (every process of a run loads the same data)."""
-    import jax
-
-    if key not in _noticed:
-        _noticed.add(key)
-        if jax.process_index() == 0:
-            print(message, file=sys.stderr, flush=True)
 
 
 def announce_download(what: str) -> None:
