@@ -69,7 +69,7 @@ class Checkpointer:
     Old steps are removed by `integrity.prune` (on process 0, once the newer
     step is sealed), never one that no newer verified step replaces, nor
     those in `protect` (the best step, with `checkpoint.keep_best`). Steps in `passed_over` (saved for
-    `keep_best` alone, then bettered) do not count among the `keep` newest: they go once no longer the best.
+    `keep_best` alone) do not count among the `keep` newest: they go once no longer the best.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class Checkpointer:
         self._failed = False
         self.keep = keep
         self.protect: set[int] = set()
-        self.passed_over: set[int] = set()  # steps saved for keep_best alone that are no longer the best
+        self.passed_over: set[int] = set()  # steps saved for keep_best alone: not among checkpoint.keep's newest
         self._pruned_protecting: set[int] = set()  # `protect` as the last prune saw it
 
     @property

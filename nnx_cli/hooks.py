@@ -228,6 +228,8 @@ class KeepBest:
         self.best = record if record and record.get("metric") == metric and record["step"] <= start else None
         if self.best is not None:
             checkpoint.checkpointer.protect = {self.best["step"]}
+            if self.best.get("only_for_best"):
+                checkpoint.checkpointer.passed_over.add(self.best["step"])
 
     def __call__(self, loop: Loop) -> None:
         from nnx_cli.workdir import write_best
@@ -243,8 +245,8 @@ class KeepBest:
             self.checkpoint.saved != loop.step and loop.step % self.checkpoint.every and (loop.step != loop.total)
         )
         self.checkpoint(loop)  # saves this step unless it is saved already
-        if self.best is not None and self.best.get("only_for_best"):
-            self.checkpoint.checkpointer.passed_over.add(self.best["step"])
+        if only_for_best:  # kept while the best (protected), then pruned as any step beyond checkpoint.keep's newest
+            self.checkpoint.checkpointer.passed_over.add(loop.step)
         self.best = {"step": loop.step, "metric": self.metric, "mode": self.mode, "value": value,
                      "only_for_best": bool(only_for_best)}  # fmt: skip
         self.checkpoint.checkpointer.protect = {loop.step}
@@ -565,10 +567,8 @@ class Profile:
             jax.profiler.start_trace(str(self.directory))
             self.active = True
             if jax.process_index() == 0:
-                end = min(max(self.last, upcoming[1]), loop.total)
-                print(f"profiling steps {loop.step} to {end} ({'whole dispatches of ' if self.every > 1 else ''}"
-                      f"{self.every} step{'s' if self.every > 1 else ''}) into {self.directory}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(f"profiling from step {loop.step} to the end of the dispatch that reaches step "
+                      f"{min(self.last, loop.total)}, into {self.directory}", file=sys.stderr, flush=True)  # fmt: skip
         elif self.active and loop.step >= self.last:
             self.end(loop)
 

@@ -267,8 +267,8 @@ def prune(
     """Delete old steps beyond the newest `keep`, but only those older than a step that verifies.
 
     Steps in `protect` (the best one, with `checkpoint.keep_best`) are never
-    deleted; those in `passed_over` (saved for `keep_best` alone, and no longer the best) do not count among the
-    newest `keep`, and go as the others do. No step is deleted while no newer one verifies: a run whose newest
+    deleted; those in `passed_over` (saved for `keep_best` alone) do not count among the newest `keep`, and go as
+    the others do once no longer protected. No step is deleted while no newer one verifies: a run whose newest
     checkpoints are damaged (or unsealed) keeps its older ones. A deleted step is
     first renamed out of Orbax's sight, so a crash mid-delete leaves no
     half-deleted step that looks committed. Returns the deleted steps. Call it

@@ -326,11 +326,28 @@ def test_a_profile_window_inside_a_dispatch_traces_the_dispatches_that_hold_it(w
     loop.run(run, ((4, None) for _ in range(2)), dispatch, [profile])
     assert seen == [window[0] < 4, window[0] >= 4] and not profile.active
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
-    assert f"profiling steps {4 * (window[0] >= 4)} to {4 + 4 * (window[0] >= 4)} (whole dispatches of 4 steps)" in (
-        capfd.readouterr().err
-    )
+    said = f"profiling from step {4 * (window[0] >= 4)} to the end of the dispatch that reaches step {sum(window)}"
+    assert said in capfd.readouterr().err
     with pytest.raises(UserError, match=r"'train.profile' \(\[8, 2\]\) starts after the run's last step \(8\)"):
         train._check_profile([8, 2], 8)
+
+
+def test_a_best_step_saved_for_that_alone_never_takes_the_place_of_a_periodic_checkpoint(tmp_path: Path):
+    """Evals every 2 steps, checkpoints every 4, keep 2, the best at step 14 and not beaten at 16: the run ended
+    with 14 and 16, step 12 pruned, as if 14 were one of the newest two periodic checkpoints."""
+    exp = setup(tiny("train.steps=16"))
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=2, async_=False)
+    guard = hooks.Guard(ckpt, tmp_path / "checkpoints")
+    values = iter([9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 3.5])  # steps 2, 4, ..., 16: the best at 14
+    evaluate = hooks.Evaluate(2, lambda state: {"nelbo": next(values)}, Recorder(), guard)
+    save = hooks.Checkpoint(4, ckpt, guard)
+    best = hooks.KeepBest(evaluate, save, "nelbo", "min", start=0)
+    run = loop.Loop(exp, exp.init_state(), steps.empty_sums(exp.metric_names), step=0, total=16)
+    loop.run(run, ((2, None) for _ in range(8)), lambda state, sums, xs: (state, sums, jnp.ones((), bool)),
+             [evaluate, best, save])  # fmt: skip
+    ckpt.close()
+    assert ckpt.all_steps() == [12, 14, 16]
+    assert json.loads((tmp_path / "checkpoints" / "best.json").read_text())["step"] == 14
 
 
 def test_keep_best_never_takes_a_non_finite_eval_value(tmp_path: Path):
