@@ -107,6 +107,20 @@ def test_lm_evals_command_line_reads_only_the_include_path_when_it_defines_every
     assert set(lm_eval.tasks.TaskManager(include_path=str(project / "tasks")).all_tasks) == set(TASKS)
 
 
+def test_lm_evals_command_line_leaves_the_tasks_of_a_config_file_to_lm_eval(project, monkeypatch):
+    """With `--config`, the include path (and the tasks) may be in the file: the early check looked for the
+    config's tasks in lm-eval's own alone, and refused them."""
+    from lm_eval._cli import HarnessCLI
+
+    from nnx_cli.harness.__main__ import _check
+
+    config = project / "harness_config.yaml"
+    config.write_text(f"model: nnx\nmodel_args: {{pretrained: {fixture('gpt2')}}}\ninclude_path: {project / 'tasks'}\n")
+    monkeypatch.setattr(sys, "argv", ["python -m nnx_cli.harness", "run", "--config", str(config), "--tasks",
+                                      "local_choices"])  # fmt: skip
+    _check(HarnessCLI().parse_args())  # no UserError: lm-eval reads the file, then the nnx model checks its args
+
+
 # Mistakes, named
 # --------------------------------------------------------------------------------------------------------------
 

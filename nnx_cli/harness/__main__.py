@@ -62,11 +62,13 @@ def _check(args: Any) -> None:
             size = model_args["batch_size"]
             raise UserError(f"--model_args batch_size={size}: give it as --batch_size {size}")
         check_batch_size(getattr(args, "batch_size", None))
+    if getattr(args, "config", None) is not None:  # its include_path and tasks may come from the file: lm-eval's
+        return
     include_path = getattr(args, "include_path", None)
     if include_path is not None and not Path(include_path).is_dir():
         raise UserError(f"--include_path {str(include_path)!r} is not a directory of task YAMLs")
     names = [n.strip() for n in getattr(args, "tasks", None) or [] if n and n.strip()]
-    if not names and getattr(args, "config", None) is None:
+    if not names:
         raise UserError("--tasks names no task: give lm-eval task or group names, comma-separated")
     if len(names) == 1 and Path(names[0]).is_dir():
         return  # lm-eval's directory of task YAMLs
