@@ -48,13 +48,22 @@ def check_workdir(workdir: Path) -> list[Path]:
         raise UserError(f"cannot create work dir {str(workdir)!r}: {e.strerror or e}") from None
     if not os.access(workdir, os.W_OK | os.X_OK):
         raise UserError(f"work dir {str(workdir)!r} is not writable")
-    for name in _REPLACED:  # a link to nothing: the run failed writing through it, with a traceback
+    for name in ("checkpoints", "metrics.jsonl", "config.yaml", "run.json"):  # what every run writes
         path = workdir / name
-        if path.is_symlink() and not path.exists():
-            raise UserError(
-                f"{str(path)!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; create what it "
-                "points to, remove the link, or pass another --workdir"
-            )
+        if not path.is_symlink() or path.exists():
+            continue
+        target = path.parent / os.readlink(path)  # a link to a file not yet made is fine: the run makes it
+        if name != "checkpoints" and target.parent.is_dir():
+            continue
+        missing = (
+            "which does not exist"
+            if name == "checkpoints"
+            else f"whose directory {str(target.parent)!r} does not exist"
+        )
+        raise UserError(  # a FileNotFoundError traceback where the run first wrote through it
+            f"{str(path)!r} is a symbolic link to {os.readlink(path)!r}, {missing}; create it, remove the link, or "
+            "pass another --workdir"
+        )
     for name, kind in _LAYOUT.items():
         path = workdir / name
         if path.exists() and path.is_dir() != (kind == "a directory"):
@@ -98,6 +107,11 @@ def remove_if_empty(directories: Sequence[Path]) -> None:
 
 ASIDE = ".replaced"  # where `nnx-train --no-resume` keeps the earlier run until the new one has a checkpoint
 _REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "tensorboard", "wandb", "config.yaml", "run.json")
+
+
+def set_aside_names(directory: Path) -> list[str]:
+    """What `--no-resume` sets aside in the work dir `directory`: the names :func:`set_aside` moves."""
+    return _replaced(directory)
 
 
 def _replaced(directory: Path) -> list[str]:

@@ -57,15 +57,31 @@ def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path):
         check_workdir(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "tensorboard", "checkpoints"])
-def test_a_link_in_the_work_dir_to_nothing_is_refused_naming_it(tmp_path: Path, name: str):
-    """A run writing through a link to a path that does not exist ended in a traceback (FileNotFoundError)."""
+@pytest.mark.parametrize("name", ["metrics.jsonl", "checkpoints"])
+def test_a_link_in_the_work_dir_that_a_run_cannot_write_through_is_refused_naming_it(tmp_path: Path, name: str):
+    """A run writing through a link to a path that cannot be made ended in a traceback (FileNotFoundError); a link
+    to a file not made yet, in a directory that exists, is written through (the run makes the file)."""
     (tmp_path / name).symlink_to(tmp_path / "gone" / name)
-    with pytest.raises(UserError, match=rf"/{name}' is a symbolic link to '.*/gone/{name}', which does not exist"):
+    problem = "which does not exist" if name == "checkpoints" else "whose directory '.*/gone' does not exist"
+    with pytest.raises(UserError, match=rf"/{name}' is a symbolic link to '.*/gone/{name}', {problem}; create it"):
         check_workdir(tmp_path)
     (tmp_path / "gone").mkdir()
-    ((tmp_path / "gone" / name).mkdir if name != "metrics.jsonl" else (tmp_path / "gone" / name).touch)()
-    check_workdir(tmp_path)  # a link to what exists is the user's choice
+    if name == "checkpoints":
+        with pytest.raises(UserError, match="which does not exist"):
+            check_workdir(tmp_path)
+        (tmp_path / "gone" / name).mkdir()
+    check_workdir(tmp_path)  # a link the run can write through is the user's choice
+
+
+def test_no_resume_refuses_an_init_from_only_where_it_sets_the_earlier_run_aside(tmp_path: Path):
+    """An adapter directory kept in the work dir is not set aside: it was refused with the run's own checkpoints."""
+    workdir = tmp_path / "run"
+    for name in ("checkpoints/4", "peft_adapter"):
+        (workdir / name).mkdir(parents=True)
+    for inside in (workdir, workdir / "checkpoints" / "4"):
+        with pytest.raises(UserError, match=r"is inside the work dir that --no-resume starts over in"):
+            train._check_init_from_outside(str(inside), workdir)
+    train._check_init_from_outside(str(workdir / "peft_adapter"), workdir)
 
 
 def test_a_second_lock_on_a_work_dir_fails_naming_the_holder(tmp_path: Path):

@@ -154,7 +154,6 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     from nnx_cli.workdir import (
         best_record,
         check_workdir,
-        discard_unwritten,
         remove_if_empty,
         settle_aside,
         update_run_info,
@@ -176,11 +175,9 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
             best_record(workdir / "checkpoints")  # and a best.json that cannot be read (its step would be pruned)
         if not resume:  # and an init_from in what --no-resume sets aside (it was not found there, then put back)
             _check_init_from_outside(cfg.checkpoint.init_from, workdir)
-        session = open_session(exp, workdir, resume)
+        session = open_session(exp, workdir, resume, made=bool(created))
     except BaseException:
-        if created:  # a run stopped before it wrote anything leaves no empty work dir (nor its lock)
-            discard_unwritten(workdir)
-        remove_if_empty(created)
+        remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir (nor its lock)
         raise
     chosen: list[Any] = []  # the hooks, once prepared
     try:
@@ -221,11 +218,15 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
 
 
 def _check_init_from_outside(init_from: str | None, workdir: Path) -> None:
-    """A UserError when `checkpoint.init_from` is inside the work dir a `--no-resume` run sets aside."""
+    """A UserError when `checkpoint.init_from` is what a `--no-resume` run sets aside in its work dir (the work dir
+    itself, or its checkpoints); an adapter directory kept elsewhere in the work dir is left where it is."""
+    from nnx_cli.workdir import set_aside_names
+
     if init_from is None or not Path(init_from).exists():
         return
     source, target = Path(init_from).resolve(), workdir.resolve()
-    if source == target or target in source.parents:
+    aside = [target / name for name in set_aside_names(target)]
+    if source == target or any(source == p or p in source.parents for p in aside):
         raise UserError(
             f"config key 'checkpoint.init_from' ({init_from!r}) is inside the work dir that --no-resume starts over "
             "in: its checkpoints are set aside, then deleted; copy that run elsewhere first, or pass another --workdir"
@@ -292,11 +293,12 @@ class Session:
             self.lock.close()
 
 
-def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
+def open_session(exp: Any, workdir: Path, resume: bool, made: bool = False) -> Session:
     """Lock the work dir, then resume from its newest usable checkpoint (which must fit the config) or start
-    afresh; only then write the resolved config and run.json."""
+    afresh; only then write the resolved config and run.json. `made`: this run created the work dir; if it fails
+    here, its lock and empty `checkpoints/` go with it (`remove_if_empty` then takes the directory)."""
     from nnx_cli import report
-    from nnx_cli.workdir import ASIDE, lock_workdir, set_aside, settle_aside
+    from nnx_cli.workdir import ASIDE, discard_unwritten, lock_workdir, set_aside, settle_aside
 
     is_main = _distributed.is_main()
     console = report.stderr_console(quiet=not is_main)
@@ -318,6 +320,9 @@ def open_session(exp: Any, workdir: Path, resume: bool) -> Session:
     except BaseException:
         forget()
         settle_aside(aside)
+        if made and lock is not None:
+            lock.close()
+            discard_unwritten(workdir)
         raise
     session.aside, session.forget_aside = aside, forget
     return session
