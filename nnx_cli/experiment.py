@@ -141,9 +141,12 @@ class Experiment:
                     f"here on those of model.pretrained, {self.pretrained.source}")  # fmt: skip
         else:  # a base drawn from a seed on either side
             drawn = lambda seed: f"a base drawn from seed {seed}"  # noqa: E731
-            trained_on = manifest["base"].get("source") if "base" in manifest else drawn(run.cfg.seed)
+            if "base" in manifest:
+                trained_on = manifest["base"].get("source")
+            else:  # an older checkpoint without the record says nothing of a base it was trained on
+                trained_on = drawn(run.cfg.seed) if run.cfg.model.pretrained is None else None
             here = self.pretrained.source if self.pretrained is not None else drawn(self.cfg.seed)
-            if trained_on != here:
+            if trained_on is not None and trained_on != here:
                 say(f"notice: the adapters of {where} were trained on {trained_on}; they start here on {here}")
         return params, "adapters", str(where)
 

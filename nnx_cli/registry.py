@@ -163,9 +163,8 @@ def add_import_paths(paths: Mapping[str, str]) -> None:
     module is then imported from the directory the run recorded, even where the current directory holds a file
     of the same name (it took that one: other code, other numbers, without a word)."""
     for name, directory in paths.items():
-        if Path(directory).is_dir():
-            if directory not in sys.path:
-                sys.path.insert(0, directory)
+        if Path(directory).is_dir() and directory not in sys.path:  # one on the path already (site-packages) stays
+            sys.path.insert(0, directory)
             _pinned[name] = directory
 
 
