@@ -151,13 +151,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     from nnx_cli import hooks
     from nnx_cli import loop as loops
     from nnx_cli.experiment import setup
-    from nnx_cli.workdir import (
-        best_record,
-        check_workdir,
-        remove_if_empty,
-        settle_aside,
-        update_run_info,
-    )
+    from nnx_cli.workdir import best_record, check_workdir, remove_if_empty, settle_aside, update_run_info
 
     created = check_workdir(workdir)  # before any data is read or downloaded
     try:
