@@ -115,6 +115,12 @@ def run_chat_template(cfg: Any, tokenizer: Any) -> str | None:
     return examples.chat_template(cfg.data, tokenizer) if cfg.data.chat_template is not None else None
 
 
+def chat_template_of(cfg: Any, tokenizer: Any) -> str | None:
+    """The chat template a run's model chats with: the run's `data.chat_template`, else its tokenizer's (None when
+    neither has one)."""
+    return run_chat_template(cfg, tokenizer) or getattr(tokenizer, "chat_template", None)
+
+
 def encode_prompt(
     tokenizer: Any, prompt: str, chat: bool, system: str | None, template: str | None = None
 ) -> list[int]:

@@ -49,9 +49,8 @@ DEFAULT = "adam"
 _FIXED = ("name", "learning_rate", "clip_grad_norm", "weight_decay_mask", "chain")
 
 
-_NEEDS_THE_LOSS = (
-    "lbfgs",
-)  # its update takes the loss, its gradient and the loss function: no trainer step gives them
+# its update takes the loss, its gradient and the loss function: no trainer step gives them
+_NEEDS_THE_LOSS = ("lbfgs",)
 
 
 def optimizer_names() -> list[str]:
@@ -132,8 +131,9 @@ def build(cfg: OptimizerConfig, total_steps: int | None) -> tuple[optax.Gradient
                 "config key 'optimizer.chain' is empty: list the optax pieces that make the optimizer, for example "
                 "[{name: scale_by_adam}, {name: scale_by_learning_rate}], or set it to null and name an optimizer"
             )
-        tx = optax.chain(*(_piece(p, i, learning_rate, mask) for i, p in enumerate(cfg.chain)))
-        _check_chain(cfg.chain, mask is not None)
+        pieces = [_piece(p, i, learning_rate, mask) for i, p in enumerate(cfg.chain)]
+        tx = optax.chain(*(piece for _, piece in pieces))
+        _check_chain([fn for fn, _ in pieces], mask is not None)
     else:
         name = resolved_name(cfg)
         if name in _NEEDS_THE_LOSS:
@@ -206,17 +206,17 @@ def _call(
     return tx
 
 
-def _check_chain(chain: list[dict[str, Any]], masked: bool) -> None:
-    """A chain with no weight decay for `weight_decay_mask: kernels` is a UserError (the key did nothing); one
-    with no piece that takes the learning rate gets a notice: `optimizer.learning_rate`, logged, is not used."""
-    functions = [_piece_function(piece["name"], f"optimizer.chain[{i}]") for i, piece in enumerate(chain)]
+def _check_chain(functions: list[Callable], masked: bool) -> None:
+    """For the chain of optax `functions`: no weight decay for `weight_decay_mask: kernels` is a UserError (the
+    key did nothing); no piece that takes the learning rate gets a notice: `optimizer.learning_rate`, logged, is
+    not used."""
     if masked and not any(decay_mask_parameter(fn) for fn in functions):
         raise UserError(
             "config key 'optimizer.weight_decay_mask' is kernels, but no piece of optimizer.chain has weight decay; "
             "add {name: add_decayed_weights, weight_decay: ...} (or use a piece with weight decay, such as adamw)"
         )
     if not any("learning_rate" in signature(fn).parameters for fn in functions):
-        from nnx_cli.data.sources import notice
+        from nnx_cli.data.base import notice
 
         notice(("learning_rate", "chain"), "notice: no piece of optimizer.chain takes a learning_rate "
                "(scale_by_learning_rate does): optimizer.learning_rate is not used (the learning_rate logged is the "
@@ -225,8 +225,9 @@ def _check_chain(chain: list[dict[str, Any]], masked: bool) -> None:
 
 def _piece(
     spec: dict[str, Any], index: int, learning_rate: Schedule, mask: Callable | None
-) -> optax.GradientTransformation:
-    """One `optimizer.chain` entry: `{name: <optax function or package.module:fn>, **keywords}`."""
+) -> tuple[Callable, optax.GradientTransformation]:
+    """One `optimizer.chain` entry, `{name: <optax function or package.module:fn>, **keywords}`: the function it
+    names, and what it made."""
     key = f"optimizer.chain[{index}]"
     options = dict(spec)
     name = options.pop("name", None)
@@ -235,7 +236,7 @@ def _piece(
             f"config key {key!r} needs a 'name': an optax function such as scale_by_adam, or package.module:fn"
         )
     fn = _piece_function(name, key)
-    return _call(fn, options, learning_rate, mask if decay_mask_parameter(fn) else None, f"{key}.", _describe(name))
+    return fn, _call(fn, options, learning_rate, mask if decay_mask_parameter(fn) else None, f"{key}.", _describe(name))
 
 
 def _piece_function(name: str, key: str) -> Callable:

@@ -143,8 +143,7 @@ def state_shardings(abstract: Any, mesh: Mesh, rules: list[tuple[str, Any]]) -> 
         for name, size in zip(spec, getattr(leaf, "shape", ())):
             if isinstance(name, str):
                 sizes.setdefault(name, set()).add(size)
-    check_rules([name for spec in jax.tree.leaves(logical) for name in spec if isinstance(name, str)], mesh, rules,
-                sizes)  # fmt: skip
+    check_rules(list(sizes), mesh, rules, sizes)
     shardings = nnx.spmd.logical_to_mesh_sharding(logical, mesh, rules)
     entries = [
         (jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"), leaf, names, sharding)

@@ -110,11 +110,6 @@ _REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "tensorboard",
 
 
 def set_aside_names(directory: Path) -> list[str]:
-    """What `--no-resume` sets aside in the work dir `directory`: the names :func:`set_aside` moves."""
-    return _replaced(directory)
-
-
-def _replaced(directory: Path) -> list[str]:
     """The names `--no-resume` sets aside: `_REPLACED`, and the earlier configs kept as `config.<step>.yaml` in
     `directory`."""
     return [*_REPLACED, *sorted(p.name for p in directory.glob("config.*.yaml") if p.is_file())]
@@ -129,7 +124,7 @@ def set_aside(workdir: Path) -> Path | None:
     A `.replaced` already there is what a run killed before its first checkpoint left: deleted first."""
     aside = workdir / ASIDE
     shutil.rmtree(aside, ignore_errors=True)
-    moved = [name for name in _replaced(workdir) if (workdir / name).exists()]
+    moved = [name for name in set_aside_names(workdir) if (workdir / name).exists()]
     if not moved:
         return None
     aside.mkdir()
@@ -152,7 +147,7 @@ def settle_aside(aside: Path | None, *, delete: bool = True, put_back: bool = Fa
         if delete:
             shutil.rmtree(aside, ignore_errors=True)
         return False
-    for name in _replaced(aside):  # the work dir as it was: what the new run wrote in these places goes
+    for name in set_aside_names(aside):  # the work dir as it was: what the new run wrote in these places goes
         new = workdir / name
         if new.is_dir() and not new.is_symlink():
             shutil.rmtree(new)

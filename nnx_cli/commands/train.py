@@ -470,10 +470,9 @@ def _harness_tasks(exp: Any) -> Any:
         harness.check_fewshot(tasks, options.num_fewshot)  # found at the first harness eval, it ended the run there
         if options.apply_chat_template:
             from nnx_cli.data.tokenizers import load_tokenizer
-            from nnx_cli.lm import run_chat_template
+            from nnx_cli.lm import chat_template_of
 
-            tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-            if (run_chat_template(exp.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)) is None:
+            if chat_template_of(exp.cfg, load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)) is None:
                 raise UserError(
                     "config key 'eval.harness.apply_chat_template' needs a chat template, and the model has none "
                     "(chat_template.jinja, or chat_template in tokenizer_config.json, or data.chat_template)"

@@ -184,7 +184,7 @@ def _check_json_decodes(source: str, path: Path) -> None:
         return
     found = _first_undecodable(path)
     if found is not None:
-        raise UserError(_not_utf8(source, path, None))
+        raise UserError(_not_utf8(source, path, None, found))
 
 
 @contextlib.contextmanager
@@ -375,8 +375,13 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
-def _not_utf8(source: str, path: Path, error: UnicodeDecodeError | None) -> str:
-    found = _first_undecodable(path) if path.exists() else None
+def _not_utf8(
+    source: str, path: Path, error: UnicodeDecodeError | None, found: tuple[Path, int, int, int] | None = None
+) -> str:
+    """The message for a source that is not UTF-8: the file, offset and line of its first bad byte (`found`, else
+    looked for), and how to convert it."""
+    if found is None:
+        found = _first_undecodable(path) if path.exists() else None
     if found is None:  # a Hub dataset, or a file that decodes after all: say what `datasets` said
         return (
             f"config key 'data.source': cannot load dataset {source!r}: a file of it is not UTF-8 text ({error}); "

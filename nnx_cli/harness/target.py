@@ -70,17 +70,17 @@ def _model_dir(target: str, overrides: list[str]) -> Target:
 def training_target(exp: Any, params: Any, workdir: Path | None, step: int) -> Target:
     """The model a training run is training, as a Target (its current parameters)."""
     from nnx_cli.data.tokenizers import load_tokenizer
-    from nnx_cli.lm import run_chat_template
+    from nnx_cli.lm import chat_template_of
 
     tokenizer = load_tokenizer(exp.cfg.data.tokenizer, exp.cfg.model.pretrained)
-    template = run_chat_template(exp.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)
+    template = chat_template_of(exp.cfg, tokenizer)
     return Target(str(workdir), exp, params, tokenizer, step, workdir, max_length_of(exp), template)
 
 
 def _run(target: str | Path, overrides: list[str], step: int | None, best: bool, say: Any) -> Target:
     from nnx_cli import restore, sharding, steps
     from nnx_cli.data.tokenizers import load_tokenizer
-    from nnx_cli.lm import language_model, run_chat_template
+    from nnx_cli.lm import chat_template_of, language_model
     from nnx_cli.workdir import open_run
 
     run = open_run(target, overrides, step, best=best)
@@ -96,7 +96,7 @@ def _run(target: str | Path, overrides: list[str], step: int | None, best: bool,
     if steps.FROZEN in placed:  # adapters: their base parameters too
         params = params | exp.frozen_params(placed[steps.FROZEN])
     tokenizer = load_tokenizer(run.cfg.data.tokenizer, run.cfg.model.pretrained)
-    template = run_chat_template(run.cfg, tokenizer) or getattr(tokenizer, "chat_template", None)
+    template = chat_template_of(run.cfg, tokenizer)
     return Target(str(target), exp, params, tokenizer, restored, run.workdir, max_length_of(exp), template)
 
 
