@@ -121,9 +121,11 @@ def set_aside(workdir: Path) -> Path | None:
     `<workdir>/.replaced` (None when there were none). `settle_aside` deletes them once the new run has committed
     a checkpoint, and puts them back when it stops before that: a rejected run loses nothing.
 
-    A `.replaced` already there is what a run killed before its first checkpoint left: deleted first."""
+    A `.replaced` already there is what an earlier `--no-resume` run killed outright left: settled first, as a
+    resuming run settles it (put back when that run committed no checkpoint, else deleted), so that a second
+    `--no-resume` sets the earlier run aside again rather than deleting it."""
     aside = workdir / ASIDE
-    shutil.rmtree(aside, ignore_errors=True)
+    settle_aside(aside)
     moved = [name for name in set_aside_names(workdir) if (workdir / name).exists()]
     if not moved:
         return None

@@ -284,3 +284,30 @@ def test_a_run_set_aside_comes_back_as_it_was_when_the_new_one_committed_no_chec
     settle_aside(aside)
     assert not aside.exists() and [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["10"]
     assert not (tmp_path / "config.20.yaml").exists()  # the earlier run's, gone with it
+
+
+def test_a_second_no_resume_after_one_killed_before_its_first_checkpoint_sets_the_earlier_run_aside_again(
+    tmp_path: Path,
+):
+    """The second `--no-resume` deleted the `.replaced` the killed one left: the earlier run, checkpoints and all,
+    was gone without a word, though the docs promise the next nnx-train puts it back."""
+    from nnx_cli.workdir import set_aside, settle_aside
+
+    (tmp_path / "checkpoints" / "40").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "40" / "commit_success.txt").write_text("")
+    (tmp_path / "metrics.jsonl").write_text("old\n")
+    set_aside(tmp_path)
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)  # the new run, killed outright before committing step 10
+    (tmp_path / "metrics.jsonl").write_text("new\n")
+    aside = set_aside(tmp_path)  # the same --no-resume command again
+    assert [p.name for p in (aside / "checkpoints").iterdir()] == ["40"]
+    assert (aside / "metrics.jsonl").read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".replaced"]
+    settle_aside(aside)  # and this one stops before its first checkpoint too: the earlier run is back
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["40"]
+    # a killed --no-resume run that had committed a checkpoint had replaced the earlier run: that one goes
+    set_aside(tmp_path)
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "10" / "commit_success.txt").write_text("")
+    aside = set_aside(tmp_path)
+    assert [p.name for p in (aside / "checkpoints").iterdir()] == ["10"]
