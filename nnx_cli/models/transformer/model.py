@@ -151,7 +151,7 @@ class TransformerLM(nnx.Module):
         attention_softcap: attention logits squashed to `cap * tanh(logits / cap)` (Gemma 2); null: none.
         logit_softcap: the output logits squashed the same way (Gemma 2); null: none.
         quantize: the frozen base's storage under `lora` (QLoRA): `{type: nf4 | fp4 | bfloat16, block (64),
-            double_quant (true), compute_dtype (bfloat16), skip ([])}`, bit-compatible with bitsandbytes; null:
+            double_quant (true), compute_dtype (null: `dtype`), skip ([])}`, bit-compatible with bitsandbytes; null:
             float32 (a bitsandbytes 4-bit `model.pretrained` sets it from its `quantization_config`).
         post_norms: norms after attention and after the MLP too, before the residual sums (Gemma).
         scale_embeddings: embeddings scaled by `sqrt(embed_dim)` (Gemma).
