@@ -1027,6 +1027,23 @@ def test_jit_does_not_keep_modules_alive():
     assert ref() is None
 
 
+def test_jit_static_arguments_stay_static_whether_passed_by_position_or_by_keyword():
+    """As with jax.jit: static_argnums=2 passed as train=..., or static_argnames="train" passed by position,
+    reached the function traced (a TracerBoolConversionError at the first `if`)."""
+
+    def f(model, x, train):
+        assert isinstance(train, bool)
+        return model.linear.bias * x if train else x
+
+    model = _counter()
+    model.linear.bias = jnp.full((3,), 2.0)
+    by_number, by_name = nnx.jit(f, static_argnums=2), nnx.jit(f, static_argnames="train")
+    for jitted in (by_number, by_name):
+        np.testing.assert_allclose(jitted(model, jnp.ones((3,)), train=True), np.full((3,), 2.0))
+        np.testing.assert_allclose(jitted(model, jnp.ones((3,)), True), np.full((3,), 2.0))
+        np.testing.assert_allclose(jitted(model, jnp.ones((3,)), False), np.ones((3,)))
+
+
 def test_jit_static_argnames_keep_keyword_arguments_static():
 
     @functools.partial(nnx.jit, static_argnames="times")
@@ -1035,3 +1052,18 @@ def test_jit_static_argnames_keep_keyword_arguments_static():
         return x * times
 
     assert f(_counter(), jnp.ones(()), times=3) == 3.0
+
+
+def test_remat_of_a_function_whose_first_argument_is_no_module_says_so():
+    """It was an AttributeError from inside ('float' object has no attribute 'partition')."""
+    with pytest.raises(TypeError, match=r"^nnx.remat expects a Module as the first argument"):
+        nnx.remat(lambda a, x: x)(1.0, 2.0)
+
+
+def test_grad_of_an_integer_param_does_not_suggest_a_filter_that_selects_nothing():
+    """The hint was nnx.All(nnx.Param, nnx.Not(nnx.Param)): no Param at all."""
+    model = nnx.Dict(a=nnx.Param(jnp.array(1)), b=nnx.Param(jnp.array(1.0)))
+    with pytest.raises(TypeError, match=r"'a' \(nnx.Param, int32\) cannot be differentiated") as raised:
+        nnx.grad(lambda m: m.b.value)(model)
+    assert "nnx.Not(nnx.Param)" not in str(raised.value)
+    assert "a Variable kind of its own" in str(raised.value)

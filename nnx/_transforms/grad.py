@@ -113,7 +113,12 @@ def _check_differentiable(diff: State) -> None:
         if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
             kind = type(value).__name__
             kind = f"nnx.{kind}" if type(value).__module__.split(".")[0] == "nnx" else kind
+            narrow = (  # leaving its kind out would leave out every Param: it needs a kind of its own
+                "hold it in a Variable kind of its own (class Count(nnx.Variable)) and differentiate wrt=nnx.Param"
+                if issubclass(containers.Param, type(value))
+                else f"narrow `wrt` (e.g. wrt=nnx.LoRAParam, or nnx.All(nnx.Param, nnx.Not({kind})))"
+            )
             raise TypeError(
-                f"nnx.grad: {path!r} ({kind}, {dtype}) cannot be differentiated, and `wrt` selects it; narrow `wrt` "
-                f"(e.g. wrt=nnx.LoRAParam, or nnx.All(nnx.Param, nnx.Not({kind}))) or pass allow_int=True"
+                f"nnx.grad: {path!r} ({kind}, {dtype}) cannot be differentiated, and `wrt` selects it; {narrow}, or "
+                "pass allow_int=True"
             )

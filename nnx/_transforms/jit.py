@@ -7,6 +7,7 @@ that comes back is written into the Module's attributes in place.
 """
 
 import functools
+import inspect
 import typing as tp
 
 import jax
@@ -140,6 +141,32 @@ def _shift_argnums(argnums: int | tp.Sequence[int] | None) -> tuple[int, ...]:
     return tuple(shifted)
 
 
+def _both_ways(
+    fun: tp.Callable[..., tp.Any],
+    argnums: int | tp.Sequence[int] | None,
+    argnames: str | tp.Iterable[str] | None,
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``argnums`` and ``argnames`` of ``fun(module, *args, **kwargs)``, each completed from the other through
+    ``fun``'s signature, as ``jax.jit`` completes them: an argument made static (or donated) by position stays so
+    when passed by keyword, and the reverse. ``jax.jit`` cannot do it here, since it sees the pure function."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
+    try:
+        parameters = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): as given
+        return nums, names
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    positional = [p for p in parameters if p.kind in by_position]
+    for i in nums:
+        if 0 <= i < len(positional) and positional[i].kind in by_name and positional[i].name not in names:
+            names += (positional[i].name,)
+    for i, p in enumerate(positional):
+        if p.name in names and p.kind in by_name and i not in nums:
+            nums += (i,)
+    return nums, names
+
+
 def jit(
     fun: F | None = None,
     *,
@@ -201,14 +228,16 @@ def jit(
             inline=inline,
             compiler_options=compiler_options,
         )
+    static_argnums, static_argnames = _both_ways(fun, static_argnums, static_argnames)
+    donate_argnums, donate_argnames = _both_ways(fun, donate_argnums, donate_argnames)
     static = _shift_argnums(static_argnums)
     if 0 in static:
         raise ValueError("The Module (argument 0) cannot be static in nnx.jit.")
     jit_kwargs: dict[str, tp.Any] = dict(
         static_argnums=(1, *static),
-        static_argnames=static_argnames,
+        static_argnames=static_argnames or None,
         donate_argnums=_shift_argnums(donate_argnums) or None,
-        donate_argnames=donate_argnames,
+        donate_argnames=donate_argnames or None,
         keep_unused=keep_unused,
         device=device,
         backend=backend,

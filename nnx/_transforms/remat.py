@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from nnx import tracers
-from nnx._transforms.lifting import check_arguments, merge_ctx, partition_ctx
+from nnx._transforms.lifting import check_arguments, check_module, merge_ctx, partition_ctx
 from nnx._transforms.wrapper import LiftedModule, decorates_init
 from nnx.module import Module
 from nnx.state import State
@@ -43,6 +43,7 @@ def _remat_apply(
     kwargs: dict[str, tp.Any],
 ) -> tp.Any:
     """Runs ``fun(module, *args, **kwargs)`` under ``jax.checkpoint``."""
+    check_module("nnx.remat", module)
     check_arguments("nnx.remat", args, kwargs)
     state, moduledef = module.partition()
     kwargs = partition_ctx(kwargs)
