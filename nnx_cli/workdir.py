@@ -25,7 +25,14 @@ from typing import IO, Any
 from nnx_cli.config import Config, load_config
 from nnx_cli.errors import UserError, did_you_mean
 
-_LAYOUT = {"checkpoints": "a directory", "images": "a directory", "metrics.jsonl": "a file", "config.yaml": "a file"}
+_LAYOUT = {
+    "checkpoints": "a directory",
+    "images": "a directory",
+    "samples": "a directory",
+    "metrics.jsonl": "a file",
+    "config.yaml": "a file",
+    "run.json": "a file",
+}
 
 
 def check_workdir(workdir: Path) -> list[Path]:
@@ -106,6 +113,7 @@ def remove_if_empty(directories: Sequence[Path]) -> None:
 
 
 ASIDE = ".replaced"  # where `nnx-train --no-resume` keeps the earlier run until the new one has a checkpoint
+_MOVING = ".replaced.partial"  # the earlier run while `set_aside` moves it: renamed to ASIDE once all of it is in
 _REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "tensorboard", "wandb", "config.yaml", "run.json")
 
 
@@ -129,10 +137,25 @@ def set_aside(workdir: Path) -> Path | None:
     moved = [name for name in set_aside_names(workdir) if (workdir / name).exists()]
     if not moved:
         return None
-    aside.mkdir()
+    moving = workdir / _MOVING  # a process stopped among the renames leaves this, which `settle_aside` undoes
+    moving.mkdir()
     for name in moved:
-        (workdir / name).rename(aside / name)
+        (workdir / name).rename(moving / name)
+    moving.rename(aside)
     return aside
+
+
+def _undo_moving(workdir: Path) -> None:
+    """Put back what a `set_aside` stopped among its renames had moved: the new run had not begun, so each name
+    is the earlier run's, and the work dir lacks it."""
+    moving = workdir / _MOVING
+    if not moving.is_dir():
+        return
+    for entry in moving.iterdir():
+        if not os.path.lexists(workdir / entry.name):
+            entry.rename(workdir / entry.name)
+    with contextlib.suppress(OSError):
+        moving.rmdir()
 
 
 def settle_aside(aside: Path | None, *, delete: bool = True, put_back: bool = False) -> bool:
@@ -141,10 +164,17 @@ def settle_aside(aside: Path | None, *, delete: bool = True, put_back: bool = Fa
     whether it was put back. Without `delete` (a process ending at once), a run with a checkpoint leaves it for
     the next `nnx-train` to delete. `put_back`: whatever the new run wrote (its only checkpoint is the one Ctrl-C
     made it write, before any of its own: the user stopped it before it replaced the earlier run)."""
-    if aside is None or not aside.is_dir():
+    if aside is None:
         return False
+    _undo_moving(aside.parent)
+    if not aside.is_dir():
+        return False
+    from nnx_cli.integrity import steps
+
     workdir, checkpoints = aside.parent, aside.parent / "checkpoints"
-    committed = checkpoints.is_dir() and any((step / "commit_success.txt").is_file() for step in checkpoints.iterdir())
+    # a step of the new run's own, renamed into place: not an unfinished one (Orbax writes commit_success.txt into
+    # its temporary directory before the rename), a damaged one set aside, nor one being pruned
+    committed = any((checkpoints / str(step) / "commit_success.txt").is_file() for step in steps(checkpoints))
     if committed and not put_back:
         if delete:
             shutil.rmtree(aside, ignore_errors=True)
@@ -222,10 +252,11 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
         checkpoints = path
     steps = list_steps(checkpoints) if checkpoints.is_dir() else []
     if not steps:
-        if (path / ASIDE).is_dir():
+        aside = next((path / name for name in (ASIDE, _MOVING) if (path / name).is_dir()), None)
+        if aside is not None:
             raise UserError(
                 f"no checkpoint found in {str(path)!r}: an `nnx-train --no-resume` that stopped before its first "
-                f"checkpoint left the earlier run in {str(path / ASIDE)!r}; nnx-train on this work dir without "
+                f"checkpoint left the earlier run in {str(aside)!r}; nnx-train on this work dir without "
                 "--no-resume puts it back"
             )
         if path.is_file() and path.suffix in (".yaml", ".yml"):

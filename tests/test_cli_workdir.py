@@ -51,9 +51,12 @@ def test_a_work_dir_inside_a_runs_checkpoints_is_refused_before_anything_is_writ
     assert check_workdir(tmp_path / "checkpoints") == [tmp_path / "checkpoints"]  # a work dir of that name is fine
 
 
-def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path):
-    (tmp_path / "checkpoints").write_text("")
-    with pytest.raises(UserError, match="checkpoints' should be a directory; move it away"):
+@pytest.mark.parametrize("name,kind", [("checkpoints", "a directory"), ("samples", "a directory"),
+                                       ("run.json", "a file")])  # fmt: skip
+def test_a_work_dir_whose_layout_is_broken_says_what_to_move(tmp_path: Path, name: str, kind: str):
+    """A directory named run.json was an IsADirectoryError traceback once the run had begun."""
+    (tmp_path / name).mkdir() if kind == "a file" else (tmp_path / name).write_text("")
+    with pytest.raises(UserError, match=f"{name}' should be {kind}; move it away"):
         check_workdir(tmp_path)
 
 
@@ -311,3 +314,55 @@ def test_a_second_no_resume_after_one_killed_before_its_first_checkpoint_sets_th
     (tmp_path / "checkpoints" / "10" / "commit_success.txt").write_text("")
     aside = set_aside(tmp_path)
     assert [p.name for p in (aside / "checkpoints").iterdir()] == ["10"]
+
+
+def _earlier_run(workdir: Path) -> None:
+    (workdir / "checkpoints" / "92").mkdir(parents=True)
+    (workdir / "checkpoints" / "92" / "commit_success.txt").write_text("")
+    (workdir / "metrics.jsonl").write_text("old\n")
+    (workdir / "images").mkdir()
+    (workdir / "config.yaml").write_text("model: {}\n")
+
+
+def test_a_step_the_new_run_was_killed_while_committing_does_not_replace_the_earlier_run(tmp_path: Path):
+    """Orbax writes commit_success.txt into a step's temporary directory before renaming it into place: a run
+    killed between the two counted as committed, and the next nnx-train deleted the earlier run."""
+    from nnx_cli.workdir import set_aside, settle_aside
+
+    _earlier_run(tmp_path)
+    aside = set_aside(tmp_path)
+    unfinished = tmp_path / "checkpoints" / "200.orbax-checkpoint-tmp"
+    unfinished.mkdir(parents=True)
+    (unfinished / "commit_success.txt").write_text("")
+    (tmp_path / "checkpoints" / "150.corrupt-1").mkdir()  # a damaged step set aside is no commit either
+    (tmp_path / "checkpoints" / "150.corrupt-1" / "commit_success.txt").write_text("")
+    assert settle_aside(aside)  # the next nnx-train: the earlier run is back
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["92"]
+    assert (tmp_path / "metrics.jsonl").read_text() == "old\n"
+
+
+def test_a_set_aside_stopped_among_its_renames_loses_nothing(tmp_path: Path, monkeypatch):
+    """A signal while --no-resume moved the earlier run aside left `.replaced` with part of it; putting that back
+    deleted the parts never moved (metrics, images, config)."""
+    from nnx_cli import workdir as workdir_module
+
+    _earlier_run(tmp_path)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    rename, renamed = Path.rename, []
+
+    def stopped(self: Path, target):
+        if len(renamed) == 2:
+            raise KeyboardInterrupt  # the process ends here
+        renamed.append(self)
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        workdir_module.set_aside(tmp_path)
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(UserError, match="nnx-train on this work dir without --no-resume puts it back"):
+        open_run(tmp_path)  # the readers say where the earlier run is
+    workdir_module.settle_aside(tmp_path / workdir_module.ASIDE)  # the next nnx-train, resuming
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    aside = workdir_module.set_aside(tmp_path)  # or starting over again: all of the earlier run is set aside
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "config.yaml", "images", "metrics.jsonl"]
