@@ -64,18 +64,25 @@ def choose(
         candidate = candidates.pop(0)
         tried.add(candidate)
         step_dir = directory / str(candidate)
-        check = integrity.verify(step_dir)
-        problem = check.problem if check.status is integrity.Status.DAMAGED else None
-        if problem is None:
-            try:
-                value = read(candidate)
-            except (Unreadable, Unusable) as e:
-                problem = str(e).removeprefix(f"checkpoint {step_dir.absolute()} ")
-            else:
-                if check.status is integrity.Status.NO_CHECKSUMS:
-                    say(f"warning: checkpoint {step_dir} has no checksums to verify (written before nnx-train kept "
-                        "them, or stopped before sealing it); it restores and is finite, so it is used")  # fmt: skip
-                return Found(candidate, value, rejected)
+        try:
+            check = integrity.verify(step_dir)
+            problem = check.problem if check.status is integrity.Status.DAMAGED else None
+            if problem is None:
+                try:
+                    value = read(candidate)
+                except (Unreadable, Unusable) as e:
+                    problem = str(e).removeprefix(f"checkpoint {step_dir.absolute()} ")
+                else:
+                    if check.status is integrity.Status.NO_CHECKSUMS:
+                        say(
+                            f"warning: checkpoint {step_dir} has no checksums to verify (written before nnx-train "
+                            "kept them, or stopped before sealing it); it restores and is finite, so it is used"
+                        )
+                    return Found(candidate, value, rejected)
+        except Exception:  # a file gone while it was hashed, metadata read half-pruned: the step went meanwhile
+            if step_dir.exists():
+                raise
+            problem = "it was removed while read (a run still training pruned it)"
         if step is not None:
             raise UserError(f"checkpoint {step_dir} cannot be used: {problem}; {pick}")
         if not step_dir.exists():  # removed while read: a run still training pruned it, and may have written newer

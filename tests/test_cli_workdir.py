@@ -141,6 +141,38 @@ def test_a_reader_passes_over_steps_a_run_still_training_prunes_and_reads_the_ne
     assert (found.step, found.value, found.rejected, said) == (3, 3, [], [])
 
 
+def test_a_reader_whose_step_is_pruned_while_it_verifies_or_reads_it_reads_an_older_one_or_says_so(
+    tmp_path: Path, monkeypatch
+):
+    """A step pruned while its files were hashed was a FileNotFoundError traceback (exit 1); one pruned while its
+    metadata was read half-gone said the checkpoint does not match the model (exit 2)."""
+    import shutil
+
+    from nnx_cli import integrity, restore
+
+    cfg = load_config(None, [*TINY, "checkpoint.every_steps=1", "checkpoint.keep=5"])
+    assert train.run(cfg, tmp_path / "run") == 0
+    checkpoints, verify = tmp_path / "run" / "checkpoints", integrity.verify
+
+    def pruned_while_hashed(step_dir: Path):
+        if step_dir.name == "2":
+            shutil.rmtree(step_dir)
+            raise FileNotFoundError(2, "No such file or directory", str(step_dir / "_CHECKPOINT_METADATA"))
+        return verify(step_dir)
+
+    monkeypatch.setattr(integrity, "verify", pruned_while_hashed)
+    assert restore.choose(checkpoints, lambda step: step, say=print).step == 1
+    monkeypatch.setattr(integrity, "verify", verify)
+
+    def pruned_while_read(step: int) -> int:
+        shutil.rmtree(checkpoints / str(step))
+        raise UserError(f"checkpoint {checkpoints / str(step)} does not match the model and optimizer of the config")
+
+    with pytest.raises(UserError, match=r"checkpoint .*1 cannot be used: it was removed while read \(a run still "
+                                        r"training pruned it\); pick another --step$"):  # fmt: skip
+        restore.choose(checkpoints, pruned_while_read, step=1)
+
+
 def test_best_naming_a_step_that_is_gone_says_so_rather_than_blaming_a_step_not_passed(tmp_path: Path):
     cfg = load_config(None, [*TINY, "checkpoint.every_steps=1", "checkpoint.keep=5"])
     assert train.run(cfg, tmp_path / "run") == 0
