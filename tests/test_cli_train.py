@@ -285,6 +285,55 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
 # --------------------------------------------------------------------------- faults lose nothing
 
 
+_SECOND_SIGNAL = """import os, signal, sys
+
+from nnx_cli import hooks
+from nnx_cli.commands import launch
+
+save = hooks.Checkpoint.__call__
+
+
+def call(self, loop):
+    save(self, loop)
+    if loop.stop_signal is not None:  # the first signal's checkpoint, committed: then the second signal comes
+        self.checkpointer.wait()
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+hooks.Checkpoint.__call__ = call
+sys.argv[0] = "nnx-train"
+launch.train()
+"""
+
+
+def test_a_second_ctrl_c_while_a_no_resume_runs_first_checkpoint_is_written_keeps_the_earlier_run(
+    reference: Path, project: Path
+):
+    """One Ctrl-C before a --no-resume run's first checkpoint puts the earlier run back; a second one while the
+    first one's checkpoint was written left that checkpoint in place and the earlier run set aside, and the next
+    nnx-train deleted the earlier run."""
+    import subprocess
+    import sys
+
+    from cli_support import env
+
+    shutil.copytree(reference, project / "second-signal")
+    before = files(project / "second-signal")
+    (project / "second_signal.py").write_text(_SECOND_SIGNAL)
+    long = ["train.steps=100000", "checkpoint.every_steps=50000", "train.eval_every=50000"]
+    proc = subprocess.Popen(
+        [sys.executable, "second_signal.py", "run.yaml", *long, "--workdir", "second-signal", "--no-resume"],
+        cwd=project, env=env(project), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    said = ""
+    while "training from step 0" not in said and proc.poll() is None:
+        said += proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted by SIGINT again" in stderr, said + stderr
+    assert files(project / "second-signal") == before and not (project / "second-signal" / ".replaced").exists()
+
+
 def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(reference: Path, project: Path):
     proc = start("nnx-train", "run.yaml", "--workdir", "killed", cwd=project)
     wait_for_checkpoint(project / "killed", 80, [proc])

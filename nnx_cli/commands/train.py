@@ -180,6 +180,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
                         f"{exp.total_steps} steps long (raise train.steps or train.epochs to train on)")  # fmt: skip
             return 0
         loop, feed, dispatch, chosen = prepare(exp, session, signals, factories, planned, harness_tasks, sample_prompts)
+        _put_back_at_signal_exit(session, chosen)
         attention = exp.attention()
         if attention is not None:
             session.say(f"attention: {attention}")
@@ -209,6 +210,22 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     if session.lock is not None:
         update_run_info(workdir, {"timings": runtime.timings()})
     return 0
+
+
+def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
+    """A second signal while the first one's checkpoint is written ends the process at once: when that checkpoint
+    is this `--no-resume` run's first, it does not replace the earlier run either (as after one signal), so the
+    hook that runs at such an exit puts the earlier run back then (it left it for the next run to delete)."""
+    from nnx_cli import hooks
+    from nnx_cli.workdir import settle_aside
+
+    save = next((hook for hook in chosen if isinstance(hook, hooks.Checkpoint)), None)
+    if session.forget_aside is None or save is None:
+        return
+    session.forget_aside()
+    session.forget_aside = _distributed.at_signal_exit(
+        lambda: settle_aside(session.aside, delete=False, put_back=save.first_at_stop)
+    )
 
 
 def _check_init_from_outside(init_from: str | None, workdir: Path) -> None:
