@@ -87,11 +87,10 @@ cache_compilations(os.environ[_SESSION])
 
 # Each file's tests run on one worker (`--dist loadscope` in pyproject.toml), so that a module's shared fixtures
 # (a 100-step reference run, a model trained once for a dozen tests) are made once, not once per worker that got
-# one of its tests (1,275 s of tests in 654 s on 2 cores, from 679 s handed out test by test). The longest files
-# first: xdist hands the files out in collection order, so a long file collected last keeps one worker busy after
-# the other has finished. The order within each file is kept.
-_FIRST = ("test_docs_examples", "test_cli_lm", "test_cli_scale", "test_harness_cli", "test_cli_train", "test_qlora",
-          "test_hf_equality", "test_cli_finetune", "test_cli_dpo", "test_cli_grpo")  # fmt: skip
+# one of its tests (1,275 s of tests in 654 s on 2 cores, from 679 s handed out test by test). xdist hands out the
+# files with the most tests first, which leaves the files that run the most commands (the documentation's pages,
+# the language-model and multi-process runs) to the end; handing those out first instead ran them at once, their
+# subprocesses contending for the cores, and the whole suite took 941 s on 2 cores against 746 s.
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -101,22 +100,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     worker fewer)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cores + 1
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Keep the order `pytest_collection_modifyitems` gives: xdist (3.6 on) hands out the files with the most tests
-    first unless told not to, which put the long files above last (the documentation's pages began 9 minutes
-    into a 12-minute run on 2 cores, two workers idle meanwhile)."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    def rank(item) -> int:
-        name = item.path.stem
-        return _FIRST.index(name) if name in _FIRST else len(_FIRST)
-
-    items.sort(key=rank)
 
 
 @pytest.fixture
