@@ -398,3 +398,19 @@ def test_a_set_aside_stopped_among_its_renames_loses_nothing(tmp_path: Path, mon
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
     aside = workdir_module.set_aside(tmp_path)  # or starting over again: all of the earlier run is set aside
     assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "config.yaml", "images", "metrics.jsonl"]
+
+
+def test_a_resumed_run_that_no_longer_keeps_the_best_step_says_it_will_go(tmp_path: Path, capsys):
+    """An override of checkpoint.keep_best not given again on resume: the best step went with the next prune, and
+    `nnx-eval --best` then named a step no longer there, with not a word from the run."""
+    best = "checkpoint.keep_best={metric: nelbo, mode: max}"
+    keep = [*TINY, "train.eval_every=1", "checkpoint.every_steps=2", "checkpoint.keep=1"]
+    assert train.run(load_config(None, [*keep, "train.steps=4", best]), tmp_path / "run") == 0
+    step = json.loads((tmp_path / "run" / "checkpoints" / "best.json").read_text())["step"]
+    capsys.readouterr()
+    assert train.run(load_config(None, [*keep, "train.steps=6", best]), tmp_path / "run") == 0
+    assert "keep_best" not in capsys.readouterr().err  # kept as before: nothing to say
+    assert train.run(load_config(None, [*keep, "train.steps=8"]), tmp_path / "run") == 0
+    said = capsys.readouterr().err
+    assert f"notice: checkpoint.keep_best is off: step {step}, the best nelbo so far (best.json), goes once" in said
+    assert "set checkpoint.keep_best={metric: nelbo, mode: max}" in said

@@ -212,6 +212,29 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
     return 0
 
 
+def _say_best_unkept(session: Session, keep_best: dict[str, str] | None) -> None:
+    """A resumed run whose config no longer keeps the step `best.json` records (`checkpoint.keep_best` left out, an
+    override not given again, or another metric) says so: that step now goes once it falls out of
+    `checkpoint.keep`'s newest, and `nnx-eval --best` with it."""
+    from nnx_cli.workdir import best_record
+
+    checkpoints = session.workdir / "checkpoints"
+    try:
+        record = best_record(checkpoints)
+    except UserError:
+        return  # unreadable: nothing it names is kept either way
+    if record is None or not (checkpoints / str(record["step"])).is_dir():
+        return
+    if keep_best is not None and keep_best["metric"] == record["metric"]:
+        return
+    now = "is off" if keep_best is None else f"keeps the best {keep_best['metric']} now"
+    session.say(
+        f"notice: checkpoint.keep_best {now}: step {record['step']}, the best {record['metric']} so far (best.json), "
+        "goes once it falls out of checkpoint.keep's newest; to keep it, set checkpoint.keep_best={metric: "
+        f"{record['metric']}, mode: {record.get('mode', 'min')}}}"
+    )
+
+
 def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
     """A second signal while the first one's checkpoint is written ends the process at once: when that checkpoint
     is this `--no-resume` run's first, it does not replace the earlier run either (as after one signal), so the
@@ -593,6 +616,8 @@ def prepare(
     if harness_tasks is not None:
         chosen.append(hooks.HarnessEval(harness_every, exp, harness_tasks, session.loggers, guard, session.workdir))
     chosen += [best, save] if best is not None else [save]
+    if session.start > 0:
+        _say_best_unkept(session, cfg.checkpoint.keep_best if exp.eval is not None else None)
     if t.profile is not None:
         chosen.append(hooks.Profile(k, t.profile[0], t.profile[1], session.workdir / "profile"))
     vote = k if jax.process_count() == 1 else k * math.ceil(_STOP_VOTE_EVERY / k)
