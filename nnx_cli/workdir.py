@@ -303,6 +303,18 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
 
     info = read_run_info(workdir)
     add_import_paths(info.get("import_paths", {}))  # the run's own plug-ins, wherever we are
+    damaged = (
+        f"; it is the config the run's checkpoints were trained with: restore it, or run nnx-train with the run's "
+        f"config file and --workdir {str(workdir)!r}, which resumes and writes it again"
+    )
+    from nnx_cli.config import read_yaml
+
+    if not config.read_bytes().strip():
+        raise UserError(f"{str(config)!r} is empty{damaged}")  # read as the defaults: "does not match the model"
+    try:
+        read_yaml(config)  # the file itself: unreadable, not UTF-8, not YAML, not a mapping
+    except UserError as e:
+        raise UserError(f"{e}{damaged}") from None
     cfg = load_config(config, overrides)
     from nnx_cli.data.tokenizers import BYTES, PRETRAINED
 

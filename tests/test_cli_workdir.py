@@ -414,3 +414,15 @@ def test_a_resumed_run_that_no_longer_keeps_the_best_step_says_it_will_go(tmp_pa
     said = capsys.readouterr().err
     assert f"notice: checkpoint.keep_best is off: step {step}, the best nelbo so far (best.json), goes once" in said
     assert "set checkpoint.keep_best={metric: nelbo, mode: max}" in said
+
+
+@pytest.mark.parametrize("text,said", [("", "is empty"), ("model: {name: vae\n", "is not valid YAML")])
+def test_a_runs_damaged_config_says_how_to_write_it_again(tmp_path: Path, text: str, said: str):
+    """An empty config.yaml was read as the defaults: 'does not match the model ... drop the overrides', though no
+    override was given; a damaged one said only that it is not YAML."""
+    (tmp_path / "run" / "checkpoints" / "4" / "state").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "4" / "commit_success.txt").write_text("")
+    (tmp_path / "run" / "config.yaml").write_text(text)
+    with pytest.raises(UserError, match=f"config.yaml'? {said}.*: restore it, or run nnx-train with the run's config "
+                                        "file and --workdir '.*run', which resumes and writes it again$"):  # fmt: skip
+        open_run(tmp_path / "run")
