@@ -114,6 +114,7 @@ def remove_if_empty(directories: Sequence[Path]) -> None:
 
 ASIDE = ".replaced"  # where `nnx-train --no-resume` keeps the earlier run until the new one has a checkpoint
 _MOVING = ".replaced.partial"  # the earlier run while `set_aside` moves it: renamed to ASIDE once all of it is in
+_PUTTING_BACK = ".putting-back"  # in ASIDE: the put-back decided, with the names it moves (`settle_aside`)
 _REPLACED = ("checkpoints", "images", "samples", "metrics.jsonl", "tensorboard", "wandb", "config.yaml", "run.json")
 
 
@@ -158,37 +159,58 @@ def _undo_moving(workdir: Path) -> None:
         moving.rmdir()
 
 
-def settle_aside(aside: Path | None, *, delete: bool = True, put_back: bool = False) -> bool:
+def settle_aside(aside: Path | None, *, delete: bool = True, put_back: bool = False, later: bool = False) -> bool:
     """Delete what `set_aside` moved once the work dir has a committed checkpoint of the new run, else put it back
     (replacing whatever the new run wrote in those places: its first eval's images and samples too); return
     whether it was put back. Without `delete` (a process ending at once), a run with a checkpoint leaves it for
     the next `nnx-train` to delete. `put_back`: whatever the new run wrote (its only checkpoint is the one Ctrl-C
-    made it write, before any of its own: the user stopped it before it replaced the earlier run)."""
+    made it write, before any of its own: the user stopped it before it replaced the earlier run).
+
+    A put-back is decided once, in a record (`.replaced/.putting-back`), before anything moves: one cut short (a
+    signal, a write still under way in the directory it replaces) is finished by the next call, whatever the
+    work dir then holds. With `later` (a process ending at once while its checkpoint may still be written) the
+    decision is recorded and the moves are left to the next `nnx-train`."""
     if aside is None:
         return False
     _undo_moving(aside.parent)
     if not aside.is_dir():
         return False
-    from nnx_cli.integrity import steps
+    record = aside / _PUTTING_BACK
+    if not record.is_file():
+        from nnx_cli.integrity import steps
 
-    workdir, checkpoints = aside.parent, aside.parent / "checkpoints"
-    # a step of the new run's own, renamed into place: not an unfinished one (Orbax writes commit_success.txt into
-    # its temporary directory before the rename), a damaged one set aside, nor one being pruned
-    committed = any((checkpoints / str(step) / "commit_success.txt").is_file() for step in steps(checkpoints))
-    if committed and not put_back:
-        if delete:
-            shutil.rmtree(aside, ignore_errors=True)
-        return False
-    for name in set_aside_names(aside):  # the work dir as it was: what the new run wrote in these places goes
-        new = workdir / name
+        checkpoints = aside.parent / "checkpoints"
+        # a step of the new run's own, renamed into place: not an unfinished one (Orbax writes commit_success.txt
+        # into its temporary directory before the rename), a damaged one set aside, nor one being pruned
+        committed = any((checkpoints / str(step) / "commit_success.txt").is_file() for step in steps(checkpoints))
+        if committed and not put_back:
+            if delete:
+                shutil.rmtree(aside, ignore_errors=True)
+            return False
+        names = set_aside_names(aside)
+        _write_json(record, {"names": names, "back": [name for name in names if os.path.lexists(aside / name)]})
+    if not later:
+        _put_back(aside, record)
+    return True
+
+
+def _put_back(aside: Path, record: Path) -> None:
+    """The put-back `record` decided: each name the earlier run had comes back in place of the new run's; the
+    names it lacked lose what the new run wrote there. A name already back is left alone."""
+    decided = json.loads(record.read_text())
+    workdir = aside.parent
+    for name in decided["names"]:
+        old, new = aside / name, workdir / name
+        if name in decided["back"] and not os.path.lexists(old):
+            continue  # put back already
         if new.is_dir() and not new.is_symlink():
             shutil.rmtree(new)
         else:
             new.unlink(missing_ok=True)
-        if (aside / name).exists():
-            (aside / name).rename(new)
+        if os.path.lexists(old):
+            old.rename(new)
+    record.unlink()
     aside.rmdir()
-    return True
 
 
 def lock_workdir(workdir: Path) -> IO:

@@ -328,9 +328,14 @@ def test_a_second_ctrl_c_while_a_no_resume_runs_first_checkpoint_is_written_keep
     said = ""
     while "training from step 0" not in said and proc.poll() is None:
         said += proc.stderr.readline()
+    time.sleep(0.5)  # in the loop (the line comes just before it)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted by SIGINT again" in stderr, said + stderr
+    # the put-back is decided, and left to the next nnx-train: the checkpoint may still have been being written
+    assert (project / "second-signal" / ".replaced" / ".putting-back").is_file()
+    again = cli("nnx-train", "run.yaml", "--workdir", "second-signal", cwd=project)
+    assert again.returncode == 0 and "nothing to do: the work dir is already at step 240" in again.stderr, again.stderr
     assert files(project / "second-signal") == before and not (project / "second-signal" / ".replaced").exists()
 
 

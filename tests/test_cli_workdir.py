@@ -426,3 +426,37 @@ def test_a_runs_damaged_config_says_how_to_write_it_again(tmp_path: Path, text: 
     with pytest.raises(UserError, match=f"config.yaml'? {said}.*: restore it, or run nnx-train with the run's config "
                                         "file and --workdir '.*run', which resumes and writes it again$"):  # fmt: skip
         open_run(tmp_path / "run")
+
+
+def test_a_put_back_cut_short_is_finished_by_the_next_run_not_taken_for_a_commit(tmp_path: Path, monkeypatch):
+    """A put-back stopped after the earlier run's checkpoints were back (a signal, a write still under way in a
+    directory it replaces): the next nnx-train took those for the new run's commit and deleted the rest of the
+    earlier run (its metrics, images, config)."""
+    from nnx_cli.workdir import set_aside, settle_aside
+
+    _earlier_run(tmp_path)
+    before = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    aside = set_aside(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("new\n")  # the new run's, stopped before its first checkpoint
+    (tmp_path / "images").mkdir()
+    rename, renamed = Path.rename, []
+
+    def stopped(self: Path, target):
+        if renamed:
+            raise KeyboardInterrupt  # the process ends here, the checkpoints back and the rest not
+        renamed.append(self)
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        settle_aside(aside)
+    monkeypatch.setattr(Path, "rename", rename)
+    assert (tmp_path / "checkpoints" / "92").is_dir()
+    assert settle_aside(aside)  # the next nnx-train finishes it
+    assert {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # decided at a signal's exit and left for later: nothing moves until the next call
+    aside = set_aside(tmp_path)
+    assert settle_aside(aside, delete=False, put_back=True, later=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".replaced"]
+    assert settle_aside(aside)
+    assert {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -238,7 +238,10 @@ def _say_best_unkept(session: Session, keep_best: dict[str, str] | None) -> None
 def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
     """A second signal while the first one's checkpoint is written ends the process at once: when that checkpoint
     is this `--no-resume` run's first, it does not replace the earlier run either (as after one signal), so the
-    hook that runs at such an exit puts the earlier run back then (it left it for the next run to delete)."""
+    hook that runs at such an exit decides the put-back then (it left the earlier run for the next run to
+    delete). The moves are left to the next `nnx-train`: the checkpoint may still be being written into the
+    directory they would replace, and a put-back under way (this run's, cut short by the signal) is finished
+    there too."""
     from nnx_cli import hooks
     from nnx_cli.workdir import settle_aside
 
@@ -247,7 +250,7 @@ def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
         return
     session.forget_aside()
     session.forget_aside = _distributed.at_signal_exit(
-        lambda: settle_aside(session.aside, delete=False, put_back=save.first_at_stop)
+        lambda: settle_aside(session.aside, delete=False, put_back=save.first_at_stop, later=True)
     )
 
 
