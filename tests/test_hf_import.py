@@ -428,6 +428,26 @@ def test_unsupported_architectures_and_options_name_the_key_and_the_families(tmp
         check(target)
 
 
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"])
+def test_rope_scaling_beside_rope_parameters_is_refused_not_read_as_the_parameters_alone(architecture):
+    """A model card's long-context block (`rope_scaling`) added to a config.json that transformers 5 saved (with
+    `rope_parameters`): transformers takes rope_scaling, nnx read the parameters alone and computed another
+    rotation, accepting even a yarn scaling it refuses elsewhere."""
+    parameters = {"rope_theta": 1000000.0, "rope_type": "default"}
+    if architecture == "Gemma3ForCausalLM":
+        parameters = {
+            "full_attention": parameters,
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        }
+    config = {**LLAMA_CONFIG, "architectures": [architecture], "rope_parameters": parameters}
+    options(config)  # the parameters alone read as before
+    for scaling in ({"rope_type": "linear", "factor": 2.0}, {"rope_type": "yarn", "factor": 4.0}):
+        with pytest.raises(UserError, match=r"'rope_scaling' is given beside rope_parameters, which transformers 5 "
+                                            r"would replace with it: put its rope_type"):  # fmt: skip
+            options({**config, "rope_scaling": scaling})
+    assert options({**config, "rope_scaling": None}) == options(config)
+
+
 def test_truncated_weights_name_the_file_and_the_tensor(tmp_path, llama_dir):
     target = broken(tmp_path, llama_dir)
     shard = sorted(target.glob("model-*.safetensors"))[1]

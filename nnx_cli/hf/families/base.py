@@ -113,12 +113,25 @@ class Config:
 
 def _rope(c: Config, default_theta: float = 10000.0) -> dict[str, Any]:
     parameters = c.get("rope_parameters")
+    _check_one_rope_setting(c, parameters)
     key = "rope_parameters" if isinstance(parameters, Mapping) else "rope_scaling"
     scaling = parameters if isinstance(parameters, Mapping) else c.get("rope_scaling")
     theta = c.float("rope_theta", default_theta)
     if isinstance(parameters, Mapping) and "rope_theta" in parameters:
         theta = float(parameters["rope_theta"])
     return {"rope_theta": theta, "rope_scaling": _rope_scaling(c, key, scaling)}
+
+
+def _check_one_rope_setting(c: Config, parameters: Any) -> None:
+    """A UserError for `rope_scaling` beside transformers 5's `rope_parameters` (a model card's long-context
+    block added to a config that transformers 5 saved): transformers then takes `rope_scaling` over the
+    parameters, and reading the parameters alone computed another rotation without a word."""
+    if isinstance(parameters, Mapping) and c.get("rope_scaling") is not None:
+        raise c.error(
+            "rope_scaling",
+            "is given beside rope_parameters, which transformers 5 would replace with it: put its rope_type and "
+            "factors into rope_parameters (the full_attention entry for Gemma 3) and remove rope_scaling",
+        )
 
 
 def _rope_scaling(c: Config, key: str, scaling: Any) -> dict[str, Any] | None:
