@@ -1038,7 +1038,8 @@ def test_jit_static_arguments_stay_static_whether_passed_by_position_or_by_keywo
     model = _counter()
     model.linear.bias = jnp.full((3,), 2.0)
     by_number, by_name = nnx.jit(f, static_argnums=2), nnx.jit(f, static_argnames="train")
-    for jitted in (by_number, by_name):
+    by_array = nnx.jit(f, static_argnums=np.array([2]))  # any sequence of indices, as jax.jit takes
+    for jitted in (by_number, by_name, by_array):
         np.testing.assert_allclose(jitted(model, jnp.ones((3,)), train=True), np.full((3,), 2.0))
         np.testing.assert_allclose(jitted(model, jnp.ones((3,)), True), np.full((3,), 2.0))
         np.testing.assert_allclose(jitted(model, jnp.ones((3,)), False), np.ones((3,)))

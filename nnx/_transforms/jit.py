@@ -8,6 +8,7 @@ that comes back is written into the Module's attributes in place.
 
 import functools
 import inspect
+import operator
 import typing as tp
 
 import jax
@@ -149,8 +150,8 @@ def _both_ways(
     """``argnums`` and ``argnames`` of ``fun(module, *args, **kwargs)``, each completed from the other through
     ``fun``'s signature, as ``jax.jit`` completes them: an argument made static (or donated) by position stays so
     when passed by keyword, and the reverse. ``jax.jit`` cannot do it here, since it sees the pure function."""
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
-    names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
+    nums = () if argnums is None else (argnums,) if isinstance(argnums, int) else tuple(map(operator.index, argnums))
+    names = () if argnames is None else (argnames,) if isinstance(argnames, str) else tuple(argnames)
     try:
         parameters = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):  # no signature to read (some builtins): as given
