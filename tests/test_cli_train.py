@@ -247,6 +247,9 @@ def test_no_resume_starts_over_once_the_new_run_commits_and_a_run_failing_before
                  "--workdir", "fresh", "--no-resume", cwd=project)  # fmt: skip
     assert failed.returncode == 1 and "non-finite" in failed.stderr, failed.stderr
     assert files() == before and not (project / "fresh" / ".replaced").exists()
+    assert "--no-resume: this run wrote no checkpoint of its own, so the earlier run is back in fresh as it was" in (
+        failed.stderr
+    )  # the error's "run again" would resume it: said, not left to be found out
     # Ctrl-C during its set-up ends the process at once (nothing unwinds): the earlier run goes back all the same
     proc = start("nnx-train", "run.yaml", LOGGERS, "train.steps=40", "--workdir", "fresh", "--no-resume", cwd=project)
     deadline = time.monotonic() + 60

@@ -174,6 +174,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         remove_if_empty(created)  # a run stopped before it wrote anything leaves no empty work dir (nor its lock)
         raise
     chosen: list[Any] = []  # the hooks, once prepared
+    failed = False
     try:
         if session.start >= exp.total_steps:
             session.say(f"nothing to do: the work dir is already at step {session.start}, and the run is "
@@ -189,6 +190,9 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         runtime.preload("orbax.checkpoint")  # imports while the first steps run (the main thread mostly waits)
         with jax.set_mesh(exp.mesh), nnx.logical_axis_rules(exp.rules), PHASES("loop"):
             loops.run(loop, feed, dispatch, chosen)
+    except BaseException:
+        failed = True
+        raise
     finally:
         session.close()
         # kept when this run stopped before its first checkpoint, else deleted; a Ctrl-C before that writes one,
@@ -197,6 +201,9 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         put_back = settle_aside(session.aside, put_back=save is not None and save.first_at_stop)
         if session.forget_aside is not None:
             session.forget_aside()
+        if put_back and failed:  # the error's "run again to resume" would resume the earlier run: say it is back
+            session.say(f"--no-resume: this run wrote no checkpoint of its own, so the earlier run is back in "
+                        f"{session.workdir} as it was (--no-resume again to start over)")  # fmt: skip
     where = session.workdir / "checkpoints" / str(loop.step)
     if loop.stop_signal is not None:
         name = signal.Signals(loop.stop_signal).name
