@@ -210,6 +210,7 @@ def _put_back(aside: Path, record: Path) -> None:
         if os.path.lexists(old):
             old.rename(new)
     record.unlink()
+    record.with_name(record.name + ".partial").unlink(missing_ok=True)  # a record's write cut short, if any
     aside.rmdir()
 
 
@@ -331,12 +332,12 @@ def open_run(target: str | Path, overrides: Sequence[str] = (), step: int | None
     )
     from nnx_cli.config import read_yaml
 
-    if not config.read_bytes().strip():
-        raise UserError(f"{str(config)!r} is empty{damaged}")  # read as the defaults: "does not match the model"
     try:
-        read_yaml(config)  # the file itself: unreadable, not UTF-8, not YAML, not a mapping
+        saved = read_yaml(config)  # the file itself: unreadable, not UTF-8, not YAML, not a mapping
     except UserError as e:
         raise UserError(f"{e}{damaged}") from None
+    if not saved:  # read as the defaults, it said the checkpoint "does not match the model"
+        raise UserError(f"{str(config)!r} is empty{damaged}")
     cfg = load_config(config, overrides)
     from nnx_cli.data.tokenizers import BYTES, PRETRAINED
 
