@@ -448,6 +448,20 @@ def test_rope_scaling_beside_rope_parameters_is_refused_not_read_as_the_paramete
     assert options({**config, "rope_scaling": None}) == options(config)
 
 
+@pytest.mark.parametrize(
+    "architecture, experts, norm_eps, rope_theta",
+    [("LlamaForCausalLM", {}, 1e-6, 10000.0), ("MixtralForCausalLM", {"num_local_experts": 4}, 1e-5, 1e6),
+     ("OlmoeForCausalLM", {"num_experts": 4}, 1e-5, 10000.0)],
+)  # fmt: skip
+def test_keys_config_json_leaves_out_take_transformers_defaults_for_the_family(architecture, experts, norm_eps,
+                                                                               rope_theta):  # fmt: skip
+    """Every family took Llama's rms_norm_eps (1e-6) and rope_theta (1e4); Mixtral's are 1e-5 and 1e6, OLMoE's
+    epsilon 1e-5 (transformers' MixtralConfig and OlmoeConfig)."""
+    config = {k: v for k, v in LLAMA_CONFIG.items() if k not in ("rms_norm_eps", "rope_theta")}
+    read = options({**config, "architectures": [architecture], "num_experts_per_tok": 2, **experts})
+    assert (read["norm_eps"], read["rope_theta"]) == (norm_eps, rope_theta)
+
+
 def test_truncated_weights_name_the_file_and_the_tensor(tmp_path, llama_dir):
     target = broken(tmp_path, llama_dir)
     shard = sorted(target.glob("model-*.safetensors"))[1]

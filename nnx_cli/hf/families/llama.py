@@ -36,10 +36,15 @@ def _qwen_windows(c: Config, num_layers: int) -> dict[str, Any]:
 
 
 def _llama_options(
-    architecture: str, windows: Windows | None = None, qk_norm: bool = False
+    architecture: str,
+    windows: Windows | None = None,
+    qk_norm: bool = False,
+    norm_eps: float = 1e-6,
+    rope_theta: float = 10000.0,
 ) -> Callable[[Config], dict[str, Any]]:
     """The options of a Llama-shaped `architecture`: q, k and v biases for Qwen2, q/k norms with `qk_norm`, the
-    sliding windows `windows` reads (none without)."""
+    sliding windows `windows` reads (none without); `norm_eps` and `rope_theta` where config.json leaves them out
+    (transformers' defaults for the family)."""
 
     def options(c: Config) -> dict[str, Any]:
         c.refuse("hidden_act", lambda v: v == "silu", "an activation other than silu")
@@ -61,9 +66,9 @@ def _llama_options(
             "qk_norm": qk_norm,
             "bias": False,
             "norm": "rmsnorm",
-            "norm_eps": c.float("rms_norm_eps", 1e-6),
+            "norm_eps": c.float("rms_norm_eps", norm_eps),
             "positions": "rope",
-            **_rope(c),
+            **_rope(c, default_theta=rope_theta),
             "tie_embeddings": c.bool("tie_word_embeddings", False),
             **(windows(c, layers) if windows is not None else {}),
         }

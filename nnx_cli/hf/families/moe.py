@@ -34,7 +34,7 @@ def _mixtral_options(c: Config) -> dict[str, Any]:
     """Mistral's attention (every layer sliding by `sliding_window` when it is set), a mixture of
     `num_local_experts` in every layer, the top-k weights always renormalised."""
     c.refuse("router_jitter_noise", lambda v: not v, "router jitter noise")
-    options = _llama_options(MIXTRAL, _mixtral_windows)(c)
+    options = _llama_options(MIXTRAL, _mixtral_windows, norm_eps=1e-5, rope_theta=1e6)(c)  # MixtralConfig's
     experts = c.int("num_local_experts")
     options["moe"] = {"num_experts": experts, "top_k": _top_k(c, experts), "mlp_dim": c.int("intermediate_size"),
                       "normalize": True, "dense_layers": []}  # fmt: skip
@@ -64,7 +64,7 @@ def _olmoe_options(c: Config) -> dict[str, Any]:
     """Llama's attention with one RMSNorm over all query heads and one over all key heads (`clip_qkv` refused),
     `num_experts` experts `intermediate_size` wide in every layer."""
     c.refuse("clip_qkv", lambda v: v is None, "clipping q, k and v (clip_qkv)")
-    options = _llama_options(OLMOE)(c)
+    options = _llama_options(OLMOE, norm_eps=1e-5)(c)  # OlmoeConfig's
     experts = c.int("num_experts") if "num_experts" in c.data else c.int("num_local_experts")
     options.update(qk_norm=True, qk_norm_scope="projection")
     options["moe"] = {"num_experts": experts, "top_k": _top_k(c, experts), "mlp_dim": c.int("intermediate_size"),
