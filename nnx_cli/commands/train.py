@@ -246,9 +246,9 @@ def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
     """A second signal while the first one's checkpoint is written ends the process at once: when that checkpoint
     is this `--no-resume` run's first, it does not replace the earlier run either (as after one signal), so the
     hook that runs at such an exit decides the put-back then (it left the earlier run for the next run to
-    delete). The moves are left to the next `nnx-train`: the checkpoint may still be being written into the
-    directory they would replace, and a put-back under way (this run's, cut short by the signal) is finished
-    there too."""
+    delete). Once a save has begun, the moves are left to the next `nnx-train`: the checkpoint may still be being
+    written into the directory they would replace. Before that (a signal during the rest of the set-up) they are
+    made at once, as the set-up's own hook makes them."""
     from nnx_cli import hooks
     from nnx_cli.workdir import settle_aside
 
@@ -257,7 +257,9 @@ def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
         return
     session.forget_aside()
     session.forget_aside = _distributed.at_signal_exit(
-        lambda: settle_aside(session.aside, delete=False, put_back=save.first_at_stop, later=True)
+        lambda: settle_aside(
+            session.aside, delete=False, put_back=save.first_at_stop, later=save.first_at_stop or save.saves > 0
+        )
     )
 
 
