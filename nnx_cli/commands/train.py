@@ -197,7 +197,7 @@ def _train(cfg: Config, workdir: Path, resume: bool, signals: Signals) -> int:
         session.close()
         # kept when this run stopped before its first checkpoint, else deleted; a Ctrl-C before that writes one,
         # and puts the earlier run back all the same
-        save = next((hook for hook in chosen if isinstance(hook, hooks.Checkpoint)), None)
+        save = _checkpoint_hook(chosen)
         put_back = settle_aside(session.aside, put_back=save is not None and save.first_at_stop)
         if session.forget_aside is not None:
             session.forget_aside()
@@ -242,6 +242,13 @@ def _say_best_unkept(session: Session, keep_best: dict[str, str] | None) -> None
     )
 
 
+def _checkpoint_hook(chosen: list[Any]) -> Any:
+    """The run's `hooks.Checkpoint` among the prepared hooks (None before they are)."""
+    from nnx_cli import hooks
+
+    return next((hook for hook in chosen if isinstance(hook, hooks.Checkpoint)), None)
+
+
 def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
     """A second signal while the first one's checkpoint is written ends the process at once: when that checkpoint
     is this `--no-resume` run's first, it does not replace the earlier run either (as after one signal), so the
@@ -249,10 +256,9 @@ def _put_back_at_signal_exit(session: Session, chosen: list[Any]) -> None:
     delete). Once a save has begun, the moves are left to the next `nnx-train`: the checkpoint may still be being
     written into the directory they would replace. Before that (a signal during the rest of the set-up) they are
     made at once, as the set-up's own hook makes them."""
-    from nnx_cli import hooks
     from nnx_cli.workdir import settle_aside
 
-    save = next((hook for hook in chosen if isinstance(hook, hooks.Checkpoint)), None)
+    save = _checkpoint_hook(chosen)
     if session.forget_aside is None or save is None:
         return
     session.forget_aside()

@@ -74,8 +74,8 @@ def _gemma3_rope(c: Config) -> dict[str, Any]:
     """Gemma 3's two rotary settings: full layers at `rope_theta` (1e6) with `rope_scaling`, sliding layers at
     `rope_local_base_freq` (1e4) unscaled; or the same per layer kind in transformers 5's `rope_parameters`."""
     parameters = c.get("rope_parameters")
-    _check_one_rope_setting(c, parameters)
     if isinstance(parameters, Mapping) and set(parameters) & set(_TYPES):
+        _check_one_rope_setting(c, parameters)  # `_rope` checks the other forms
         full, local = parameters.get("full_attention") or {}, parameters.get("sliding_attention") or {}
         if _rope_scaling(c, "rope_parameters", local) is not None:
             raise c.error("rope_parameters", "scales the rotation of sliding_attention layers, which is not supported")
